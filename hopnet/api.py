@@ -1,0 +1,198 @@
+"""What a trainer calls: :func:`init`, :class:`Worker`, :class:`DistributedOptimizer`.
+
+A few lines turn an ordinary PyTorch loop into a hopnet worker::
+
+    worker = hopnet.init(model)                      # reads what `hopnet launch` set
+    opt = hopnet.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
+    for step in worker.iterations(1000):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        worker.report(loss=loss.item())
+        opt.step()                                   # exchange, mix, apply, advance
+    worker.close()
+
+The node's event loop runs in a thread of its own, so sends and receives progress
+while the trainer computes. ``opt.step()`` blocks only for what the protocol needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError, HopnetError
+from hopnet.graph import Graph
+from hopnet.params import flatten_parameters
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.events import EventLog, JsonlEventLog
+from hopnet.runtime.loop_thread import EventLoopThread
+from hopnet.runtime.node import AddressExchange, Node
+from hopnet.transports.base import Transport
+
+
+class Worker:
+    """One training process's handle on its node, driven from the trainer's thread."""
+
+    def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
+                 params: torch.Tensor | None, transport: Transport,
+                 exchange: AddressExchange | None = None, events: EventLog | None = None) -> None:
+        if params is not None and params.device.type != "cpu":
+            # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
+            raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
+        self.rank = rank
+        self.graph = graph
+        self.config = config
+        self.params = params
+        self.slowdown = config.make_slowdown()
+        self.slowdown.validate_ranks(graph.n)
+        self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
+        protocol = make_protocol(config, params)
+        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        self._final_iteration: int | None = None
+        self._closed = False
+        self.steps = 0
+        try:
+            self._thread.run(self.node.start(exchange))
+        except BaseException:
+            self._thread.run(self.node.close(leave=False))
+            self._thread.stop()
+            raise
+        self._compute_started = time.perf_counter()
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def iteration(self) -> int:
+        """The iteration this worker is in (it can jump when skipping is on)."""
+        return self.node.protocol.iteration
+
+    def iterations(self, total: int) -> Iterator[int]:
+        """Yield the iterations to compute, until ``total``; call :meth:`step` once in each.
+
+        Iteration numbers may jump when a straggler skips ahead; every worker of a run
+        stops at the same iteration, so none waits for a neighbour that already left.
+        """
+        if total < 1:
+            raise ConfigError(f"iterations(total) needs total >= 1 (got {total})")
+        self._final_iteration = total - 1
+        self.node.protocol.final_iteration = total - 1
+        while (current := self.iteration) < total:
+            steps = self.steps
+            yield current
+            if self.steps == steps:
+                raise HopnetError(f"rank {self.rank}: iteration {current} ended without a step() call")
+            if current == total - 1:
+                return
+
+    def step(self, apply: Callable[[], None] | None = None) -> None:
+        """Finish the current iteration: ``apply`` is the optimizer step (Hop's Apply)."""
+        if self._closed:
+            raise HopnetError("step() on a closed worker")
+        factor = self.slowdown.factor(self.rank, self.iteration)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - self._compute_started))
+        last = self._final_iteration is not None and self.iteration >= self._final_iteration
+        self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
+        self.steps += 1
+        self._compute_started = time.perf_counter()
+
+    def report(self, **metrics: Any) -> None:
+        """Attach metrics (``loss=...``) to this iteration's record in the event log."""
+        self._thread.loop.call_soon_threadsafe(lambda: self.node.report(**metrics))
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Write a free-form event (an evaluation result, say) to the event log."""
+        self._thread.loop.call_soon_threadsafe(lambda: self.node.record(event, **fields))
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Messages dropped by validation, by reason (transport and protocol together)."""
+        return dict(self.node.dropped_all())
+
+    def close(self) -> None:
+        """Leave the run: tell the neighbours, flush, close sockets, stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._thread.run(self.node.close())
+        finally:
+            self._thread.stop()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer: ``step()`` runs the protocol around the real step.
+
+    With Hop's parallel approach the parameters are first mixed with the neighbours'
+    and then the gradients (computed before the mix) are applied; with ``--serial``
+    the gradients are applied first, then the result is sent and mixed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, worker: Worker) -> None:
+        self.optimizer = optimizer
+        self.worker = worker
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        self.worker.step(lambda: self.optimizer.step(closure))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = None,
+         config: ProtocolConfig | None = None, **options: Any) -> Worker:
+    """Start this process's worker as `hopnet launch` configured it.
+
+    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`).
+    The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
+    ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields.
+    """
+    from hopnet.launch.env import WorkerEnv
+    from hopnet.launch.rendezvous import exchange_addresses_async
+    from hopnet.transports.zmq import ZmqTransport
+
+    env = WorkerEnv.from_environ()
+    if env is None:
+        raise ConfigError("hopnet.init() reads its rank, graph and peers from `hopnet launch`: run the "
+                          "script with `hopnet launch --graph G.json SCRIPT`, or build a hopnet.Worker")
+    graph = Graph.from_json(env.graph_path)
+    if graph.n != env.world_size:
+        raise ConfigError(f"the graph has {graph.n} nodes but the launcher started {env.world_size} workers")
+    cfg = config if config is not None else env.config()
+    if options:
+        cfg = cfg.replace(**options)
+        cfg.validate()
+    if model is not None and params is not None:
+        raise ConfigError("pass either model or params, not both")
+    flat = flatten_parameters(model) if model is not None else params
+    transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
+
+    async def exchange(address: str) -> dict[int, str]:
+        return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
+                                              cfg.timeout_s)
+
+    events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
+    return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
+                  exchange=exchange, events=events)

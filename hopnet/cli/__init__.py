@@ -1,0 +1,1 @@
+"""The `hopnet` command line."""

@@ -1,0 +1,181 @@
+"""Protocol configuration: one dataclass, the same flags on `hopnet launch` and `hopnet simulate`.
+
+The launcher passes the configuration to its workers as JSON in ``HOPNET_CONFIG``; code
+that embeds hopnet builds a :class:`ProtocolConfig` directly or passes keywords to
+:func:`hopnet.init`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from hopnet.errors import ConfigError
+from hopnet.slowdown import Slowdown, parse_slowdown
+
+PROTOCOLS = ("hop", "notify-ack")
+DEFAULT_MAX_IG = 2
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
+    """``N`` (every rank) or ``R:N,R:N`` (per rank; unnamed ranks get 0)."""
+    if text is None:
+        return 0
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"--backup-workers must be >= 0 (got {text})")
+        return text
+    if isinstance(text, dict):
+        return {int(k): int(v) for k, v in text.items()}
+    text = text.strip()
+    if ":" not in text:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
+        if value < 0:
+            raise ConfigError(f"--backup-workers must be >= 0 (got {value})")
+        return value
+    result: dict[int, int] = {}
+    for item in text.split(","):
+        try:
+            rank_text, count_text = item.split(":")
+            rank, count = int(rank_text), int(count_text)
+        except ValueError:
+            raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
+        if rank < 0 or count < 0:
+            raise ConfigError(f"--backup-workers {text!r}: ranks and counts must be >= 0")
+        result[rank] = count
+    return result
+
+
+@dataclass
+class ProtocolConfig:
+    """Everything that selects and tunes a protocol. Field names match the long flags."""
+
+    protocol: str = "hop"
+    max_ig: int = DEFAULT_MAX_IG
+    token_queues: bool = True
+    serial: bool = False
+    backup_workers: int | dict[int, int] = 0
+    staleness: int | None = None
+    skip_threshold: int | None = None
+    max_jump: int | None = None
+    slowdown: list[str] = field(default_factory=list)
+    seed: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        self.backup_workers = parse_backup_workers(self.backup_workers)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"unknown protocol {self.protocol!r} (choose from {', '.join(PROTOCOLS)})")
+        if not isinstance(self.max_ig, int) or self.max_ig < 1:
+            raise ConfigError(f"--max-ig must be an integer >= 1 (got {self.max_ig!r})")
+        if self.staleness is not None and self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0 (got {self.staleness})")
+        if self.skip_threshold is not None and self.skip_threshold < 1:
+            raise ConfigError(f"--skip-threshold must be >= 1 (got {self.skip_threshold})")
+        if self.max_jump is not None and self.max_jump < 1:
+            raise ConfigError(f"--max-jump must be >= 1 (got {self.max_jump})")
+        if (self.max_jump is None) != (self.skip_threshold is None):
+            raise ConfigError("--skip-threshold and --max-jump go together")
+        if self.skip_threshold is not None and not self.token_queues:
+            raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
+        if self.has_backup_workers and not self.token_queues:
+            raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be > 0 (got {self.timeout_s})")
+        if self.protocol == "notify-ack" and (self.has_backup_workers or self.staleness is not None
+                                              or self.skip_threshold is not None):
+            raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
+        for spec in self.slowdown:
+            parse_slowdown(spec)
+
+    @property
+    def has_backup_workers(self) -> bool:
+        bw = self.backup_workers
+        return any(v > 0 for v in bw.values()) if isinstance(bw, dict) else bw > 0
+
+    def backup_workers_for(self, rank: int) -> int:
+        bw = self.backup_workers
+        return bw.get(rank, 0) if isinstance(bw, dict) else bw
+
+    def make_slowdown(self) -> Slowdown:
+        return Slowdown.from_specs(self.slowdown, seed=self.seed)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        if isinstance(self.backup_workers, dict):
+            data["backup_workers"] = {str(k): v for k, v in self.backup_workers.items()}
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProtocolConfig:
+        data = json.loads(text)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProtocolConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown protocol option {unknown[0]!r}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ProtocolConfig:
+        return replace(self, **changes)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """The protocol flags shared by `hopnet launch` and `hopnet simulate`."""
+    group = parser.add_argument_group("protocol")
+    group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
+                       help="training protocol (default: hop)")
+    group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
+                       help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
+    group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
+                       help="turn token queues off (the gap is then bounded by path lengths only)")
+    group.add_argument("--serial", action="store_true",
+                       help="serial approach: compute, apply, send, then reduce (default: parallel)")
+    group.add_argument("--backup-workers", default="0", metavar="N|R:N,...",
+                       help="updates a worker may go without per iteration: one number or per rank")
+    group.add_argument("--staleness", type=_positive_int, default=None, metavar="S",
+                       help="bounded staleness: use neighbours' newest update if no older than k-S")
+    group.add_argument("--skip-threshold", type=_positive_int, default=None, metavar="T",
+                       help="skip iterations when more than T behind every out-neighbour")
+    group.add_argument("--max-jump", type=_positive_int, default=None, metavar="J",
+                       help="at most J iterations per skip")
+    group.add_argument("--slowdown", action="append", default=[], metavar="SPEC",
+                       help="random:FACTOR:PROB or rank=R:FACTOR (repeatable)")
+    group.add_argument("--seed", type=int, default=0, help="seed for slowdowns and sampling (default: 0)")
+    group.add_argument("--timeout", dest="timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                       help=f"fail a wait after this long, naming what it waited for (default: {DEFAULT_TIMEOUT_S:g})")
+
+
+def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
+    return ProtocolConfig(
+        protocol=args.protocol,
+        max_ig=args.max_ig,
+        token_queues=args.token_queues,
+        serial=args.serial,
+        backup_workers=args.backup_workers,
+        staleness=args.staleness,
+        skip_threshold=args.skip_threshold,
+        max_jump=args.max_jump,
+        slowdown=list(args.slowdown),
+        seed=args.seed,
+        timeout_s=args.timeout_s,
+    )

@@ -1,0 +1,61 @@
+"""One flat buffer for a model's parameters.
+
+Every parameter of the module becomes a view into a single contiguous tensor, so a
+model update is one message and one weighted sum, with no per-tensor loop. The
+optimizer keeps working on the same ``Parameter`` objects; only their storage moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from hopnet.errors import ConfigError
+
+
+def flatten_parameters(params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> torch.Tensor:
+    """Move the parameters into one flat buffer (views into it) and return the buffer.
+
+    Parameters must share one dtype and device. Calling it again on parameters that
+    already view one buffer returns that buffer without copying.
+    """
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    plist = [p for p in params if p.requires_grad]
+    if not plist:
+        raise ConfigError("the model has no trainable parameters")
+    dtypes = {p.dtype for p in plist}
+    devices = {p.device for p in plist}
+    if len(dtypes) > 1:
+        raise ConfigError(f"hopnet needs one parameter dtype; the model mixes {sorted(map(str, dtypes))}")
+    if len(devices) > 1:
+        raise ConfigError(f"hopnet needs all parameters on one device; found {sorted(map(str, devices))}")
+    existing = _shared_buffer(plist)
+    if existing is not None:
+        return existing
+    total = sum(p.numel() for p in plist)
+    flat = torch.empty(total, dtype=plist[0].dtype, device=plist[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in plist:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += n
+    return flat
+
+
+def _shared_buffer(plist: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    base = plist[0].data
+    storage = base.untyped_storage()
+    offset = 0
+    for p in plist:
+        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != offset \
+                or not p.is_contiguous():
+            return None
+        offset += p.numel()
+    if storage.nbytes() != offset * base.element_size():
+        return None
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (offset,))

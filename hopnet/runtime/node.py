@@ -1,0 +1,142 @@
+"""The Node: one worker's runtime, living on an event loop.
+
+It owns the rank, the graph, the transport, the clock and the event log, and stands
+between the transport and the protocol: inbound messages are validated (by the
+transport, then by kind here), departures of peers are noticed, sends are tracked so
+the protocol can wait until its buffers are free again. Everything here runs on the
+node's event loop; :class:`hopnet.api.Worker` drives it from a trainer's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from hopnet.errors import HopnetError
+from hopnet.graph import Graph
+from hopnet.protocols.base import Protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.events import EventLog
+from hopnet.transports.base import DISCARD, Transport
+from hopnet.wire import Header, Message
+
+AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
+EnterObserver = Callable[[int, int], None]
+
+
+class Node:
+    def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
+                 clock: Clock, events: EventLog | None = None,
+                 on_enter: EnterObserver | None = None) -> None:
+        if not 0 <= rank < graph.n:
+            raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
+        self.rank = rank
+        self.graph = graph
+        self.transport = transport
+        self.protocol = protocol
+        self.clock = clock
+        self.events = events if events is not None else EventLog(keep=False)
+        self.dropped: Counter[str] = Counter()
+        self._on_enter = on_enter
+        self._send_nowait = getattr(transport, "send_nowait", None)
+        self._pending: set[asyncio.Task[None]] = set()
+        self._send_error: BaseException | None = None
+        self._pending_metrics: dict[str, Any] = {}
+        self._t0 = 0.0
+        self.address: str | None = None
+        self.departed: dict[int, int] = {}
+        protocol.bind(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, exchange: AddressExchange | None = None) -> None:
+        """Bind, learn the neighbours' addresses, connect, and enter iteration 0."""
+        self._t0 = self.clock.now()
+        self.address = await self.transport.start(self)
+        if exchange is not None:
+            addresses = await exchange(self.address)
+            missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
+            if missing:
+                raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
+            await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
+        self.record("start", address=self.address)
+        await self.protocol.start()
+
+    async def close(self, *, leave: bool = True) -> None:
+        """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""
+        try:
+            if leave:
+                await self.protocol.stop()
+            await self.flush()
+        finally:
+            self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()))
+            await self.transport.close()
+            self.events.close()
+
+    # ------------------------------------------------------------------ the Receiver side
+    def buffers_for(self, header: Header) -> Any:
+        if header.kind == "bye":
+            return None
+        return self.protocol.buffers_for(header)
+
+    def deliver(self, msg: Message) -> None:
+        if msg.kind == "bye":
+            if msg.src not in self.departed:
+                self.departed[msg.src] = msg.iter
+                self.record("peer_left", peer=msg.src, last_iter=msg.iter)
+                self.protocol.on_peer_departed(msg.src, msg.iter)
+            return
+        self.protocol.on_message(msg)
+
+    def count_drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+
+    def dropped_all(self) -> Counter[str]:
+        """Drops counted by the transport and by the protocol together."""
+        total = Counter(self.transport.stats.dropped)
+        total.update(self.dropped)
+        return total
+
+    # ------------------------------------------------------------------ what protocols call
+    def post(self, msg: Message) -> None:
+        """Send without waiting; :meth:`flush` waits until every posted send is done."""
+        if self._send_nowait is not None:
+            self._send_nowait(msg)
+            return
+        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._send_error is None:
+            self._send_error = task.exception()
+
+    async def flush(self) -> None:
+        """Wait until every posted message has left, so its tensors may be modified again."""
+        while self._pending:
+            await asyncio.wait(list(self._pending))
+        if self._send_error is not None:
+            error, self._send_error = self._send_error, None
+            raise HopnetError(f"rank {self.rank}: sending failed: {error}") from error
+
+    def entered(self, iteration: int, protocol: Protocol) -> None:
+        if self._on_enter is not None:
+            self._on_enter(self.rank, iteration)
+
+    def report(self, **metrics: Any) -> None:
+        """Attach metrics (loss, accuracy...) to the next iteration record."""
+        self._pending_metrics.update(metrics)
+
+    def iteration_done(self, iteration: int, protocol: Protocol) -> None:
+        record = {"iter": iteration, **protocol.snapshot()}
+        if self._pending_metrics:
+            record.update(self._pending_metrics)
+            self._pending_metrics = {}
+        self.record("iteration", **record)
+
+    def record(self, event: str, **fields: Any) -> None:
+        if self.events.keep or type(self.events) is not EventLog:
+            self.events.write({"event": event, "rank": self.rank,
+                               "t": round(self.clock.now() - self._t0, 6), **fields})

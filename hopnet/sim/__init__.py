@@ -1,0 +1,1 @@
+"""Deterministic simulation: every worker in one process, in virtual time."""

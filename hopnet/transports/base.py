@@ -1,0 +1,95 @@
+"""The transport interface: how a Node moves messages, and nothing else.
+
+A transport lives on its node's event loop. Protocols never see it; they talk to the
+Node. Inbound messages are validated and handed to a :class:`Receiver`, which first
+gets a chance to supply the tensors the bytes should land in (a preallocated slot of
+an update queue), so steady-state training allocates nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import Counter
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from hopnet.wire import Header, Message
+
+DISCARD = object()
+"""Returned by :meth:`Receiver.buffers_for` to say: read the bytes, then drop the message."""
+
+
+class Receiver(Protocol):
+    def buffers_for(self, header: Header) -> list[torch.Tensor] | None | object:
+        """Tensors (matching ``header.specs``) to receive into, ``None`` to let the transport
+        allocate, or :data:`DISCARD` to drop the message (a late update, say)."""
+
+    def deliver(self, msg: Message) -> None:
+        """Called on the event loop with each valid inbound message."""
+
+
+class TransportStats:
+    """Counters a transport keeps: messages and bytes each way, and drops by reason."""
+
+    def __init__(self) -> None:
+        self.sent_messages = 0
+        self.sent_bytes = 0
+        self.received_messages = 0
+        self.received_bytes = 0
+        self.dropped: Counter[str] = Counter()
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "sent_messages": self.sent_messages,
+            "sent_bytes": self.sent_bytes,
+            "received_messages": self.received_messages,
+            "received_bytes": self.received_bytes,
+            "dropped": dict(self.dropped),
+        }
+
+
+class Transport(abc.ABC):
+    """Moves :class:`Message` objects between ranks.
+
+    Lifecycle, all on the node's event loop: ``await start(receiver)`` (binds, returns the
+    address peers should use), ``await connect(addresses)`` (addresses of the peers this
+    rank talks to), any number of ``await send(msg)``, then ``await close()``.
+    """
+
+    def __init__(self, rank: int, allowed_senders: frozenset[int]) -> None:
+        self.rank = rank
+        self.allowed_senders = allowed_senders
+        self.stats = TransportStats()
+
+    @abc.abstractmethod
+    async def start(self, receiver: Receiver) -> str:
+        """Begin receiving; return this rank's address."""
+
+    @abc.abstractmethod
+    async def connect(self, addresses: Mapping[int, str]) -> None:
+        """Open the ways to the given peers."""
+
+    @abc.abstractmethod
+    async def send(self, msg: Message) -> None:
+        """Send ``msg``. Returns once the caller may modify ``msg.tensors`` again."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop receiving and release sockets. Idempotent."""
+
+    def check_header(self, header: Header) -> str | None:
+        """The common validation every transport applies. Returns a drop reason or None."""
+        if header.dst != self.rank:
+            return "wrong_dst"
+        if header.src not in self.allowed_senders:
+            return "not_neighbor"
+        return None

@@ -1,0 +1,146 @@
+"""In-process transport: every rank lives in this process (tests, the simulator).
+
+Ranks may share one event loop (the simulator runs all of them on one virtual-time
+loop) or each have their own loop thread (multi-node tests). Tensors are copied at
+send time, as a network would, so a sender may modify its buffer once ``send`` returns.
+
+An optional :class:`LinkModel` delays each delivery by latency plus size over
+bandwidth, with a FIFO per directed link so messages on one link keep their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hopnet.errors import HopnetError
+from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.wire import Message, known_kinds
+
+
+@dataclass
+class LinkModel:
+    """Latency (seconds) and bandwidth (bytes/second; 0 = unlimited) per directed link.
+
+    ``overrides`` maps ``(src, dst)`` to ``(latency_s, bytes_per_s)`` for particular links.
+    """
+
+    latency_s: float = 0.0
+    bytes_per_s: float = 0.0
+    overrides: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+
+    def params(self, src: int, dst: int) -> tuple[float, float]:
+        return self.overrides.get((src, dst), (self.latency_s, self.bytes_per_s))
+
+
+class InprocNetwork:
+    """The shared medium the in-process transports of one run attach to."""
+
+    def __init__(self, link_model: LinkModel | None = None) -> None:
+        self.link_model = link_model
+        self._endpoints: dict[int, InprocTransport] = {}
+        self._link_free_at: dict[tuple[int, int], float] = {}
+
+    def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
+        return InprocTransport(self, rank, allowed_senders)
+
+    def _attach(self, endpoint: InprocTransport) -> None:
+        if endpoint.rank in self._endpoints:
+            raise HopnetError(f"rank {endpoint.rank} is already attached to this in-process network")
+        self._endpoints[endpoint.rank] = endpoint
+
+    def _detach(self, rank: int) -> None:
+        self._endpoints.pop(rank, None)
+
+    def _arrival_delay(self, loop: asyncio.AbstractEventLoop, src: int, dst: int, nbytes: int) -> float:
+        if self.link_model is None:
+            return 0.0
+        latency, bandwidth = self.link_model.params(src, dst)
+        now = loop.time()
+        start = max(now, self._link_free_at.get((src, dst), now))
+        done = start + (nbytes / bandwidth if bandwidth > 0 else 0.0)
+        self._link_free_at[(src, dst)] = done
+        return done + latency - now
+
+    def _route(self, msg: Message, nbytes: int) -> None:
+        target = self._endpoints.get(msg.dst)
+        if target is None or target.loop is None:
+            return  # like a network: a message to a rank that is gone is lost
+        sender_loop = asyncio.get_running_loop()
+        delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
+        if target.loop is sender_loop:
+            if delay > 0:
+                sender_loop.call_later(delay, target._on_message, msg, nbytes)
+            else:
+                sender_loop.call_soon(target._on_message, msg, nbytes)
+        else:
+            target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
+
+
+class InprocTransport(Transport):
+    def __init__(self, network: InprocNetwork, rank: int, allowed_senders: frozenset[int]) -> None:
+        super().__init__(rank, allowed_senders)
+        self.network = network
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._receiver: Receiver | None = None
+
+    async def start(self, receiver: Receiver) -> str:
+        self.loop = asyncio.get_running_loop()
+        self._receiver = receiver
+        self.network._attach(self)
+        return f"inproc://{self.rank}"
+
+    async def connect(self, addresses: Mapping[int, str]) -> None:
+        return None
+
+    async def send(self, msg: Message) -> None:
+        self.send_nowait(msg)
+
+    def send_nowait(self, msg: Message) -> None:
+        """Send without awaiting: in-process sends complete immediately."""
+        if msg.tensors:
+            msg = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, msg.meta,
+                          [t.detach().clone() for t in msg.tensors])
+            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
+        else:
+            nbytes = 0
+        self.stats.sent_messages += 1
+        self.stats.sent_bytes += nbytes
+        self.network._route(msg, nbytes)
+
+    def _on_message(self, msg: Message, nbytes: int) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            return
+        if msg.kind not in known_kinds():
+            self.stats.drop("unknown_kind")
+            return
+        header = msg.header()
+        reason = self.check_header(header)
+        if reason is not None:
+            self.stats.drop(reason)
+            return
+        if msg.tensors:
+            target = receiver.buffers_for(header)
+            if target is DISCARD:
+                self.stats.drop("discarded")
+                return
+            if target is not None:
+                assert isinstance(target, list)
+                for dst_t, src_t in zip(target, msg.tensors):
+                    dst_t.copy_(src_t)
+                msg.tensors = target
+        self.stats.received_messages += 1
+        self.stats.received_bytes += nbytes
+        receiver.deliver(msg)
+
+    async def close(self) -> None:
+        self.network._detach(self.rank)
+        self._receiver = None
+
+
+def torch_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,169 @@
+"""The message envelope shared by every transport.
+
+A message is a small msgpack header plus zero or more raw tensor frames. The header
+names the message ``kind``, the sender ``src``, the receiver ``dst``, the sender's
+iteration ``iter``, an optional ``tag``, small protocol ``meta`` data, and for every
+tensor its dtype and shape, so the receiver can validate the frames and place the
+bytes into a buffer it already owns.
+
+Header keys on the wire are single letters to keep control messages small:
+``k`` kind, ``s`` src, ``d`` dst, ``i`` iter, ``t`` tag, ``m`` meta, ``x`` tensors
+(a list of ``[dtype_name, [dims...]]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from hopnet.errors import HopnetError
+
+# Kinds every transport accepts. Protocols add theirs with register_kind().
+_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye"}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+MAX_TENSORS_PER_MESSAGE = 64
+MAX_DIMS = 8
+
+
+class DecodeError(HopnetError):
+    """An inbound message failed validation. ``reason`` is a short stable key for counters."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def register_kind(kind: str) -> None:
+    """Allow a protocol-specific message kind on the wire."""
+    _KNOWN_KINDS.add(kind)
+
+
+def known_kinds() -> frozenset[str]:
+    return frozenset(_KNOWN_KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype not in _ITEMSIZE else _ITEMSIZE[dtype]
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.values()}
+
+
+@dataclass(slots=True)
+class Header:
+    kind: str
+    src: int
+    dst: int
+    iter: int
+    tag: Any = None
+    meta: dict[str, Any] | None = None
+    specs: tuple[TensorSpec, ...] = ()
+
+
+@dataclass(slots=True)
+class Message:
+    """One protocol message. ``tensors`` are contiguous CPU (or, later, CUDA) tensors."""
+
+    kind: str
+    src: int
+    dst: int
+    iter: int
+    tag: Any = None
+    meta: dict[str, Any] | None = None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def header(self) -> Header:
+        return Header(self.kind, self.src, self.dst, self.iter, self.tag, self.meta,
+                      tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors))
+
+
+def encode_header(msg: Message) -> bytes:
+    """Serialise a message's header (everything but the tensor bytes)."""
+    tensors = []
+    for t in msg.tensors:
+        try:
+            name = DTYPE_NAMES[t.dtype]
+        except KeyError:
+            raise HopnetError(f"cannot send tensors of dtype {t.dtype}") from None
+        if not t.is_contiguous():
+            raise HopnetError("tensors sent by hopnet must be contiguous")
+        tensors.append([name, list(t.shape)])
+    head: dict[str, Any] = {"k": msg.kind, "s": msg.src, "d": msg.dst, "i": msg.iter}
+    if msg.tag is not None:
+        head["t"] = msg.tag
+    if msg.meta:
+        head["m"] = msg.meta
+    if tensors:
+        head["x"] = tensors
+    return msgpack.packb(head, use_bin_type=True)
+
+
+def decode_header(data: bytes | memoryview) -> Header:
+    """Parse and validate a header. Raises :class:`DecodeError` on anything malformed."""
+    try:
+        head = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError("bad_header", f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(head, dict):
+        raise DecodeError("bad_header", "header is not a map")
+    kind = head.get("k")
+    if not isinstance(kind, str):
+        raise DecodeError("bad_header", "missing kind")
+    if kind not in _KNOWN_KINDS:
+        raise DecodeError("unknown_kind", repr(kind)[:40])
+    src, dst, it = head.get("s"), head.get("d"), head.get("i")
+    if not (isinstance(src, int) and isinstance(dst, int) and isinstance(it, int)):
+        raise DecodeError("bad_header", "src/dst/iter must be integers")
+    meta = head.get("m")
+    if meta is not None and not isinstance(meta, dict):
+        raise DecodeError("bad_header", "meta must be a map")
+    raw_specs = head.get("x", ())
+    if not isinstance(raw_specs, list) or len(raw_specs) > MAX_TENSORS_PER_MESSAGE:
+        raise DecodeError("bad_header", "bad tensor list")
+    specs = []
+    for entry in raw_specs:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise DecodeError("bad_header", "bad tensor spec")
+        name, shape = entry
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise DecodeError("bad_dtype", repr(name)[:40])
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise DecodeError("bad_shape", repr(shape)[:60])
+        specs.append(TensorSpec(dtype, tuple(shape)))
+    return Header(kind, src, dst, it, head.get("t"), meta, tuple(specs))
