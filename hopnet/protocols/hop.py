@@ -53,6 +53,7 @@ class HopProtocol(Protocol):
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
         self.updates_not_sent = 0
+        self.skip_log: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ set-up
     def bind(self, node: Any) -> None:
@@ -155,9 +156,11 @@ class HopProtocol(Protocol):
             self.tokens.depart(peer)
         self.queue.wake()
 
-    def _expected(self, k: int) -> list[int]:
+    def _expected(self, k: int) -> Sequence[int]:
         """In-neighbours that will still send an update of iteration ``k``."""
         gone = self.departed_after
+        if not gone:
+            return self.in_peers
         return [j for j in self.in_peers if gone.get(j, k) >= k]
 
     # ------------------------------------------------------------------ iteration flow
@@ -214,6 +217,8 @@ class HopProtocol(Protocol):
         updates, iters = await self._recv(target - 1)
         self._reduce(updates, iters, target - 1)
         self.skipped_iterations += target - k - 1
+        self.skip_log.append({"rank": self.rank, "iteration": k, "to": target, "behind": behind,
+                              "t": round(self.node.clock.now(), 9)})
         self.node.record("skip", iteration=k, to=target, behind=behind)
         return target
 
@@ -239,9 +244,12 @@ class HopProtocol(Protocol):
     def _send_updates(self, k: int, credit: int) -> None:
         payload = [self.params] if self.params is not None else []
         known = self.tokens.known_iter
+        # An out-neighbour already in iteration m uses updates no older than m - s (s = 0
+        # without staleness); anything older would be dropped on arrival, so it is not sent.
+        newest_useful = k + (self.staleness or 0)
         for peer in self.peers:
             meta = {CREDIT: credit} if credit and peer in self._in_peer_set else None
-            if peer in self._out_peer_set and known[peer] <= k:
+            if peer in self._out_peer_set and known[peer] <= newest_useful:
                 self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))
             else:
                 if peer in self._out_peer_set:

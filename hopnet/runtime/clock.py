@@ -33,6 +33,8 @@ class Clock:
         """Await ``awaitable`` for at most ``timeout_s`` (default: the configured timeout)."""
         limit = self.default_timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(awaitable, limit)
-        except asyncio.TimeoutError:
+            # asyncio.timeout arms one timer; wait_for would wrap the awaitable in a new task.
+            async with asyncio.timeout(limit):
+                return await awaitable
+        except TimeoutError:
             raise WaitTimeout(what, peer=peer, iteration=iteration, waited_s=limit) from None

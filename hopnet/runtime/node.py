@@ -52,6 +52,11 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     async def start(self, exchange: AddressExchange | None = None) -> None:
         """Bind, learn the neighbours' addresses, connect, and enter iteration 0."""
+        await self.open(exchange)
+        await self.protocol.start()
+
+    async def open(self, exchange: AddressExchange | None = None) -> None:
+        """Bind, learn the neighbours' addresses and connect, without entering iteration 0."""
         self._t0 = self.clock.now()
         self.address = await self.transport.start(self)
         if exchange is not None:
@@ -61,7 +66,6 @@ class Node:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
             await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
         self.record("start", address=self.address)
-        await self.protocol.start()
 
     async def close(self, *, leave: bool = True) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""

@@ -39,8 +39,12 @@ class LinkModel:
 class InprocNetwork:
     """The shared medium the in-process transports of one run attach to."""
 
-    def __init__(self, link_model: LinkModel | None = None) -> None:
+    def __init__(self, link_model: LinkModel | None = None,
+                 virtual_bytes: dict[str, int] | None = None) -> None:
+        """``virtual_bytes`` charges the link model a size for tensor-less messages of a kind
+        (the simulator runs Hop without real parameters but still models their transfer)."""
         self.link_model = link_model
+        self.virtual_bytes = virtual_bytes or {}
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
 
@@ -59,6 +63,8 @@ class InprocNetwork:
         if self.link_model is None:
             return 0.0
         latency, bandwidth = self.link_model.params(src, dst)
+        if bandwidth <= 0:
+            return latency
         now = loop.time()
         start = max(now, self._link_free_at.get((src, dst), now))
         done = start + (nbytes / bandwidth if bandwidth > 0 else 0.0)
@@ -106,7 +112,7 @@ class InprocTransport(Transport):
                           [t.detach().clone() for t in msg.tensors])
             nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
         else:
-            nbytes = 0
+            nbytes = self.network.virtual_bytes.get(msg.kind, 0)
         self.stats.sent_messages += 1
         self.stats.sent_bytes += nbytes
         self.network._route(msg, nbytes)

@@ -1,0 +1,248 @@
+"""Run N workers of a hopnet protocol in one process, in virtual time.
+
+The workers are the real thing: each is a :class:`hopnet.runtime.node.Node` with the
+protocol object `hopnet launch` would use, talking over the in-process transport.
+Only time is modelled: a compute phase is a virtual sleep drawn from a
+:class:`ComputeModel` and stretched by the slowdown rules, and a message arrives after
+the link model's latency plus its size over the bandwidth. Everything is derived from
+the seed, so a run is reproducible byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.events import EventLog
+from hopnet.runtime.node import Node
+from hopnet.sim.vloop import VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork, LinkModel
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Compute time per iteration, in seconds: ``const:MS``, ``uniform:LO:HI``, ``exp:MEAN``
+    or ``normal:MEAN:SD`` (milliseconds; a bare number means ``const``), optionally per rank."""
+
+    kind: str = "const"
+    a: float = 0.01
+    b: float = 0.0
+    per_rank: tuple[tuple[int, ComputeModel], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> ComputeModel:
+        parts = text.strip().split(":")
+        try:
+            if len(parts) == 1:
+                return cls._checked("const", float(parts[0]), 0.0, text)
+            kind, numbers = parts[0], [float(x) for x in parts[1:]]
+        except ValueError:
+            raise ConfigError(f"compute time {text!r}: expected MS, uniform:LO:HI, exp:MEAN or normal:MEAN:SD") from None
+        arity = {"const": 1, "uniform": 2, "exp": 1, "normal": 2}
+        if kind not in arity or len(numbers) != arity[kind]:
+            raise ConfigError(f"compute time {text!r}: expected MS, uniform:LO:HI, exp:MEAN or normal:MEAN:SD")
+        return cls._checked(kind, numbers[0], numbers[1] if len(numbers) > 1 else 0.0, text)
+
+    @classmethod
+    def _checked(cls, kind: str, a_ms: float, b_ms: float, text: str) -> ComputeModel:
+        if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or a_ms < 0 or b_ms < 0:
+            raise ConfigError(f"compute time {text!r}: times must be finite and >= 0")
+        if kind == "uniform" and b_ms < a_ms:
+            raise ConfigError(f"compute time {text!r}: HI must be >= LO")
+        return cls(kind, a_ms / 1000.0, b_ms / 1000.0)
+
+    def with_rank(self, rank: int, model: ComputeModel) -> ComputeModel:
+        return ComputeModel(self.kind, self.a, self.b, self.per_rank + ((rank, model),))
+
+    def for_rank(self, rank: int) -> ComputeModel:
+        for r, model in reversed(self.per_rank):
+            if r == rank:
+                return model
+        return self
+
+    def sample(self, rng: random.Random) -> float:
+        if self.kind == "const":
+            return self.a
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b)
+        if self.kind == "exp":
+            return rng.expovariate(1.0 / self.a) if self.a > 0 else 0.0
+        return max(0.0, rng.gauss(self.a, self.b))
+
+    @property
+    def mean(self) -> float:
+        return {"const": self.a, "uniform": (self.a + self.b) / 2, "exp": self.a, "normal": self.a}[self.kind]
+
+
+@dataclass
+class SimSpec:
+    """Everything a simulated run depends on."""
+
+    graph: Graph
+    config: ProtocolConfig
+    iterations: int
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    link: LinkModel = field(default_factory=LinkModel)
+    model_bytes: int = 0
+    param_dim: int = 0
+    stop_at: dict[int, int] = field(default_factory=dict)
+    keep_events: bool = False
+
+    def validate(self) -> None:
+        if self.iterations < 1:
+            raise ConfigError(f"--iterations must be >= 1 (got {self.iterations})")
+        if self.model_bytes < 0 or self.param_dim < 0:
+            raise ConfigError("model size must be >= 0")
+        for rank, it in self.stop_at.items():
+            if not 0 <= rank < self.graph.n:
+                raise ConfigError(f"stop_at: rank {rank} out of range")
+            if it < 0:
+                raise ConfigError(f"stop_at: iteration for rank {rank} must be >= 0")
+        self.config.make_slowdown().validate_ranks(self.graph.n)
+        for rank in range(self.graph.n):
+            bw = self.config.backup_workers_for(rank)
+            if bw > len(self.graph.in_peers(rank)):
+                raise ConfigError(f"rank {rank} has {len(self.graph.in_peers(rank))} in-neighbours besides "
+                                  f"itself, so it cannot have {bw} backup workers")
+
+
+@dataclass
+class SimResult:
+    n: int
+    iterations: list[int]
+    finish_times: list[list[float]]
+    rates: list[float]
+    max_gap: np.ndarray
+    queue_high_water: list[int]
+    token_high_water: list[int]
+    skips: list[dict[str, Any]]
+    virtual_time: float
+    wall_seconds: float
+    dropped_late_updates: int
+    updates_not_sent: int
+    params: list[torch.Tensor] | None = None
+    events: list[list[dict[str, Any]]] | None = None
+
+    def to_dict(self, include_wall: bool = False) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "n": self.n,
+            "iterations": self.iterations,
+            "virtual_time": _round(self.virtual_time),
+            "rates": [_round(r) for r in self.rates],
+            "mean_rate": _round(sum(self.rates) / len(self.rates)),
+            "max_gap": self.max_gap.tolist(),
+            "queue_high_water": self.queue_high_water,
+            "token_high_water": self.token_high_water,
+            "skips": self.skips,
+            "dropped_late_updates": self.dropped_late_updates,
+            "updates_not_sent": self.updates_not_sent,
+            "finish_times": [[_round(t) for t in ts] for ts in self.finish_times],
+        }
+        if include_wall:
+            data["wall_seconds"] = round(self.wall_seconds, 3)
+        return data
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.9g}")
+
+
+class _GapTracker:
+    """Largest Iter(i) - Iter(j) ever observed, updated whenever a worker enters an iteration."""
+
+    def __init__(self, n: int) -> None:
+        self.iters = np.zeros(n, dtype=np.int64)
+        self.max_gap = np.zeros((n, n), dtype=np.int64)
+
+    def entered(self, rank: int, iteration: int) -> None:
+        self.iters[rank] = iteration
+        row = self.max_gap[rank]
+        np.maximum(row, iteration - self.iters, out=row)
+
+
+def simulate(spec: SimSpec) -> SimResult:
+    """Run ``spec`` to completion in virtual time and report what happened."""
+    spec.validate()
+    started = time.perf_counter()
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(_run(spec, started))
+    finally:
+        loop.close()
+
+
+async def _run(spec: SimSpec, started: float) -> SimResult:
+    graph, config = spec.graph, spec.config
+    n = graph.n
+    network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None)
+    gaps = _GapTracker(n)
+    slowdown = config.make_slowdown()
+    nodes: list[Node] = []
+    for rank in range(n):
+        params = None
+        if spec.param_dim:
+            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
+            params = torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
+        protocol = make_protocol(config, params)
+        protocol.final_iteration = spec.iterations - 1
+        transport = network.transport(rank, frozenset(graph.peers(rank)))
+        nodes.append(Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s),
+                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered))
+    for node in nodes:
+        await node.open()
+    finish_times: list[list[float]] = [[] for _ in range(n)]
+
+    async def worker(node: Node) -> None:
+        rank = node.rank
+        protocol = node.protocol
+        rng = random.Random(f"{config.seed}:{rank}")
+        compute = spec.compute.for_rank(rank)
+        stop = spec.stop_at.get(rank)
+        await protocol.start()
+        while True:
+            k = protocol.iteration
+            if stop is not None and k >= stop:
+                break
+            await asyncio.sleep(compute.sample(rng) * slowdown.factor(rank, k))
+            await protocol.finish_iteration(None, last=k >= spec.iterations - 1)
+            finish_times[rank].append(node.clock.now())
+            if k >= spec.iterations - 1:
+                break
+        await node.close()
+
+    await asyncio.gather(*(worker(node) for node in nodes))
+    protocols = [node.protocol for node in nodes]
+    rates = []
+    for times in finish_times:
+        rates.append(len(times) / times[-1] if times and times[-1] > 0 else 0.0)
+    skips = sorted((dict(event) for p in protocols for event in getattr(p, "skip_log", [])),
+                   key=lambda e: (e["t"], e["rank"]))
+    return SimResult(
+        n=n,
+        iterations=[p.iteration + 1 if finish_times[i] else p.iteration for i, p in enumerate(protocols)],
+        finish_times=finish_times,
+        rates=rates,
+        max_gap=gaps.max_gap,
+        queue_high_water=[getattr(p, "queue").high_water for p in protocols],
+        token_high_water=[getattr(p, "tokens").high_water for p in protocols],
+        skips=skips,
+        virtual_time=max((t[-1] for t in finish_times if t), default=0.0),
+        wall_seconds=time.perf_counter() - started,
+        dropped_late_updates=sum(getattr(p, "late_updates_dropped", 0) for p in protocols),
+        updates_not_sent=sum(getattr(p, "updates_not_sent", 0) for p in protocols),
+        params=[p.params for p in protocols] if spec.param_dim else None,
+        events=[node.events.records for node in nodes] if spec.keep_events else None,
+    )
+
