@@ -122,6 +122,9 @@ class HopProtocol(Protocol):
                 self.pool.release(msg.src, msg.tensors if self.spec is not None else None)
                 return
             payload = msg.tensors if self.spec is not None else None
+            if self.staleness is not None:
+                # Only the newest update per in-neighbour is ever used (Sec. 6.1): keep one.
+                self.queue.release(self.queue.take(w_id=msg.src))
             self.queue.enqueue(Update(msg.iter, msg.src, payload))
         elif kind == "token":
             self._on_credit(msg)
