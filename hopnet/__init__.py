@@ -1,23 +1,44 @@
-"""hopnet: decentralized, heterogeneity-tolerant data-parallel training for PyTorch."""
+"""hopnet: decentralized, heterogeneity-tolerant data-parallel training for PyTorch.
 
-from hopnet.api import DistributedOptimizer, Worker, init
-from hopnet.config import ProtocolConfig
-from hopnet.errors import ConfigError, GraphError, HopnetError, PeerFailure, WaitTimeout
-from hopnet.graph import Graph
-from hopnet.params import flatten_parameters
+Names are imported on first use, so light modules (the launcher, the graph tools)
+start without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "DistributedOptimizer",
-    "Graph",
-    "GraphError",
-    "HopnetError",
-    "PeerFailure",
-    "ProtocolConfig",
-    "WaitTimeout",
-    "Worker",
-    "flatten_parameters",
-    "init",
-]
+_EXPORTS = {
+    "init": "hopnet.api",
+    "Worker": "hopnet.api",
+    "DistributedOptimizer": "hopnet.api",
+    "ProtocolConfig": "hopnet.config",
+    "ConfigError": "hopnet.errors",
+    "GraphError": "hopnet.errors",
+    "HopnetError": "hopnet.errors",
+    "PeerFailure": "hopnet.errors",
+    "WaitTimeout": "hopnet.errors",
+    "Graph": "hopnet.graph",
+    "flatten_parameters": "hopnet.params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from hopnet.api import DistributedOptimizer, Worker, init
+    from hopnet.config import ProtocolConfig
+    from hopnet.errors import ConfigError, GraphError, HopnetError, PeerFailure, WaitTimeout
+    from hopnet.graph import Graph
+    from hopnet.params import flatten_parameters
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hopnet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

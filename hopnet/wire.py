@@ -151,7 +151,7 @@ def decode_header(data: bytes | memoryview) -> Header:
     meta = head.get("m")
     if meta is not None and not isinstance(meta, dict):
         raise DecodeError("bad_header", "meta must be a map")
-    raw_specs = head.get("x", ())
+    raw_specs = head.get("x", [])
     if not isinstance(raw_specs, list) or len(raw_specs) > MAX_TENSORS_PER_MESSAGE:
         raise DecodeError("bad_header", "bad tensor list")
     specs = []

@@ -57,5 +57,9 @@ class Protocol(abc.ABC):
         """``peer`` will send nothing for iterations after ``last_iteration``."""
 
     def snapshot(self) -> dict[str, Any]:
-        """Small state summary for the event log (queue depth, tokens...)."""
+        """Small state summary for each iteration's record (queue depth, tokens...)."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """End-of-run counters for the ``stop`` record (high-water marks, skips...)."""
         return {}

@@ -212,6 +212,11 @@ class HopProtocol(Protocol):
         if behind is None or behind <= threshold:
             return k + 1
         target = k + 1 + min(max_jump, behind - 1)
+        # Before jumping to ``target`` the worker needs its in-neighbours' updates of target - 1,
+        # and an in-neighbour cannot get more than max_ig iterations ahead of this worker (it
+        # needs this worker's tokens). On a directed graph an out-neighbour may be further ahead
+        # than that, so cap the jump where the in-neighbours can still deliver.
+        target = min(target, k + self.config.max_ig)
         if self.final_iteration is not None:
             target = min(target, self.final_iteration)
         if target <= k + 1:
@@ -352,6 +357,13 @@ class HopProtocol(Protocol):
             assert update.tensors is not None
             params.add_(update.tensors[0], alpha=weight / total)
         self.queue.release(updates)
+
+    def summary(self) -> dict[str, Any]:
+        return {"queue_high_water": self.queue.high_water,
+                "token_high_water": self.tokens.high_water if self.use_tokens else None,
+                "skipped_iterations": self.skipped_iterations,
+                "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
+                "buffers_allocated": self.pool.allocated}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}

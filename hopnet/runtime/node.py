@@ -10,6 +10,7 @@ node's event loop; :class:`hopnet.api.Worker` drives it from a trainer's thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -18,7 +19,7 @@ from hopnet.errors import HopnetError
 from hopnet.graph import Graph
 from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
-from hopnet.runtime.events import EventLog
+from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import Header, Message
 
@@ -40,6 +41,7 @@ class Node:
         self.events = events if events is not None else EventLog(keep=False)
         self.dropped: Counter[str] = Counter()
         self._on_enter = on_enter
+        self._log_entries = isinstance(self.events, JsonlEventLog)
         self._send_nowait = getattr(transport, "send_nowait", None)
         self._pending: set[asyncio.Task[None]] = set()
         self._send_error: BaseException | None = None
@@ -74,7 +76,8 @@ class Node:
                 await self.protocol.stop()
             await self.flush()
         finally:
-            self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()))
+            self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
+                        **self.protocol.summary())
             await self.transport.close()
             self.events.close()
 
@@ -126,8 +129,14 @@ class Node:
             raise HopnetError(f"rank {self.rank}: sending failed: {error}") from error
 
     def entered(self, iteration: int, protocol: Protocol) -> None:
+        """The protocol entered ``iteration`` (called before it sends anything for it)."""
         if self._on_enter is not None:
             self._on_enter(self.rank, iteration)
+        if self._log_entries:
+            # The system's monotonic clock is shared by the processes of one machine, so logs of
+            # different ranks merge into one timeline (the gap checks replay it). Not loop.time():
+            # uvloop caches it per loop turn at millisecond resolution.
+            self.record("enter", iter=iteration, mono=time.monotonic())
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, accuracy...) to the next iteration record."""
@@ -141,6 +150,6 @@ class Node:
         self.record("iteration", **record)
 
     def record(self, event: str, **fields: Any) -> None:
-        if self.events.keep or type(self.events) is not EventLog:
+        if self.events.keep or self._log_entries:
             self.events.write({"event": event, "rank": self.rank,
                                "t": round(self.clock.now() - self._t0, 6), **fields})

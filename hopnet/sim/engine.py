@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hopnet.analysis import GapTracker
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
@@ -159,19 +160,6 @@ def _round(x: float) -> float:
     return float(f"{x:.9g}")
 
 
-class _GapTracker:
-    """Largest Iter(i) - Iter(j) ever observed, updated whenever a worker enters an iteration."""
-
-    def __init__(self, n: int) -> None:
-        self.iters = np.zeros(n, dtype=np.int64)
-        self.max_gap = np.zeros((n, n), dtype=np.int64)
-
-    def entered(self, rank: int, iteration: int) -> None:
-        self.iters[rank] = iteration
-        row = self.max_gap[rank]
-        np.maximum(row, iteration - self.iters, out=row)
-
-
 def simulate(spec: SimSpec) -> SimResult:
     """Run ``spec`` to completion in virtual time and report what happened."""
     spec.validate()
@@ -187,7 +175,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     graph, config = spec.graph, spec.config
     n = graph.n
     network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None)
-    gaps = _GapTracker(n)
+    gaps = GapTracker(n)
     slowdown = config.make_slowdown()
     nodes: list[Node] = []
     for rank in range(n):
@@ -203,6 +191,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     for node in nodes:
         await node.open()
     finish_times: list[list[float]] = [[] for _ in range(n)]
+    completed = [0] * n  # iterations each worker got through, skipped ones included
 
     async def worker(node: Node) -> None:
         rank = node.rank
@@ -218,6 +207,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
             await asyncio.sleep(compute.sample(rng) * slowdown.factor(rank, k))
             await protocol.finish_iteration(None, last=k >= spec.iterations - 1)
             finish_times[rank].append(node.clock.now())
+            completed[rank] = k + 1 if protocol.iteration == k else protocol.iteration
             if k >= spec.iterations - 1:
                 break
         await node.close()
@@ -231,12 +221,12 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
                    key=lambda e: (e["t"], e["rank"]))
     return SimResult(
         n=n,
-        iterations=[p.iteration + 1 if finish_times[i] else p.iteration for i, p in enumerate(protocols)],
+        iterations=completed,
         finish_times=finish_times,
         rates=rates,
         max_gap=gaps.max_gap,
         queue_high_water=[getattr(p, "queue").high_water for p in protocols],
-        token_high_water=[getattr(p, "tokens").high_water for p in protocols],
+        token_high_water=[p.summary().get("token_high_water") or 0 for p in protocols],
         skips=skips,
         virtual_time=max((t[-1] for t in finish_times if t), default=0.0),
         wall_seconds=time.perf_counter() - started,

@@ -1,0 +1,88 @@
+"""`hopnet launch`: run a training script once per node of the communication graph."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hopnet.config import add_protocol_arguments, config_from_args
+
+DEFAULT_GRACE_S = 5.0
+
+DESCRIPTION = """\
+Start one worker process per node of the graph on this machine, running
+`python SCRIPT ARGS...` with HOPNET_* variables that tell each worker its rank,
+the graph, the rendezvous and the protocol configuration. Worker output is
+printed line by line, prefixed "[rank R] ". When a worker fails, or the launcher
+gets SIGINT/SIGTERM, every worker is stopped (SIGTERM, then SIGKILL after a grace
+period). Everything after SCRIPT is passed to the script untouched; to pass a
+leading "--" write `hopnet launch [options] -- SCRIPT -- ARGS`.
+"""
+
+EPILOG = """\
+exit status: 0 when every worker exits 0; 1 when a worker fails; 2 for bad
+arguments; 128+N when the launcher is stopped by signal N (130 for Ctrl-C).
+"""
+
+
+def _nproc(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a training script once per graph node on this machine",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launcher = parser.add_argument_group("launcher")
+    launcher.add_argument("--graph", default=None, metavar="G",
+                          help="graph JSON file or builder spec such as ring:8, torus:2x4 "
+                               "(default: a ring over --nproc workers)")
+    launcher.add_argument("--nproc", type=_nproc, default=None, metavar="N",
+                          help="number of workers (default: the graph's size, or 4 without --graph)")
+    launcher.add_argument("--run-dir", default=None, metavar="DIR",
+                          help="directory for graph.json, launch.json and the workers' logs "
+                               "(default: runs/<time>-<protocol>-<graph>)")
+    launcher.add_argument("--bind", default="127.0.0.1", metavar="HOST",
+                          help="host the workers bind their sockets to (default: 127.0.0.1)")
+    launcher.add_argument("--no-prefix", dest="prefix", action="store_false",
+                          help="let workers write straight to this terminal, without [rank R] prefixes")
+    launcher.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                          help="after SIGTERM, how long workers get before SIGKILL "
+                               f"(default: {DEFAULT_GRACE_S:g})")
+    launcher.add_argument("-m", "--module", action="store_true",
+                          help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    add_protocol_arguments(parser)
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for the script, passed through untouched")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    from hopnet.launch.launcher import launch
+
+    result = launch(
+        args.script,
+        list(args.script_args),
+        graph=args.graph,
+        config=config,
+        nproc=args.nproc,
+        run_dir=args.run_dir,
+        bind=args.bind,
+        prefix=args.prefix,
+        module=args.module,
+        grace_s=args.grace,
+        argv=sys.argv,
+    )
+    return result.returncode

@@ -1,0 +1,286 @@
+"""``hopnet simulate``: run a protocol on a graph in virtual time, without training.
+
+    hopnet simulate [--graph G] [--nproc N] [protocol flags, as for `hopnet launch`]
+                    [--iterations N] [--compute-ms SPEC] [--compute-ms-rank R:SPEC ...]
+                    [--link-latency-ms MS] [--link-gbps G] [--model-mb MB]
+                    [--stop R:K ...] [--json FILE|-]
+
+Every worker is the real protocol object (see :mod:`hopnet.sim.engine`); only time is
+modelled. A short summary goes to stdout (to stderr when ``--json -`` takes stdout).
+The JSON (``SimResult.to_dict()`` plus the inputs, keys sorted) depends only on the
+inputs and the seed, so two runs give the same bytes.
+
+Exit status: 0 on success; 1 when the simulated run fails (deadlock, a wait that timed
+out, a worker that cannot go on without a peer that left); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from hopnet.cli.graph_cmd import load_graph
+from hopnet.config import ProtocolConfig, add_protocol_arguments, config_from_args
+from hopnet.errors import ConfigError, HopnetError
+from hopnet.graph import Graph
+from hopnet.sim.engine import ComputeModel, SimResult, SimSpec, simulate
+from hopnet.transports.inproc import LinkModel
+
+DEFAULT_NPROC = 4
+DEFAULT_ITERATIONS = 100
+DEFAULT_COMPUTE = "10"
+BYTES_PER_MB = 1_000_000
+
+DESCRIPTION = """\
+Run N workers of a protocol on a communication graph in one process, in virtual
+time: compute phases are virtual sleeps drawn from --compute-ms (stretched by
+--slowdown), messages arrive after the link model's latency plus size over
+bandwidth. Reports each worker's iteration rate, the largest iteration gap observed
+between every pair of workers, queue and token high-water marks and skips. The same
+inputs and seed give byte-identical --json output.
+"""
+
+EPILOG = """\
+compute time SPEC (milliseconds): MS (constant), uniform:LO:HI, exp:MEAN, normal:MEAN:SD.
+exit status: 0 on success; 1 when the simulated run deadlocks, times out or fails
+for want of a departed peer; 2 for bad arguments.
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="run a protocol on a graph in virtual time (no training)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument("--graph", default=None, metavar="G",
+                     help="graph JSON file or builder spec such as ring:8, ring_based:16, torus:2x4 "
+                          "(default: a ring over --nproc workers)")
+    sim.add_argument("--nproc", default=None, metavar="N",
+                     help=f"number of workers (default: the graph's size, or {DEFAULT_NPROC} without --graph)")
+    sim.add_argument("--iterations", default=str(DEFAULT_ITERATIONS), metavar="N",
+                     help=f"iterations every worker runs (default: {DEFAULT_ITERATIONS})")
+    sim.add_argument("--compute-ms", default=DEFAULT_COMPUTE, metavar="SPEC",
+                     help="compute time per iteration in ms: MS, uniform:LO:HI, exp:MEAN or "
+                          f"normal:MEAN:SD (default: {DEFAULT_COMPUTE})")
+    sim.add_argument("--compute-ms-rank", action="append", default=[], metavar="R:SPEC",
+                     help="compute time of rank R, same forms as --compute-ms (repeatable)")
+    sim.add_argument("--link-latency-ms", default="0", metavar="MS",
+                     help="one-way latency of every link in ms (default: 0)")
+    sim.add_argument("--link-gbps", default="0", metavar="G",
+                     help="bandwidth of every link in Gbit/s; 0 = unlimited (default: 0)")
+    sim.add_argument("--model-mb", default="0", metavar="MB",
+                     help="bytes charged to the link per update, in MB of 10^6 bytes (default: 0)")
+    sim.add_argument("--stop", action="append", default=[], metavar="R:K",
+                     help="rank R leaves for good before iteration K (repeatable)")
+    sim.add_argument("--json", default=None, metavar="FILE",
+                     help="write the full result as JSON to FILE ('-' = stdout; the summary then goes to stderr)")
+    add_protocol_arguments(parser)
+    parser.set_defaults(func=run)
+
+    def one_line_error(message: str) -> None:  # bad flag values: one line, exit 2, like ConfigError
+        parser.exit(2, f"hopnet simulate: error: {message}\n")
+
+    parser.error = one_line_error  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------ parsing
+def _int(flag: str, text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+
+
+def _number(flag: str, text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{flag}: expected a finite number, got {text!r}")
+    if value < 0:
+        raise ConfigError(f"{flag} must be >= 0 (got {text})")
+    return value
+
+
+def resolve_graph(source: str | None, nproc_text: str | None) -> tuple[Graph, str]:
+    """The graph and a label for it: ``--graph`` (checked against ``--nproc``) or a ring."""
+    nproc = None
+    if nproc_text is not None:
+        nproc = _int("--nproc", nproc_text)
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1 (got {nproc})")
+    if source is None:
+        n = DEFAULT_NPROC if nproc is None else nproc
+        g = Graph.ring(n)
+        return g, g.name or f"ring:{n}"
+    g = load_graph(source)
+    if nproc is not None and nproc != g.n:
+        raise ConfigError(f"--nproc {nproc} does not match the graph {source} ({g.n} nodes)")
+    return g, g.name or source
+
+
+def _rank(flag: str, text: str, n: int, item: str) -> int:
+    rank = _int(flag, text)
+    if not 0 <= rank < n:
+        raise ConfigError(f"{flag} {item!r}: rank {rank} out of range (there are {n} workers)")
+    return rank
+
+
+def parse_compute(default: str, per_rank: list[str], n: int) -> ComputeModel:
+    model = ComputeModel.parse(default)
+    for item in per_rank:
+        rank_text, sep, spec = item.partition(":")
+        if not sep or not spec:
+            raise ConfigError(f"--compute-ms-rank {item!r}: expected R:SPEC, e.g. 3:50 or 3:exp:20")
+        model = model.with_rank(_rank("--compute-ms-rank", rank_text, n, item), ComputeModel.parse(spec))
+    return model
+
+
+def parse_stops(items: list[str], n: int) -> dict[int, int]:
+    stops: dict[int, int] = {}
+    for item in items:
+        parts = item.split(":")
+        if len(parts) != 2:
+            raise ConfigError(f"--stop {item!r}: expected R:K (rank R leaves before iteration K)")
+        rank = _rank("--stop", parts[0], n, item)
+        iteration = _int("--stop", parts[1])
+        if iteration < 0:
+            raise ConfigError(f"--stop {item!r}: iteration must be >= 0")
+        if rank in stops:
+            raise ConfigError(f"--stop: rank {rank} given twice")
+        stops[rank] = iteration
+    return stops
+
+
+def check_config_ranks(config: ProtocolConfig, n: int) -> None:
+    config.make_slowdown().validate_ranks(n)
+    if isinstance(config.backup_workers, dict):
+        bad = sorted(r for r in config.backup_workers if r >= n)
+        if bad:
+            raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {n} workers)")
+
+
+def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
+    """The simulation ``args`` ask for, and its inputs as a JSON-ready dict."""
+    graph, label = resolve_graph(args.graph, args.nproc)
+    n = graph.n
+    config = config_from_args(args)
+    check_config_ranks(config, n)
+    iterations = _int("--iterations", args.iterations)
+    if iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1 (got {iterations})")
+    compute = parse_compute(args.compute_ms, list(args.compute_ms_rank), n)
+    latency_ms = _number("--link-latency-ms", args.link_latency_ms)
+    gbps = _number("--link-gbps", args.link_gbps)
+    model_mb = _number("--model-mb", args.model_mb)
+    stops = parse_stops(list(args.stop), n)
+    link = LinkModel(latency_s=latency_ms / 1000.0, bytes_per_s=gbps * 1e9 / 8)
+    spec = SimSpec(graph=graph, config=config, iterations=iterations, compute=compute, link=link,
+                   model_bytes=int(round(model_mb * BYTES_PER_MB)), stop_at=stops)
+    spec.validate()
+    per_rank: dict[str, str] = {}
+    for item in args.compute_ms_rank:
+        rank_text, _, rank_spec = item.partition(":")
+        per_rank[str(int(rank_text))] = rank_spec.strip()
+    inputs = {
+        "graph": label,
+        "config": json.loads(config.to_json()),
+        "requested_iterations": iterations,
+        "compute": {"spec": args.compute_ms.strip(), "per_rank": per_rank},
+        "link": {"latency_ms": latency_ms, "gbps": gbps, "latency_s": link.latency_s,
+                 "bytes_per_s": link.bytes_per_s},
+        "model_bytes": spec.model_bytes,
+        "stop": {str(r): k for r, k in sorted(stops.items())},
+        "seed": config.seed,
+    }
+    return spec, inputs
+
+
+def result_json(result: SimResult, inputs: dict[str, Any]) -> str:
+    """The ``--json`` document: deterministic (no wall-clock time, keys sorted)."""
+    data = dict(inputs)
+    data.update(result.to_dict())
+    return json.dumps(data, sort_keys=True, indent=1) + "\n"
+
+
+# ------------------------------------------------------------------------ output
+def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
+    n = result.n
+    config = inputs["config"]
+    rates = result.rates
+    gap = result.max_gap
+    gi, gj = divmod(int(gap.argmax()), n)  # the first pair, in rank order, with the largest gap
+    largest = int(gap[gi][gj])
+    q_rank = max(range(n), key=lambda r: result.queue_high_water[r])
+    settings = [config["protocol"]]
+    if config["protocol"] == "hop":
+        settings.append(f"max_ig={config['max_ig']}" if config["token_queues"] else "no token queues")
+        if config["serial"]:
+            settings.append("serial")
+        if config["backup_workers"]:
+            settings.append(f"backup_workers={config['backup_workers']}")
+        if config["staleness"] is not None:
+            settings.append(f"staleness={config['staleness']}")
+        if config["skip_threshold"] is not None:
+            settings.append(f"skip_threshold={config['skip_threshold']} max_jump={config['max_jump']}")
+    done = [len(times) for times in result.finish_times]  # iterations each worker completed
+    lines = [
+        f"graph:             {inputs['graph']} ({n} worker{'' if n == 1 else 's'})",
+        f"protocol:          {', '.join(settings)}",
+        f"iterations:        {inputs['requested_iterations']} requested; completed "
+        + (f"{done[0]} by every worker" if len(set(done)) == 1 else f"min {min(done)}, max {max(done)}"),
+        f"virtual time:      {result.virtual_time:.6g} s",
+        f"iterations/s:      mean {sum(rates) / n:.6g}, min {min(rates):.6g} (rank {rates.index(min(rates))}), "
+        f"max {max(rates):.6g} (rank {rates.index(max(rates))})",
+        f"largest gap:       {largest}" + (f" (Iter({gi}) - Iter({gj}))" if largest > 0 else ""),
+        f"queue high water:  {result.queue_high_water[q_rank]} updates (rank {q_rank})",
+    ]
+    if config["protocol"] == "hop" and config["token_queues"]:
+        t_rank = max(range(n), key=lambda r: result.token_high_water[r])
+        lines.append(f"token high water:  {result.token_high_water[t_rank]} tokens (rank {t_rank})")
+    skipped = sum(s["to"] - s["iteration"] - 1 for s in result.skips)
+    lines.append(f"skips:             {len(result.skips)}"
+                 + (f" ({skipped} iterations skipped)" if result.skips else ""))
+    if result.dropped_late_updates or result.updates_not_sent:
+        lines.append(f"late updates:      {result.dropped_late_updates} dropped on arrival, "
+                     f"{result.updates_not_sent} not sent")
+    lines.append(f"wall clock:        {result.wall_seconds:.3f} s")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, inputs = build_spec(args)
+    if args.json not in (None, "-"):
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--json {args.json}: no such directory {folder}")
+    try:
+        result = simulate(spec)
+    except ConfigError:
+        raise
+    except HopnetError as exc:  # Deadlock, WaitTimeout, PeerFailure, ProtocolError
+        print(f"hopnet simulate: error: {exc}", file=sys.stderr)
+        return 1
+    text = result_json(result, inputs)
+    summary = "\n".join(summary_lines(result, inputs)) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+        sys.stderr.write(summary)
+        return 0
+    if args.json is not None:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json}: cannot write file: {exc.strerror or exc}") from None
+    sys.stdout.write(summary)
+    return 0

@@ -1,0 +1,549 @@
+"""`hopnet launch`: start one worker process per node of the graph on this machine.
+
+The launcher
+
+* resolves the graph (a JSON file or a builder spec such as ``ring:4``) and the
+  protocol configuration, and checks both against the number of workers;
+* creates the run directory and writes ``graph.json`` and ``launch.json`` into it;
+* runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
+* starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
+  :mod:`hopnet.launch.env`, each worker in a session of its own, so a Ctrl-C on the
+  terminal reaches the launcher only, which forwards it to every worker's process group;
+* prints each worker's output line by line, prefixed ``[rank R] ``;
+* stops every worker when one fails or when the launcher is signalled (SIGTERM, then
+  SIGKILL after a grace period), and leaves no process behind.
+
+Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
+machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
+only machine 0 runs the rendezvous server. A launcher per machine (torchrun-style
+``--nnodes/--node-rank/--rdzv-endpoint`` flags) needs only the flags and a way for the
+other machines to learn the rendezvous endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.launch.rendezvous import RendezvousServer
+
+DEFAULT_NPROC = 4
+DEFAULT_GRACE_S = 5.0
+RUNS_DIR = "runs"
+_POLL_S = 0.05
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+
+
+@dataclass
+class LaunchResult:
+    """How a launch ended. ``returncode`` is what `hopnet launch` exits with."""
+
+    returncode: int
+    run_dir: str
+    failed_rank: int | None = None
+    reason: str | None = None
+    """``"exit code C"`` / ``"killed by SIGNAME"`` for a failed worker, ``"interrupted by SIGNAME"``
+    when the launcher was signalled, ``None`` on success."""
+    worker_returncodes: dict[int, int | None] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+# ------------------------------------------------------------------------ resolution
+def resolve_graph(graph: Graph | str | os.PathLike[str] | None, nproc: int | None) -> tuple[Graph, int]:
+    """The graph and the number of workers, checked against each other.
+
+    ``graph`` is a :class:`Graph`, a JSON path, a builder spec (``ring:4``), or ``None``
+    for a ring over ``nproc`` workers (``nproc`` defaults to the graph's size, or 4).
+    """
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise ConfigError(f"--nproc must be an integer >= 1 (got {nproc!r})")
+    if graph is None:
+        n = DEFAULT_NPROC if nproc is None else nproc
+        return Graph.ring(n), n
+    if isinstance(graph, Graph):
+        g = graph
+        label = g.name or "the graph"
+    else:
+        spec = os.fspath(graph)
+        if ":" in spec and not os.path.exists(spec):
+            g = Graph.by_name(spec)
+        else:
+            g = Graph.from_json(spec)
+        label = spec
+    if nproc is not None and nproc != g.n:
+        raise ConfigError(f"--nproc {nproc} does not match the graph {label} ({g.n} nodes)")
+    return g, g.n
+
+
+def validate_config(config: ProtocolConfig, world_size: int) -> None:
+    """Check the parts of the configuration that name ranks against the world size."""
+    config.make_slowdown().validate_ranks(world_size)
+    if isinstance(config.backup_workers, dict):
+        bad = sorted(r for r in config.backup_workers if r >= world_size)
+        if bad:
+            raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
+
+
+def _slug(text: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "-", text).strip("-.")
+    return slug or "graph"
+
+
+def graph_label(graph: Graph, spec: Graph | str | os.PathLike[str] | None) -> str:
+    """A short name for run directories: the graph's name, else the file's stem."""
+    if graph.name:
+        return _slug(graph.name)
+    if spec is not None and not isinstance(spec, Graph):
+        return _slug(Path(os.fspath(spec)).stem)
+    return f"graph{graph.n}"
+
+
+def make_run_dir(run_dir: str | os.PathLike[str] | None, protocol: str, label: str,
+                 base: str | os.PathLike[str] = RUNS_DIR) -> Path:
+    """Create and return the run directory: ``run_dir`` as given, or a fresh
+    ``runs/<YYYYmmdd-HHMMSS>-<protocol>-<graph>`` (suffixed ``-2``, ``-3``... if taken)."""
+    if run_dir is not None:
+        path = Path(run_dir)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--run-dir {os.fspath(run_dir)!r} exists and is not a directory")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--run-dir {os.fspath(run_dir)!r}: {exc.strerror or exc}") from None
+        return path.resolve()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    stem = f"{stamp}-{_slug(protocol)}-{label}"
+    base_path = Path(base)
+    try:
+        base_path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {os.fspath(base_path)!r}: {exc.strerror or exc}") from None
+    for attempt in range(1, 1000):
+        path = base_path / (stem if attempt == 1 else f"{stem}-{attempt}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot create run directory {os.fspath(path)!r}: {exc.strerror or exc}") from None
+        return path.resolve()
+    raise ConfigError(f"cannot find a free run directory name under {os.fspath(base_path)!r}")
+
+
+def _worker_pythonpath(environ: Mapping[str, str]) -> str:
+    """PYTHONPATH for workers: this hopnet's parent directory first, so workers import the
+    same hopnet as the launcher even when it is not installed."""
+    import hopnet
+
+    root = str(Path(hopnet.__file__).resolve().parent.parent)
+    parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        parts.insert(0, root)
+    return os.pathsep.join(parts)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``.
+
+    With one machine ``rank_offset`` is 0 and ``nproc == world_size``; a launcher per machine
+    would use ``rank_offset = node_rank * nproc_per_node``.
+    """
+
+    world_size: int
+    nproc: int
+    node_rank: int = 0
+    rank_offset: int = 0
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.nproc)
+
+    def worker_env(self, rank: int, *, graph_path: str, rendezvous: str, run_dir: str,
+                   config_json: str, bind: str) -> WorkerEnv:
+        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=rank - self.rank_offset,
+                         graph_path=graph_path, rendezvous=rendezvous, run_dir=run_dir,
+                         config_json=config_json, bind_host=bind, node_rank=self.node_rank)
+
+
+# --------------------------------------------------------------------------- output
+class _Output:
+    """Writes whole lines to a stream under a lock, flushing each one."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            try:
+                buffer = getattr(self.stream, "buffer", None)
+                if buffer is not None:
+                    self.stream.flush()
+                    buffer.write(data)
+                    buffer.flush()
+                else:
+                    self.stream.write(data.decode("utf-8", errors="replace"))
+                    self.stream.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass  # our own output is gone (closed pipe): keep draining the worker
+
+
+def _pump(pipe: IO[bytes], prefix: bytes, out: _Output) -> None:
+    """Copy ``pipe`` to ``out`` line by line with ``prefix`` until EOF."""
+    try:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            out.write(prefix + line)
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# --------------------------------------------------------------------------- workers
+class _Workers:
+    """The worker processes of one launch, their output pumps and their waiters."""
+
+    def __init__(self, out: _Output | None, err: _Output | None) -> None:
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.returncodes: dict[int, int | None] = {}
+        self.out = out
+        self.err = err
+        self.threads: list[threading.Thread] = []
+
+    def spawn(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
+        piped = self.out is not None
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if piped else None,
+            stderr=subprocess.PIPE if piped else None,
+            start_new_session=True,  # own session and process group: we forward signals ourselves
+        )
+        self.procs[rank] = proc
+        self.returncodes[rank] = None
+        if piped:
+            prefix = f"[rank {rank}] ".encode()
+            assert proc.stdout is not None and proc.stderr is not None and self.err is not None
+            for pipe, target in ((proc.stdout, self.out), (proc.stderr, self.err)):
+                t = threading.Thread(target=_pump, args=(pipe, prefix, target),
+                                     name=f"hopnet-pump-{rank}", daemon=True)
+                t.start()
+                self.threads.append(t)
+        waiter = threading.Thread(target=self._wait, args=(rank, proc), name=f"hopnet-wait-{rank}", daemon=True)
+        waiter.start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        self.exits.put((rank, code))
+
+    def running(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.returncode is None]
+
+    def signal_all(self, signum: int) -> None:
+        """Send ``signum`` to the process group of every worker still running."""
+        for rank, proc in self.procs.items():
+            if proc.returncode is None:
+                _killpg(proc.pid, signum)
+
+    def sweep(self) -> None:
+        """SIGKILL whatever is left in the workers' process groups (orphaned children)."""
+        for proc in self.procs.values():
+            _killpg(proc.pid, signal.SIGKILL)
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait for the output pumps to reach EOF (bounded: a stray process may hold a pipe)."""
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _SignalTrap:
+    """Turns SIGINT/SIGTERM/SIGHUP into a flag while workers run (main thread only)."""
+
+    SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _SignalTrap:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                try:
+                    self._old[s] = signal.signal(s, self._handle)
+                except (OSError, ValueError):
+                    pass
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)  # list.append is atomic; no locks in a signal handler
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            try:
+                signal.signal(s, old)
+            except (OSError, ValueError):
+                pass
+        self._old.clear()
+
+
+# ---------------------------------------------------------------------------- launch
+def _log(err: IO[str], text: str) -> None:
+    try:
+        print(f"hopnet launch: {text}", file=err, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def launch(
+    script: str | os.PathLike[str],
+    script_args: Sequence[str] = (),
+    graph: Graph | str | os.PathLike[str] | None = None,
+    config: ProtocolConfig | None = None,
+    nproc: int | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    bind: str = DEFAULT_BIND,
+    prefix: bool = True,
+    env_extra: Mapping[str, str] | None = None,
+    *,
+    module: bool = False,
+    grace_s: float = DEFAULT_GRACE_S,
+    argv: Sequence[str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> LaunchResult:
+    """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
+
+    Raises :class:`ConfigError` for bad inputs before starting anything. Returns a
+    :class:`LaunchResult`: ``returncode`` 0 when every worker exited 0; 1 when one failed
+    (the others are then stopped); ``128 + signal`` when the launcher was signalled.
+    With ``module=True`` the script is a module name run as ``python -m MODULE``.
+    ``prefix=False`` lets workers write straight to the launcher's stdout/stderr.
+    """
+    out_stream = stdout if stdout is not None else sys.stdout
+    err_stream = stderr if stderr is not None else sys.stderr
+    config = config if config is not None else ProtocolConfig()
+    if not isinstance(config, ProtocolConfig):
+        raise ConfigError(f"config must be a ProtocolConfig (got {type(config).__name__})")
+    config.validate()
+
+    script_text = os.fspath(script)
+    if module:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", script_text):
+            raise ConfigError(f"-m {script_text!r}: not a module name")
+        command = [sys.executable, "-m", script_text, *script_args]
+    else:
+        if not os.path.exists(script_text):
+            raise ConfigError(f"script {script_text!r} not found")
+        if os.path.isdir(script_text) and not os.path.exists(os.path.join(script_text, "__main__.py")):
+            raise ConfigError(f"script {script_text!r} is a directory without __main__.py")
+        command = [sys.executable, script_text, *script_args]
+    if not isinstance(bind, str) or not bind.strip():
+        raise ConfigError(f"--bind {bind!r}: expected a host name or address")
+    bind = bind.strip()
+    if grace_s < 0:
+        raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
+
+    g, world_size = resolve_graph(graph, nproc)
+    validate_config(config, world_size)
+    plan = NodePlan(world_size=world_size, nproc=world_size)
+
+    path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
+    graph_path = path / "graph.json"
+    g.to_json(graph_path)
+    started_at = datetime.now(timezone.utc)
+    launch_info: dict[str, Any] = {
+        "argv": list(argv) if argv is not None else list(sys.argv),
+        "command": command,
+        "script": script_text,
+        "script_args": list(script_args),
+        "module": module,
+        "config": json.loads(config.to_json()),
+        "graph": graph.name if isinstance(graph, Graph) else (os.fspath(graph) if graph is not None else None),
+        "graph_name": g.name,
+        "world_size": world_size,
+        "nproc": plan.nproc,
+        "node_rank": plan.node_rank,
+        "bind": bind,
+        "start_time": started_at.isoformat(timespec="seconds"),
+        "python": sys.executable,
+        "hostname": socket.gethostname(),
+        "cwd": os.getcwd(),
+        "launcher_pid": os.getpid(),
+    }
+
+    err_out = _Output(err_stream)
+    workers = _Workers(_Output(out_stream) if prefix else None, err_out if prefix else None)
+    rdzv_host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
+    base_env = dict(os.environ)
+    base_env["PYTHONUNBUFFERED"] = "1"
+    base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
+    if env_extra:
+        base_env.update({str(k): str(v) for k, v in env_extra.items()})
+
+    t0 = time.monotonic()
+    failed_rank: int | None = None
+    reason: str | None = None
+    returncode = 0
+    trap = _SignalTrap()
+    server = RendezvousServer(world_size, host=rdzv_host).start()
+    try:
+        launch_info["rendezvous"] = server.endpoint
+        _write_json(path / "launch.json", launch_info)
+        _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
+                         f"run dir {path}")
+        with trap:
+            # --- start
+            for rank in plan.ranks:
+                if trap.received:
+                    break
+                wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
+                                       run_dir=str(path), config_json=config.to_json(), bind=bind)
+                env = dict(base_env)
+                env.update(wenv.to_environ())
+                try:
+                    workers.spawn(rank, command, env)
+                except OSError as exc:
+                    failed_rank, reason, returncode = rank, f"could not start: {exc.strerror or exc}", 1
+                    _log(err_stream, f"worker {rank} failed ({reason})")
+                    break
+
+            # --- wait
+            pending = set(workers.procs)
+            while pending and failed_rank is None and not trap.received:
+                try:
+                    rank, code = workers.exits.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                workers.returncodes[rank] = code
+                pending.discard(rank)
+                if code != 0:
+                    failed_rank, reason, returncode = rank, _describe_exit(code), 1
+                    _log(err_stream, f"worker {rank} failed ({reason})")
+
+            # --- stop the rest
+            if trap.received:
+                signum = trap.received[0]
+                reason = f"interrupted by {_signal_name(signum)}"
+                returncode = 128 + signum
+                running = workers.running()
+                _log(err_stream, f"received {_signal_name(signum)}, stopping {len(running)} workers")
+                _stop(workers, pending, signum, grace_s, trap, err_stream)
+            elif pending:
+                _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
+    finally:
+        # whatever happened (even an exception in here), leave nothing behind
+        for proc in workers.procs.values():
+            if proc.returncode is None:
+                _killpg(proc.pid, signal.SIGKILL)
+        for rank, proc in workers.procs.items():
+            try:
+                code = proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            if workers.returncodes.get(rank) is None:
+                workers.returncodes[rank] = code
+        workers.sweep()
+        workers.drain(2.0)
+        server.close()
+
+    wall_s = time.monotonic() - t0
+    result = LaunchResult(returncode=returncode, run_dir=str(path), failed_rank=failed_rank, reason=reason,
+                          worker_returncodes=dict(sorted(workers.returncodes.items())), wall_s=wall_s)
+    launch_info["result"] = {
+        "returncode": returncode,
+        "failed_rank": failed_rank,
+        "reason": reason,
+        "worker_returncodes": {str(r): c for r, c in result.worker_returncodes.items()},
+        "wall_s": round(wall_s, 3),
+        "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        _write_json(path / "launch.json", launch_info)
+    except OSError:
+        pass
+    status = "finished" if returncode == 0 else ("interrupted" if trap.received else "failed")
+    _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
+    return result
+
+
+def _stop(workers: _Workers, pending: set[int], signum: int, grace_s: float, trap: _SignalTrap,
+          err_stream: IO[str]) -> None:
+    """Send ``signum`` to every running worker, wait up to ``grace_s``, then SIGKILL the rest.
+    Another signal to the launcher during the grace period kills at once."""
+    signals_seen = len(trap.received)
+    workers.signal_all(signum)
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        if len(trap.received) > signals_seen:
+            break
+        try:
+            rank, code = workers.exits.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        workers.returncodes[rank] = code
+        pending.discard(rank)
+    if pending:
+        stragglers = sorted(r for r in pending if workers.procs[r].returncode is None)
+        if stragglers:
+            why = "at once" if len(trap.received) > signals_seen else f"still running after {grace_s:g}s"
+            _log(err_stream, f"killing workers {', '.join(map(str, stragglers))} ({why})")
+        workers.signal_all(signal.SIGKILL)

@@ -1,0 +1,138 @@
+"""Hop over ZeroMQ between real processes, started by `hopnet launch`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hopnet import Graph, ProtocolConfig
+from hopnet.analysis import gap_bound, load_run, max_gap_from_run
+
+from conftest import WORKERS
+
+HOP_WORKER = str(WORKERS / "hop_worker.py")
+
+
+def _tensors(run_dir: Path, prefix: str, n: int) -> list[torch.Tensor]:
+    return [torch.load(run_dir / f"{prefix}_rank{r}.pt") for r in range(n)]
+
+
+@pytest.mark.parametrize("graph,n", [("ring:4", 4), ("ring_based:6", 6), ("torus:2x3", 6)])
+def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int) -> None:
+    """W is doubly stochastic on these graphs, so gossip alone reaches the initial average."""
+    run_dir = tmp_path / "run"
+    result = launch(["--graph", graph, "--run-dir", str(run_dir), HOP_WORKER,
+                     "--iterations", "80", "--compute-ms", "1"])
+    assert result.returncode == 0, result.stderr
+    initial = torch.stack(_tensors(run_dir, "initial", n))
+    final = torch.stack(_tensors(run_dir, "final", n))
+    mean = initial.mean(dim=0)
+    assert (initial - mean).abs().max() > 1.0  # the workers really started apart
+    assert (final - mean).abs().max() < 1e-6
+
+
+def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Path) -> None:
+    """Theorem 2: Iter(i) - Iter(j) <= min(len(j->i), max_ig * len(i->j)); queues <= (1+max_ig)|N_in|."""
+    run_dir = tmp_path / "run"
+    max_ig = 2
+    result = launch(["--graph", "ring:5", "--max-ig", str(max_ig), "--slowdown", "rank=0:6",
+                     "--slowdown", "random:3:0.2", "--run-dir", str(run_dir), HOP_WORKER,
+                     "--iterations", "60", "--compute-ms", "3", "--dim", "100"])
+    assert result.returncode == 0, result.stderr
+    graph = Graph.ring(5)
+    events = load_run(run_dir)
+    observed = max_gap_from_run(events, graph.n)
+    bound = gap_bound(graph, ProtocolConfig(max_ig=max_ig))
+    assert (observed <= bound).all(), f"observed gaps\n{observed}\nexceed Table 1 bounds\n{bound}"
+    assert observed.max() >= 1  # the slow worker really held the others back
+    for rank, records in events.items():
+        stop = next(rec for rec in records if rec["event"] == "stop")
+        assert stop["queue_high_water"] <= (1 + max_ig) * len(graph.in_peers(rank))
+
+
+def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch(["--graph", "ring_based:6", "--backup-workers", "1", "--run-dir", str(run_dir),
+                     HOP_WORKER, "--iterations", "60", "--stop-rank", "2", "--stop-at", "10"])
+    assert result.returncode == 0, result.stderr
+    events = load_run(run_dir)
+    for rank, records in events.items():
+        last = max(rec["iter"] for rec in records if rec["event"] == "iteration")
+        assert last == (9 if rank == 2 else 59), (rank, last)
+    left = [rec for rank in (1, 3) for rec in events[rank] if rec["event"] == "peer_left"]
+    assert {rec["peer"] for rec in left} == {2}
+
+
+def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: Path) -> None:
+    result = launch(["--graph", "ring:4", "--run-dir", str(tmp_path / "run"), HOP_WORKER,
+                     "--iterations", "40", "--stop-rank", "2", "--stop-at", "5"])
+    assert result.returncode != 0
+    assert "left" in result.stdout + result.stderr
+    assert "[2]" in result.stdout + result.stderr
+
+
+def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_path: Path) -> None:
+    """A rogue peer floods rank 0's socket with garbage during training; training completes."""
+    import subprocess
+    import sys
+    import time
+
+    import zmq
+
+    from hopnet.transports.zmq import routing_id
+    from hopnet.wire import Message, encode_header
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--graph", "ring:4",
+                             "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "150",
+                             "--compute-ms", "10", "--dim", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = run_dir / "rank0.jsonl"
+        deadline = time.monotonic() + 60
+        address = None
+        while address is None and time.monotonic() < deadline:
+            if log.exists():
+                for line in log.read_text().splitlines():
+                    rec = json.loads(line)
+                    if rec["event"] == "iteration":
+                        address = next(json.loads(x)["address"] for x in log.read_text().splitlines()
+                                       if json.loads(x)["event"] == "start")
+                        break
+            time.sleep(0.05)
+        assert address is not None, "rank 0 never started training"
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        # Rank 2 is not a neighbour of rank 0 on ring:4; a second connection claiming a
+        # connected neighbour's identity is refused by the ROUTER outright.
+        rogue.setsockopt(zmq.ROUTING_ID, routing_id(2))
+        rogue.setsockopt(zmq.LINGER, 2000)  # deliver everything before closing
+        rogue.connect(address)
+        bad_shape = encode_header(Message("update", 1, 0, 5, tensors=[torch.zeros(64, dtype=torch.float64)]))
+        garbage = [
+            [b"\xc1\xff not msgpack"],
+            [json.dumps({"k": "update"}).encode()],
+            [encode_header(Message("update", 1, 0, 5, tensors=[torch.zeros(64, dtype=torch.float64)]))],
+            [bad_shape, b"\x00" * 12],
+            [encode_header(Message("update", 2, 0, 5))],
+            [encode_header(Message("token", 1, 0, 5, meta={"c": 1}))],
+        ]
+        for _ in range(20):
+            for frames in garbage:
+                rogue.send_multipart(frames)
+        rogue.close()
+        ctx.term()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    stop = next(rec for rec in load_run(run_dir)[0] if rec["event"] == "stop")
+    assert stop["iter"] == 149
+    assert sum(stop["dropped"].values()) >= 100, stop["dropped"]
+    assert "bad_header" in stop["dropped"] or "truncated" in stop["dropped"]

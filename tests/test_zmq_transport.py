@@ -1,0 +1,276 @@
+"""ZmqTransport: round trips over tcp and ipc, chunked zero-copy tensors, malformed input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from hopnet.errors import ConfigError, HopnetError
+from hopnet.transports.base import DISCARD
+from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport, routing_id
+from hopnet.wire import Header, Message
+
+TIMEOUT = 5.0
+
+
+class Recv:
+    """A Receiver that records what it gets; ``buffers`` decides what buffers_for returns."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.headers: list[Header] = []
+        self.buffers: object = None
+        self.fail_deliver = False
+
+    def buffers_for(self, header: Header):
+        self.headers.append(header)
+        b = self.buffers
+        return b(header) if callable(b) else b
+
+    def deliver(self, msg: Message) -> None:
+        if self.fail_deliver:
+            self.fail_deliver = False
+            raise RuntimeError("receiver bug")
+        self.queue.put_nowait(msg)
+
+    async def get(self) -> Message:
+        return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+
+
+async def wait_until(cond, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def bind_for(kind: str, tmp_path, name: str) -> str:
+    return "tcp://127.0.0.1:*" if kind == "tcp" else f"ipc://{tmp_path}/{name}.sock"
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+async def pair(request, tmp_path):
+    a = ZmqTransport(0, frozenset({1}), bind=bind_for(request.param, tmp_path, "a"))
+    b = ZmqTransport(1, frozenset({0}), bind=bind_for(request.param, tmp_path, "b"))
+    ra, rb = Recv(), Recv()
+    addr_a = await a.start(ra)
+    addr_b = await b.start(rb)
+    assert addr_a.startswith(request.param + "://") and not addr_a.endswith("*")
+    await a.connect({1: addr_b})
+    await b.connect({0: addr_a})
+    yield a, b, ra, rb
+    await a.close()
+    await b.close()
+
+
+async def test_control_round_trip(pair):
+    a, b, ra, rb = pair
+    await a.send(Message("hello", 0, 1, 7, tag="t1", meta={"lr": 0.5, "ids": [1, 2]}))
+    m = await rb.get()
+    assert (m.kind, m.src, m.dst, m.iter, m.tag, m.meta, m.tensors) == ("hello", 0, 1, 7, "t1",
+                                                                         {"lr": 0.5, "ids": [1, 2]}, [])
+    await b.send(Message("ack", 1, 0, 7))
+    m = await ra.get()
+    assert (m.kind, m.src, m.iter) == ("ack", 1, 7)
+    assert a.stats.sent_messages == 1 and b.stats.received_messages == 1
+    assert not a.stats.dropped and not b.stats.dropped
+    assert rb.headers == []  # buffers_for is not asked for messages without tensors
+
+
+async def test_tensor_dtypes_and_shapes(pair):
+    a, b, ra, rb = pair
+    tensors = [
+        torch.randn(3, 4),
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.tensor(-123456789012, dtype=torch.int64),  # 0-d
+        torch.empty(0, 3),  # empty
+        torch.arange(100_000, dtype=torch.int64).reshape(100, 1000),  # above the copy threshold
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3).to(torch.float16),
+    ]
+    await a.send(Message("update", 0, 1, 3, tensors=tensors))
+    m = await rb.get()
+    assert len(m.tensors) == len(tensors)
+    for got, want in zip(m.tensors, tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert a.stats.sent_bytes == nbytes and b.stats.received_bytes == nbytes
+
+
+async def test_large_tensor_chunked_into_preallocated_buffer(pair):
+    a, b, ra, rb = pair
+    src = torch.randint(-2**31, 2**31 - 1, (40 << 20) // 4, dtype=torch.int32).view(torch.float32)
+    expected = src.clone()
+    slot = torch.empty_like(src)
+    ptr = slot.data_ptr()
+    rb.buffers = [slot]
+    await a.send(Message("update", 0, 1, 1, tensors=[src]))
+    src.zero_()  # send() returned: the caller may reuse the memory at once
+    m = await rb.get()
+    assert m.tensors[0] is slot and slot.data_ptr() == ptr
+    assert torch.equal(slot.view(torch.int32), expected.view(torch.int32))  # bit-exact
+    assert rb.headers[0].specs[0].nbytes == 40 << 20 > 2 * CHUNK_BYTES
+
+
+async def test_discard_counts_a_drop(pair):
+    a, b, ra, rb = pair
+    rb.buffers = DISCARD
+    await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(1000)]))
+    await wait_until(lambda: b.stats.dropped["discarded"] == 1)
+    rb.buffers = None
+    await a.send(Message("update", 0, 1, 2, tensors=[torch.ones(10)]))
+    m = await rb.get()
+    assert m.iter == 2 and b.stats.received_messages == 1
+
+
+async def test_bad_buffers_and_receiver_errors_do_not_kill_the_loop(pair):
+    a, b, ra, rb = pair
+    rb.buffers = [torch.empty(3)]  # wrong shape for what arrives
+    await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(4)]))
+    await wait_until(lambda: b.stats.dropped["bad_buffers"] == 1)
+    rb.buffers = None
+    rb.fail_deliver = True
+    await a.send(Message("token", 0, 1, 2))
+    await wait_until(lambda: b.stats.dropped["internal_error"] == 1)
+    await a.send(Message("token", 0, 1, 3))
+    assert (await rb.get()).iter == 3
+
+
+def raw_header(kind="update", src=0, dst=1, it=0, specs=()) -> bytes:
+    head = {"k": kind, "s": src, "d": dst, "i": it}
+    if specs:
+        head["x"] = [list(s) for s in specs]
+    return msgpack.packb(head, use_bin_type=True)
+
+
+async def test_malformed_input_is_dropped_by_reason():
+    t = ZmqTransport(1, frozenset({0, 2}))
+    rec = Recv()
+    addr = await t.start(rec)
+    ctx = zmq.asyncio.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, routing_id(0))
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(addr)
+    f32_4 = ("float32", [4])
+    cases = [
+        ("bad_header", [b"\xc1 not msgpack"]),
+        ("bad_header", [msgpack.packb([1, 2, 3])]),
+        ("unknown_kind", [raw_header(kind="no_such_kind")]),
+        ("bad_dtype", [raw_header(specs=[("complex64", [2])]), b"\0" * 16]),
+        ("bad_size", [raw_header(specs=[f32_4]), b"\0" * 12]),  # shape says 16 bytes
+        ("truncated", [raw_header(specs=[f32_4, f32_4]), b"\0" * 16]),  # a frame is missing
+        ("truncated", [raw_header(specs=[("uint8", [CHUNK_BYTES + 1])]), b"\0" * 8]),  # chunks missing
+        ("extra_frames", [raw_header(specs=[f32_4]), b"\0" * 16, b"\0" * 16]),
+        ("extra_frames", [raw_header(kind="token"), b"surprise"]),
+        ("not_neighbor", [raw_header(src=5)]),
+        ("spoofed_src", [raw_header(src=2)]),  # a neighbour, but not the one connected
+        ("wrong_dst", [raw_header(dst=7)]),
+    ]
+    try:
+        for i, (reason, parts) in enumerate(cases):
+            before = t.stats.dropped[reason]
+            await raw.send_multipart(parts)
+            await wait_until(lambda: t.stats.dropped[reason] == before + 1)
+            # the receive loop survived: a valid message still arrives
+            await raw.send_multipart([raw_header(specs=[f32_4], it=i), torch.arange(4.0).numpy().tobytes()])
+            m = await rec.get()
+            assert m.iter == i and torch.equal(m.tensors[0], torch.arange(4.0))
+        assert t.stats.dropped_total == len(cases)
+        assert t.stats.received_messages == len(cases)
+        assert "internal_error" not in t.stats.dropped
+    finally:
+        raw.close(0)
+        ctx.term()
+        await t.close()
+
+
+async def test_queues_until_the_peer_is_up(tmp_path):
+    """Messages sent before the peer has bound are delivered once it appears."""
+    addr_b = f"ipc://{tmp_path}/late.sock"
+    a = ZmqTransport(0, frozenset({1}))
+    await a.start(Recv())
+    await a.connect({1: addr_b})
+    await a.send(Message("hello", 0, 1, 0))
+    big = torch.randn(1 << 18)
+    sending = asyncio.create_task(a.send(Message("update", 0, 1, 1, tensors=[big])))
+    await asyncio.sleep(0.1)
+    assert not sending.done()  # zero-copy: libzmq still holds the tensor memory
+    b = ZmqTransport(1, frozenset({0}), bind=addr_b)
+    rb = Recv()
+    assert await b.start(rb) == addr_b
+    try:
+        assert (await rb.get()).kind == "hello"
+        m = await rb.get()
+        assert torch.equal(m.tensors[0], big)
+        await asyncio.wait_for(sending, TIMEOUT)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_send_to_a_missing_peer_times_out(tmp_path):
+    a = ZmqTransport(0, frozenset({1}), send_timeout=0.2)
+    await a.start(Recv())
+    await a.connect({1: f"ipc://{tmp_path}/nobody.sock"})
+    t0 = time.monotonic()
+    await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1 << 20)]))
+    assert time.monotonic() - t0 < 2.0
+    assert a.stats.dropped["send_timeout"] == 1 and a.stats.sent_messages == 0
+    await a.send(Message("hello", 0, 1, 1))  # the reset connection still accepts sends
+    t0 = time.monotonic()
+    await a.close()
+    assert time.monotonic() - t0 < 2.0
+
+
+async def test_lifecycle_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        ZmqTransport(0, frozenset(), bind="udp://127.0.0.1:5")
+    a = ZmqTransport(0, frozenset({1}))
+    await a.start(Recv())
+    with pytest.raises(HopnetError):
+        await a.send(Message("hello", 0, 1, 0))  # not connected
+    with pytest.raises(ConfigError):
+        await a.connect({1: "127.0.0.1:80"})
+    await a.close()
+    await a.close()  # idempotent
+    with pytest.raises(HopnetError):
+        await a.send(Message("hello", 0, 1, 0))
+
+
+def test_default_bind_is_loopback():
+    assert ZmqTransport(0, frozenset()).bind == "tcp://127.0.0.1:*"
+
+
+def test_runs_on_uvloop():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        a = ZmqTransport(0, frozenset({1}))
+        b = ZmqTransport(1, frozenset({0}))
+        ra, rb = Recv(), Recv()
+        await a.connect({1: await b.start(rb)})
+        await b.connect({0: await a.start(ra)})
+        try:
+            await a.send(Message("hello", 0, 1, 0))
+            assert (await rb.get()).kind == "hello"
+            x = torch.randn(3 << 20)  # 12 MiB: one frame
+            y = torch.randn((CHUNK_BYTES // 4) + 5)  # one chunk and 20 bytes: two frames
+            await b.send(Message("update", 1, 0, 1, tensors=[x, y]))
+            m = await ra.get()
+            assert torch.equal(m.tensors[0], x) and torch.equal(m.tensors[1], y)
+        finally:
+            await a.close()
+            await b.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+        runner.run(main())
