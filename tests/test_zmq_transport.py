@@ -107,7 +107,7 @@ async def test_tensor_dtypes_and_shapes(pair):
 
 async def test_large_tensor_chunked_into_preallocated_buffer(pair):
     a, b, ra, rb = pair
-    src = torch.randint(-2**31, 2**31 - 1, (40 << 20) // 4, dtype=torch.int32).view(torch.float32)
+    src = torch.randint(-2**31, 2**31 - 1, ((40 << 20) // 4,), dtype=torch.int32).view(torch.float32)
     expected = src.clone()
     slot = torch.empty_like(src)
     ptr = slot.data_ptr()

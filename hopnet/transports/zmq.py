@@ -98,13 +98,15 @@ def _frame_count(nbytes: int) -> int:
 
 
 class _SendDone:
-    """Completion of one zero-copy send: set once libzmq released every tracked buffer.
+    """Completion of one zero-copy send: set once libzmq released every tracked frame.
 
-    Each tracked tensor's memory goes to libzmq as numpy slices whose ``base`` is one
-    memoryview (the *owner*). pyzmq keeps each slice alive until libzmq frees the frame
-    (its garbage-collector thread drops the reference then), so the owner dies exactly
-    when libzmq no longer reads any of the tensor's bytes; a weakref callback on the
-    owner (run in whichever thread drops the last reference) counts it down.
+    Each zero-copy frame is handed to pyzmq as a fresh memoryview made for it alone.
+    pyzmq keeps exactly that object alive until libzmq frees the frame (its
+    garbage-collector thread drops the reference then), so the memoryview dies when
+    libzmq no longer reads those bytes. A weakref callback on each one (run in whichever
+    thread drops the last reference) counts down; the last one wakes the event loop.
+    This is MessageTracker's information without a thread blocked in ``wait()`` or
+    polling.
     """
 
     __slots__ = ("loop", "future", "_left", "_lock", "_refs", "__weakref__")
@@ -116,10 +118,10 @@ class _SendDone:
         self._lock = threading.Lock()
         self._refs: list[weakref.ref] = []
 
-    def track(self, owner: memoryview) -> None:
+    def track(self, frame: memoryview) -> None:
         with self._lock:
             self._left += 1
-        self._refs.append(weakref.ref(owner, self._released))
+        self._refs.append(weakref.ref(frame, self._released))
 
     def _released(self, _ref: Any) -> None:
         with self._lock:
@@ -285,14 +287,15 @@ class ZmqTransport(Transport):
             if nbytes < COPY_THRESHOLD:
                 parts.append(_byte_view(t))  # pyzmq copies frames under sock.copy_threshold
                 continue
-            owner = memoryview(_byte_view(t))
-            flat = np.frombuffer(owner, dtype=np.uint8)  # slices of it keep `owner` alive
-            for off in range(0, nbytes, CHUNK_BYTES):
-                parts.append(flat[off:off + CHUNK_BYTES])
             if done is None:
                 done = _SendDone(self._loop or asyncio.get_running_loop())
-            done.track(owner)
-            del owner, flat
+            flat = memoryview(_byte_view(t))
+            for off in range(0, nbytes, CHUNK_BYTES):
+                chunk = flat[off:off + CHUNK_BYTES]
+                if chunk.nbytes >= COPY_THRESHOLD:
+                    done.track(chunk)  # else pyzmq copies it during the send call
+                parts.append(chunk)
+            del flat, chunk
         if done is None:
             # Everything was copied: it is safe to return as soon as libzmq has the message.
             if not peer.busy:
@@ -318,33 +321,35 @@ class ZmqTransport(Transport):
                     pass
             if sent:
                 del parts  # from now on only libzmq holds the tensor memory
-                await self._await_release(peer, done)
-                self.stats.sent_messages += 1
-                self.stats.sent_bytes += total
+                ok = await self._await_release(peer, done)
             else:
                 ok = await self._send_queued(peer, parts, total, count=False)
                 del parts
                 if ok:
-                    await self._await_release(peer, done)
-                    self.stats.sent_messages += 1
-                    self.stats.sent_bytes += total
+                    ok = await self._await_release(peer, done)
                 else:
-                    await done.future  # the queued copy was discarded: wait for its release
+                    await done.future  # the queued message was discarded: wait for its release
+            if ok:
+                self.stats.sent_messages += 1
+                self.stats.sent_bytes += total
         finally:
             self._inflight.discard(done)
 
-    async def _await_release(self, peer: _Peer, done: _SendDone) -> None:
+    async def _await_release(self, peer: _Peer, done: _SendDone) -> bool:
+        """Wait until libzmq is done with the frames. False if that took too long."""
         fut = done.future
         if fut.done():
-            return
+            return True
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.send_timeout)
+            return True
         except asyncio.TimeoutError:
             log.warning("rank %d: send to rank %d not taken within %.1fs; dropping it and "
                         "resetting the connection", self.rank, peer.rank, self.send_timeout)
             self.stats.drop("send_timeout")
             self._reset_peer(peer)
             await fut  # closing the socket makes libzmq release the queued frames
+            return False
 
     async def _send_queued(self, peer: _Peer, parts: list[Any], total: int, *, count: bool = True) -> bool:
         """Send through zmq.asyncio (waits for room in the queue). False if it timed out."""
