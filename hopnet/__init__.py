@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "init": "hopnet.api",
     "Worker": "hopnet.api",
+    "AsyncWorker": "hopnet.api",
     "DistributedOptimizer": "hopnet.api",
     "ProtocolConfig": "hopnet.config",
     "ConfigError": "hopnet.errors",
@@ -28,7 +29,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from hopnet.api import DistributedOptimizer, Worker, init
+    from hopnet.api import AsyncWorker, DistributedOptimizer, Worker, init
     from hopnet.config import ProtocolConfig
     from hopnet.errors import ConfigError, GraphError, HopnetError, PeerFailure, WaitTimeout
     from hopnet.graph import Graph

@@ -132,6 +132,49 @@ class Worker:
         self.close()
 
 
+class AsyncWorker:
+    """The same worker for asyncio code: the node runs on the caller's own event loop.
+
+    ::
+
+        worker = await AsyncWorker.start(rank=..., graph=..., config=..., params=..., transport=...)
+        while worker.iteration < total:
+            ...                                   # compute (off the loop for heavy work)
+            await worker.step(apply, last=worker.iteration == total - 1)
+        await worker.close()
+    """
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @classmethod
+    async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
+                    transport: Transport, exchange: AddressExchange | None = None,
+                    events: EventLog | None = None) -> AsyncWorker:
+        protocol = make_protocol(config, params)
+        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        try:
+            await node.start(exchange)
+        except BaseException:
+            await node.close(leave=False)
+            raise
+        return cls(node)
+
+    @property
+    def iteration(self) -> int:
+        return self.node.protocol.iteration
+
+    async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
+        """Finish the current iteration; with ``last`` the worker does not enter another."""
+        await self.node.protocol.finish_iteration(apply, last=last)
+
+    def report(self, **metrics: Any) -> None:
+        self.node.report(**metrics)
+
+    async def close(self) -> None:
+        await self.node.close()
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer: ``step()`` runs the protocol around the real step.
 
