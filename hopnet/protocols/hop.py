@@ -187,7 +187,8 @@ class HopProtocol(Protocol):
                 apply()
         if self.notify_ack:
             for j in self.in_peers:
-                self.node.post(Message("ack", self.rank, j, k))
+                if j not in self.departed_after:
+                    self.node.post(Message("ack", self.rank, j, k))
         self.node.iteration_done(k, self)
         if last:
             return
@@ -200,7 +201,8 @@ class HopProtocol(Protocol):
 
     async def stop(self) -> None:
         for peer in self.peers:
-            self.node.post(Message("bye", self.rank, peer, self.iteration))
+            if peer not in self.departed_after:
+                self.node.post(Message("bye", self.rank, peer, self.iteration))
         await self.node.flush()
 
     async def _maybe_skip(self, k: int) -> int:
@@ -242,7 +244,8 @@ class HopProtocol(Protocol):
         if self.config.serial:
             if credit:
                 for j in self.in_peers:
-                    self.node.post(Message("token", self.rank, j, k, meta={CREDIT: credit}))
+                    if j not in self.departed_after:
+                        self.node.post(Message("token", self.rank, j, k, meta={CREDIT: credit}))
         else:
             self._send_updates(k, credit)
 
@@ -255,7 +258,10 @@ class HopProtocol(Protocol):
         # An out-neighbour already in iteration m uses updates no older than m - s (s = 0
         # without staleness); anything older would be dropped on arrival, so it is not sent.
         newest_useful = k + (self.staleness or 0)
+        gone = self.departed_after
         for peer in self.peers:
+            if peer in gone:
+                continue  # it left: nothing sent to it would be read
             meta = {CREDIT: credit} if credit and peer in self._in_peer_set else None
             if peer in self._out_peer_set and known[peer] <= newest_useful:
                 self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))

@@ -11,6 +11,7 @@ the seed, so a run is reproducible byte for byte.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import random
 import time
@@ -165,10 +166,16 @@ def simulate(spec: SimSpec) -> SimResult:
     spec.validate()
     started = time.perf_counter()
     loop = VirtualTimeLoop()
+    # A large run creates hundreds of thousands of short-lived objects that hold no cycles;
+    # without this the cyclic collector takes about a third of the time at 1024 workers.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         return loop.run_until_complete(_run(spec, started))
     finally:
         loop.close()
+        if gc_was_enabled:
+            gc.enable()
 
 
 async def _run(spec: SimSpec, started: float) -> SimResult:

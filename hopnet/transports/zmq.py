@@ -164,10 +164,9 @@ class ZmqTransport(Transport):
         self.send_timeout = float(send_timeout)
         self._own_context = context is None
         self._ctx = context
-        self._router: zmq.asyncio.Socket | None = None
-        self._router_raw: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._router_fd: int | None = None
         self._receiver: Receiver | None = None
-        self._recv_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._peers: dict[int, _Peer] = {}
         self._ids = {s: routing_id(s) for s in self.allowed_senders}
@@ -185,7 +184,8 @@ class ZmqTransport(Transport):
         self._loop = asyncio.get_running_loop()
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
+        # A plain socket: the loop watches its FD directly (see _on_readable).
+        sock = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer replaces its stale connection
@@ -195,10 +195,11 @@ class ZmqTransport(Transport):
             sock.close(0)
             raise HopnetError(f"rank {self.rank} cannot bind {self.bind}: {exc}") from None
         self._router = sock
-        self._router_raw = zmq.Socket.shadow(sock.underlying)
         self._receiver = receiver
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._recv_task = self._loop.create_task(self._recv_loop(), name=f"hopnet-zmq-recv-{self.rank}")
+        self._router_fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._router_fd, self._on_readable)
+        self._loop.call_soon(self._on_readable)  # the FD is edge-triggered: look once now
         return self.address
 
     async def connect(self, addresses: Mapping[int, str]) -> None:
@@ -230,19 +231,15 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        task, self._recv_task = self._recv_task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._router_fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._router_fd)
+        self._router_fd = None
         for peer in self._peers.values():
             peer.sock.close(LINGER_MS)
         self._peers.clear()
         if self._router is not None:
             self._router.close(0)
-            self._router = self._router_raw = None
+            self._router = None
         self._receiver = None
         if self._own_context and self._ctx is not None:
             ctx, self._ctx = self._ctx, None
@@ -381,39 +378,38 @@ class ZmqTransport(Transport):
 
     # ---------------------------------------------------------------- receiving
 
-    async def _recv_loop(self) -> None:
-        sock, raw = self._router, self._router_raw
-        assert sock is not None and raw is not None
+    def _on_readable(self) -> None:
+        """Drain the ROUTER. Called by the loop when the socket's (edge-triggered) FD fires.
+
+        A reader callback instead of a task awaiting zmq.asyncio's recv: no Future and no
+        task switch per message, which is most of the cost of a control message.
+        """
+        sock = self._router
+        if sock is None:
+            return
         handle = self._handle
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or sock.closed:
-                    return
-                self.stats.drop("internal_error")
-                log.debug("rank %d: receive failed", self.rank, exc_info=True)
-                await asyncio.sleep(0.01)
-                continue
-            except Exception:
-                self.stats.drop("internal_error")
-                log.debug("rank %d: receive failed", self.rank, exc_info=True)
-                await asyncio.sleep(0.01)
-                continue
-            handle(frames)
-            # Drain what is already queued without a Future per message.
+        try:
             for _ in range(_DRAIN_BATCH):
                 try:
-                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    break  # reported by the awaited receive above
+                    # recv processed libzmq's pending commands, so the FD fires again on
+                    # the next message; re-check EVENTS anyway to close any race.
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        return
+                    continue
                 handle(frames)
-            else:
-                await asyncio.sleep(0)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or sock.closed:
+                return
+            self.stats.drop("internal_error")
+            log.debug("rank %d: receive failed", self.rank, exc_info=True)
+        except Exception:
+            self.stats.drop("internal_error")
+            log.debug("rank %d: receive failed", self.rank, exc_info=True)
+        # Batch used up (or an error): let other callbacks run, then continue draining.
+        if self._router is sock and self._loop is not None:
+            self._loop.call_soon(self._on_readable)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
