@@ -138,3 +138,16 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     assert stop["iter"] == 149
     assert sum(stop["dropped"].values()) >= 100, stop["dropped"]
     assert "bad_header" in stop["dropped"] or "truncated" in stop["dropped"]
+
+
+def test_zero_copy_sends_to_a_finished_neighbour_do_not_stall(launch, tmp_path: Path) -> None:
+    """With backup workers the fast workers finish first; the straggler's last zero-copy
+    updates to them must be released when they leave, not wait out the send timeout."""
+    run_dir = tmp_path / "run"
+    result = launch(["--graph", "ring:3", "--backup-workers", "1", "--slowdown", "rank=0:4",
+                     "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "20",
+                     "--compute-ms", "20", "--dim", "20000"])  # 160 KB: the zero-copy path
+    assert result.returncode == 0, result.stderr
+    for rank, records in load_run(run_dir).items():
+        stop = next(rec for rec in records if rec["event"] == "stop")
+        assert "send_timeout" not in stop["dropped"], (rank, stop["dropped"])

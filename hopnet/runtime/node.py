@@ -93,6 +93,7 @@ class Node:
                 self.departed[msg.src] = msg.iter
                 self.record("peer_left", peer=msg.src, last_iter=msg.iter)
                 self.protocol.on_peer_departed(msg.src, msg.iter)
+                self.transport.forget_peer(msg.src)
             return
         self.protocol.on_message(msg)
 

@@ -82,6 +82,12 @@ class Transport(abc.ABC):
     async def send(self, msg: Message) -> None:
         """Send ``msg``. Returns once the caller may modify ``msg.tensors`` again."""
 
+    def forget_peer(self, rank: int) -> None:
+        """``rank`` left for good: drop what is still queued for it and send it nothing more.
+
+        Messages sent to it later are dropped and counted (``peer_left``), not errors: a
+        send may already be on its way when the news of the departure arrives."""
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop receiving and release sockets. Idempotent."""

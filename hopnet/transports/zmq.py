@@ -169,6 +169,7 @@ class ZmqTransport(Transport):
         self._receiver: Receiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._peers: dict[int, _Peer] = {}
+        self._departed: set[int] = set()
         self._ids = {s: routing_id(s) for s in self.allowed_senders}
         self._inflight: set[_SendDone] = set()
         self._closed = False
@@ -248,9 +249,20 @@ class ZmqTransport(Transport):
 
     # ---------------------------------------------------------------- sending
 
+    def forget_peer(self, rank: int) -> None:
+        peer = self._peers.pop(rank, None)
+        self._departed.add(rank)
+        if peer is not None:
+            # Closing without linger discards what is queued for the departed peer, which
+            # releases the tensor memory that zero-copy sends to it are waiting on.
+            peer.sock.close(0)
+
     async def send(self, msg: Message) -> None:
         peer = self._peers.get(msg.dst)
         if peer is None:
+            if msg.dst in self._departed:
+                self.stats.drop("peer_left")
+                return
             if self._closed:
                 raise HopnetError("transport is closed")
             raise HopnetError(f"rank {self.rank} has no connection to rank {msg.dst}; call connect() first")
