@@ -26,7 +26,10 @@ _EXPORTS = {
     "flatten_parameters": "hopnet.params",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AsyncWorker", "ConfigError", "DistributedOptimizer", "Graph", "GraphError", "HopnetError",
+    "PeerFailure", "ProtocolConfig", "WaitTimeout", "Worker", "flatten_parameters", "init",
+]
 
 if TYPE_CHECKING:
     from hopnet.api import AsyncWorker, DistributedOptimizer, Worker, init

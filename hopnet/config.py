@@ -97,6 +97,14 @@ class ProtocolConfig:
         for spec in self.slowdown:
             parse_slowdown(spec)
 
+    def validate_ranks(self, world_size: int) -> None:
+        """Check the options that name ranks (slowdowns, per-rank backup workers) against the run."""
+        self.make_slowdown().validate_ranks(world_size)
+        if isinstance(self.backup_workers, dict):
+            bad = sorted(r for r in self.backup_workers if r >= world_size)
+            if bad:
+                raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
+
     @property
     def has_backup_workers(self) -> bool:
         bw = self.backup_workers

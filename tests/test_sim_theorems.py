@@ -34,7 +34,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hopnet import Graph, ProtocolConfig
-from hopnet.errors import WaitTimeout
 from hopnet.sim.engine import ComputeModel, SimResult, SimSpec, simulate
 
 Bound = Callable[[np.ndarray, int, int, ProtocolConfig], int]

@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from hopnet.cli.graph_cmd import load_graph
-from hopnet.config import ProtocolConfig, add_protocol_arguments, config_from_args
+from hopnet.config import add_protocol_arguments, config_from_args
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.sim.engine import ComputeModel, SimResult, SimSpec, simulate
@@ -161,20 +161,12 @@ def parse_stops(items: list[str], n: int) -> dict[int, int]:
     return stops
 
 
-def check_config_ranks(config: ProtocolConfig, n: int) -> None:
-    config.make_slowdown().validate_ranks(n)
-    if isinstance(config.backup_workers, dict):
-        bad = sorted(r for r in config.backup_workers if r >= n)
-        if bad:
-            raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {n} workers)")
-
-
 def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     """The simulation ``args`` ask for, and its inputs as a JSON-ready dict."""
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
     config = config_from_args(args)
-    check_config_ranks(config, n)
+    config.validate_ranks(n)
     iterations = _int("--iterations", args.iterations)
     if iterations < 1:
         raise ConfigError(f"--iterations must be >= 1 (got {iterations})")

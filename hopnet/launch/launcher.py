@@ -96,15 +96,6 @@ def resolve_graph(graph: Graph | str | os.PathLike[str] | None, nproc: int | Non
     return g, g.n
 
 
-def validate_config(config: ProtocolConfig, world_size: int) -> None:
-    """Check the parts of the configuration that name ranks against the world size."""
-    config.make_slowdown().validate_ranks(world_size)
-    if isinstance(config.backup_workers, dict):
-        bad = sorted(r for r in config.backup_workers if r >= world_size)
-        if bad:
-            raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
-
-
 def _slug(text: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", text).strip("-.")
     return slug or "graph"
@@ -403,7 +394,7 @@ def launch(
         raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
 
     g, world_size = resolve_graph(graph, nproc)
-    validate_config(config, world_size)
+    config.validate_ranks(world_size)
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))

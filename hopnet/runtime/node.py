@@ -20,7 +20,7 @@ from hopnet.graph import Graph
 from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
-from hopnet.transports.base import DISCARD, Transport
+from hopnet.transports.base import Transport
 from hopnet.wire import Header, Message
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
