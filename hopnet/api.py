@@ -97,6 +97,7 @@ class Worker:
         factor = self.slowdown.factor(self.rank, self.iteration)
         if factor > 1.0:
             time.sleep((factor - 1.0) * (time.perf_counter() - self._compute_started))
+            self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
         self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
         self.steps += 1

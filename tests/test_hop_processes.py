@@ -51,6 +51,8 @@ def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Pa
     for rank, records in events.items():
         stop = next(rec for rec in records if rec["event"] == "stop")
         assert stop["queue_high_water"] <= (1 + max_ig) * len(graph.in_peers(rank))
+    slowed = [rec for rec in events[0] if rec["event"] == "iteration" and rec.get("slowdown")]
+    assert len(slowed) >= 59 and all(rec["slowdown"] >= 6 for rec in slowed)  # visible in the log
 
 
 def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path) -> None:
