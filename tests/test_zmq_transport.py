@@ -13,7 +13,13 @@ import zmq.asyncio
 
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.transports.base import DISCARD
-from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport, routing_id
+from hopnet.transports.zmq import (
+    CHUNK_BYTES,
+    STAGE_BYTES,
+    STAGE_INFLIGHT,
+    ZmqTransport,
+    routing_id,
+)
 from hopnet.wire import Header, Message
 
 TIMEOUT = 5.0
@@ -85,7 +91,7 @@ async def test_control_round_trip(pair):
 
 
 async def test_tensor_dtypes_and_shapes(pair):
-    a, b, ra, rb = pair
+    a, b, _ra, rb = pair
     tensors = [
         torch.randn(3, 4),
         torch.randn(5, 7).to(torch.bfloat16),
@@ -94,6 +100,7 @@ async def test_tensor_dtypes_and_shapes(pair):
         torch.arange(100_000, dtype=torch.int64).reshape(100, 1000),  # above the copy threshold
         torch.tensor([True, False, True]),
         torch.randn(2, 3).to(torch.float16),
+        torch.randn(4, requires_grad=True),
     ]
     await a.send(Message("update", 0, 1, 3, tensors=tensors))
     m = await rb.get()
@@ -106,7 +113,7 @@ async def test_tensor_dtypes_and_shapes(pair):
 
 
 async def test_large_tensor_chunked_into_preallocated_buffer(pair):
-    a, b, ra, rb = pair
+    a, _b, _ra, rb = pair
     src = torch.randint(-2**31, 2**31 - 1, ((40 << 20) // 4,), dtype=torch.int32).view(torch.float32)
     expected = src.clone()
     slot = torch.empty_like(src)
@@ -121,7 +128,7 @@ async def test_large_tensor_chunked_into_preallocated_buffer(pair):
 
 
 async def test_discard_counts_a_drop(pair):
-    a, b, ra, rb = pair
+    a, b, _ra, rb = pair
     rb.buffers = DISCARD
     await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(1000)]))
     await wait_until(lambda: b.stats.dropped["discarded"] == 1)
@@ -132,7 +139,7 @@ async def test_discard_counts_a_drop(pair):
 
 
 async def test_bad_buffers_and_receiver_errors_do_not_kill_the_loop(pair):
-    a, b, ra, rb = pair
+    a, b, _ra, rb = pair
     rb.buffers = [torch.empty(3)]  # wrong shape for what arrives
     await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(4)]))
     await wait_until(lambda: b.stats.dropped["bad_buffers"] == 1)
@@ -179,7 +186,7 @@ async def test_malformed_input_is_dropped_by_reason():
         for i, (reason, parts) in enumerate(cases):
             before = t.stats.dropped[reason]
             await raw.send_multipart(parts)
-            await wait_until(lambda: t.stats.dropped[reason] == before + 1)
+            await wait_until(lambda reason=reason, before=before: t.stats.dropped[reason] == before + 1)
             # the receive loop survived: a valid message still arrives
             await raw.send_multipart([raw_header(specs=[f32_4], it=i), torch.arange(4.0).numpy().tobytes()])
             m = await rec.get()
@@ -200,17 +207,21 @@ async def test_queues_until_the_peer_is_up(tmp_path):
     await a.start(Recv())
     await a.connect({1: addr_b})
     await a.send(Message("hello", 0, 1, 0))
-    big = torch.randn(1 << 18)
-    sending = asyncio.create_task(a.send(Message("update", 0, 1, 1, tensors=[big])))
+    mid = torch.randn(1 << 18)  # 1 MiB: staged, so send() returns at once
+    await a.send(Message("update", 0, 1, 1, tensors=[mid]))
+    expected_mid = mid.clone()
+    mid.zero_()
+    big = torch.randn((STAGE_BYTES // 4) + 1)  # zero-copy
+    sending = asyncio.create_task(a.send(Message("update", 0, 1, 2, tensors=[big])))
     await asyncio.sleep(0.1)
-    assert not sending.done()  # zero-copy: libzmq still holds the tensor memory
+    assert not sending.done()  # libzmq still holds the tensor memory
     b = ZmqTransport(1, frozenset({0}), bind=addr_b)
     rb = Recv()
     assert await b.start(rb) == addr_b
     try:
         assert (await rb.get()).kind == "hello"
-        m = await rb.get()
-        assert torch.equal(m.tensors[0], big)
+        assert torch.equal((await rb.get()).tensors[0], expected_mid)
+        assert torch.equal((await rb.get()).tensors[0], big)
         await asyncio.wait_for(sending, TIMEOUT)
     finally:
         await a.close()
@@ -222,13 +233,35 @@ async def test_send_to_a_missing_peer_times_out(tmp_path):
     await a.start(Recv())
     await a.connect({1: f"ipc://{tmp_path}/nobody.sock"})
     t0 = time.monotonic()
-    await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1 << 20)]))
+    await a.send(Message("update", 0, 1, 0, tensors=[torch.ones((STAGE_BYTES // 4) + 1)]))
     assert time.monotonic() - t0 < 2.0
     assert a.stats.dropped["send_timeout"] == 1 and a.stats.sent_messages == 0
+    # staged sends return at once while at most STAGE_INFLIGHT of them wait in libzmq
+    for i in range(STAGE_INFLIGHT):
+        await asyncio.wait_for(a.send(Message("update", 0, 1, 1 + i, tensors=[torch.ones(1 << 18)])), 1.0)
+    t0 = time.monotonic()
+    await a.send(Message("update", 0, 1, 9, tensors=[torch.ones(1 << 18)]))
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert a.stats.dropped["send_timeout"] == 2
+    assert a._peers[1].staged == 0  # the reset released the staged buffers
     await a.send(Message("hello", 0, 1, 1))  # the reset connection still accepts sends
     t0 = time.monotonic()
     await a.close()
     assert time.monotonic() - t0 < 2.0
+
+
+async def test_forget_peer_releases_pending_sends(tmp_path):
+    a = ZmqTransport(0, frozenset({1}))
+    await a.start(Recv())
+    await a.connect({1: f"ipc://{tmp_path}/gone.sock"})
+    sending = asyncio.create_task(a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1 << 21)])))
+    await asyncio.sleep(0.05)
+    assert not sending.done()
+    a.forget_peer(1)
+    await asyncio.wait_for(sending, 2.0)  # not the 60 s send timeout
+    await a.send(Message("token", 0, 1, 1))
+    assert a.stats.dropped["peer_left"] == 1
+    await a.close()
 
 
 async def test_lifecycle_errors(tmp_path):
@@ -244,6 +277,23 @@ async def test_lifecycle_errors(tmp_path):
     await a.close()  # idempotent
     with pytest.raises(HopnetError):
         await a.send(Message("hello", 0, 1, 0))
+
+
+async def test_concurrent_sends_keep_their_order(pair):
+    """Sends started from many tasks at once (as Node.post does) arrive in call order."""
+    a, b, _ra, rb = pair
+    sizes = [0, 1 << 18, 10, (STAGE_BYTES // 4) + 1000, 1 << 18, 1 << 18, 1 << 18, 0, 3 << 18, 5]
+    msgs = []
+    for i in range(40):
+        n = sizes[i % len(sizes)]
+        tensors = [torch.full((n,), float(i))] if n else []
+        msgs.append(Message("update" if n else "token", 0, 1, i, tensors=tensors))
+    await asyncio.gather(*(asyncio.create_task(a.send(m)) for m in msgs))
+    for i in range(40):
+        m = await rb.get()
+        assert m.iter == i
+        assert all(torch.all(t == i) for t in m.tensors)
+    assert a.stats.sent_messages == 40 and not b.stats.dropped
 
 
 def test_default_bind_is_loopback():

@@ -18,11 +18,21 @@ a message whose header ``src`` differs from the connection's routing id
 (``spoofed_src``). The routing id is chosen by the connecting peer, so this catches
 confused or buggy peers, not an attacker (there is no authentication).
 
-Sending is zero-copy for tensor frames of at least :data:`COPY_THRESHOLD` bytes: libzmq
-reads the tensor's memory after ``send_multipart`` has returned, so :meth:`send` waits
-until libzmq has released every such frame (the bytes are in the kernel) before it
-returns. Smaller frames are copied, and a message without large frames (every control
-message) is sent with a single non-blocking call and no completion tracking.
+Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensors):
+
+- no frame of :data:`COPY_THRESHOLD` bytes or more (every control message): libzmq copies
+  the frames in one non-blocking call; no Futures, no completion tracking;
+- at most :data:`STAGE_BYTES` of tensors: copied into a pooled staging buffer that libzmq
+  sends from, so the next message can queue while this one is written;
+- larger: zero-copy from the tensors' memory, and ``send`` waits until libzmq has
+  released every frame (written it to the kernel).
+
+Messages to one peer leave in the order of the ``send`` calls, also when ``send`` is
+called from several tasks at once.
+
+Receiving: the event loop watches the ROUTER's file descriptor and a reader callback
+drains it, validates each message, asks the receiver for buffers and copies the frames
+into them (or into new tensors), then calls ``deliver``. No exception escapes it.
 
 Peers that are not up yet: DEALERs connect with ``IMMEDIATE`` off, so messages queue
 (up to :data:`HWM` messages per peer) until the connection is made. Peers that are gone:
@@ -36,7 +46,11 @@ blocks forever; messages to a dead peer are lost, as on any network.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
+import platform
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -49,26 +63,52 @@ import zmq.asyncio
 
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.wire import DecodeError, Header, Message, decode_header, encode_header
+from hopnet.wire import DecodeError, Message, decode_header, encode_header
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 << 20
-"""Largest tensor frame on the wire. Part of the wire format: both ends must agree.
+CHUNK_BYTES = 1 << 20
+"""Largest tensor frame on the wire (1 MiB). Part of the wire format: both ends must agree.
 
-A single libzmq receive of more than ~32 MiB costs an ``mmap`` plus a page fault on
-every page (glibc's dynamic mmap threshold tops out at 32 MiB); chunks of at most
-16 MiB are served from the reused heap instead. See bench/README.md for measurements.
+libzmq receives every frame into a buffer it allocates. One frame per large tensor is
+slow: above ~32 MiB glibc maps fresh pages for each (a page fault per 4 KiB, which on
+the reference VM costs more than the copy). Frames of at most a few MiB come from the
+reused heap; 1 MiB measured best there (bench/README.md: 16, 4, 2, 1 and 0.5 MiB were
+compared, 1 MiB was as fast or faster for 16 and 64 MiB tensors, and the receiver's
+copy into the destination tensor is cheapest from small, reused buffers).
 """
 
 COPY_THRESHOLD = 64 << 10
 """Tensor frames smaller than this are copied into libzmq instead of sent zero-copy:
 a 64 KiB memcpy costs less than tracking when libzmq is done with the memory."""
 
+STAGE_BYTES = 1 << 20
+"""Messages with at most this many tensor bytes (and a frame of at least
+:data:`COPY_THRESHOLD`) are copied into a pooled staging buffer and
+:meth:`ZmqTransport.send` returns without waiting for libzmq (see ``_send_staged``);
+larger ones are sent zero-copy from the tensors. Measured on the reference VM: staging
+made 1 MiB messages ~25% faster and 2-4 MiB ones no faster or slower."""
+
+STAGE_INFLIGHT = 2
+"""``send`` of a staged message returns once at most this many staged messages to the
+peer are still in libzmq (back-pressure on a sender that outruns the link)."""
+
+STAGE_MAX_INFLIGHT = 8
+"""Past this many staged messages in libzmq for one peer (only reached with many
+concurrent senders), messages are sent zero-copy instead: bounds staging memory."""
+
+STAGE_POOL_BYTES = 32 << 20
+"""Most bytes of idle staging buffers a transport keeps for reuse."""
+
 HWM = 100_000
 """Send and receive high-water marks, in messages per peer. DEALER and ROUTER never drop
 inbound or outbound messages at the HWM (they block / apply back-pressure), so this only
 bounds how much can queue for a peer that is slow or not up yet."""
+
+MAX_FRAME_BYTES = 64 << 20
+"""Largest frame the ROUTER accepts (libzmq disconnects a peer that sends a bigger one):
+far above any legitimate frame (tensor frames are at most CHUNK_BYTES, headers are small),
+it only keeps a confused peer from making this process allocate without bound."""
 
 LINGER_MS = 200
 """How long ``close`` lets libzmq flush messages that are still queued."""
@@ -78,19 +118,75 @@ DEFAULT_SEND_TIMEOUT = 60.0
 _DRAIN_BATCH = 256  # messages handled per wake-up before yielding to other tasks
 
 
+_malloc_tuned: bool | None = None
+
+
+def tune_malloc() -> bool:
+    """Stop glibc from handing large message buffers back to the kernel after every use.
+
+    libzmq allocates a fresh buffer for every frame it receives. With glibc's defaults a
+    large buffer is ``mmap``-ed, or the heap top is trimmed after ``free``, so the next
+    message faults its pages in again: receiving 64 MiB messages faulted on 0.24-0.44 of
+    all 4 KiB pages on the reference VM, and throughput dropped by a quarter (see
+    bench/README.md, "Transport"). Fixing ``M_MMAP_THRESHOLD`` at 32 MiB and
+    ``M_TRIM_THRESHOLD`` at 512 MiB keeps those buffers in the heap for reuse. This is
+    process-wide (it also makes PyTorch's CPU allocations reuse memory instead of
+    faulting it in again) and is what ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` would do; the cost is up to that much freed memory kept
+    by the process. Done once per process by :meth:`ZmqTransport.start` unless
+    ``tune_malloc=False`` or ``HOPNET_TUNE_MALLOC=0``. Returns whether it is in effect.
+    """
+    global _malloc_tuned
+    if _malloc_tuned is not None:
+        return _malloc_tuned
+    _malloc_tuned = False
+    if sys.platform != "linux" or os.environ.get("HOPNET_TUNE_MALLOC", "1") == "0":
+        return False
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    _malloc_tuned = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 512 << 20))
+    log.debug("glibc malloc tuned for message buffers: %s", _malloc_tuned)
+    return _malloc_tuned
+
+
 def routing_id(rank: int) -> bytes:
     """The ZeroMQ routing id a rank's DEALERs present to their peers."""
     return str(rank).encode("ascii")
 
 
 def _check_address(address: str, what: str) -> None:
-    if not isinstance(address, str) or not (address.startswith("tcp://") or address.startswith("ipc://")):
+    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{what} must be tcp://HOST:PORT or ipc:///path, got {address!r}")
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory (works for bfloat16)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+_WaitTimeout = asyncio.TimeoutError  # not the builtin TimeoutError before Python 3.11
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
+def _send_now(sock: zmq.Socket, parts: list[Any]) -> None:
+    """``send_multipart(parts, NOBLOCK, copy=False)`` minus pyzmq's per-call checks.
+
+    Raises ``zmq.Again`` only on the first part: libzmq counts the high-water mark in
+    whole messages, so once a message's first part is accepted the rest are too.
+    """
+    send = sock.send
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        send(part, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
 
 
 def _frame_count(nbytes: int) -> int:
@@ -109,7 +205,7 @@ class _SendDone:
     polling.
     """
 
-    __slots__ = ("loop", "future", "_left", "_lock", "_refs", "__weakref__")
+    __slots__ = ("__weakref__", "_left", "_lock", "_refs", "future", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -134,12 +230,42 @@ class _SendDone:
                 pass
 
     def _finish(self) -> None:
+        self._refs.clear()  # all dead by now; breaks the done <-> callback cycle
         if not self.future.done():
             self.future.set_result(None)
 
 
+class _BufferPool:
+    """Reusable uint8 buffers by size (rounded up to 64 KiB), so staging copies land in
+    memory that is already mapped and warm instead of fresh pages."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    @staticmethod
+    def _round(n: int) -> int:
+        return -(-n // (64 << 10)) * (64 << 10)
+
+    def take(self, n: int) -> np.ndarray:
+        size = self._round(n)
+        free = self._free.get(size)
+        if free:
+            self.held -= size
+            return free.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        size = buf.nbytes
+        if self.held + size > self.max_bytes:
+            return
+        self.held += size
+        self._free.setdefault(size, []).append(buf)
+
+
 class _Peer:
-    __slots__ = ("rank", "address", "sock", "raw", "busy")
+    __slots__ = ("address", "busy", "rank", "raw", "sock", "stage_waiters", "staged")
 
     def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket) -> None:
         self.rank = rank
@@ -147,7 +273,10 @@ class _Peer:
         self.sock = sock
         # A plain socket sharing the same libzmq socket: non-blocking sends without Futures.
         self.raw = zmq.Socket.shadow(sock.underlying)
+        self.raw.copy_threshold = COPY_THRESHOLD
         self.busy = 0  # sends waiting in zmq.asyncio's queue (keeps per-peer order)
+        self.staged = 0  # staged messages libzmq still holds
+        self.stage_waiters: list[asyncio.Future] = []
 
 
 class ZmqTransport(Transport):
@@ -155,13 +284,14 @@ class ZmqTransport(Transport):
 
     def __init__(self, rank: int, allowed_senders: frozenset[int], *, bind: str = "tcp://127.0.0.1:*",
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, tune_malloc: bool = True) -> None:
         super().__init__(rank, frozenset(allowed_senders))
         _check_address(bind, "bind address")
         if send_timeout <= 0:
             raise ConfigError(f"send_timeout must be positive, got {send_timeout}")
         self.bind = bind
         self.send_timeout = float(send_timeout)
+        self._tune_malloc = tune_malloc
         self._own_context = context is None
         self._ctx = context
         self._router: zmq.Socket | None = None
@@ -172,6 +302,7 @@ class ZmqTransport(Transport):
         self._departed: set[int] = set()
         self._ids = {s: routing_id(s) for s in self.allowed_senders}
         self._inflight: set[_SendDone] = set()
+        self._stage_pool = _BufferPool(STAGE_POOL_BYTES)
         self._closed = False
         self.address: str | None = None
 
@@ -183,13 +314,17 @@ class ZmqTransport(Transport):
         if self._router is not None:
             raise HopnetError("transport already started")
         self._loop = asyncio.get_running_loop()
+        if self._tune_malloc:
+            tune_malloc()
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         # A plain socket: the loop watches its FD directly (see _on_readable).
         sock = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer replaces its stale connection
+        # ROUTER_HANDOVER stays off: a second connection presenting a connected peer's
+        # routing id is ignored rather than allowed to cut off the real peer's pipe.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer sending more is disconnected
         try:
             sock.bind(self.bind)
         except zmq.ZMQError as exc:
@@ -250,6 +385,7 @@ class ZmqTransport(Transport):
     # ---------------------------------------------------------------- sending
 
     def forget_peer(self, rank: int) -> None:
+        """See :meth:`Transport.forget_peer`: later sends to ``rank`` count ``peer_left``."""
         peer = self._peers.pop(rank, None)
         self._departed.add(rank)
         if peer is not None:
@@ -282,49 +418,124 @@ class ZmqTransport(Transport):
         await self._send_tensors(peer, header, msg.tensors)
 
     async def _send_tensors(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor]) -> None:
-        parts: list[Any] = [header]
-        done: _SendDone | None = None
-        total = 0
+        sizes = []
         for t in tensors:
             if t.device.type != "cpu":
                 raise HopnetError(f"ZmqTransport sends CPU tensors only, got one on {t.device}")
-            nbytes = t.numel() * t.element_size()
-            total += nbytes
-            if nbytes == 0:
-                parts.append(b"")
+            sizes.append(t.numel() * t.element_size())
+        total = sum(sizes)
+        if max(sizes) < COPY_THRESHOLD:
+            # pyzmq copies every frame (all under sock.copy_threshold): done once libzmq has it.
+            parts: list[Any] = [header]
+            parts.extend(_byte_view(t) if n else b"" for t, n in zip(tensors, sizes))
+            await self._send_copied(peer, parts, total)
+        elif total <= STAGE_BYTES:
+            await self._send_staged(peer, header, tensors, sizes, total)
+        else:
+            await self._send_zero_copy(peer, header, tensors, sizes, total)
+
+    async def _send_copied(self, peer: _Peer, parts: list[Any], total: int) -> None:
+        if not peer.busy:
+            try:
+                _send_now(peer.raw, parts)
+            except zmq.Again:
+                pass
+            else:
+                self.stats.sent_messages += 1
+                self.stats.sent_bytes += total
+                return
+        await self._send_queued(peer, parts, total)
+
+    async def _send_staged(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor],
+                           sizes: list[int], total: int) -> None:
+        """Copy the tensors into a pooled buffer, hand that to libzmq and return early.
+
+        For small messages the wait until libzmq releases a zero-copy frame (written to
+        the kernel, then pyzmq's gc thread wakes the loop) would leave the link idle
+        between messages; a memcpy is cheaper. The staged message is queued at once (so
+        order is kept), then ``send`` waits only while more than STAGE_INFLIGHT staged
+        messages to this peer are still in libzmq: the link always has the next message
+        ready. Past STAGE_MAX_INFLIGHT (many concurrent senders) messages go zero-copy,
+        which bounds the staging memory.
+        """
+        if peer.staged >= STAGE_MAX_INFLIGHT:
+            await self._send_zero_copy(peer, header, tensors, sizes, total)
+            return
+        buf = self._stage_pool.take(total)
+        done = _SendDone(self._loop or asyncio.get_running_loop())
+        parts: list[Any] = [header]
+        view = memoryview(buf)
+        off = 0
+        for t, n in zip(tensors, sizes):
+            if n < COPY_THRESHOLD:
+                parts.append(_byte_view(t) if n else b"")  # pyzmq copies it anyway
                 continue
-            if nbytes < COPY_THRESHOLD:
-                parts.append(_byte_view(t))  # pyzmq copies frames under sock.copy_threshold
+            buf[off:off + n] = _byte_view(t)
+            for c in range(off, off + n, CHUNK_BYTES):
+                frame = view[c:min(c + CHUNK_BYTES, off + n)]
+                if frame.nbytes >= COPY_THRESHOLD:
+                    done.track(frame)  # else pyzmq copies it during the send call
+                parts.append(frame)
+            off += n
+        del view, frame
+        peer.staged += 1
+        self._inflight.add(done)  # the weakref callbacks need `done` alive
+        done.future.add_done_callback(lambda _f: self._unstage(peer, buf, done))
+        await self._send_copied(peer, parts, total)
+        del parts  # only libzmq may keep the frames alive now, or they are never released
+        if peer.staged > STAGE_INFLIGHT:
+            await self._wait_staged(peer)
+
+    def _unstage(self, peer: _Peer, buf: np.ndarray, done: _SendDone) -> None:
+        self._inflight.discard(done)
+        peer.staged -= 1
+        self._stage_pool.give(buf)
+        if peer.stage_waiters:
+            waiters, peer.stage_waiters = peer.stage_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _wait_staged(self, peer: _Peer) -> None:
+        """Wait until at most STAGE_INFLIGHT staged messages to ``peer`` are in libzmq."""
+        loop = self._loop or asyncio.get_running_loop()
+        deadline = loop.time() + self.send_timeout
+        while peer.staged > STAGE_INFLIGHT and self._peers.get(peer.rank) is peer:
+            fut = loop.create_future()
+            peer.stage_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+            except _WaitTimeout:
+                if self._peers.get(peer.rank) is not peer:
+                    return
+                log.warning("rank %d: sends to rank %d not taken within %.1fs; dropping what "
+                            "is queued and resetting the connection", self.rank, peer.rank,
+                            self.send_timeout)
+                self.stats.drop("send_timeout")
+                self._reset_peer(peer)
+                return
+
+    async def _send_zero_copy(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor],
+                              sizes: list[int], total: int) -> None:
+        parts: list[Any] = [header]
+        done = _SendDone(self._loop or asyncio.get_running_loop())
+        for t, n in zip(tensors, sizes):
+            if n < COPY_THRESHOLD:
+                parts.append(_byte_view(t) if n else b"")  # pyzmq copies it
                 continue
-            if done is None:
-                done = _SendDone(self._loop or asyncio.get_running_loop())
             flat = memoryview(_byte_view(t))
-            for off in range(0, nbytes, CHUNK_BYTES):
+            for off in range(0, n, CHUNK_BYTES):
                 chunk = flat[off:off + CHUNK_BYTES]
                 if chunk.nbytes >= COPY_THRESHOLD:
                     done.track(chunk)  # else pyzmq copies it during the send call
                 parts.append(chunk)
             del flat, chunk
-        if done is None:
-            # Everything was copied: it is safe to return as soon as libzmq has the message.
-            if not peer.busy:
-                try:
-                    peer.raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
-                else:
-                    self.stats.sent_messages += 1
-                    self.stats.sent_bytes += total
-                    return
-            await self._send_queued(peer, parts, total)
-            return
-
         self._inflight.add(done)
         try:
             sent = False
             if not peer.busy:
                 try:
-                    peer.raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                    _send_now(peer.raw, parts)
                     sent = True
                 except zmq.Again:
                     pass
@@ -352,7 +563,7 @@ class ZmqTransport(Transport):
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.send_timeout)
             return True
-        except asyncio.TimeoutError:
+        except _WaitTimeout:
             log.warning("rank %d: send to rank %d not taken within %.1fs; dropping it and "
                         "resetting the connection", self.rank, peer.rank, self.send_timeout)
             self.stats.drop("send_timeout")
@@ -361,25 +572,38 @@ class ZmqTransport(Transport):
             return False
 
     async def _send_queued(self, peer: _Peer, parts: list[Any], total: int, *, count: bool = True) -> bool:
-        """Send through zmq.asyncio (waits for room in the queue). False if it timed out."""
+        """Send through zmq.asyncio, which waits for room in the queue. False if the message
+        was dropped instead (timed out, or the socket was closed meanwhile)."""
         peer.busy += 1
-        sock = peer.sock
         try:
-            fut = sock.send_multipart(parts, copy=False)
+            fut = peer.sock.send_multipart(parts, copy=False)
             del parts
             try:
-                await asyncio.wait_for(fut, self.send_timeout)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait((fut,), timeout=self.send_timeout)
+            except asyncio.CancelledError:
+                fut.cancel()  # never send it later, from memory the caller owns again
+                raise
+            if not done:
+                fut.cancel()
                 log.warning("rank %d: queue to rank %d full for %.1fs; dropping a message",
                             self.rank, peer.rank, self.send_timeout)
                 self.stats.drop("send_timeout")
                 return False
+            if fut.cancelled():  # zmq.asyncio cancels queued sends when the socket closes
+                self.stats.drop(self._lost_reason(peer.rank))
+                return False
+            fut.result()
         finally:
             peer.busy -= 1
         if count:
             self.stats.sent_messages += 1
             self.stats.sent_bytes += total
         return True
+
+    def _lost_reason(self, rank: int) -> str:
+        if rank in self._departed:
+            return "peer_left"
+        return "closed" if self._closed else "send_timeout"
 
     def _reset_peer(self, peer: _Peer) -> None:
         """Replace a peer's DEALER, discarding what is queued on it (frees its buffers)."""
@@ -400,15 +624,16 @@ class ZmqTransport(Transport):
         if sock is None:
             return
         handle = self._handle
+        get = sock.get
         try:
             for _ in range(_DRAIN_BATCH):
+                # Reading EVENTS makes libzmq process its pending commands and re-arms the
+                # edge-triggered FD; cheaper than a receive that fails with EAGAIN.
+                if not get(_EVENTS) & _POLLIN:
+                    return
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = sock.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.Again:
-                    # recv processed libzmq's pending commands, so the FD fires again on
-                    # the next message; re-check EVENTS anyway to close any race.
-                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        return
                     continue
                 handle(frames)
         except zmq.ZMQError as exc:
@@ -551,4 +776,4 @@ def _new_tensor(dtype: torch.dtype, shape: tuple[int, ...], frames: list[zmq.Fra
     return t
 
 
-__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "ZmqTransport", "routing_id"]
+__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "STAGE_BYTES", "ZmqTransport", "routing_id", "tune_malloc"]
