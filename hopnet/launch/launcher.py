@@ -344,6 +344,17 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+
+def _collect_exit(workers: _Workers, pending: set[int]) -> tuple[int, int] | None:
+    """Wait up to one poll interval for a worker to exit; record it and return (rank, code)."""
+    try:
+        rank, code = workers.exits.get(timeout=_POLL_S)
+    except queue.Empty:
+        return None
+    workers.returncodes[rank] = code
+    pending.discard(rank)
+    return rank, code
+
 def launch(
     script: str | os.PathLike[str],
     script_args: Sequence[str] = (),
@@ -460,12 +471,10 @@ def launch(
             # --- wait
             pending = set(workers.procs)
             while pending and failed_rank is None and not trap.received:
-                try:
-                    rank, code = workers.exits.get(timeout=_POLL_S)
-                except queue.Empty:
+                exited = _collect_exit(workers, pending)
+                if exited is None:
                     continue
-                workers.returncodes[rank] = code
-                pending.discard(rank)
+                rank, code = exited
                 if code != 0:
                     failed_rank, reason, returncode = rank, _describe_exit(code), 1
                     _log(err_stream, f"worker {rank} failed ({reason})")
@@ -526,12 +535,7 @@ def _stop(workers: _Workers, pending: set[int], signum: int, grace_s: float, tra
     while pending and time.monotonic() < deadline:
         if len(trap.received) > signals_seen:
             break
-        try:
-            rank, code = workers.exits.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
-        workers.returncodes[rank] = code
-        pending.discard(rank)
+        _collect_exit(workers, pending)
     if pending:
         stragglers = sorted(r for r in pending if workers.procs[r].returncode is None)
         if stragglers:

@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
 
 from hopnet.errors import HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
@@ -147,6 +146,3 @@ class InprocTransport(Transport):
         self.network._detach(self.rank)
         self._receiver = None
 
-
-def torch_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
