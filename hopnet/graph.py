@@ -36,6 +36,7 @@ import os
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -587,6 +588,17 @@ class Graph:
             name = "hierarchical"
         return cls._undirected(n, pairs, name, machines=machines)
 
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str]) -> Graph:
+        """A JSON file if ``source`` exists, ends in ``.json`` or has no ``:``; else a builder spec."""
+        text = os.fspath(source)
+        if os.path.exists(text) or text.endswith(".json") or ":" not in text:
+            try:
+                return cls.from_json(Path(text))
+            except OSError as exc:  # from_json converts the usual ones; anything else too
+                raise GraphError(f"{text}: cannot read file: {exc.strerror or exc}") from None
+        return cls.by_name(text)
 
     @classmethod
     def by_name(cls, spec: str) -> Graph:

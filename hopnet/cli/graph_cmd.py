@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from hopnet.errors import GraphError
@@ -50,23 +48,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_make)
 
 
-def load_graph(source: str) -> Graph:
-    """Load ``source`` as a graph JSON file if it exists or ends in .json, else as a builder spec."""
-    if os.path.exists(source) or source.endswith(".json") or ":" not in source:
-        return load_graph_file(source)
-    return Graph.by_name(source)
-
-
-def load_graph_file(path: str) -> Graph:
-    """Load a graph JSON file; a missing or unreadable file is a :class:`GraphError`."""
-    try:
-        return Graph.from_json(Path(path))
-    except OSError as exc:  # from_json already converts these; belt and braces
-        raise GraphError(f"{path}: cannot read file: {exc.strerror or exc}") from None
-
-
 def _validate(args: argparse.Namespace) -> int:
-    g = load_graph_file(args.file)
+    g = Graph.load(args.file)
     print(f"{args.file}: ok ({g.n} nodes, {g.num_edges} edges)")
     return 0
 
@@ -117,7 +100,7 @@ def _ranges(ids: list[int]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
-    g = load_graph(args.graph)
+    g = Graph.load(args.graph)
     s = summary(g)
     if args.json:
         print(json.dumps(s))

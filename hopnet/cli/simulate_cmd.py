@@ -23,14 +23,14 @@ import os
 import sys
 from typing import Any
 
-from hopnet.cli.graph_cmd import load_graph
 from hopnet.config import add_protocol_arguments, config_from_args
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
+from hopnet.launch.launcher import DEFAULT_NPROC
+from hopnet.launch.launcher import resolve_graph as resolve_run_graph
 from hopnet.sim.engine import ComputeModel, SimResult, SimSpec, simulate
 from hopnet.transports.inproc import LinkModel
 
-DEFAULT_NPROC = 4
 DEFAULT_ITERATIONS = 100
 DEFAULT_COMPUTE = "10"
 BYTES_PER_MB = 1_000_000
@@ -113,19 +113,9 @@ def _number(flag: str, text: str) -> float:
 
 def resolve_graph(source: str | None, nproc_text: str | None) -> tuple[Graph, str]:
     """The graph and a label for it: ``--graph`` (checked against ``--nproc``) or a ring."""
-    nproc = None
-    if nproc_text is not None:
-        nproc = _int("--nproc", nproc_text)
-        if nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1 (got {nproc})")
-    if source is None:
-        n = DEFAULT_NPROC if nproc is None else nproc
-        g = Graph.ring(n)
-        return g, g.name or f"ring:{n}"
-    g = load_graph(source)
-    if nproc is not None and nproc != g.n:
-        raise ConfigError(f"--nproc {nproc} does not match the graph {source} ({g.n} nodes)")
-    return g, g.name or source
+    nproc = None if nproc_text is None else _int("--nproc", nproc_text)
+    graph, _ = resolve_run_graph(source, nproc)
+    return graph, graph.name or source or f"ring:{graph.n}"
 
 
 def _rank(flag: str, text: str, n: int, item: str) -> int:

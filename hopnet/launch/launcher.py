@@ -85,12 +85,8 @@ def resolve_graph(graph: Graph | str | os.PathLike[str] | None, nproc: int | Non
         g = graph
         label = g.name or "the graph"
     else:
-        spec = os.fspath(graph)
-        if ":" in spec and not os.path.exists(spec):
-            g = Graph.by_name(spec)
-        else:
-            g = Graph.from_json(spec)
-        label = spec
+        label = os.fspath(graph)
+        g = Graph.load(label)
     if nproc is not None and nproc != g.n:
         raise ConfigError(f"--nproc {nproc} does not match the graph {label} ({g.n} nodes)")
     return g, g.n
