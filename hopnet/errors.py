@@ -15,14 +15,26 @@ class GraphError(ConfigError):
     """A communication graph that is malformed or unusable."""
 
 
+PEER_STATES = ("stalled", "departed", "dead")
+"""What a failed wait can say about the peer it blames.
+
+``stalled``: the peer is alive (it still answers heartbeats) but sent nothing it owed;
+``departed``: it said goodbye (``bye``) before sending what was needed;
+``dead``: it went silent (its process died or its host stopped answering)."""
+
+
 class WaitTimeout(HopnetError, TimeoutError):
-    """A blocking wait expired. The message names what was awaited, from whom, and for which iteration."""
+    """A blocking wait expired. The message names what was awaited, from whom, and for which iteration.
+
+    ``peer`` is the rank the wait blames (``None`` when no peer is to blame) and
+    ``peer_state`` one of :data:`PEER_STATES` when it is known.
+    """
 
     def __init__(self, what: str, *, peer: int | None = None, iteration: int | None = None,
-                 waited_s: float | None = None) -> None:
+                 waited_s: float | None = None, peer_state: str | None = None) -> None:
         parts = [f"timed out waiting for {what}"]
         if peer is not None:
-            parts.append(f"from peer {peer}")
+            parts.append(f"from peer {peer}" + (f" ({peer_state})" if peer_state else ""))
         if iteration is not None:
             parts.append(f"in iteration {iteration}")
         if waited_s is not None:
@@ -30,6 +42,7 @@ class WaitTimeout(HopnetError, TimeoutError):
         super().__init__(" ".join(parts))
         self.what = what
         self.peer = peer
+        self.peer_state = peer_state
         self.iteration = iteration
         self.waited_s = waited_s
 
@@ -39,4 +52,14 @@ class ProtocolError(HopnetError):
 
 
 class PeerFailure(HopnetError):
-    """A peer is known to have stopped."""
+    """A peer is known to have stopped: it departed or died before sending what was needed.
+
+    ``peer`` names it and ``peer_state`` is ``"departed"`` or ``"dead"`` (see :data:`PEER_STATES`).
+    """
+
+    def __init__(self, message: str, *, peer: int | None = None, peer_state: str | None = None,
+                 iteration: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.peer_state = peer_state
+        self.iteration = iteration

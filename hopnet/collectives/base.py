@@ -1,0 +1,55 @@
+"""One all-reduce API for every protocol that reduces among a group of ranks.
+
+A group is an ordered tuple of global ranks. Every member calls
+``await collective.allreduce(group, tensor, op, tag=...)`` with the same group, the same
+tag and a tensor of the same shape and dtype; the call reduces in place and returns the
+tensor once this member holds the result. Results are bitwise identical on every member.
+
+The ``tag`` keeps groups apart: two all-reduces with different tags never mix, whether
+they run concurrently (disjoint groups) or back to back (the same group, round after
+round). Protocols build tags from what identifies the round, e.g. ``f"prague/{gid}"`` or
+``f"ar/{iteration}"``. Ranks outside the group take no part and are never touched.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from hopnet.errors import ConfigError
+
+ReduceOp = Literal["mean", "sum"]
+REDUCE_OPS: tuple[str, ...] = ("mean", "sum")
+
+
+def check_group(group: Sequence[int], rank: int, world_size: int) -> tuple[int, ...]:
+    """The group as a tuple, checked: distinct ranks in range, this rank among them."""
+    members = tuple(int(r) for r in group)
+    if not members:
+        raise ConfigError("an all-reduce group needs at least one rank")
+    if len(set(members)) != len(members):
+        raise ConfigError(f"all-reduce group {list(members)} names a rank twice")
+    bad = [r for r in members if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"all-reduce group {list(members)}: rank {bad[0]} out of range ({world_size} workers)")
+    if rank not in members:
+        raise ConfigError(f"rank {rank} called an all-reduce of group {list(members)} it is not a member of")
+    return members
+
+
+class Collective(abc.ABC):
+    """All-reduce among an ordered group of ranks, awaited on the node's event loop."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    async def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                        tag: str) -> torch.Tensor:
+        """Reduce ``tensor`` in place among ``group`` (sum, or sum / len(group) for mean)."""
+
+    async def close(self) -> None:
+        """Release what the collective holds (communicators, buffers)."""
