@@ -18,6 +18,7 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,9 +33,16 @@ from hopnet.params import flatten_parameters
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
+from hopnet.runtime import shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, Node
 from hopnet.transports.base import Transport
+
+CLOSE_TIMEOUT_S = 120.0
+"""Longest a close may take before the loop thread is abandoned (sends have their own timeout)."""
+
+ABORT_FLUSH_S = 1.0
+"""How long a failing worker waits for its last sends (its ``bye`` included) before closing."""
 
 
 class Worker:
@@ -57,13 +65,18 @@ class Worker:
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
         self._final_iteration: int | None = None
         self._closed = False
+        self.failure: BaseException | None = None
+        """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
         self.steps = 0
         try:
             self._thread.run(self.node.start(exchange))
         except BaseException:
-            self._thread.run(self.node.close(leave=False))
-            self._thread.stop()
+            try:
+                self._thread.run(self.node.close(leave=False), timeout_s=CLOSE_TIMEOUT_S)
+            finally:
+                self._thread.stop()
             raise
+        shutdown.track(self)
         self._compute_started = time.perf_counter()
 
     # ------------------------------------------------------------------ the loop
@@ -99,7 +112,11 @@ class Worker:
             time.sleep((factor - 1.0) * (time.perf_counter() - self._compute_started))
             self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
-        self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
+        try:
+            self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
+        except Exception as exc:
+            self.failure = exc
+            raise
         self.steps += 1
         self._compute_started = time.perf_counter()
 
@@ -117,14 +134,44 @@ class Worker:
         return dict(self.node.dropped_all())
 
     def close(self) -> None:
-        """Leave the run: tell the neighbours, flush, close sockets, stop the loop thread."""
+        """Leave the run: tell the neighbours, flush, close sockets, stop the loop thread.
+
+        Optional: a worker still open when the interpreter exits is closed then (see
+        :mod:`hopnet.runtime.shutdown`).
+        """
         if self._closed:
             return
         self._closed = True
+        shutdown.untrack(self)
         try:
-            self._thread.run(self.node.close())
+            self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
+
+    def abort(self, error: BaseException | None = None, exit_code: int = 1) -> None:
+        """Leave promptly because the process is failing with ``error`` / ``exit_code``.
+
+        Writes the ``error`` record (naming the peer to blame when the error names one),
+        says ``bye`` to the neighbours, waits at most :data:`ABORT_FLUSH_S` for sends in
+        flight, and closes. Never waits for the neighbours themselves.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        shutdown.untrack(self)
+        if isinstance(error, SystemExit) and self.failure is not None:
+            error = self.failure  # sys.exit(1) after catching a hopnet error: blame what step() raised
+        fields = shutdown.error_fields(error, exit_code)
+        iteration = shutdown.iteration_of(error)
+        try:
+            if self._thread.alive:
+                self._thread.run(self._abort(fields, iteration), timeout_s=CLOSE_TIMEOUT_S)
+        finally:
+            self._thread.stop()
+
+    async def _abort(self, fields: dict[str, Any], iteration: int | None) -> None:
+        self.node.record_error(fields, iteration)
+        await self.node.close(flush_timeout_s=ABORT_FLUSH_S)
 
     def __enter__(self) -> Worker:
         return self
@@ -211,9 +258,13 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`).
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
-    ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields.
+    ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields, except
+    those given explicitly on the launcher's command line (a :class:`ConfigError` names
+    both). Every rank must end up with the same options: the rendezvous refuses a rank
+    whose options differ from another's.
     """
     from hopnet.launch.env import WorkerEnv
+    from hopnet.launch.options import check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
     from hopnet.transports.zmq import ZmqTransport
 
@@ -224,10 +275,15 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     graph = Graph.from_json(env.graph_path)
     if graph.n != env.world_size:
         raise ConfigError(f"the graph has {graph.n} nodes but the launcher started {env.world_size} workers")
-    cfg = config if config is not None else env.config()
+    flags = env.config()
+    cfg = config if config is not None else flags
     if options:
         cfg = cfg.replace(**options)
         cfg.validate()
+    where = "hopnet.init()" if config is None else "the config passed to hopnet.init()"
+    check_explicit(flags, cfg, env.explicit_options, where)
+    cfg.validate_ranks(graph.n)
+    announced = json.loads(cfg.to_json())
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")
     flat = flatten_parameters(model) if model is not None else params
@@ -235,7 +291,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
-                                              cfg.timeout_s)
+                                              cfg.timeout_s, config=announced)
 
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,

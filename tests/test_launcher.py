@@ -162,7 +162,7 @@ def test_sigterm_to_launcher_reaches_every_worker(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=15)
     assert time.monotonic() - start < 5
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "hopnet launch: received SIGTERM, stopping 3 workers" in err.splitlines()
+    assert f"hopnet launch: received SIGTERM, stopping 3 workers; run dir {tmp_path / 'run'}" in err.splitlines()
     assert "hopnet launch: killing workers 2 (still running after 1s)" in err.splitlines()
     assert sorted(p.name for p in pid_dir.glob("*.sigterm")) == [f"rank{r}.sigterm" for r in range(3)]
     _assert_all_gone(_pids(pid_dir))

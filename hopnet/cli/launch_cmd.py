@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Collection
+from typing import Any
 
 from hopnet.config import add_protocol_arguments, config_from_args
+from hopnet.launch.options import FLAGS
 
 DEFAULT_GRACE_S = 5.0
 
@@ -15,13 +18,21 @@ Start one worker process per node of the graph on this machine, running
 the graph, the rendezvous and the protocol configuration. Worker output is
 printed line by line, prefixed "[rank R] ". When a worker fails, or the launcher
 gets SIGINT/SIGTERM, every worker is stopped (SIGTERM, then SIGKILL after a grace
-period). Everything after SCRIPT is passed to the script untouched; to pass a
+period); workers also stop by themselves within seconds if the launcher dies. Everything after SCRIPT is passed to the script untouched; to pass a
 leading "--" write `hopnet launch [options] -- SCRIPT -- ARGS`.
 """
 
 EPILOG = """\
-exit status: 0 when every worker exits 0; 1 when a worker fails; 2 for bad
-arguments; 128+N when the launcher is stopped by signal N (130 for Ctrl-C).
+When a run fails, a closing line names the rank that caused it (the first to fail,
+or the peer it blames: stalled, left early, died) and what it did to the others.
+Protocol options given on the command line cannot be changed in code
+(hopnet.init(..., max_ig=4) with --max-ig 3 is an error); the others can, and the
+line "running ..." shows the options that run, once every worker has started.
+
+exit status: 0 when every worker exits 0, or with --max-failures K when at most K
+workers failed and every other worker finished; 1 when a worker fails (more than
+K with --max-failures); 2 for bad arguments; 128+N when the launcher is stopped by
+signal N (130 for Ctrl-C, 143 for SIGTERM).
 """
 
 
@@ -33,6 +44,37 @@ def _nproc(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
     return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
+EXPLICIT_DEST = "explicit_protocol_options"
+
+
+def _track_explicit(parser: argparse.ArgumentParser, dests: Collection[str]) -> None:
+    """Make the actions of ``dests`` note in the namespace that they were given on the command line
+    (argparse calls an action only for options that appear, whatever their value)."""
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to list them
+        if action.dest not in dests:
+            continue
+        base = type(action)
+
+        def call(self: argparse.Action, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None, _base: type = base) -> None:
+            seen = set(getattr(namespace, EXPLICIT_DEST, None) or ())
+            seen.add(self.dest)
+            setattr(namespace, EXPLICIT_DEST, seen)
+            _base.__call__(self, parser, namespace, values, option_string)
+
+        action.__class__ = type(f"Explicit{base.__name__}", (base,), {"__call__": call})
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +103,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                f"(default: {DEFAULT_GRACE_S:g})")
     launcher.add_argument("-m", "--module", action="store_true",
                           help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
+                          help="let up to K workers fail while the others finish training "
+                               "(default: 0, stop the run at the first failure)")
     add_protocol_arguments(parser)
+    _track_explicit(parser, FLAGS)
     parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed through untouched")
@@ -84,5 +130,7 @@ def run(args: argparse.Namespace) -> int:
         module=args.module,
         grace_s=args.grace,
         argv=sys.argv,
+        max_failures=args.max_failures,
+        explicit_options=sorted(getattr(args, EXPLICIT_DEST, None) or ()),
     )
     return result.returncode

@@ -15,7 +15,13 @@ the same script can also run stand-alone.
 ``HOPNET_RUN_DIR``     directory for this run's files (``rank{R}.jsonl`` event logs)
 ``HOPNET_CONFIG``      the :class:`~hopnet.config.ProtocolConfig` as JSON
 ``HOPNET_BIND``        host the worker binds its sockets to (default: 127.0.0.1)
+``HOPNET_EXPLICIT``    protocol options given explicitly on the command line, as a
+                       JSON list of :class:`~hopnet.config.ProtocolConfig` field names
+                       (code may set the others; see :mod:`hopnet.launch.options`)
 =====================  ==============================================================
+
+The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
+launcher watch (:mod:`hopnet.launch.parent_watch`).
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ RENDEZVOUS = "HOPNET_RENDEZVOUS"
 RUN_DIR = "HOPNET_RUN_DIR"
 CONFIG = "HOPNET_CONFIG"
 BIND = "HOPNET_BIND"
+EXPLICIT = "HOPNET_EXPLICIT"
 
-ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND)
+ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND, EXPLICIT)
 """Every variable of the contract (the launcher also sets ``PYTHONUNBUFFERED=1``)."""
 
 DEFAULT_BIND = "127.0.0.1"
@@ -69,6 +76,19 @@ def _str(environ: Mapping[str, str], name: str, default: str | None = None) -> s
     return text.strip()
 
 
+def _names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
+    text = environ.get(name, "").strip()
+    if not text:
+        return ()
+    try:
+        names = json.loads(text)
+    except json.JSONDecodeError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{name}={text!r} is not a JSON list of option names")
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """Who a worker is and where to find everything else, as the launcher set it."""
@@ -82,6 +102,8 @@ class WorkerEnv:
     config_json: str
     bind_host: str = DEFAULT_BIND
     node_rank: int = 0
+    explicit_options: tuple[str, ...] = ()
+    """Protocol options given explicitly on the command line (field names)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +154,7 @@ class WorkerEnv:
             RUN_DIR: self.run_dir,
             CONFIG: self.config_json,
             BIND: self.bind_host,
+            EXPLICIT: json.dumps(list(self.explicit_options)),
         }
 
     @classmethod
@@ -157,4 +180,5 @@ class WorkerEnv:
             config_json=_str(environ, CONFIG, default="{}"),
             bind_host=_str(environ, BIND, default=DEFAULT_BIND),
             node_rank=_int(environ, NODE_RANK, default=0),
+            explicit_options=_names(environ, EXPLICIT),
         )

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,11 +41,19 @@ from typing import IO, Any
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.launch import parent_watch
+from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
+from hopnet.launch.blame import describe_exit as _describe_exit
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.launch.options import FLAGS, describe, differences
 from hopnet.launch.rendezvous import RendezvousServer
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
+DEFAULT_SETTLE_S = 1.5
+"""After the first failure, how long the other workers may end on their own before being stopped."""
+WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
+"""Every worker runs its script through :mod:`hopnet.launch.worker_main`."""
 RUNS_DIR = "runs"
 _POLL_S = 0.05
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
@@ -63,6 +71,10 @@ class LaunchResult:
     when the launcher was signalled, ``None`` on success."""
     worker_returncodes: dict[int, int | None] = field(default_factory=dict)
     wall_s: float = 0.0
+    summary: str | None = None
+    """The line naming what went wrong (the rank at the root of a failure), or the lost ranks."""
+    lost_ranks: list[int] = field(default_factory=list)
+    """Ranks that failed (with ``max_failures``, possibly while the run still succeeded)."""
 
     @property
     def ok(self) -> bool:
@@ -168,10 +180,11 @@ class NodePlan:
         return range(self.rank_offset, self.rank_offset + self.nproc)
 
     def worker_env(self, rank: int, *, graph_path: str, rendezvous: str, run_dir: str,
-                   config_json: str, bind: str) -> WorkerEnv:
+                   config_json: str, bind: str, explicit_options: tuple[str, ...] = ()) -> WorkerEnv:
         return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=rank - self.rank_offset,
                          graph_path=graph_path, rendezvous=rendezvous, run_dir=run_dir,
-                         config_json=config_json, bind_host=bind, node_rank=self.node_rank)
+                         config_json=config_json, bind_host=bind, node_rank=self.node_rank,
+                         explicit_options=explicit_options)
 
 
 # --------------------------------------------------------------------------- output
@@ -181,9 +194,12 @@ class _Output:
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
         self.lock = threading.Lock()
+        self.muted = False
 
     def write(self, data: bytes) -> None:
         with self.lock:
+            if self.muted:
+                return
             try:
                 buffer = getattr(self.stream, "buffer", None)
                 if buffer is not None:
@@ -213,15 +229,6 @@ def _pump(pipe: IO[bytes], prefix: bytes, out: _Output) -> None:
             pass
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -241,11 +248,12 @@ class _Workers:
         self.err = err
         self.threads: list[threading.Thread] = []
 
-    def spawn(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
+    def spawn(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> None:
         piped = self.out is not None
         proc = subprocess.Popen(
             argv,
             env=env,
+            pass_fds=tuple(pass_fds),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if piped else None,
             stderr=subprocess.PIPE if piped else None,
@@ -267,6 +275,12 @@ class _Workers:
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         self.exits.put((rank, code))
+
+    def mute(self) -> None:
+        """Stop relaying the workers' output (it is still drained)."""
+        for out in (self.out, self.err):
+            if out is not None:
+                out.muted = True
 
     def running(self) -> list[int]:
         return [r for r, p in self.procs.items() if p.returncode is None]
@@ -367,14 +381,22 @@ def launch(
     argv: Sequence[str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    max_failures: int = 0,
+    explicit_options: Collection[str] = (),
+    settle_s: float = DEFAULT_SETTLE_S,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
     Raises :class:`ConfigError` for bad inputs before starting anything. Returns a
-    :class:`LaunchResult`: ``returncode`` 0 when every worker exited 0; 1 when one failed
-    (the others are then stopped); ``128 + signal`` when the launcher was signalled.
+    :class:`LaunchResult`: ``returncode`` 0 when every worker exited 0, or when at most
+    ``max_failures`` workers failed and every other one finished; 1 when more failed
+    (the others are then stopped, and :attr:`LaunchResult.summary` names the rank that
+    caused it); ``128 + signal`` when the launcher was signalled.
     With ``module=True`` the script is a module name run as ``python -m MODULE``.
     ``prefix=False`` lets workers write straight to the launcher's stdout/stderr.
+    ``explicit_options`` names the protocol options the user gave explicitly (code in the
+    workers may set only the others); ``settle_s`` is how long the launcher lets the other
+    workers end on their own after a failure before it stops them, to see who blames whom.
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -387,21 +409,27 @@ def launch(
     if module:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", script_text):
             raise ConfigError(f"-m {script_text!r}: not a module name")
-        command = [sys.executable, "-m", script_text, *script_args]
+        command = [*WORKER_ENTRY, "-m", script_text, *script_args]
     else:
         if not os.path.exists(script_text):
             raise ConfigError(f"script {script_text!r} not found")
         if os.path.isdir(script_text) and not os.path.exists(os.path.join(script_text, "__main__.py")):
             raise ConfigError(f"script {script_text!r} is a directory without __main__.py")
-        command = [sys.executable, script_text, *script_args]
+        command = [*WORKER_ENTRY, script_text, *script_args]
     if not isinstance(bind, str) or not bind.strip():
         raise ConfigError(f"--bind {bind!r}: expected a host name or address")
     bind = bind.strip()
     if grace_s < 0:
         raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
+    unknown = sorted(set(explicit_options) - set(FLAGS))
+    if unknown:
+        raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
 
     g, world_size = resolve_graph(graph, nproc)
     config.validate_ranks(world_size)
+    if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
+        raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
+                          f"(there are {world_size} workers; got {max_failures!r})")
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
@@ -415,6 +443,10 @@ def launch(
         "script_args": list(script_args),
         "module": module,
         "config": json.loads(config.to_json()),
+        "config_flags": json.loads(config.to_json()),
+        "config_source": "flags",
+        "explicit_options": sorted(explicit_options),
+        "max_failures": max_failures,
         "graph": graph.name if isinstance(graph, Graph) else (os.fspath(graph) if graph is not None else None),
         "graph_name": g.name,
         "world_size": world_size,
@@ -436,11 +468,19 @@ def launch(
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
     if env_extra:
         base_env.update({str(k): str(v) for k, v in env_extra.items()})
+    # The launcher watch: workers hold the read end, only this process the write end.
+    watch_read, watch_write = os.pipe()
+    base_env[parent_watch.PARENT_FD] = str(watch_read)
+    base_env[parent_watch.LAUNCHER_PID] = str(os.getpid())
 
     t0 = time.monotonic()
     failed_rank: int | None = None
     reason: str | None = None
+    summary: str | None = None
     returncode = 0
+    lost: dict[int, int] = {}
+    stopped: set[int] = set()
+    exit_order: list[int] = []
     trap = _SignalTrap()
     server = RendezvousServer(world_size, host=rdzv_host).start()
     try:
@@ -454,35 +494,61 @@ def launch(
                 if trap.received:
                     break
                 wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
-                                       run_dir=str(path), config_json=config.to_json(), bind=bind)
+                                       run_dir=str(path), config_json=config.to_json(), bind=bind,
+                                       explicit_options=tuple(sorted(explicit_options)))
                 env = dict(base_env)
                 env.update(wenv.to_environ())
                 try:
-                    workers.spawn(rank, command, env)
+                    workers.spawn(rank, command, env, pass_fds=(watch_read,))
                 except OSError as exc:
                     failed_rank, reason, returncode = rank, f"could not start: {exc.strerror or exc}", 1
-                    _log(err_stream, f"worker {rank} failed ({reason})")
+                    summary = f"worker {rank} failed ({reason})"
                     break
+            os.close(watch_read)  # the workers have it; the launcher keeps only the write end
+            watch_read = -1
 
-            # --- wait
+            # --- wait (up to max_failures workers may fail while the others go on)
             pending = set(workers.procs)
-            while pending and failed_rank is None and not trap.received:
+            announced = False
+            first_failure: int | None = None
+            while pending and first_failure is None and failed_rank is None and not trap.received:
+                if not announced and server.complete.is_set():
+                    announced = True
+                    _announce_options(server, launch_info, path, err_stream)
                 exited = _collect_exit(workers, pending)
                 if exited is None:
                     continue
                 rank, code = exited
+                exit_order.append(rank)
                 if code != 0:
-                    failed_rank, reason, returncode = rank, _describe_exit(code), 1
-                    _log(err_stream, f"worker {rank} failed ({reason})")
+                    lost[rank] = code
+                    if len(lost) > max_failures:
+                        first_failure = rank
+                    else:
+                        _log(err_stream, f"worker {rank} lost ({_describe_exit(code)}); the others go on "
+                                         f"({len(lost)} of --max-failures {max_failures})")
+
+            # --- after a failure, let the others end on their own for a moment: who blames whom
+            if first_failure is not None:
+                deadline = time.monotonic() + settle_s
+                while pending and time.monotonic() < deadline and not trap.received:
+                    exited = _collect_exit(workers, pending)
+                    if exited is not None:
+                        exit_order.append(exited[0])
+                        if exited[1] != 0:
+                            lost[exited[0]] = exited[1]
 
             # --- stop the rest
+            stopped = set(workers.running())
             if trap.received:
                 signum = trap.received[0]
                 reason = f"interrupted by {_signal_name(signum)}"
                 returncode = 128 + signum
                 running = workers.running()
-                _log(err_stream, f"received {_signal_name(signum)}, stopping {len(running)} workers")
-                _stop(workers, pending, signum, grace_s, trap, err_stream)
+                workers.mute()  # what workers print while being stopped is noise
+                _log(err_stream, f"received {_signal_name(signum)}, stopping {len(running)} workers; run dir {path}")
+                # SIGTERM, not SIGINT, for both: a worker leaves quietly on SIGTERM.
+                _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
             elif pending:
                 _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
     finally:
@@ -500,14 +566,32 @@ def launch(
         workers.sweep()
         workers.drain(2.0)
         server.close()
+        for fd in (watch_read, watch_write):
+            if fd >= 0:
+                os.close(fd)
+
+    if not trap.received and failed_rank is None:
+        if len(lost) > max_failures:
+            returncode = 1
+            blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
+            failed_rank, reason, summary = blame.rank, blame.reason, blame.summary
+        elif lost:
+            summary = (f"lost {_plural_ranks(sorted(lost))} "
+                       f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))}); "
+                       f"the other {world_size - len(lost)} workers finished")
+    if summary is not None:
+        _log(err_stream, summary)
 
     wall_s = time.monotonic() - t0
     result = LaunchResult(returncode=returncode, run_dir=str(path), failed_rank=failed_rank, reason=reason,
-                          worker_returncodes=dict(sorted(workers.returncodes.items())), wall_s=wall_s)
+                          worker_returncodes=dict(sorted(workers.returncodes.items())), wall_s=wall_s,
+                          summary=summary, lost_ranks=sorted(lost))
     launch_info["result"] = {
         "returncode": returncode,
         "failed_rank": failed_rank,
         "reason": reason,
+        "summary": summary,
+        "lost_ranks": sorted(lost),
         "worker_returncodes": {str(r): c for r, c in result.worker_returncodes.items()},
         "wall_s": round(wall_s, 3),
         "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -516,9 +600,50 @@ def launch(
         _write_json(path / "launch.json", launch_info)
     except OSError:
         pass
-    status = "finished" if returncode == 0 else ("interrupted" if trap.received else "failed")
-    _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
+    if not trap.received:
+        status = "finished" if returncode == 0 else "failed"
+        _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result
+
+
+def _plural_ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _announce_options(server: RendezvousServer, launch_info: dict[str, Any], path: Path, err: IO[str]) -> None:
+    """Once every rank registered: print and record the options that actually run."""
+    if server.config is None:
+        return  # the workers did not say (not started through hopnet.init)
+    try:
+        effective = ProtocolConfig.from_dict(dict(server.config))
+    except (ConfigError, TypeError, ValueError):
+        return
+    launch_info["config"] = json.loads(effective.to_json())
+    launch_info["config_source"] = "rendezvous"
+    changed = differences(ProtocolConfig.from_dict(launch_info["config_flags"]), effective)
+    note = f" ({', '.join(changed)} set in code)" if changed else ""
+    _log(err, f"running {describe(effective)}{note}")
+    try:
+        _write_json(path / "launch.json", launch_info)
+    except OSError:
+        pass
+
+
+def _blame(path: Path, returncodes: Mapping[int, int | None], stopped: set[int], exit_order: Sequence[int],
+           lost: Mapping[int, int]) -> Blame:
+    """Read every rank's event log and name the rank that caused the failure."""
+    position = {rank: i for i, rank in enumerate(exit_order)}
+    ends = []
+    for rank, code in sorted(returncodes.items()):
+        facts = read_log_facts(path / f"rank{rank}.jsonl")
+        ends.append(RankEnd(rank=rank, exit_code=code, stopped=rank in stopped,
+                            order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter))
+    blame = explain(ends)
+    if blame is not None:
+        return blame
+    rank = min(lost, key=lambda r: position.get(r, len(position)))  # no record to go by: the first to exit
+    reason = _describe_exit(lost[rank])
+    return Blame(rank, reason, f"worker {rank} failed ({reason})")
 
 
 def _stop(workers: _Workers, pending: set[int], signum: int, grace_s: float, trap: _SignalTrap,

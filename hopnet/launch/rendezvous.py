@@ -13,12 +13,19 @@ worker closes its sockets while a neighbour still needs its last updates.
 Wire format: one msgpack map per request and per reply (a request that is a JSON object
 gets a JSON reply, for clients in other languages). Requests::
 
-    {"rank": R, "address": "tcp://...", "world_size": N}   -> {"addresses": {R: address, ...}}
+    {"rank": R, "address": "tcp://...", "world_size": N,
+     "config": {...}}                                        -> {"addresses": {R: address, ...}}
     {"rank": R, "barrier": "name"}                          -> {"barrier": "name"}
     {"status": true}                                        -> {"status": {...}}
 
 and any request may be answered ``{"error": "one line"}`` (rank out of range, a rank
 registered twice with different addresses, a world size that disagrees, ...).
+
+``config`` (optional) is the protocol configuration the rank will run. Every rank must
+run the same one: the first rank that registers a different one fails the whole
+rendezvous, and every rank, waiting or still to come, gets the same error naming the
+two ranks and the option they disagree on. :attr:`RendezvousServer.config` is the
+agreed configuration once the exchange is complete.
 
 Every wait takes a timeout and raises :class:`~hopnet.errors.WaitTimeout` naming the
 rendezvous and, when the server can still tell, the ranks that never showed up.
@@ -110,6 +117,10 @@ class RendezvousServer:
         # barriers: name -> {rank: (identity, as_json)}
         self._barriers: dict[str, dict[int, tuple[bytes, bool]]] = {}
         self._barriers_done: list[str] = []
+        self.config: dict[str, Any] | None = None
+        """The protocol configuration every rank registered (set with :attr:`complete`)."""
+        self._config_rank: int | None = None
+        self._config_error: str | None = None
         self.errors: list[str] = []
         """One line per refused request, for the launcher's log."""
 
@@ -244,11 +255,33 @@ class RendezvousServer:
                                          f"the rendezvous expects {self.world_size}", as_json)
             return
         if "address" in msg:
+            if not self._check_config(sock, identity, rank, msg.get("config"), as_json):
+                return
             self._register(sock, identity, rank, msg["address"], as_json)
         elif "barrier" in msg:
             self._enter_barrier(sock, identity, rank, msg["barrier"], as_json)
         else:
             self._refuse(sock, identity, "rendezvous: request has neither 'address' nor 'barrier'", as_json)
+
+    def _check_config(self, sock: zmq.Socket, identity: bytes, rank: int, config: Any, as_json: bool) -> bool:
+        """Keep the first configuration; a different one fails every rank of the rendezvous."""
+        with self._lock:
+            if self._config_error is None and config is not None:
+                if not isinstance(config, dict):
+                    self._config_error = f"rendezvous: rank {rank} sent a malformed protocol configuration"
+                elif self.config is None:
+                    self.config, self._config_rank = dict(config), rank
+                elif config != self.config:
+                    self._config_error = _config_mismatch(self._config_rank, self.config, rank, config)
+            message = self._config_error
+            waiting = self._waiting if message is not None else {}
+            if message is not None:
+                self._waiting = {}
+        if message is None:
+            return True
+        for ident, js in [*waiting.values(), (identity, as_json)]:
+            self._refuse(sock, ident, message, js)
+        return False
 
     def _register(self, sock: zmq.Socket, identity: bytes, rank: int, address: Any, as_json: bool) -> None:
         if not isinstance(address, str) or not address:
@@ -290,6 +323,12 @@ class RendezvousServer:
             self._barriers_done.append(name)
         for _, (ident, js) in sorted(entered.items()):
             self._reply(sock, ident, {"barrier": name}, js)
+
+
+def _config_mismatch(rank_a: int | None, a: Mapping[str, Any], rank_b: int, b: Mapping[str, Any]) -> str:
+    names = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    shown = "; ".join(f"{k}={a.get(k)!r} on rank {rank_a}, {k}={b.get(k)!r} on rank {rank_b}" for k in names[:3])
+    return f"ranks {rank_a} and {rank_b} run different protocol options: {shown}"
 
 
 # ------------------------------------------------------------------------------- client
@@ -395,14 +434,18 @@ def _barrier_what(endpoint: str, name: str, status: dict[str, Any] | None) -> st
     return what + f" (ranks that never arrived: {_ranks_text(missing)})"
 
 
-def _exchange_request(rank: int, world_size: int, address: str) -> dict[str, Any]:
+def _exchange_request(rank: int, world_size: int, address: str,
+                      config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be an integer >= 1 (got {world_size!r})")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank!r} out of range (world size {world_size})")
     if not isinstance(address, str) or not address:
         raise ConfigError(f"rank {rank}: bad address {address!r}")
-    return {"rank": rank, "world_size": world_size, "address": address}
+    request: dict[str, Any] = {"rank": rank, "world_size": world_size, "address": address}
+    if config is not None:
+        request["config"] = dict(config)
+    return request
 
 
 def _address_table(reply: dict[str, Any], endpoint: str, world_size: int) -> dict[int, str]:
@@ -417,15 +460,17 @@ def _address_table(reply: dict[str, Any], endpoint: str, world_size: int) -> dic
 
 
 def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
-                       timeout_s: float) -> dict[int, str]:
+                       timeout_s: float, config: Mapping[str, Any] | None = None) -> dict[int, str]:
     """Register ``address`` for ``rank``; block until every rank has; return ``{rank: address}``.
 
     Raises :class:`WaitTimeout` (naming the rendezvous and the missing ranks) after
-    ``timeout_s``, and :class:`RendezvousError` when the server refuses the request.
+    ``timeout_s``, and :class:`RendezvousError` when the server refuses the request
+    (also when ``config``, the protocol configuration this rank runs, differs from another
+    rank's).
     """
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address)
+    request = _exchange_request(rank, world_size, address, config)
     start = time.monotonic()
     reply = _request_sync(endpoint, request, timeout_s)
     if reply is None:
@@ -435,11 +480,11 @@ def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
 
 
 async def exchange_addresses_async(endpoint: str, rank: int, world_size: int, address: str,
-                                   timeout_s: float) -> dict[int, str]:
+                                   timeout_s: float, config: Mapping[str, Any] | None = None) -> dict[int, str]:
     """:func:`exchange_addresses` for an asyncio event loop (uses ``zmq.asyncio``)."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address)
+    request = _exchange_request(rank, world_size, address, config)
     start = time.monotonic()
     reply = await _request_async(endpoint, request, timeout_s)
     if reply is None:

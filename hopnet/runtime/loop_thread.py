@@ -4,6 +4,7 @@ the trainer's thread computes (PyTorch releases the GIL inside its kernels)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -37,14 +38,36 @@ class EventLoopThread:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and block the calling thread for its result."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and block the calling thread for its result.
+
+        If the wait is interrupted (a signal handler raised in this thread, or
+        ``timeout_s`` passed) the coroutine is cancelled, so nothing keeps running on the
+        loop behind the caller's back.
+        """
         if threading.current_thread() is self._thread:
             raise RuntimeError("EventLoopThread.run() called from the loop's own thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the event loop did not finish {getattr(coro, '__qualname__', coro)} "
+                               f"within {timeout_s:g}s") from None
+        except BaseException:
+            future.cancel()
+            raise
 
-    def stop(self) -> None:
-        if self.loop.is_closed():
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.loop.is_closed()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop (its pending tasks are cancelled and awaited) and join the thread."""
+        if self.loop.is_closed() or not self._thread.is_alive():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:
+            return  # closed in between
+        self._thread.join(timeout=timeout_s)

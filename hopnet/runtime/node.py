@@ -10,6 +10,7 @@ node's event loop; :class:`hopnet.api.Worker` drives it from a trainer's thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -67,14 +68,31 @@ class Node:
             if missing:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
             await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
-        self.record("start", address=self.address)
+        config = getattr(self.protocol, "config", None)
+        to_json = getattr(config, "to_json", None)
+        self.record("start", address=self.address, **({"config": json.loads(to_json())} if to_json else {}))
 
-    async def close(self, *, leave: bool = True) -> None:
-        """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""
+    async def close(self, *, leave: bool = True, flush_timeout_s: float | None = None) -> None:
+        """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down.
+
+        ``flush_timeout_s`` bounds the wait for sends still in flight (a worker that fails
+        leaves promptly: a neighbour that stopped reading must not hold it); what has not
+        left by then is dropped with the sockets.
+        """
         try:
-            if leave:
-                await self.protocol.stop()
-            await self.flush()
+            if flush_timeout_s is None:
+                if leave:
+                    await self.protocol.stop()
+                await self.flush()
+            else:
+                try:
+                    async with asyncio.timeout(flush_timeout_s):
+                        if leave:
+                            await self.protocol.stop()
+                        await self.flush()
+                except TimeoutError:
+                    for task in list(self._pending):
+                        task.cancel()
         finally:
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
@@ -149,6 +167,11 @@ class Node:
             record.update(self._pending_metrics)
             self._pending_metrics = {}
         self.record("iteration", **record)
+
+    def record_error(self, fields: Mapping[str, Any], iteration: int | None = None) -> None:
+        """Write the ``error`` record of a failing worker (see docs: event records)."""
+        self.record("error", mono=time.monotonic(),
+                    iter=self.protocol.iteration if iteration is None else iteration, **fields)
 
     def record(self, event: str, **fields: Any) -> None:
         if self.events.keep or self._log_entries:

@@ -1,0 +1,204 @@
+"""Which rank caused a failed run, in one line.
+
+When one worker fails, others usually fail because of it: they time out waiting for
+its updates, or cannot go on once it left. The launcher collects how every rank ended
+(:class:`RankEnd`: what it saw, plus the rank's ``error`` record and last iteration
+from its event log) and :func:`explain` follows the blame from the first failure to
+the rank at its root:
+
+* a rank whose ``error`` record names a ``peer`` blames that peer;
+* the chain ends at a rank with an error of its own (an exception, ``sys.exit(N)``),
+  one that died (killed by a signal), one that left early (exit 0 while others ran on),
+  or one still running when the launcher stopped the run (it stalled).
+
+:func:`explain` is pure (records in, summary out); :func:`read_log_facts` reads what
+it needs from a rank's event log, tolerating missing, partial and corrupt files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TAIL_BYTES = 256 << 10
+"""How much of the end of an event log :func:`read_log_facts` reads (the records it needs are last)."""
+
+STOPPED_BY_LAUNCHER = ("Terminated",)
+"""``error`` record classes of ranks that the launcher stopped (not failures of their own)."""
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank ended, as the launcher saw it and as its event log tells."""
+
+    rank: int
+    exit_code: int | None
+    """Its exit status (negative: killed by that signal); ``None`` if it never exited."""
+    stopped: bool = False
+    """Still running when the launcher stopped the run (whatever it exited with after)."""
+    order: int = 0
+    """Position among the ranks that ended on their own (0 = first)."""
+    error: Mapping[str, Any] | None = None
+    """Its last ``error`` event record, if it wrote one."""
+    last_iter: int | None = None
+    """The last iteration it completed (its last ``iteration`` record)."""
+
+    @property
+    def failed_on_its_own(self) -> bool:
+        return not self.stopped and self.exit_code not in (None, 0)
+
+
+@dataclass(frozen=True)
+class Blame:
+    rank: int
+    """The rank at the root of the failure."""
+    reason: str
+    """Short: ``exit code 3``, ``killed by SIGKILL``, ``stalled``, ``left early``..."""
+    summary: str
+    """The one line the launcher prints."""
+    followers: tuple[int, ...] = ()
+    """Ranks that failed because of it."""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _blamed_peer(end: RankEnd) -> int | None:
+    return _int_or_none(end.error.get("peer")) if end.error else None
+
+
+def _sort_key(end: RankEnd) -> tuple[float, int]:
+    mono = end.error.get("mono") if end.error else None
+    return (float(mono) if isinstance(mono, (int, float)) and not isinstance(mono, bool) else float("inf"),
+            end.order)
+
+
+def _root_of(first: RankEnd, ends: Mapping[int, RankEnd]) -> RankEnd:
+    seen = {first.rank}
+    current = first
+    while (peer := _blamed_peer(current)) is not None and peer in ends and peer not in seen:
+        seen.add(peer)
+        current = ends[peer]
+    return current
+
+
+def _what_followers_did(followers: Sequence[RankEnd]) -> str:
+    kinds = {str(f.error.get("error")) for f in followers if f.error}
+    if kinds == {"WaitTimeout"}:
+        return "timed out waiting for its updates"
+    if kinds == {"PeerFailure"}:
+        return "could not go on without it"
+    return "failed because of it"
+
+
+def _iteration(end: RankEnd) -> int | None:
+    """The iteration a rank was in when it ended: its error record's, else after its last one."""
+    if end.error and _int_or_none(end.error.get("iter")) is not None:
+        return int(end.error["iter"])
+    return None if end.last_iter is None else end.last_iter + 1
+
+
+def explain(ends: Sequence[RankEnd]) -> Blame | None:
+    """Name the rank that caused the run to fail, or ``None`` if no rank failed."""
+    by_rank = {end.rank: end for end in ends}
+    failures = sorted((e for e in ends if e.failed_on_its_own
+                       and not (e.error and e.error.get("error") in STOPPED_BY_LAUNCHER)), key=_sort_key)
+    if not failures:
+        return None
+    root = _root_of(failures[0], by_rank)
+    followers = [f for f in failures if f.rank != root.rank and _blamed_peer(f) == root.rank]
+    consequence = f": {_ranks([f.rank for f in followers])} {_what_followers_did(followers)}" if followers else ""
+    follower_iters = [i for f in followers if (i := _iteration(f)) is not None]
+    iteration = _iteration(root)
+    in_iter = f" in iteration {iteration}" if iteration is not None else ""
+
+    if root.failed_on_its_own and not (root.error and root.error.get("error") in STOPPED_BY_LAUNCHER):
+        reason = describe_exit(int(root.exit_code or 0))
+        error = root.error
+        if root.exit_code is not None and root.exit_code < 0:
+            summary = f"rank {root.rank} died ({reason}){in_iter}"
+        elif error is None or error.get("error") in ("SystemExit", "Exit"):
+            summary = f"worker {root.rank} failed ({reason})"
+        else:
+            summary = f"worker {root.rank} failed{in_iter} ({reason}): {error.get('error')}: {error.get('message')}"
+        if followers:
+            summary += f"; then {_ranks([f.rank for f in followers])} {_what_followers_did(followers)}"
+        return Blame(root.rank, reason, summary, tuple(f.rank for f in followers))
+
+    states = {f.error.get("peer_state") for f in followers if f.error and f.error.get("peer_state")}
+    if root.exit_code == 0 and not root.stopped:
+        last = f" after iteration {root.last_iter}" if root.last_iter is not None else " early"
+        ran_on = f" while its neighbours ran on to iteration {max(follower_iters)}" if follower_iters else ""
+        return Blame(root.rank, "left early", f"rank {root.rank} left{last}{ran_on}{consequence}",
+                     tuple(f.rank for f in followers))
+    state = "stalled"
+    if "dead" in states:
+        state = "went silent"
+    elif "departed" in states:
+        state = "left"
+    if root.stopped and root.last_iter is not None:
+        in_iter = f" in iteration {root.last_iter + 1}"
+    return Blame(root.rank, state, f"rank {root.rank} {state}{in_iter}{consequence}",
+                 tuple(f.rank for f in followers))
+
+
+@dataclass(frozen=True)
+class LogFacts:
+    error: dict[str, Any] | None = None
+    last_iter: int | None = None
+
+
+def parse_log_tail(text: str) -> LogFacts:
+    """The last ``error`` record and the last completed iteration among JSON lines
+    (a cut first or last line and lines that are not JSON objects are skipped)."""
+    error: dict[str, Any] | None = None
+    last_iter: int | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        event = record.get("event")
+        if event == "error":
+            error = record
+        elif event == "iteration" and (it := _int_or_none(record.get("iter"))) is not None:
+            last_iter = it if last_iter is None else max(last_iter, it)
+    return LogFacts(error, last_iter)
+
+
+def read_log_facts(path: str | os.PathLike[str], tail_bytes: int = TAIL_BYTES) -> LogFacts:
+    """:func:`parse_log_tail` of the end of the file at ``path``; empty facts if it cannot be read."""
+    try:
+        with Path(path).open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - tail_bytes))
+            data = handle.read()
+    except OSError:
+        return LogFacts()
+    return parse_log_tail(data.decode("utf-8", errors="replace"))

@@ -1,0 +1,119 @@
+"""The entry point `hopnet launch` runs every worker through.
+
+    python -m hopnet.launch.worker_main SCRIPT [ARGS...]
+    python -m hopnet.launch.worker_main -m MODULE [ARGS...]
+
+It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
+``sys.argv``, ``sys.path[0]`` the script's directory) and owns the process's whole life:
+
+* before the script imports anything it arms the launcher watch
+  (:mod:`hopnet.launch.parent_watch`) and a SIGTERM handler that raises
+  :class:`~hopnet.runtime.shutdown.Terminated` in the main thread;
+* however the script ends it closes the open workers in order
+  (:func:`hopnet.runtime.shutdown.finish`): normally on success, promptly with an
+  ``error`` record otherwise;
+* it exits with the script's own status: 0, ``N`` for ``sys.exit(N)``, 1 for an
+  uncaught exception (traceback printed as Python would, without this module's frames),
+  2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line), 143 for SIGTERM
+  (nothing printed: the launcher says why it stopped the run).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import traceback
+from types import FrameType, TracebackType
+
+from hopnet.launch import parent_watch
+from hopnet.runtime import shutdown
+
+USAGE = "usage: python -m hopnet.launch.worker_main [-m MODULE | SCRIPT] [ARGS...]"
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Once: a second SIGTERM must not interrupt the prompt close the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise shutdown.Terminated(signum)
+
+
+def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the frames of this module and runpy from the top of ``tb``."""
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def _report(exc: BaseException) -> None:
+    """Print what ended the script, the way the interpreter would (or quieter)."""
+    from hopnet.errors import ConfigError
+
+    if isinstance(exc, (shutdown.Terminated, KeyboardInterrupt)):
+        return
+    if isinstance(exc, SystemExit):
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        return
+    if isinstance(exc, ConfigError):
+        print(f"hopnet: error: {exc}", file=sys.stderr)
+        return
+    sys.excepthook(type(exc), exc, _script_traceback(exc.__traceback__))
+
+
+def run(argv: list[str]) -> BaseException | None:
+    """Run the script; return what ended it (``None``: it returned)."""
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
+        print(USAGE, file=sys.stderr)
+        return SystemExit(2)
+    try:
+        if argv[0] == "-m":
+            module = argv[1]
+            sys.argv = [module, *argv[2:]]  # runpy puts the module's path in argv[0]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            if os.path.isfile(script):
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:  # noqa: BLE001 - every way out is reported and mapped to a status
+        return exc
+    return None
+
+
+def _record_without_worker(exc: BaseException | None, code: int) -> None:
+    """The failure came before hopnet.init finished (or after close): log it all the same."""
+    from hopnet.launch.env import RANK, RUN_DIR
+
+    run_dir, rank = os.environ.get(RUN_DIR), os.environ.get(RANK)
+    if run_dir and rank and rank.strip().isdigit() and os.path.isdir(run_dir):
+        shutdown.write_error_record(run_dir, int(rank), exc, code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    parent_watch.start()
+    exc: BaseException | None = None
+    try:
+        exc = run(list(sys.argv[1:] if argv is None else argv))
+        if exc is not None:
+            _report(exc)
+        had_workers = bool(shutdown.open_workers())
+        code = shutdown.finish(exc)
+        if code != 0 and not had_workers:
+            _record_without_worker(exc, code)
+    except shutdown.Terminated as late:  # SIGTERM while reporting or closing
+        code = late.exit_code
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
