@@ -50,6 +50,9 @@ class RankEnd:
 
     @property
     def failed_on_its_own(self) -> bool:
+        """It failed before the launcher stopped it: its error record says so, or its exit status."""
+        if self.error is not None:
+            return self.error.get("error") not in STOPPED_BY_LAUNCHER
         return not self.stopped and self.exit_code not in (None, 0)
 
 
@@ -121,8 +124,7 @@ def _iteration(end: RankEnd) -> int | None:
 def explain(ends: Sequence[RankEnd]) -> Blame | None:
     """Name the rank that caused the run to fail, or ``None`` if no rank failed."""
     by_rank = {end.rank: end for end in ends}
-    failures = sorted((e for e in ends if e.failed_on_its_own
-                       and not (e.error and e.error.get("error") in STOPPED_BY_LAUNCHER)), key=_sort_key)
+    failures = sorted((e for e in ends if e.failed_on_its_own), key=_sort_key)
     if not failures:
         return None
     root = _root_of(failures[0], by_rank)
@@ -132,10 +134,12 @@ def explain(ends: Sequence[RankEnd]) -> Blame | None:
     iteration = _iteration(root)
     in_iter = f" in iteration {iteration}" if iteration is not None else ""
 
-    if root.failed_on_its_own and not (root.error and root.error.get("error") in STOPPED_BY_LAUNCHER):
-        reason = describe_exit(int(root.exit_code or 0))
+    if root.failed_on_its_own:
         error = root.error
-        if root.exit_code is not None and root.exit_code < 0:
+        code = _int_or_none(error.get("exit_code")) if error else None
+        code = code if code is not None else int(root.exit_code or 0)
+        reason = describe_exit(code)
+        if code < 0:
             summary = f"rank {root.rank} died ({reason}){in_iter}"
         elif error is None or error.get("error") in ("SystemExit", "Exit"):
             summary = f"worker {root.rank} failed ({reason})"

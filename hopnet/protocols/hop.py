@@ -279,12 +279,17 @@ class HopProtocol(Protocol):
                          or self._short_of_peers(k, need), self.queue,
                          lambda: ("updates", self._missing_updates(k)), k)
         if self._short_of_peers(k, need) and self.queue.size(iter=k) < need:
-            raise PeerFailure(self._departure_message(k, need))
+            raise self._departure_failure(k, need)
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
 
     def _short_of_peers(self, k: int, need: int) -> bool:
         return len(self._expected(k)) < need
+
+    def _departure_failure(self, k: int, need: int) -> PeerFailure:
+        gone = sorted(j for j in self.in_peers if j not in self._expected(k))
+        return PeerFailure(self._departure_message(k, need), peer=gone[0] if gone else None,
+                           peer_state="departed" if gone else None, iteration=k)
 
     def _departure_message(self, k: int, need: int) -> str:
         gone = sorted(j for j in self.in_peers if j not in self._expected(k))
@@ -311,7 +316,7 @@ class HopProtocol(Protocol):
                          lambda: ("an update no older than iteration %d" % oldest,
                                   [j for j in self._expected(k) if j not in fresh_peers()]), k)
         if len(self._expected(k)) < need and len(fresh_peers()) < need:
-            raise PeerFailure(self._departure_message(k, need))
+            raise self._departure_failure(k, need)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:

@@ -50,12 +50,13 @@ class EventLoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
+        except BaseException as exc:
+            if future.done():
+                raise  # the coroutine's own exception (a WaitTimeout is a TimeoutError too)
             future.cancel()
-            raise TimeoutError(f"the event loop did not finish {getattr(coro, '__qualname__', coro)} "
-                               f"within {timeout_s:g}s") from None
-        except BaseException:
-            future.cancel()
+            if isinstance(exc, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"the event loop did not finish {getattr(coro, '__qualname__', coro)} "
+                                   f"within {timeout_s}s") from None
             raise
 
     @property

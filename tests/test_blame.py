@@ -1,0 +1,152 @@
+"""Who caused a failed run (hopnet.launch.blame), options from flags and code (hopnet.launch.options),
+and the exit paths of a worker process (hopnet.runtime.shutdown), without starting processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.launch.blame import RankEnd, explain, parse_log_tail, read_log_facts
+from hopnet.launch.options import check_explicit, describe, differences
+from hopnet.runtime import shutdown
+
+
+def error(rank: int, kind: str, *, mono: float, peer: int | None = None, state: str | None = None,
+          it: int | None = None, code: int = 1, message: str = "boom") -> dict[str, Any]:
+    return {"event": "error", "rank": rank, "t": 1.0, "mono": mono, "iter": it, "error": kind,
+            "message": message, "peer": peer, "peer_state": state, "exit_code": code}
+
+
+def terminated(rank: int, it: int) -> dict[str, Any]:
+    return error(rank, "Terminated", mono=99.0, it=it, code=143, message="stopped by SIGTERM")
+
+
+# ------------------------------------------------------------------------------- blame
+def test_a_stalled_rank_is_blamed_not_the_first_to_exit() -> None:
+    ends = [
+        RankEnd(0, 143, stopped=True, error=terminated(0, 42), last_iter=41),
+        RankEnd(1, 1, order=1, error=error(1, "WaitTimeout", mono=10.2, peer=2, it=42), last_iter=41),
+        RankEnd(2, 143, stopped=True, error=terminated(2, 41), last_iter=40),
+        RankEnd(3, 1, order=0, error=error(3, "WaitTimeout", mono=10.1, peer=2, it=42), last_iter=41),
+    ]
+    blame = explain(ends)
+    assert blame is not None
+    assert blame.summary == "rank 2 stalled in iteration 41: ranks 1, 3 timed out waiting for its updates"
+    assert (blame.rank, blame.reason, blame.followers) == (2, "stalled", (3, 1))
+
+
+def test_a_rank_that_left_early_is_blamed() -> None:
+    ends = [
+        RankEnd(0, 0, order=0, last_iter=19),
+        RankEnd(1, 1, order=2, error=error(1, "PeerFailure", mono=5.0, peer=0, state="departed", it=21)),
+        RankEnd(2, 143, stopped=True, error=terminated(2, 22), last_iter=21),
+        RankEnd(3, 1, order=1, error=error(3, "PeerFailure", mono=4.9, peer=0, state="departed", it=21)),
+    ]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 0 and blame.reason == "left early"
+    assert blame.summary == ("rank 0 left after iteration 19 while its neighbours ran on to iteration 21: "
+                             "ranks 1, 3 could not go on without it")
+
+
+def test_blame_follows_the_chain_to_the_rank_with_an_error_of_its_own() -> None:
+    ends = [
+        RankEnd(0, 1, order=0, error=error(0, "PeerFailure", mono=3.0, peer=1, state="departed", it=6)),
+        RankEnd(1, 1, order=1, error=error(1, "RuntimeError", mono=2.0, it=5, message="rank 1 broke")),
+        RankEnd(2, 1, order=2, error=error(2, "WaitTimeout", mono=4.0, peer=1, it=6)),
+        RankEnd(3, 1, order=3, error=error(3, "PeerFailure", mono=3.5, peer=0, state="departed", it=7)),
+    ]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 1
+    assert blame.summary == ("worker 1 failed in iteration 5 (exit code 1): RuntimeError: rank 1 broke; "
+                             "then ranks 0, 2 failed because of it")
+
+
+def test_the_first_failure_is_the_earliest_error_not_the_first_exit() -> None:
+    ends = [
+        RankEnd(0, 1, order=0, error=error(0, "ValueError", mono=9.0, it=3, message="late")),
+        RankEnd(1, 2, order=1, error=error(1, "ConfigError", mono=1.0, code=2, message="early")),
+    ]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 1 and blame.reason == "exit code 2"
+    assert blame.summary == "worker 1 failed (exit code 2): ConfigError: early"
+
+
+def test_a_killed_rank_died_and_its_neighbours_waited() -> None:
+    ends = [
+        RankEnd(0, 143, stopped=True, error=terminated(0, 8)),
+        RankEnd(1, 1, order=1, error=error(1, "WaitTimeout", mono=5.0, peer=2, state="dead", it=8)),
+        RankEnd(2, -9, order=0, last_iter=7),
+    ]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 2 and blame.reason == "killed by SIGKILL"
+    assert blame.summary == "rank 2 died (killed by SIGKILL) in iteration 8; then rank 1 timed out waiting for its updates"
+
+
+def test_a_silent_peer_went_silent() -> None:
+    ends = [RankEnd(0, 1, error=error(0, "WaitTimeout", mono=1.0, peer=1, state="dead", it=3)),
+            RankEnd(1, -9, stopped=True, last_iter=2)]
+    blame = explain(ends)
+    assert blame is not None and blame.summary == "rank 1 went silent in iteration 3: rank 0 timed out waiting for its updates"
+
+
+def test_sys_exit_without_records_and_no_failure_at_all() -> None:
+    assert explain([RankEnd(0, 0), RankEnd(1, 3, order=0), RankEnd(2, 143, stopped=True)]).summary == \
+        "worker 1 failed (exit code 3)"
+    sys_exit = error(1, "SystemExit", mono=1.0, code=3, message="sys.exit(3)")
+    assert explain([RankEnd(0, 0), RankEnd(1, 3, error=sys_exit)]).summary == "worker 1 failed (exit code 3)"
+    assert explain([RankEnd(0, 0), RankEnd(1, 0)]) is None
+    assert explain([RankEnd(0, 143, stopped=True, error=terminated(0, 1))]) is None
+
+
+def test_blame_cycles_end() -> None:
+    ends = [RankEnd(0, 1, error=error(0, "WaitTimeout", mono=1.0, peer=1)),
+            RankEnd(1, 1, error=error(1, "WaitTimeout", mono=2.0, peer=0))]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 1  # 0 blames 1, 1 blames 0 (seen): stop at 1
+
+
+def test_log_tail_tolerates_cut_and_corrupt_lines(tmp_path: Path) -> None:
+    lines = [json.dumps({"event": "iteration", "rank": 0, "t": 0.1 * i, "iter": i}) for i in range(5)]
+    lines.insert(2, "not json at all")
+    lines.append(json.dumps(error(0, "WaitTimeout", mono=1.0, peer=3, it=5)))
+    text = "\n".join(lines) + '\n{"event": "stop", "rank": 0, "t'  # cut mid-record
+    facts = parse_log_tail(text[7:])  # also cut at the start
+    assert facts.last_iter == 4 and facts.error is not None and facts.error["peer"] == 3
+    path = tmp_path / "rank0.jsonl"
+    path.write_text(text)
+    assert read_log_facts(path, tail_bytes=300).error == facts.error
+    assert read_log_facts(tmp_path / "missing.jsonl").error is None
+
+
+# ------------------------------------------------------------------------------ options
+def test_code_may_not_change_an_explicit_flag() -> None:
+    flags = ProtocolConfig(max_ig=3)
+    with pytest.raises(ConfigError, match=r"--max-ig 3 on the command line, max_ig=4 in hopnet.init\(\)"):
+        check_explicit(flags, flags.replace(max_ig=4), {"max_ig"})
+    with pytest.raises(ConfigError, match="--no-token-queues on the command line, token_queues=True"):
+        check_explicit(ProtocolConfig(token_queues=False), ProtocolConfig(), {"token_queues"})
+    check_explicit(flags, flags.replace(backup_workers=1), {"max_ig"})  # not explicit: fine
+    assert differences(flags, flags.replace(backup_workers=1, seed=2)) == ["backup_workers", "seed"]
+    assert describe(ProtocolConfig(max_ig=4, backup_workers={1: 1}, token_queues=True)) == \
+        "hop --max-ig 4 --backup-workers 1:1"
+
+
+# ----------------------------------------------------------------------------- shutdown
+def test_exit_codes_and_error_fields() -> None:
+    assert shutdown.exit_code_of(None) == 0
+    assert shutdown.exit_code_of(SystemExit(3)) == 3
+    assert shutdown.exit_code_of(SystemExit(None)) == 0
+    assert shutdown.exit_code_of(SystemExit("bye")) == 1
+    assert shutdown.exit_code_of(shutdown.Terminated()) == 143
+    assert shutdown.exit_code_of(KeyboardInterrupt()) == 130
+    assert shutdown.exit_code_of(RuntimeError("x")) == 1
+    fields = shutdown.error_fields(WaitTimeout("updates", peer=2, iteration=7, peer_state="stalled"), 1)
+    assert fields["error"] == "WaitTimeout" and fields["peer"] == 2 and fields["peer_state"] == "stalled"
+    assert shutdown.iteration_of(PeerFailure("gone", peer=1, peer_state="departed", iteration=4)) == 4
+    assert shutdown.error_fields(SystemExit(3), 3)["message"] == "sys.exit(3)"
+    assert shutdown.error_fields(ValueError("two\nlines"), 1)["message"] == "two lines"
