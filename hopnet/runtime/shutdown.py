@@ -29,7 +29,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -63,7 +62,9 @@ class Closable(Protocol):
 
 
 _lock = threading.Lock()
-_open: list[weakref.ref[Closable]] = []
+_open: list[Closable] = []
+"""Strong references: a worker the script dropped without closing is still open (its loop
+thread runs) and must be closed all the same."""
 _installed = False
 _failure: tuple[BaseException | None, int] | None = None
 
@@ -128,15 +129,14 @@ def write_error_record(run_dir: str | os.PathLike[str], rank: int, exc: BaseExce
 
 def open_workers() -> list[Closable]:
     with _lock:
-        workers = [w for ref in _open if (w := ref()) is not None]
-    return workers
+        return list(_open)
 
 
 def track(worker: Closable) -> None:
     """Close ``worker`` at interpreter exit if nobody else does; install the hooks once."""
     global _installed
     with _lock:
-        _open.append(weakref.ref(worker))
+        _open.append(worker)
         first = not _installed
         _installed = True
     if first:
@@ -146,7 +146,7 @@ def track(worker: Closable) -> None:
 
 def untrack(worker: Closable) -> None:
     with _lock:
-        _open[:] = [ref for ref in _open if ref() not in (None, worker)]
+        _open[:] = [w for w in _open if w is not worker]
 
 
 def finish(exc: BaseException | None) -> int:

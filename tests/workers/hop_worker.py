@@ -33,9 +33,12 @@ def main() -> None:
     parser.add_argument("--no-close", action="store_true", help="never call worker.close()")
     parser.add_argument("--init-option", action="append", default=[], metavar="NAME=INT",
                         help="pass NAME=INT to hopnet.init (on every rank, or R:NAME=INT on rank R)")
+    parser.add_argument("--sleep-before-init", type=float, default=0.0,
+                        help="sleep this long before hopnet.init (a worker still starting up)")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
+    time.sleep(args.sleep_before_init)
     params = torch.randn(args.dim, generator=torch.Generator().manual_seed(1234 + rank), dtype=torch.float64)
     run_dir = Path(os.environ["HOPNET_RUN_DIR"])
     torch.save(params.clone(), run_dir / f"initial_rank{rank}.pt")

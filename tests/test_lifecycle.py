@@ -1,0 +1,328 @@
+"""How workers end, for real: `hopnet launch` with tests/workers/hop_worker.py.
+
+Every ending a script can have (return without close(), sys.exit(N), an exception,
+SIGTERM, the launcher killed) must give the right exit status, flushed logs, an
+``error`` record naming the cause, and no process left behind. Races make these flaky
+by nature, so the scenarios that used to fail some of the time run several times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hopnet.launch.env import ENV_VARS
+
+from conftest import ROOT, WORKERS
+
+HOP_WORKER = str(WORKERS / "hop_worker.py")
+FAST = ["--dim", "100", "--compute-ms", "1"]
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    for name in ENV_VARS:
+        env.pop(name, None)
+    return env
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    path = run_dir / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launcher_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("hopnet launch: ")]
+
+
+def result_of(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "launch.json").read_text())["result"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # each worker leads its own process group
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: subprocess.Popen[str],
+                        timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        done = 0
+        for rank in ranks:
+            path = run_dir / f"rank{rank}.jsonl"
+            if path.exists() and any(r.get("event") == "enter" and r.get("iter", -1) >= iteration
+                                     for r in _read_partial(path)):
+                done += 1
+        if done == len(ranks):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"ranks {ranks} did not reach iteration {iteration}")
+
+
+def _read_partial(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir), *args],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, run_dir
+
+
+# ------------------------------------------------------------------------------ exits
+@pytest.mark.parametrize("attempt", range(5))
+def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path, attempt: int) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "20", "--no-close")
+    assert proc.returncode == 0, proc.stderr
+    assert "SIG" not in proc.stderr and "terminate called" not in proc.stderr
+    for rank in range(4):
+        log = records(run_dir, rank)
+        assert max(r["iter"] for r in log if r["event"] == "iteration") == 19
+        assert log[-1]["event"] == "stop" and log[-1]["iter"] == 19  # closed and flushed
+        assert not any(r["event"] == "error" for r in log)
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
+                  "--exit-rank", "1", "--exit-code", "3", "--fail-at", "5")
+    assert proc.returncode == 1
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr and "SIGSEGV" not in proc.stderr
+    assert "hopnet launch: worker 1 failed (exit code 3)" in launcher_lines(proc.stderr)[-2], proc.stderr
+    result = result_of(run_dir)
+    assert result["failed_rank"] == 1 and result["worker_returncodes"]["1"] == 3
+    (err,) = [r for r in records(run_dir, 1) if r["event"] == "error"]
+    assert (err["error"], err["exit_code"], err["iter"]) == ("SystemExit", 3, 5)
+    assert records(run_dir, 1)[-1]["event"] == "stop"
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path, attempt: int) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
+                  "--raise-rank", "1", "--fail-at", "5")
+    assert proc.returncode == 1
+    summary = launcher_lines(proc.stderr)[-2]
+    assert summary.startswith("hopnet launch: worker 1 failed in iteration 5 (exit code 1): "
+                              "RuntimeError: rank 1 broke in iteration 5"), proc.stderr
+    assert "[rank 1] RuntimeError: rank 1 broke in iteration 5" in proc.stderr  # its traceback, as Python prints it
+    assert "worker_main" not in proc.stderr and "runpy" not in proc.stderr
+    assert result_of(run_dir)["worker_returncodes"]["1"] == 1
+    (err,) = [r for r in records(run_dir, 1) if r["event"] == "error"]
+    assert (err["error"], err["exit_code"], err["iter"]) == ("RuntimeError", 1, 5)
+    # it said bye instead of letting its neighbours wait out the timeout (120 s)
+    for neighbour in (0, 2):
+        left = [r for r in records(run_dir, neighbour) if r["event"] == "peer_left"]
+        assert left and left[0]["peer"] == 1
+
+
+# ------------------------------------------------------------------------------ blame
+def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "4", "--timeout", "5", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
+                  "--iterations", "40", "--stall-rank", "2", "--fail-at", "10")
+    assert proc.returncode == 1
+    summary = launcher_lines(proc.stderr)[-2]
+    assert summary.startswith("hopnet launch: rank 2 stalled in iteration 10: "), proc.stderr
+    assert "timed out waiting for its updates" in summary
+    assert "ranks 1, 3" in summary or "rank 1" in summary or "rank 3" in summary
+    assert result_of(run_dir)["failed_rank"] == 2
+
+
+def test_a_rank_that_stops_early_is_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
+                  "--iterations", "50", "--stop-rank", "0", "--stop-at", "20")
+    assert proc.returncode == 1
+    summary = launcher_lines(proc.stderr)[-2]
+    assert summary.startswith("hopnet launch: rank 0 left after iteration 19 while its neighbours ran on to "
+                              "iteration "), proc.stderr
+    assert "could not go on without it" in summary
+    assert result_of(run_dir)["failed_rank"] == 0
+
+
+# ------------------------------------------------------------------------ signals
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
+    proc, run_dir = _start(tmp_path, "--nproc", "4", HOP_WORKER, *FAST, "--iterations", "100000")
+    try:
+        _wait_for_iteration(run_dir, [0, 1, 2, 3], 3, proc)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _kill_all(_children(proc.pid))
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("hopnet launch: 4 workers")
+    rest = [line for line in lines[1:] if not line.startswith("hopnet launch: running ")]
+    assert rest == [f"hopnet launch: received {signal.Signals(signum).name}, stopping 4 workers; run dir {run_dir}"]
+    assert result_of(run_dir)["worker_returncodes"] == {str(r): 143 for r in range(4)}  # all left on SIGTERM
+    for rank in range(4):
+        log = _read_partial(run_dir / f"rank{rank}.jsonl")
+        assert log[-1]["event"] == "stop" and log[-2]["event"] == "error" and log[-2]["error"] == "Terminated"
+
+
+@pytest.mark.parametrize("phase", ["training", "starting"])
+def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase: str) -> None:
+    extra = ["--sleep-before-init", "600"] if phase == "starting" else []
+    proc, run_dir = _start(tmp_path, "--nproc", "3", HOP_WORKER, *FAST, "--iterations", "100000", *extra)
+    workers: list[int] = []
+    try:
+        if phase == "training":
+            _wait_for_iteration(run_dir, [0, 1, 2], 3, proc)
+        deadline = time.monotonic() + 60
+        while len(workers := _children(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 3
+        if phase == "starting":
+            time.sleep(1.0)  # inside the script, before hopnet.init
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        while any(_alive(p) for p in workers) and time.monotonic() < killed_at + 5.0:
+            time.sleep(0.05)
+        assert [p for p in workers if _alive(p)] == []
+    finally:
+        _kill_all(workers)
+        proc.kill()
+        proc.communicate()
+
+
+# ----------------------------------------------------------------------------- options
+def test_code_cannot_change_an_explicit_flag(tmp_path: Path) -> None:
+    proc = launch("--nproc", "3", "--max-ig", "3", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
+                  "--iterations", "5", "--init-option", "max_ig=4")
+    assert proc.returncode == 1
+    assert "[rank 0] hopnet: error: --max-ig 3 on the command line, max_ig=4 in hopnet.init()" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "ConfigError" in launcher_lines(proc.stderr)[-2]
+
+
+def test_options_set_in_code_are_what_runs_and_what_is_recorded(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "3", "--backup-workers", "0", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
+                  "--iterations", "5", "--init-option", "max_ig=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "hopnet launch: running hop --max-ig 4 (max_ig set in code)" in launcher_lines(proc.stderr)
+    info = json.loads((run_dir / "launch.json").read_text())
+    assert info["config"]["max_ig"] == 4 and info["config_flags"]["max_ig"] == 2
+    assert info["explicit_options"] == ["backup_workers"]
+    for rank in range(3):
+        start = next(r for r in records(run_dir, rank) if r["event"] == "start")
+        assert start["config"] == info["config"]
+
+
+def test_ranks_that_disagree_on_options_all_fail_at_the_rendezvous(tmp_path: Path) -> None:
+    proc = launch("--nproc", "3", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
+                  "--iterations", "5", "--init-option", "1:max_ig=4")
+    assert proc.returncode == 1
+    assert "run different protocol options: max_ig=" in proc.stderr
+    assert "rank 1" in launcher_lines(proc.stderr)[-2] or "ranks" in proc.stderr
+
+
+# ------------------------------------------------------------------------ max failures
+def test_max_failures_lets_the_others_finish(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch("--graph", "ring_based:6", "--backup-workers", "1", "--max-failures", "1",
+                  "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
+                  "--exit-rank", "2", "--exit-code", "3", "--fail-at", "10")
+    assert proc.returncode == 0, proc.stderr
+    lines = launcher_lines(proc.stderr)
+    assert "hopnet launch: lost rank 2 (2: exit code 3); the other 5 workers finished" in lines
+    for rank in (0, 1, 3, 4, 5):
+        assert max(r["iter"] for r in records(run_dir, rank) if r["event"] == "iteration") == 39
+    assert result_of(run_dir)["lost_ranks"] == [2]
+
+
+def test_more_failures_than_allowed_fail_the_run(tmp_path: Path) -> None:
+    proc = launch("--nproc", "3", "--max-failures", "1", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
+                  "--iterations", "40", "--raise-rank", "1", "--fail-at", "5")
+    assert proc.returncode == 1  # without backup workers rank 1's neighbours cannot go on
+    assert "hopnet launch: worker 1 lost (exit code 1); the others go on (1 of --max-failures 1)" in proc.stderr
+    assert launcher_lines(proc.stderr)[-2].startswith("hopnet launch: worker 1 failed in iteration 5")
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2, 3, 4, 5, 6, 7, 3, 6])
+def test_sigkill_one_of_8_workers_and_the_others_finish(tmp_path: Path, victim: int) -> None:
+    """Needs the workers to notice a dead neighbour by themselves (heartbeats, the `peers` branch)."""
+    proc, run_dir = _start(tmp_path, "--graph", "ring_based:8", "--backup-workers", "1", "--max-failures", "1",
+                           HOP_WORKER, *FAST, "--iterations", "60", "--compute-ms", "5")
+    workers: list[int] = []
+    try:
+        _wait_for_iteration(run_dir, [victim], 5, proc)
+        workers = _children(proc.pid)
+        pid = next(p for p in workers if _environ_rank(p) == victim)
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        _kill_all(workers)
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert any(line.startswith(f"hopnet launch: lost rank {victim} ") for line in launcher_lines(err)), err
+    for rank in range(8):
+        if rank != victim:
+            assert max(r["iter"] for r in records(run_dir, rank) if r["event"] == "iteration") == 59
+
+
+def _environ_rank(pid: int) -> int | None:
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"HOPNET_RANK="):
+            return int(item.split(b"=", 1)[1])
+    return None
