@@ -7,11 +7,15 @@ The launcher
 * creates the run directory and writes ``graph.json`` and ``launch.json`` into it;
 * runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
-  :mod:`hopnet.launch.env`, each worker in a session of its own, so a Ctrl-C on the
-  terminal reaches the launcher only, which forwards it to every worker's process group;
+  :mod:`hopnet.launch.env`, through :mod:`hopnet.launch.worker_main` (exit statuses,
+  ordered shutdown, the launcher watch of :mod:`hopnet.launch.parent_watch`), each
+  worker in a session of its own, so a Ctrl-C on the terminal reaches the launcher
+  only, which sends SIGTERM to every worker's process group (workers leave quietly on it);
 * prints each worker's output line by line, prefixed ``[rank R] ``;
-* stops every worker when one fails or when the launcher is signalled (SIGTERM, then
-  SIGKILL after a grace period), and leaves no process behind.
+* stops every worker when more than ``max_failures`` fail or when the launcher is
+  signalled (SIGTERM, then SIGKILL after a grace period), names the rank at the root of
+  a failure (:mod:`hopnet.launch.blame`), and leaves no process behind;
+* prints and records the protocol options that run, once the rendezvous has them.
 
 Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
 machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
