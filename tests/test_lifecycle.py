@@ -151,7 +151,7 @@ def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) ->
     assert records(run_dir, 1)[-1]["event"] == "stop"
 
 
-@pytest.mark.parametrize("attempt", range(5))
+@pytest.mark.parametrize("attempt", range(3))
 def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path, attempt: int) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
@@ -295,7 +295,8 @@ def test_more_failures_than_allowed_fail_the_run(tmp_path: Path) -> None:
     proc = launch("--nproc", "3", "--max-failures", "1", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
                   "--iterations", "40", "--raise-rank", "1", "--fail-at", "5")
     assert proc.returncode == 1  # without backup workers rank 1's neighbours cannot go on
-    assert "hopnet launch: worker 1 lost (exit code 1); the others go on (1 of --max-failures 1)" in proc.stderr
+    # the first to exit is lost and tolerated (it may be a neighbour that exits before rank 1 has)
+    assert any(line.endswith("the others go on (1 of --max-failures 1)") for line in launcher_lines(proc.stderr))
     assert launcher_lines(proc.stderr)[-2].startswith("hopnet launch: worker 1 failed in iteration 5")
 
 

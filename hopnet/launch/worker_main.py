@@ -41,8 +41,11 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
     """Drop the frames of this module and runpy from the top of ``tb``."""
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+    def ours(filename: str) -> bool:
+        return (filename.startswith("<frozen runpy") or os.path.basename(filename) == "runpy.py"
+                or os.path.abspath(filename) == os.path.abspath(__file__))
+
+    while tb is not None and ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
 
