@@ -74,7 +74,9 @@ class Liveness:
 
     def beat_due(self, now: float) -> list[int]:
         """Peers nothing was sent to for ``beat_interval_s``; they are marked as sent to now."""
-        due = [p for p, last in self._last_sent.items() if now - last >= self.beat_interval_s]
+        # Compared as ``now >= last + limit``, the very sum next_check() returns, so a check
+        # made at the time next_check() named always finds what fell due (no float slack).
+        due = [p for p, last in self._last_sent.items() if now >= last + self.beat_interval_s]
         for peer in due:
             self._last_sent[peer] = now
         return due
@@ -82,7 +84,7 @@ class Liveness:
     def silent_peers(self, now: float) -> list[tuple[int, float]]:
         """Peers silent for ``timeout_s`` or longer, with their silence; each is reported once
         and then no longer watched."""
-        dead = [(p, now - last) for p, last in self._last_heard.items() if now - last >= self.timeout_s]
+        dead = [(p, now - last) for p, last in self._last_heard.items() if now >= last + self.timeout_s]
         for peer, _ in dead:
             self.forget(peer)
         return dead

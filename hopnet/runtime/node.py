@@ -145,6 +145,7 @@ class Node:
             return
         self.dead[peer] = silent_s
         self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration)
+        self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
 
@@ -184,6 +185,7 @@ class Node:
                 if self.liveness is not None:
                     self.liveness.forget(src)
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
+                self.events.flush()
                 self.protocol.on_peer_departed(src, msg.iter)
                 self.transport.forget_peer(src)
             return
