@@ -144,7 +144,8 @@ class Node:
         if peer in self.dead or peer in self.departed:
             return
         self.dead[peer] = silent_s
-        self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration)
+        self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
+                    mono=time.monotonic())
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
