@@ -62,7 +62,8 @@ class Worker:
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
         protocol = make_protocol(config, params)
-        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                         peer_timeout_s=config.peer_timeout_s)
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -200,7 +201,8 @@ class AsyncWorker:
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None) -> AsyncWorker:
         protocol = make_protocol(config, params)
-        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                    peer_timeout_s=config.peer_timeout_s)
         try:
             await node.start(exchange)
         except BaseException:

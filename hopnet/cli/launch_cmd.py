@@ -8,7 +8,7 @@ from collections.abc import Collection
 from typing import Any
 
 from hopnet.config import add_protocol_arguments, config_from_args
-from hopnet.launch.options import FLAGS
+from hopnet.launch.options import option_names
 
 DEFAULT_GRACE_S = 5.0
 
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
     add_protocol_arguments(parser)
-    _track_explicit(parser, FLAGS)
+    _track_explicit(parser, option_names())
     parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed through untouched")

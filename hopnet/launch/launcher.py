@@ -49,7 +49,7 @@ from hopnet.launch import parent_watch
 from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.blame import describe_exit as _describe_exit
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
-from hopnet.launch.options import FLAGS, describe, differences
+from hopnet.launch.options import describe, differences, option_names
 from hopnet.launch.rendezvous import RendezvousServer
 
 DEFAULT_NPROC = 4
@@ -425,7 +425,7 @@ def launch(
     bind = bind.strip()
     if grace_s < 0:
         raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
-    unknown = sorted(set(explicit_options) - set(FLAGS))
+    unknown = sorted(set(explicit_options) - set(option_names()))
     if unknown:
         raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
 

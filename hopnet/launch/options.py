@@ -10,6 +10,7 @@ launcher prints (:func:`describe`) and records in ``launch.json``.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import fields
 from typing import Any
 
 from hopnet.config import ProtocolConfig
@@ -27,8 +28,18 @@ FLAGS = {
     "slowdown": "--slowdown",
     "seed": "--seed",
     "timeout_s": "--timeout",
+    "peer_timeout_s": "--peer-timeout",
 }
-"""The command-line flag of every :class:`ProtocolConfig` field."""
+"""The command-line flag of every :class:`ProtocolConfig` field (others: ``--field-name``)."""
+
+
+def option_names() -> list[str]:
+    """Every :class:`ProtocolConfig` field, in declaration order."""
+    return [f.name for f in fields(ProtocolConfig)]
+
+
+def flag_of(name: str) -> str:
+    return FLAGS.get(name, "--" + name.removesuffix("_s").replace("_", "-"))
 
 
 def _value_text(name: str, value: Any) -> str:
@@ -41,7 +52,7 @@ def _value_text(name: str, value: Any) -> str:
 
 def flag_text(name: str, value: Any) -> str:
     """``--max-ig 3``, ``--serial``, ``--no-token-queues``, ``--slowdown a --slowdown b``."""
-    flag = FLAGS[name]
+    flag = flag_of(name)
     if name == "token_queues":
         return flag if not value else "token queues on"
     if name == "serial":
@@ -63,7 +74,7 @@ def _comparable(config: ProtocolConfig) -> dict[str, Any]:
 def differences(a: ProtocolConfig, b: ProtocolConfig) -> list[str]:
     """Field names whose values differ, in declaration order."""
     left, right = _comparable(a), _comparable(b)
-    return [name for name in FLAGS if left.get(name) != right.get(name)]
+    return [name for name in option_names() if left.get(name) != right.get(name)]
 
 
 def check_explicit(flags: ProtocolConfig, effective: ProtocolConfig, explicit: Collection[str],

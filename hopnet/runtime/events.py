@@ -24,6 +24,9 @@ class EventLog:
         if self.keep:
             self.records.append(record)
 
+    def flush(self) -> None:
+        """Make what was written so far durable (for records that must survive a crash)."""
+
     def close(self) -> None:
         pass
 
@@ -45,6 +48,11 @@ class JsonlEventLog(EventLog):
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._pending += 1
         if self._pending >= self._flush_every:
+            self._file.flush()
+            self._pending = 0
+
+    def flush(self) -> None:
+        if self._file is not None:
             self._file.flush()
             self._pending = 0
 
