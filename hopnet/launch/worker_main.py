@@ -63,7 +63,9 @@ def _report(exc: BaseException) -> None:
     if isinstance(exc, ConfigError):
         print(f"hopnet: error: {exc}", file=sys.stderr)
         return
-    sys.excepthook(type(exc), exc, _script_traceback(exc.__traceback__))
+    tb = _script_traceback(exc.__traceback__)
+    exc.with_traceback(tb)  # the interpreter's hook prints the exception's own traceback
+    sys.excepthook(type(exc), exc, tb)
 
 
 def run(argv: list[str]) -> BaseException | None:
