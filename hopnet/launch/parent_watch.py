@@ -34,7 +34,7 @@ PARENT_FD = "HOPNET_PARENT_FD"
 LAUNCHER_PID = "HOPNET_LAUNCHER_PID"
 """Process id of the launcher (the worker's parent)."""
 
-BACKSTOP_S = 3.5
+BACKSTOP_S = 2.0
 """After the launcher is gone, how long a worker gets to close before it is ended hard."""
 
 _PR_SET_PDEATHSIG = 1

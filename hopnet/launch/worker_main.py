@@ -20,6 +20,7 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import signal
@@ -111,13 +112,31 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and not had_workers:
             _record_without_worker(exc, code)
     except shutdown.Terminated as late:  # SIGTERM while reporting or closing
-        code = late.exit_code
+        code, exc = late.exit_code, late
+    if isinstance(exc, shutdown.Terminated):
+        _exit_now(code)
+    _flush_stdio()
+    return code
+
+
+def _flush_stdio() -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    return code
+
+
+def _exit_now(code: int) -> None:
+    """Asked to stop: run the atexit handlers, then skip the interpreter's teardown.
+
+    The workers are closed and their logs flushed by now; tearing down torch's modules
+    can take seconds on a busy machine, and a worker whose launcher died must be gone
+    within a few (the default action of SIGTERM would not even run the atexit handlers).
+    """
+    atexit._run_exitfuncs()
+    _flush_stdio()
+    os._exit(code)
 
 
 if __name__ == "__main__":
