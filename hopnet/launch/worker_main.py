@@ -14,8 +14,9 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
   ``error`` record otherwise;
 * it exits with the script's own status: 0, ``N`` for ``sys.exit(N)``, 1 for an
   uncaught exception (traceback printed as Python would, without this module's frames),
-  2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line), 143 for SIGTERM
-  (nothing printed: the launcher says why it stopped the run).
+  2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line; a rendezvous refusal,
+  such as ranks that disagree on options, is one line too), 143 for SIGTERM (nothing
+  printed: the launcher says why it stopped the run).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
 def _report(exc: BaseException) -> None:
     """Print what ended the script, the way the interpreter would (or quieter)."""
     from hopnet.errors import ConfigError
+    from hopnet.launch.rendezvous import RendezvousError
 
     if isinstance(exc, (shutdown.Terminated, KeyboardInterrupt)):
         return
@@ -61,7 +63,7 @@ def _report(exc: BaseException) -> None:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
         return
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, RendezvousError)):
         print(f"hopnet: error: {exc}", file=sys.stderr)
         return
     tb = _script_traceback(exc.__traceback__)
@@ -90,6 +92,12 @@ def run(argv: list[str]) -> BaseException | None:
     return None
 
 
+def _exit_code(exc: BaseException | None) -> int:
+    from hopnet.errors import ConfigError
+
+    return 2 if isinstance(exc, ConfigError) else shutdown.exit_code_of(exc)
+
+
 def _record_without_worker(exc: BaseException | None, code: int) -> None:
     """The failure came before hopnet.init finished (or after close): log it all the same."""
     from hopnet.launch.env import RANK, RUN_DIR
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc is not None:
             _report(exc)
         had_workers = bool(shutdown.open_workers())
-        code = shutdown.finish(exc)
+        code = shutdown.finish(exc, _exit_code(exc))
         if code != 0 and not had_workers:
             _record_without_worker(exc, code)
     except shutdown.Terminated as late:  # SIGTERM while reporting or closing

@@ -149,13 +149,14 @@ def untrack(worker: Closable) -> None:
         _open[:] = [w for w in _open if w is not worker]
 
 
-def finish(exc: BaseException | None) -> int:
-    """Close every open worker as the process ends with ``exc`` (``None``: normal return).
+def finish(exc: BaseException | None, code: int | None = None) -> int:
+    """Close every open worker as the process ends with ``exc`` (``None``: normal return)
+    and exit status ``code`` (default: :func:`exit_code_of` ``exc``).
 
     Returns the exit status. Failures (a non-zero status) write an ``error`` record and
     leave promptly; a zero status closes normally.
     """
-    code = exit_code_of(exc)
+    code = exit_code_of(exc) if code is None else code
     for worker in reversed(open_workers()):
         try:
             if code == 0:
