@@ -339,3 +339,19 @@ def _environ_rank(pid: int) -> int | None:
         if item.startswith(b"HOPNET_RANK="):
             return int(item.split(b"=", 1)[1])
     return None
+
+
+@pytest.mark.parametrize("mode, code, last_error", [("return", 0, None), ("raise", 1, "RuntimeError")])
+def test_workers_of_a_script_run_without_the_launcher_are_closed_at_exit(tmp_path: Path, mode: str, code: int,
+                                                                         last_error: str | None) -> None:
+    """The atexit hook and excepthook that hopnet.Worker installs, without the launcher's entry point."""
+    script = str(Path(__file__).resolve().parent / "scripts" / "unclosed_workers.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path), mode], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert "Segmentation" not in proc.stderr and "terminate called" not in proc.stderr
+    for rank in range(2):
+        log = records(tmp_path, rank)
+        assert log[-1]["event"] == "stop" and log[-1]["iter"] == 4
+        errors = [r["error"] for r in log if r["event"] == "error"]
+        assert errors == ([last_error] if last_error else [])

@@ -170,14 +170,7 @@ def finish(exc: BaseException | None, code: int | None = None) -> int:
 
 def _at_exit() -> None:
     exc, code = _failure if _failure is not None else (None, 0)
-    if code == 0:
-        finish(None)
-    else:
-        for worker in reversed(open_workers()):
-            try:
-                worker.abort(exc, code)
-            except BaseException:  # noqa: BLE001
-                pass
+    finish(exc, code)
 
 
 def _install_excepthook() -> None:
