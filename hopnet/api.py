@@ -64,7 +64,7 @@ class Worker:
             self._thread.run(self.node.close(leave=False))
             self._thread.stop()
             raise
-        self._compute_started = time.perf_counter()
+        self._compute_started = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
     @property
@@ -82,6 +82,7 @@ class Worker:
             raise ConfigError(f"iterations(total) needs total >= 1 (got {total})")
         self._final_iteration = total - 1
         self.node.protocol.final_iteration = total - 1
+        self._thread.loop.call_soon_threadsafe(self.node.plan, total)
         while (current := self.iteration) < total:
             steps = self.steps
             yield current
@@ -96,12 +97,13 @@ class Worker:
             raise HopnetError("step() on a closed worker")
         factor = self.slowdown.factor(self.rank, self.iteration)
         if factor > 1.0:
-            time.sleep((factor - 1.0) * (time.perf_counter() - self._compute_started))
+            time.sleep((factor - 1.0) * (time.monotonic() - self._compute_started))
             self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
-        self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
+        compute_s = time.monotonic() - self._compute_started
+        self._thread.run(self.node.run_step(apply, last=last, compute_s=compute_s))
         self.steps += 1
-        self._compute_started = time.perf_counter()
+        self._compute_started = time.monotonic()
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
@@ -147,6 +149,7 @@ class AsyncWorker:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._compute_started = time.monotonic()
 
     @classmethod
     async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
@@ -167,7 +170,13 @@ class AsyncWorker:
 
     async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
         """Finish the current iteration; with ``last`` the worker does not enter another."""
-        await self.node.protocol.finish_iteration(apply, last=last)
+        compute_s = time.monotonic() - self._compute_started
+        await self.node.run_step(apply, last=last, compute_s=compute_s)
+        self._compute_started = time.monotonic()
+
+    def plan(self, total: int) -> None:
+        """Tell the event log's readers (progress, report) that the run has ``total`` iterations."""
+        self.node.plan(total)
 
     def report(self, **metrics: Any) -> None:
         self.node.report(**metrics)

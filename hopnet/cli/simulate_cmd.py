@@ -229,7 +229,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     if config["protocol"] == "hop" and config["token_queues"]:
         t_rank = max(range(n), key=lambda r: result.token_high_water[r])
         lines.append(f"token high water:  {result.token_high_water[t_rank]} tokens (rank {t_rank})")
-    skipped = sum(s["to"] - s["iteration"] - 1 for s in result.skips)
+    skipped = sum(s["to"] - s["iter"] - 1 for s in result.skips)
     lines.append(f"skips:             {len(result.skips)}"
                  + (f" ({skipped} iterations skipped)" if result.skips else ""))
     if result.dropped_late_updates or result.updates_not_sent:

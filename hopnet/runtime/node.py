@@ -25,12 +25,24 @@ from hopnet.wire import Header, Message
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
+Timer = Callable[[], float]
+
+
+class StepTimes:
+    """Where the current step's time went so far (seconds); reset at the start of each step."""
+
+    __slots__ = ("wait_updates", "wait_tokens", "apply")
+
+    def __init__(self) -> None:
+        self.wait_updates = 0.0
+        self.wait_tokens = 0.0
+        self.apply = 0.0
 
 
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
-                 on_enter: EnterObserver | None = None) -> None:
+                 on_enter: EnterObserver | None = None, timer: Timer = time.monotonic) -> None:
         if not 0 <= rank < graph.n:
             raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
         self.rank = rank
@@ -41,7 +53,18 @@ class Node:
         self.events = events if events is not None else EventLog(keep=False)
         self.dropped: Counter[str] = Counter()
         self._on_enter = on_enter
-        self._log_entries = isinstance(self.events, JsonlEventLog)
+        self._jsonl = self.events if isinstance(self.events, JsonlEventLog) else None
+        self._log_entries = self._jsonl is not None
+        self._logging = self.events.keep or self._log_entries
+        # One clock for step timings and the records' ``mono`` stamps. The system's monotonic
+        # clock is shared by the processes of one machine, so logs of different ranks merge into
+        # one timeline. Not loop.time(): uvloop caches it per loop turn at millisecond resolution.
+        # The simulator passes its virtual clock.
+        self.timer = timer
+        self.step_times = StepTimes()
+        self._in_step = False
+        self._finished: dict[str, Any] | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._send_nowait = getattr(transport, "send_nowait", None)
         self._pending: set[asyncio.Task[None]] = set()
         self._send_error: BaseException | None = None
@@ -68,6 +91,16 @@ class Node:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
             await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
         self.record("start", address=self.address)
+        if self._jsonl is not None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                self._jsonl.flush_interval_s, self._flush_tick)
+
+    def _flush_tick(self) -> None:
+        """Flush the event log while the worker waits, so a live reader sees its last records."""
+        if self._jsonl is None:
+            return
+        self._jsonl.flush()
+        self._flush_timer = asyncio.get_running_loop().call_later(self._jsonl.flush_interval_s, self._flush_tick)
 
     async def close(self, *, leave: bool = True) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""
@@ -78,6 +111,9 @@ class Node:
         finally:
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+                self._flush_timer = None
             await self.transport.close()
             self.events.close()
 
@@ -134,23 +170,82 @@ class Node:
         if self._on_enter is not None:
             self._on_enter(self.rank, iteration)
         if self._log_entries:
-            # The system's monotonic clock is shared by the processes of one machine, so logs of
-            # different ranks merge into one timeline (the gap checks replay it). Not loop.time():
-            # uvloop caches it per loop turn at millisecond resolution.
-            self.record("enter", iter=iteration, mono=time.monotonic())
+            self.record("enter", iter=iteration)
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, accuracy...) to the next iteration record."""
         self._pending_metrics.update(metrics)
 
+    def plan(self, total: int) -> None:
+        """The trainer will run ``total`` iterations: tell the readers of the event log."""
+        self.record("plan", total=total)
+
+    # ------------------------------------------------------------------ one step, timed
+    async def run_step(self, apply: Callable[[], None] | None, *, last: bool = False,
+                       compute_s: float = 0.0) -> None:
+        """Finish the current iteration through the protocol and log it with its timings.
+
+        ``compute_s`` is the trainer's time since its previous step returned. The iteration
+        record splits the step into ``compute_s`` (that, plus ``apply``), ``wait_updates_s``
+        and ``wait_tokens_s`` (the protocol's waits) and ``mix_s`` (the rest of the step:
+        mixing, sending, waiting for sends to leave).
+        """
+        if not self._logging:
+            await self.protocol.finish_iteration(apply, last=last)
+            return
+        timer = self.timer
+        times = self.step_times
+        times.wait_updates = times.wait_tokens = times.apply = 0.0
+        began = timer()
+        self._in_step = True
+        try:
+            await self.protocol.finish_iteration(
+                apply if apply is None else self._timed_apply(apply), last=last)
+        finally:
+            self._in_step = False
+            record = self._finished
+            if record is not None:
+                self._finished = None
+                ended = timer()
+                waited = times.wait_updates + times.wait_tokens
+                record["compute_s"] = round(compute_s + times.apply, 6)
+                record["wait_updates_s"] = round(times.wait_updates, 6)
+                record["wait_tokens_s"] = round(times.wait_tokens, 6)
+                record["mix_s"] = round(max(0.0, ended - began - waited - times.apply), 6)
+                record["mono"] = ended
+                self.record("iteration", **record)
+
+    def _timed_apply(self, apply: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            began = self.timer()
+            try:
+                apply()
+            finally:
+                self.step_times.apply += self.timer() - began
+        return timed
+
+    def waited(self, what: str, seconds: float) -> None:
+        """The protocol waited ``seconds`` for ``"updates"`` or ``"tokens"`` (acks count as tokens)."""
+        if what == "updates":
+            self.step_times.wait_updates += seconds
+        else:
+            self.step_times.wait_tokens += seconds
+
     def iteration_done(self, iteration: int, protocol: Protocol) -> None:
+        """The protocol finished ``iteration``; its record is written when the step ends."""
+        if not self._logging:
+            self._pending_metrics = {}
+            return
         record = {"iter": iteration, **protocol.snapshot()}
         if self._pending_metrics:
             record.update(self._pending_metrics)
             self._pending_metrics = {}
-        self.record("iteration", **record)
+        if self._in_step:
+            self._finished = record
+        else:
+            self.record("iteration", **record)
 
     def record(self, event: str, **fields: Any) -> None:
-        if self.events.keep or self._log_entries:
+        if self._logging:
             self.events.write({"event": event, "rank": self.rank,
-                               "t": round(self.clock.now() - self._t0, 6), **fields})
+                               "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})

@@ -184,6 +184,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None)
     gaps = GapTracker(n)
     slowdown = config.make_slowdown()
+    virtual_time = asyncio.get_running_loop().time
     nodes: list[Node] = []
     for rank in range(n):
         params = None
@@ -194,7 +195,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))
         nodes.append(Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s),
-                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered))
+                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered, timer=virtual_time))
     for node in nodes:
         await node.open()
     finish_times: list[list[float]] = [[] for _ in range(n)]
@@ -207,12 +208,14 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         compute = spec.compute.for_rank(rank)
         stop = spec.stop_at.get(rank)
         await protocol.start()
+        node.plan(spec.iterations)
         while True:
             k = protocol.iteration
             if stop is not None and k >= stop:
                 break
-            await asyncio.sleep(compute.sample(rng) * slowdown.factor(rank, k))
-            await protocol.finish_iteration(None, last=k >= spec.iterations - 1)
+            compute_s = compute.sample(rng) * slowdown.factor(rank, k)
+            await asyncio.sleep(compute_s)
+            await node.run_step(None, last=k >= spec.iterations - 1, compute_s=compute_s)
             finish_times[rank].append(node.clock.now())
             completed[rank] = k + 1 if protocol.iteration == k else protocol.iteration
             if k >= spec.iterations - 1:
