@@ -56,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="host the workers bind their sockets to (default: 127.0.0.1)")
     launcher.add_argument("--no-prefix", dest="prefix", action="store_false",
                           help="let workers write straight to this terminal, without [rank R] prefixes")
+    launcher.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="no live status line (it is shown only on a terminal anyway); "
+                               "the per-rank summary table is still printed at the end")
     launcher.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                           help="after SIGTERM, how long workers get before SIGKILL "
                                f"(default: {DEFAULT_GRACE_S:g})")
@@ -84,5 +87,6 @@ def run(args: argparse.Namespace) -> int:
         module=args.module,
         grace_s=args.grace,
         argv=sys.argv,
+        progress=args.progress,
     )
     return result.returncode

@@ -43,6 +43,7 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.report.live import LaunchProgress  # [report]
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -367,6 +368,7 @@ def launch(
     argv: Sequence[str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    progress: bool = True,  # [report] live status line on a terminal
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -375,6 +377,7 @@ def launch(
     (the others are then stopped); ``128 + signal`` when the launcher was signalled.
     With ``module=True`` the script is a module name run as ``python -m MODULE``.
     ``prefix=False`` lets workers write straight to the launcher's stdout/stderr.
+    ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -428,6 +431,11 @@ def launch(
         "launcher_pid": os.getpid(),
     }
 
+    # [report] live status line and end-of-run summary (hopnet.report.live); while the line is up,
+    # worker output and launcher messages go through its console, above it.
+    view = LaunchProgress(path, list(plan.ranks), out_stream, err_stream, live=progress and prefix)
+    out_stream, err_stream = view.stdout, view.stderr  # type: ignore[assignment]
+    # [report] end
     err_out = _Output(err_stream)
     workers = _Workers(_Output(out_stream) if prefix else None, err_out if prefix else None)
     rdzv_host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
@@ -500,6 +508,7 @@ def launch(
         workers.sweep()
         workers.drain(2.0)
         server.close()
+        view.close()  # [report]
 
     wall_s = time.monotonic() - t0
     result = LaunchResult(returncode=returncode, run_dir=str(path), failed_rank=failed_rank, reason=reason,
@@ -516,6 +525,7 @@ def launch(
         _write_json(path / "launch.json", launch_info)
     except OSError:
         pass
+    view.print_summary()  # [report]
     status = "finished" if returncode == 0 else ("interrupted" if trap.received else "failed")
     _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result

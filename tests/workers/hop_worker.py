@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=2.0)
     parser.add_argument("--stop-rank", type=int, default=None, help="this rank leaves early")
     parser.add_argument("--stop-at", type=int, default=None, help="iteration at which it leaves")
+    parser.add_argument("--report-loss", action="store_true", help="report the parameters' mean square as loss")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
@@ -35,6 +36,8 @@ def main() -> None:
         if rank == args.stop_rank and step >= args.stop_at:
             break
         time.sleep(args.compute_ms / 1000.0)
+        if args.report_loss:
+            worker.report(loss=float(params.pow(2).mean()))
         worker.step()
     worker.close()
     torch.save(params.clone(), run_dir / f"final_rank{rank}.pt")
