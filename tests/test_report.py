@@ -233,3 +233,13 @@ def test_summary_table_numbers(tmp_path: Path) -> None:
     assert rows[1:] == [["0", "5", "1.00", "50.0%", "12.5%", "0", "0", "finished"],
                         ["1", "5", "1.00", "50.0%", "12.5%", "0", "3", "finished"],
                         ["2", "5", "0.62", "12.5%", "0.0%", "1", "0", "finished"]]
+
+
+def test_events_doc_example_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "events.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    run_dir = write_run(tmp_path / "run")
+    exec(code.replace('"runs/20250101-120000-hop-ring-4"', repr(str(run_dir))), {})
+    assert capsys.readouterr().out.splitlines() == [
+        "0 5 1.0 it/s 50% waiting for updates", "1 5 1.0 it/s 50% waiting for updates",
+        "2 5 0.6 it/s 12% waiting for updates"]
