@@ -8,7 +8,6 @@ machine). :func:`gap_bound` is Hop's Table 1 for a graph and a configuration.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from hopnet.config import ProtocolConfig
 from hopnet.graph import Graph
+from hopnet.runtime.events import read_events
 
 
 class GapTracker:
@@ -36,8 +36,7 @@ def load_run(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     runs: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(Path(run_dir).glob("rank*.jsonl")):
         rank = int(path.stem[len("rank"):])
-        with path.open(encoding="utf-8") as handle:
-            runs[rank] = [json.loads(line) for line in handle if line.strip()]
+        runs[rank] = read_events(path)  # a live run's last line may be cut short: left out
     return runs
 
 
