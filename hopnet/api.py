@@ -83,6 +83,8 @@ class Worker:
         self._final_iteration = total - 1
         self.node.protocol.final_iteration = total - 1
         self._thread.loop.call_soon_threadsafe(self.node.plan, total)
+        if self.steps == 0:
+            self._compute_started = time.monotonic()  # setup before the loop is not iteration 0's compute
         while (current := self.iteration) < total:
             steps = self.steps
             yield current

@@ -525,7 +525,8 @@ def launch(
         _write_json(path / "launch.json", launch_info)
     except OSError:
         pass
-    view.print_summary()  # [report]
+    if not trap.received:  # [report] the per-rank table; after Ctrl-C/SIGTERM the launcher says one line only
+        view.print_summary()
     status = "finished" if returncode == 0 else ("interrupted" if trap.received else "failed")
     _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result

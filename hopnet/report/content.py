@@ -150,7 +150,7 @@ def build_content(run: RunData) -> ReportContent:
     gaps = edge_gaps(run)
     progress = Section("Progress", tables=[rank_table(stats)], paragraphs=[
         "iterations: finished iterations, skipped ones included; steps: iterations computed; "
-        "it/s: iterations from entering iteration 0 to finishing the last one. The four shares split "
+        "it/s: iterations from starting iteration 0 to finishing the last one. The four shares split "
         "each step: compute is the trainer's time between steps (optimizer step included), the waits "
         "are the protocol's, mixing is the rest of the step (averaging, sending)."])
     progress.figures.append(Figure("iterations", "Iteration against wall time", "A straggler's line is "

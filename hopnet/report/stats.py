@@ -31,7 +31,8 @@ class RankStats:
     """Iterations computed (one ``iteration`` record each)."""
     total: int | None = None
     began: float | None = None
-    """When the worker entered iteration 0 (``mono``)."""
+    """When the worker began computing iteration 0 (``mono``): the end of its first step less
+    that step's four parts (without timings: when it entered iteration 0)."""
     last: float | None = None
     """When it finished its last iteration (``mono``)."""
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_PARTS, 0.0))
@@ -57,7 +58,7 @@ class RankStats:
 
     @property
     def rate(self) -> float:
-        """Iterations per second, from entering iteration 0 to finishing the last one."""
+        """Iterations per second, from beginning iteration 0 to finishing the last one."""
         elapsed = self.elapsed_s
         return self.iterations / elapsed if elapsed > 0 else 0.0
 
@@ -88,6 +89,7 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
     """Sum up one rank's event records."""
     stats = RankStats(rank)
     start_mono: float | None = None
+    entered_mono: float | None = None
     for rec in records:
         event = rec.get("event")
         mono = _number(rec.get("mono"))
@@ -100,6 +102,8 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                 if value is not None:
                     stats.time_s[part] += value
             if mono is not None:
+                if stats.began is None and all(_number(rec.get(p)) is not None for p in TIME_PARTS):
+                    stats.began = mono - sum(float(rec[p]) for p in TIME_PARTS)
                 stats.last = mono if stats.last is None else max(stats.last, mono)
                 stats.progress.append((mono, iteration))
             loss = _number(rec.get("loss"))
@@ -108,8 +112,8 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                 if mono is not None:
                     stats.losses.append((mono, loss))
         elif event == "enter":
-            if rec.get("iter") == 0 and mono is not None and stats.began is None:
-                stats.began = mono
+            if rec.get("iter") == 0 and mono is not None and entered_mono is None:
+                entered_mono = mono
         elif event == "start":
             start_mono = mono if start_mono is None else start_mono
         elif event == "plan":
@@ -131,7 +135,7 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
         elif event == "error":
             stats.error = stats.error or rec
     if stats.began is None:
-        stats.began = start_mono
+        stats.began = entered_mono if entered_mono is not None else start_mono
     return stats
 
 
