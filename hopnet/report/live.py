@@ -157,6 +157,14 @@ class ConsoleStream:
             progress.print_line(line)
         return len(text)
 
+    @property
+    def buffer(self) -> IO[bytes] | None:
+        """The target's byte stream while nothing is routed, so bytes pass through untouched."""
+        progress = self._progress
+        if progress is not None and progress.active:
+            return None
+        return getattr(self.target, "buffer", None)
+
     def flush(self) -> None:
         progress = self._progress
         if progress is None or not progress.active:
