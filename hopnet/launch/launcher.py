@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
@@ -401,10 +402,12 @@ def launch(
         raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
 
     g, world_size = resolve_graph(graph, nproc)
-    config.validate_ranks(world_size)
+    notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
+    for note in notes:
+        _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
     g.to_json(graph_path)
     started_at = datetime.now(timezone.utc)
