@@ -44,6 +44,8 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.launch.run_dir import clear_previous_run
+from hopnet.launch.threads import limit_worker_threads
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -366,6 +368,7 @@ def launch(
     module: bool = False,
     grace_s: float = DEFAULT_GRACE_S,
     argv: Sequence[str] | None = None,
+    overwrite: bool = False,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
 ) -> LaunchResult:
@@ -376,6 +379,8 @@ def launch(
     (the others are then stopped); ``128 + signal`` when the launcher was signalled.
     With ``module=True`` the script is a module name run as ``python -m MODULE``.
     ``prefix=False`` lets workers write straight to the launcher's stdout/stderr.
+    A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
+    that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -405,7 +410,10 @@ def launch(
     notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
+    cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
+    if cleared:
+        _log(err_stream, cleared)
     for note in notes:
         _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
@@ -439,6 +447,7 @@ def launch(
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
     if env_extra:
         base_env.update({str(k): str(v) for k, v in env_extra.items()})
+    threads_note = limit_worker_threads(base_env, plan.nproc)
 
     t0 = time.monotonic()
     failed_rank: int | None = None
@@ -451,6 +460,8 @@ def launch(
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
+        if threads_note:
+            _log(err_stream, threads_note)
         with trap:
             # --- start
             for rank in plan.ranks:
