@@ -147,6 +147,7 @@ REFUSED = [
     ["--backup-workers", "5"],
     ["--backup-workers", "3:3"],
     ["--backup-workers", "7:1"],
+    ["--backup-workers", "0:1,0:1"],
     ["--backup-workers", "1", "--skip-threshold", "4", "--max-jump", "3", "--max-ig", "4"],
     ["--skip-threshold", "1", "--max-jump", "3"],
     ["--staleness", "1", "--skip-threshold", "2", "--max-jump", "3", "--max-ig", "4"],

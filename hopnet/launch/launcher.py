@@ -3,8 +3,11 @@
 The launcher
 
 * resolves the graph (a JSON file or a builder spec such as ``ring:4``) and the
-  protocol configuration, and checks both against the number of workers;
-* creates the run directory and writes ``graph.json`` and ``launch.json`` into it;
+  protocol configuration, and checks the options against the graph
+  (:mod:`hopnet.config_checks`) before anything is created;
+* creates the run directory (refusing one that holds a run, see
+  :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and ``launch.json`` into it;
+* sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
 * runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
   :mod:`hopnet.launch.env`, each worker in a session of its own, so a Ctrl-C on the
