@@ -17,13 +17,17 @@ digits data). Reported: each run's time per iteration, from the workers' ``enter
 records (first to last iteration, averaged over ranks, so start-up is not counted),
 the launch's wall time, and each setting's median relative to the example.
 
-    python bench/threads.py [--nproc 4] [--iterations 1000] [--repeats 3]
+    python bench/threads.py [--nproc 4] [--iterations N] [--repeats 3]
+
+``--iterations`` replaces the snippet's ``worker.iterations(1000)`` count (the time per
+iteration is what is compared, so a loaded machine can use fewer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -70,8 +74,6 @@ def readme_snippet() -> str:
 
 
 def snippet_iterations(text: str) -> int:
-    import re
-
     match = re.search(r"worker\.iterations\((\d+)\)", text)
     if not match:
         raise SystemExit("README snippet: worker.iterations(N) not found")
@@ -110,14 +112,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=None, help="default: the snippet's own count")
     args = parser.parse_args()
 
     snippet = readme_snippet()
     iterations = snippet_iterations(snippet)
+    if args.iterations is not None:
+        snippet = snippet.replace(f"worker.iterations({iterations})", f"worker.iterations({args.iterations})")
+        iterations = args.iterations
     default = torch_default_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"{cores} usable cores, torch's default {default} threads per process, {args.nproc} workers, "
-          f"{iterations} iterations (the snippet's)")
+          f"{iterations} iterations")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         script = work / "readme_snippet.py"
