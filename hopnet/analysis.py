@@ -46,9 +46,10 @@ def _read_log(path: Path, rank: int) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise RunLogError(f"{path}:{lineno}: not a JSON record") from None
-            if not isinstance(record, dict) or record.get("rank", rank) != rank:
-                raise RunLogError(f"{path}:{lineno}: a record of rank {record.get('rank') if isinstance(record, dict) else '?'}"
-                                  f" in rank {rank}'s log")
+            if not isinstance(record, dict):
+                raise RunLogError(f"{path}:{lineno}: not a JSON object")
+            if record.get("rank", rank) != rank:
+                raise RunLogError(f"{path}:{lineno}: a record of rank {record.get('rank')} in rank {rank}'s log")
             records.append(record)
     starts = sum(1 for r in records if r.get("event") == "start")
     if starts > 1:
