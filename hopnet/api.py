@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.params import flatten_parameters
@@ -241,6 +242,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         cfg.validate()
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")
+    check_config_for_graph(cfg, graph)  # the launcher's own check, for options given in code
     flat = flatten_parameters(model) if model is not None else params
     transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
 

@@ -48,6 +48,8 @@ def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[
             raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
         if rank < 0 or count < 0:
             raise ConfigError(f"--backup-workers {text!r}: ranks and counts must be >= 0")
+        if rank in result:
+            raise ConfigError(f"--backup-workers {text!r}: rank {rank} given twice")
         result[rank] = count
     return result
 

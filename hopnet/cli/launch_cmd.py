@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--run-dir", default=None, metavar="DIR",
                           help="directory for graph.json, launch.json and the workers' logs "
                                "(default: runs/<time>-<protocol>-<graph>)")
+    launcher.add_argument("--overwrite", action="store_true",
+                          help="reuse a --run-dir that holds an earlier run, removing that run's "
+                               "launch.json, graph.json and rank*.jsonl (other files stay)")
     launcher.add_argument("--bind", default="127.0.0.1", metavar="HOST",
                           help="host the workers bind their sockets to (default: 127.0.0.1)")
     launcher.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -88,5 +91,6 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         argv=sys.argv,
         progress=args.progress,
+        overwrite=args.overwrite,
     )
     return result.returncode

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from hopnet.config import add_protocol_arguments, config_from_args
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.launch.launcher import DEFAULT_NPROC
@@ -156,7 +157,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
     config = config_from_args(args)
-    config.validate_ranks(n)
+    for note in check_config_for_graph(config, graph):
+        print(f"hopnet simulate: note: {note}", file=sys.stderr)
     iterations = _int("--iterations", args.iterations)
     if iterations < 1:
         raise ConfigError(f"--iterations must be >= 1 (got {iterations})")

@@ -3,8 +3,11 @@
 The launcher
 
 * resolves the graph (a JSON file or a builder spec such as ``ring:4``) and the
-  protocol configuration, and checks both against the number of workers;
-* creates the run directory and writes ``graph.json`` and ``launch.json`` into it;
+  protocol configuration, and checks the options against the graph
+  (:mod:`hopnet.config_checks`) before anything is created;
+* creates the run directory (refusing one that holds a run, see
+  :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and ``launch.json`` into it;
+* sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
 * runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
   :mod:`hopnet.launch.env`, each worker in a session of its own, so a Ctrl-C on the
@@ -39,11 +42,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.report.live import LaunchProgress  # [report]
+from hopnet.launch.run_dir import clear_previous_run
+from hopnet.launch.threads import limit_worker_threads
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -366,6 +372,7 @@ def launch(
     module: bool = False,
     grace_s: float = DEFAULT_GRACE_S,
     argv: Sequence[str] | None = None,
+    overwrite: bool = False,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     progress: bool = True,  # [report] live status line on a terminal
@@ -378,6 +385,8 @@ def launch(
     With ``module=True`` the script is a module name run as ``python -m MODULE``.
     ``prefix=False`` lets workers write straight to the launcher's stdout/stderr.
     ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
+    A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
+    that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -404,10 +413,15 @@ def launch(
         raise ConfigError(f"grace period must be >= 0 (got {grace_s})")
 
     g, world_size = resolve_graph(graph, nproc)
-    config.validate_ranks(world_size)
+    notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
+    cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
+    if cleared:
+        _log(err_stream, cleared)
+    for note in notes:
+        _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
     g.to_json(graph_path)
     started_at = datetime.now(timezone.utc)
@@ -444,6 +458,7 @@ def launch(
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
     if env_extra:
         base_env.update({str(k): str(v) for k, v in env_extra.items()})
+    threads_note = limit_worker_threads(base_env, plan.nproc)
 
     t0 = time.monotonic()
     failed_rank: int | None = None
@@ -456,6 +471,8 @@ def launch(
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
+        if threads_note:
+            _log(err_stream, threads_note)
         with trap:
             # --- start
             for rank in plan.ranks:
