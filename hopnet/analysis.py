@@ -8,6 +8,7 @@ machine). :func:`gap_bound` is Hop's Table 1 for a graph and a configuration.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import numpy as np
 from hopnet.config import ProtocolConfig
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
-from hopnet.runtime.events import read_events
 
 
 class GapTracker:

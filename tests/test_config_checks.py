@@ -87,7 +87,7 @@ def test_max_jump_above_the_cap_is_accepted_with_a_note():
     notes = check_config_for_graph(cfg, Graph.ring_based(16))
     assert notes == ["--max-jump 10 acts as 3: a jump is capped at max_ig - 1 iterations (--max-ig 4)"]
     skips = simulate(SimSpec(Graph.ring(8), cfg, 80, STRAGGLER)).skips
-    assert skips and max(s["to"] - s["iteration"] - 1 for s in skips) == 3
+    assert skips and max(s["to"] - s["iter"] - 1 for s in skips) == 3
 
 
 # ---------------------------------------------------------------------------- staleness against max_ig
