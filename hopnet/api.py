@@ -144,6 +144,9 @@ class AsyncWorker:
             ...                                   # compute (off the loop for heavy work)
             await worker.step(apply, last=worker.iteration == total - 1)
         await worker.close()
+
+    Over ZeroMQ the node sends heartbeats from this loop: code that blocks the loop for
+    longer than ``peer_timeout_s`` makes the neighbours declare this worker dead.
     """
 
     def __init__(self, node: Node) -> None:

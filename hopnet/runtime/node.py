@@ -33,6 +33,7 @@ from hopnet.wire import BYE_FINAL_ITER, Header, Message
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
 
+
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
