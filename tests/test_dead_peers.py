@@ -27,6 +27,11 @@ from hopnet.cli.main import main as cli
 from hopnet.errors import ConfigError
 from hopnet.launch.env import ENV_VARS, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.node import Node
+from hopnet.sim.vloop import Deadlock, VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork
 from hopnet.transports.zmq import ZmqTransport
 
 from conftest import ROOT, WORKERS
@@ -265,6 +270,29 @@ async def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
     assert (error.peer, error.peer_state) == (1, "dead")
     assert "peer 1 went silent" in str(error)
     assert config.peer_timeout_s <= workers[0].node.dead[1] < config.timeout_s
+
+
+def test_the_simulator_runs_no_heartbeats_so_deadlocks_are_still_found() -> None:
+    """In-process peers cannot die unannounced: nodes on that transport arm no beat timers,
+    which would otherwise keep virtual time running and turn a Deadlock into a hang."""
+    graph = Graph.ring(2)
+    network = InprocNetwork()
+    nodes = [Node(r, graph, network.transport(r, frozenset(graph.peers(r))),
+                  make_protocol(ProtocolConfig(), None), clock=Clock(60.0), peer_timeout_s=1.0)
+             for r in range(2)]
+
+    async def wait_forever() -> None:
+        for node in nodes:
+            await node.open()
+        assert all(node.liveness is None for node in nodes)
+        await asyncio.Event().wait()  # nothing will ever set it, and nothing else is scheduled
+
+    loop = VirtualTimeLoop()
+    try:
+        with pytest.raises(Deadlock):
+            loop.run_until_complete(wait_forever())
+    finally:
+        loop.close()
 
 
 def test_peer_timeout_flag_is_validated_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
