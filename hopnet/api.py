@@ -55,7 +55,8 @@ class Worker:
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
         protocol = make_protocol(config, params)
-        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                         peer_timeout_s=config.peer_timeout_s)
         self._final_iteration: int | None = None
         self._closed = False
         self.steps = 0
@@ -148,6 +149,9 @@ class AsyncWorker:
             ...                                   # compute (off the loop for heavy work)
             await worker.step(apply, last=worker.iteration == total - 1)
         await worker.close()
+
+    Over ZeroMQ the node sends heartbeats from this loop: code that blocks the loop for
+    longer than ``peer_timeout_s`` makes the neighbours declare this worker dead.
     """
 
     def __init__(self, node: Node) -> None:
@@ -159,7 +163,8 @@ class AsyncWorker:
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None) -> AsyncWorker:
         protocol = make_protocol(config, params)
-        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                    peer_timeout_s=config.peer_timeout_s)
         try:
             await node.start(exchange)
         except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from hopnet.slowdown import Slowdown, parse_slowdown
 PROTOCOLS = ("hop", "notify-ack")
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_PEER_TIMEOUT_S = 5.0
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -69,6 +71,7 @@ class ProtocolConfig:
     slowdown: list[str] = field(default_factory=list)
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -93,6 +96,9 @@ class ProtocolConfig:
             raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 (got {self.timeout_s})")
+        if (isinstance(self.peer_timeout_s, bool) or not isinstance(self.peer_timeout_s, (int, float))
+                or not math.isfinite(self.peer_timeout_s) or self.peer_timeout_s <= 0):
+            raise ConfigError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout_s!r})")
         if self.protocol == "notify-ack" and (self.has_backup_workers or self.staleness is not None
                                               or self.skip_threshold is not None):
             raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
@@ -173,6 +179,10 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for slowdowns and sampling (default: 0)")
     group.add_argument("--timeout", dest="timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                        help=f"fail a wait after this long, naming what it waited for (default: {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--peer-timeout", dest="peer_timeout_s", type=float, default=DEFAULT_PEER_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="declare a neighbour dead when nothing was heard from it for this long "
+                            f"(default: {DEFAULT_PEER_TIMEOUT_S:g})")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -188,4 +198,5 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         slowdown=list(args.slowdown),
         seed=args.seed,
         timeout_s=args.timeout_s,
+        peer_timeout_s=args.peer_timeout_s,
     )

@@ -22,7 +22,11 @@ import torch
 from hopnet.errors import HopnetError
 
 # Kinds every transport accepts. Protocols add theirs with register_kind().
-_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye"}
+# ``bye``: the sender leaves after iteration ``iter``; ``meta`` may hold its planned last
+# iteration under ``"f"``. ``beat``: a heartbeat, sent to a neighbour nothing else went to
+# lately (see hopnet.runtime.liveness); it carries nothing but the sender's iteration.
+_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye", "beat"}
+BYE_FINAL_ITER = "f"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

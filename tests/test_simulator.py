@@ -68,8 +68,10 @@ def test_without_backup_workers_a_stopped_worker_is_named():
     # Rank 3 sent its update of iteration 10 when it entered it (parallel approach), then left:
     # its neighbours finish iteration 10 and cannot finish 11.
     message = str(info.value)
-    assert re.fullmatch(r"rank [2478] cannot finish iteration 11: in-neighbour\(s\) \[3\] left and it needs "
-                        r"3 of its 3 in-neighbours' updates \(0 backup workers\)", message), message
+    assert re.fullmatch(r"rank [2478] cannot finish iteration 11: peer 3 left at iteration 10, before its last "
+                        r"iteration 59, and rank [2478] needs 3 of its 3 in-neighbours' updates with 0 backup "
+                        r"workers", message), message
+    assert (info.value.peer, info.value.peer_state, info.value.iteration) == (3, "departed", 11)
 
 
 # ---------------------------------------------------------------------------- iteration skipping
@@ -203,9 +205,9 @@ def test_cli_failed_run_exits_1_with_one_line(capsys):
     assert cli(["simulate", "--graph", "ring_based:8", "--iterations", "60", "--stop", "3:10"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert re.fullmatch(r"hopnet simulate: error: rank [2478] cannot finish iteration 11: "
-                        r"in-neighbour\(s\) \[3\] left and it needs 3 of its 3 in-neighbours' updates "
-                        r"\(0 backup workers\)\n", captured.err), captured.err
+    assert re.fullmatch(r"hopnet simulate: error: rank [2478] cannot finish iteration 11: peer 3 left at "
+                        r"iteration 10, before its last iteration 59, and rank [2478] needs 3 of its 3 "
+                        r"in-neighbours' updates with 0 backup workers\n", captured.err), captured.err
 
 
 def test_cli_timeout_names_rank_peer_and_iteration(capsys):
@@ -216,4 +218,4 @@ def test_cli_timeout_names_rank_peer_and_iteration(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert re.fullmatch(r"hopnet simulate: error: timed out waiting for updates \(rank [13]\) from peer 0 "
-                        r"in iteration 1 after 0\.5s\n", captured.err), captured.err
+                        r"\(stalled\) in iteration 1 after 0\.5s\n", captured.err), captured.err

@@ -56,6 +56,13 @@ class Protocol(abc.ABC):
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         """``peer`` will send nothing for iterations after ``last_iteration``."""
 
+    def on_peer_dead(self, peer: int) -> None:
+        """``peer`` went silent and was declared dead: it will send nothing more.
+
+        By default a departure after the previous iteration; a protocol that knows what it
+        last received from the peer says so instead."""
+        self.on_peer_departed(peer, self.iteration - 1)
+
     def snapshot(self) -> dict[str, Any]:
         """Small state summary for each iteration's record (queue depth, tokens...)."""
         return {}

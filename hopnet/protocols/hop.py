@@ -32,7 +32,7 @@ from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
-from hopnet.wire import Header, Message, TensorSpec
+from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec
 
 CREDIT = "c"
 
@@ -81,6 +81,7 @@ class HopProtocol(Protocol):
         self.tokens = TokenCredits(self.out_peers, self.config.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
         self.last_used: dict[int, int] = {j: -1 for j in self.in_peers}
+        self.newest_received: dict[int, int] = {j: -1 for j in self.in_peers}
         self.departed_after: dict[int, int] = {}
 
     def _slots_needed(self, graph: Any) -> int:
@@ -117,6 +118,8 @@ class HopProtocol(Protocol):
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
                 return
+            if msg.iter > self.newest_received[msg.src]:
+                self.newest_received[msg.src] = msg.iter
             if self._is_late(msg.iter, msg.src):
                 self.late_updates_dropped += 1
                 self.pool.release(msg.src, msg.tensors if self.spec is not None else None)
@@ -159,6 +162,10 @@ class HopProtocol(Protocol):
             self.tokens.depart(peer)
         self.queue.wake()
 
+    def on_peer_dead(self, peer: int) -> None:
+        # Nothing is on its way from a dead peer: the newest update it sent is its last.
+        self.on_peer_departed(peer, self.newest_received.get(peer, -1))
+
     def _expected(self, k: int) -> Sequence[int]:
         """In-neighbours that will still send an update of iteration ``k``."""
         gone = self.departed_after
@@ -200,9 +207,10 @@ class HopProtocol(Protocol):
         await self._enter(target, target - k)
 
     async def stop(self) -> None:
+        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
         for peer in self.peers:
             if peer not in self.departed_after:
-                self.node.post(Message("bye", self.rank, peer, self.iteration))
+                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
         await self.node.flush()
 
     async def _maybe_skip(self, k: int) -> int:
@@ -279,18 +287,46 @@ class HopProtocol(Protocol):
                          or self._short_of_peers(k, need), self.queue,
                          lambda: ("updates", self._missing_updates(k)), k)
         if self._short_of_peers(k, need) and self.queue.size(iter=k) < need:
-            raise PeerFailure(self._departure_message(k, need))
+            raise self._peer_failure(k, need)
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
 
     def _short_of_peers(self, k: int, need: int) -> bool:
         return len(self._expected(k)) < need
 
-    def _departure_message(self, k: int, need: int) -> str:
+    def _peer_failure(self, k: int, need: int) -> PeerFailure:
+        """Iteration ``k`` needs an update that departed or dead in-neighbours will never send."""
         gone = sorted(j for j in self.in_peers if j not in self._expected(k))
-        return (f"rank {self.rank} cannot finish iteration {k}: in-neighbour(s) {gone} left and it "
-                f"needs {need} of its {len(self.in_peers)} in-neighbours' updates "
-                f"({self.n_buw} backup workers)")
+        # Blame a peer that said nothing before one that said goodbye: a dead peer is the cause,
+        # the others may only have left because of it.
+        peer = next((j for j in gone if self.node.peer_state(j) == "dead"), gone[0])
+        state = self.node.peer_state(peer)
+        need_text = (f"rank {self.rank} needs {need} of its {len(self.in_peers)} in-neighbours' "
+                     f"updates with {self.n_buw} backup workers")
+        others = [j for j in gone if j != peer]
+        also = f"; in-neighbour(s) {others} are gone too" if others else ""
+        if state == "dead":
+            silent = self.node.dead.get(peer, 0.0)
+            message = (f"rank {self.rank} cannot finish iteration {k}: peer {peer} went silent "
+                       f"(dead: nothing heard from it for {silent:.1f}s; its process died or hangs, "
+                       f"or its host is unreachable) and {need_text}{also}")
+        else:
+            message = self._departure_text(peer, k, need_text) + also
+        return PeerFailure(message, peer=peer, peer_state=state, iteration=k)
+
+    def _departure_text(self, peer: int, k: int, need_text: str) -> str:
+        last = self.departed_after[peer]
+        final = self.node.final_iterations.get(peer)
+        mine = self.final_iteration
+        if final is not None and last >= final and (mine is None or mine > final):
+            runs_to = f"runs to iteration {mine}" if mine is not None else f"needs its update of iteration {k}"
+            return (f"peer {peer} finished at iteration {final} but rank {self.rank} {runs_to}: "
+                    "every rank must run the same number of iterations")
+        if final is not None and last < final:
+            return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left at iteration "
+                    f"{last}, before its last iteration {final}, and {need_text}")
+        return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left after iteration "
+                f"{last} and {need_text}")
 
     def _missing_updates(self, k: int) -> list[int]:
         return [j for j in self._expected(k) if not self.queue.size(iter=k, w_id=j)]
@@ -311,7 +347,7 @@ class HopProtocol(Protocol):
                          lambda: ("an update no older than iteration %d" % oldest,
                                   [j for j in self._expected(k) if j not in fresh_peers()]), k)
         if len(self._expected(k)) < need and len(fresh_peers()) < need:
-            raise PeerFailure(self._departure_message(k, need))
+            raise self._peer_failure(k, need)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:
@@ -342,7 +378,9 @@ class HopProtocol(Protocol):
             await node.clock.wait(waitable.wait_until(ready), "", iteration=k)
         except WaitTimeout as exc:
             what, peers = describe()
-            raise WaitTimeout(f"{what} (rank {self.rank})", peer=peers[0] if peers else None,
+            peer = peers[0] if peers else None
+            raise WaitTimeout(f"{what} (rank {self.rank})", peer=peer,
+                              peer_state=self.node.peer_state(peer) if peer is not None else None,
                               iteration=k, waited_s=exc.waited_s) from None
         finally:
             node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began)

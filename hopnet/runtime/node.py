@@ -5,6 +5,12 @@ between the transport and the protocol: inbound messages are validated (by the
 transport, then by kind here), departures of peers are noticed, sends are tracked so
 the protocol can wait until its buffers are free again. Everything here runs on the
 node's event loop; :class:`hopnet.api.Worker` drives it from a trainer's thread.
+
+On a transport whose peers can die unannounced (``transport.heartbeats``), the Node
+also watches its neighbours (:mod:`hopnet.runtime.liveness`): any valid message is a
+sign of life, a ``beat`` goes to a neighbour nothing else went to lately, and a
+neighbour silent for ``peer_timeout_s`` is declared dead and handled like one that
+said ``bye``.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from hopnet.graph import Graph
 from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
-from hopnet.transports.base import Transport
-from hopnet.wire import Header, Message
+from hopnet.runtime.liveness import Liveness
+from hopnet.transports.base import DISCARD, Transport
+from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
@@ -42,7 +49,11 @@ class StepTimes:
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
-                 on_enter: EnterObserver | None = None, timer: Timer = time.monotonic) -> None:
+                 on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
+                 timer: Timer = time.monotonic) -> None:
+        """``peer_timeout_s``: declare a neighbour dead after this long without a message from
+        it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
+        ``None`` turns the watch off."""
         if not 0 <= rank < graph.n:
             raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
         self.rank = rank
@@ -72,6 +83,12 @@ class Node:
         self._t0 = 0.0
         self.address: str | None = None
         self.departed: dict[int, int] = {}
+        self.final_iterations: dict[int, int | None] = {}  # planned last iteration, from each bye
+        self.dead: dict[int, float] = {}  # peer -> seconds it had been silent when declared dead
+        self.peer_timeout_s = peer_timeout_s if transport.heartbeats else None
+        self.liveness: Liveness | None = None
+        self._heard: set[int] = set()  # peers heard from since the watch last looked
+        self._watch: asyncio.Task[None] | None = None
         protocol.bind(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -94,6 +111,10 @@ class Node:
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)
+        if self.peer_timeout_s is not None and self.graph.peers(self.rank):
+            self.liveness = Liveness(self.graph.peers(self.rank), timeout_s=self.peer_timeout_s,
+                                     now=self.clock.now())
+            self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
 
     def _flush_tick(self) -> None:
         """Flush the event log while the worker waits, so a live reader sees its last records."""
@@ -107,8 +128,9 @@ class Node:
         try:
             if leave:
                 await self.protocol.stop()
-            await self.flush()
+            await self.flush()  # the watch still runs: a neighbour dying now releases its sends
         finally:
+            await self._stop_watch()
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
             if self._flush_timer is not None:
@@ -117,19 +139,94 @@ class Node:
             await self.transport.close()
             self.events.close()
 
+    # ------------------------------------------------------------------ liveness
+    async def _watch_peers(self) -> None:
+        """Beat to quiet links, and declare neighbours that stay silent dead."""
+        liveness = self.liveness
+        assert liveness is not None
+        # Look at least once per beat interval: arrivals are stamped when the watch looks,
+        # so a silence is measured at most one interval short.
+        period = liveness.beat_interval_s
+        while liveness.watched:
+            now = self.clock.now()
+            heard, self._heard = self._heard, set()
+            for peer in heard:
+                liveness.heard(peer, now)
+            for peer, silent_s in liveness.silent_peers(now):
+                self.peer_dead(peer, silent_s)
+            iteration = self.protocol.iteration
+            for peer in liveness.beat_due(now):
+                self._post_beat(Message("beat", self.rank, peer, iteration))
+            await asyncio.sleep(max(0.0, min(liveness.next_check(now), now + period) - self.clock.now()))
+
+    def _post_beat(self, msg: Message) -> None:
+        """Send a beat; a beat that cannot be sent is not worth failing the worker for."""
+        if self._send_nowait is not None:
+            self._send_nowait(msg)
+            return
+        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        task.add_done_callback(_ignore_result)
+
+    async def _stop_watch(self) -> None:
+        task, self._watch = self._watch, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    def peer_dead(self, peer: int, silent_s: float) -> None:
+        """``peer`` went silent for ``silent_s``: handle it like a departure without a bye."""
+        if peer in self.dead or peer in self.departed:
+            return
+        self.dead[peer] = silent_s
+        self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
+                    mono=time.monotonic())
+        self.events.flush()  # this worker may well fail next: the record must not be lost
+        self.transport.forget_peer(peer)
+        self.protocol.on_peer_dead(peer)
+
+    def peer_state(self, peer: int) -> str:
+        """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
+        "stalled" (alive, as far as anyone can tell: the word for a peer a wait is blocked on)."""
+        if peer in self.departed:
+            return "departed"
+        if peer in self.dead:
+            return "dead"
+        return "stalled"
+
     # ------------------------------------------------------------------ the Receiver side
     def buffers_for(self, header: Header) -> Any:
+        if header.src in self.dead:
+            return DISCARD
+        self._heard.add(header.src)  # a late update that is discarded is still a sign of life
         if header.kind == "bye":
             return None
         return self.protocol.buffers_for(header)
 
     def deliver(self, msg: Message) -> None:
-        if msg.kind == "bye":
-            if msg.src not in self.departed:
-                self.departed[msg.src] = msg.iter
-                self.record("peer_left", peer=msg.src, last_iter=msg.iter)
-                self.protocol.on_peer_departed(msg.src, msg.iter)
-                self.transport.forget_peer(msg.src)
+        src = msg.src
+        if src in self.dead:
+            self.count_drop("from_dead_peer")  # written off already; it must not rejoin half-way
+            return
+        self._heard.add(src)
+        kind = msg.kind
+        if kind == "beat":
+            return
+        if kind == "bye":
+            if src not in self.departed:
+                final = msg.meta.get(BYE_FINAL_ITER) if msg.meta else None
+                final = final if isinstance(final, int) else None
+                self.departed[src] = msg.iter
+                self.final_iterations[src] = final
+                if self.liveness is not None:
+                    self.liveness.forget(src)
+                self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
+                self.events.flush()
+                self.protocol.on_peer_departed(src, msg.iter)
+                self.transport.forget_peer(src)
             return
         self.protocol.on_message(msg)
 
@@ -145,6 +242,8 @@ class Node:
     # ------------------------------------------------------------------ what protocols call
     def post(self, msg: Message) -> None:
         """Send without waiting; :meth:`flush` waits until every posted send is done."""
+        if self.liveness is not None:
+            self.liveness.sent(msg.dst, self.clock.now())
         if self._send_nowait is not None:
             self._send_nowait(msg)
             return
@@ -249,3 +348,8 @@ class Node:
         if self._logging:
             self.events.write({"event": event, "rank": self.rank,
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
+
+
+def _ignore_result(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it

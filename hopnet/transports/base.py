@@ -65,6 +65,10 @@ class Transport(abc.ABC):
     rank talks to), any number of ``await send(msg)``, then ``await close()``.
     """
 
+    heartbeats: bool = False
+    """Whether peers on this transport can die unannounced, so the Node must watch them with
+    heartbeats (a network transport). In-process peers cannot: they leave with ``bye``."""
+
     def __init__(self, rank: int, allowed_senders: frozenset[int]) -> None:
         self.rank = rank
         self.allowed_senders = allowed_senders

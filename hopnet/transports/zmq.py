@@ -282,6 +282,8 @@ class _Peer:
 class ZmqTransport(Transport):
     """Transport over ZeroMQ (tcp or ipc). See the module docstring for the design."""
 
+    heartbeats = True
+
     def __init__(self, rank: int, allowed_senders: frozenset[int], *, bind: str = "tcp://127.0.0.1:*",
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
                  context: zmq.asyncio.Context | None = None, tune_malloc: bool = True) -> None:

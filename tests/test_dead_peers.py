@@ -1,0 +1,304 @@
+"""Dead and silent peers, detected by each worker itself through heartbeats.
+
+The process tests start the workers without `hopnet launch`: a RendezvousServer and one
+process per rank with the launcher's ``HOPNET_*`` environment, each in a process group of
+its own. So no launcher notices a death and stops the others; whatever the survivors do,
+they do on their own. Each test ends every process it started, also when it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopnet import AsyncWorker, Graph, PeerFailure, ProtocolConfig, WaitTimeout
+from hopnet.analysis import load_run
+from hopnet.cli.main import main as cli
+from hopnet.errors import ConfigError
+from hopnet.launch.env import ENV_VARS, WorkerEnv
+from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.node import Node
+from hopnet.sim.vloop import Deadlock, VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork
+from hopnet.transports.zmq import ZmqTransport
+
+from conftest import ROOT, WORKERS
+
+PEER_WORKER = str(WORKERS / "peer_worker.py")
+START_TIMEOUT_S = 120.0  # a loaded 2-core machine can take long to import torch 6 times
+
+
+class Cluster:
+    """Worker processes started the way `hopnet launch` starts them, minus the launcher."""
+
+    def __init__(self, graph: Graph, config: ProtocolConfig, run_dir: Path, worker_args: list[str]) -> None:
+        self.graph = graph
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True)
+        graph_path = run_dir / "graph.json"
+        graph.to_json(graph_path)
+        self.server = RendezvousServer(graph.n).start()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+        base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p),
+                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        for rank in range(graph.n):
+            env = WorkerEnv(rank=rank, world_size=graph.n, local_rank=rank, graph_path=str(graph_path),
+                            rendezvous=self.server.endpoint, run_dir=str(run_dir),
+                            config_json=config.to_json())
+            with open(run_dir / f"out{rank}.txt", "wb") as out, open(run_dir / f"err{rank}.txt", "wb") as err:
+                self.procs.append(subprocess.Popen([sys.executable, PEER_WORKER, *worker_args],
+                                                   env={**base, **env.to_environ()}, stdout=out, stderr=err,
+                                                   cwd=ROOT, start_new_session=True))
+
+    def signal(self, rank: int, sig: signal.Signals) -> None:
+        os.killpg(self.procs[rank].pid, sig)
+
+    def wait_for_iteration(self, rank: int, iteration: int) -> None:
+        """Until ``rank``'s event log shows it reached ``iteration`` (its log is flushed in batches)."""
+        log = self.run_dir / f"rank{rank}.jsonl"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if log.exists() and any(json.loads(line).get("iter", -1) >= iteration
+                                    for line in log.read_text().splitlines() if line.endswith("}")):
+                return
+            assert all(p.poll() is None for p in self.procs), self.report()
+            time.sleep(0.1)
+        raise AssertionError(f"rank {rank} never reached iteration {iteration}\n{self.report()}")
+
+    def wait(self, ranks: list[int], timeout_s: float) -> dict[int, int]:
+        """Exit codes of ``ranks``, which must all exit on their own within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        codes: dict[int, int] = {}
+        for rank in ranks:
+            try:
+                codes[rank] = self.procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {rank} did not exit within {timeout_s}s\n{self.report()}") from None
+        return codes
+
+    def failure(self, rank: int) -> dict:
+        return json.loads((self.run_dir / f"failure_rank{rank}.json").read_text())
+
+    def stderr(self, rank: int) -> str:
+        return (self.run_dir / f"err{rank}.txt").read_text(errors="replace")
+
+    def report(self) -> str:
+        return "\n".join(f"--- rank {r} (exit {p.poll()}):\n{self.stderr(r)[-2000:]}"
+                         for r, p in enumerate(self.procs))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped process must be woken to die
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            proc.wait()
+        self.server.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _peer_dead_records(run_dir: Path, rank: int) -> list[dict]:
+    return [rec for rec in load_run(run_dir)[rank] if rec["event"] == "peer_dead"]
+
+
+# ----------------------------------------------------------------------------- real processes
+@pytest.mark.slow
+def test_a_stopped_worker_is_named_dead_by_its_neighbours(tmp_path: Path) -> None:
+    """SIGSTOP: the process lives and its TCP connections stay up, but it says nothing."""
+    config = ProtocolConfig(timeout_s=60.0, peer_timeout_s=3.0)
+    with Cluster(Graph.ring(4), config, tmp_path / "run", ["--iterations", "100000", "--compute-ms", "5"]) as c:
+        c.wait_for_iteration(2, 40)
+        c.signal(2, signal.SIGSTOP)
+        stopped = time.monotonic()
+        # Its neighbours fail on their own, long before the 60 s wait timeout could fire.
+        assert c.wait([1, 3], timeout_s=55.0) == {1: 1, 3: 1}
+        assert time.monotonic() - stopped < config.timeout_s
+        for rank in (1, 3):
+            failure = c.failure(rank)
+            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
+            assert "peer 2 went silent" in failure["message"], failure
+            assert "peer 2 went silent" in c.stderr(rank)
+            (dead,) = _peer_dead_records(c.run_dir, rank)
+            assert dead["peer"] == 2 and config.peer_timeout_s <= dead["silent_s"] < config.timeout_s, dead
+            assert dead["iter"] >= 40
+        # Rank 0 needed 1 and 3, which left (their close() said bye) after declaring 2 dead.
+        assert c.wait([0], timeout_s=55.0) == {0: 1}
+        assert c.failure(0)["peer"] in (1, 3) and c.failure(0)["peer_state"] in ("departed", "dead")
+        assert c.procs[2].poll() is None  # still there, stopped: nothing but heartbeats told on it
+
+
+@pytest.mark.slow
+def test_survivors_with_backup_workers_finish_after_a_worker_is_killed(tmp_path: Path) -> None:
+    """SIGKILL one worker of ring_based:6 with a backup worker each: the rest train to the end.
+
+    Updates of 1.6 MB go zero-copy; the survivors' sends to the dead worker must be released
+    when it is declared dead, not wait out the transport's send timeout."""
+    iterations, victim = 150, 3
+    config = ProtocolConfig(backup_workers=1, timeout_s=60.0, peer_timeout_s=3.0)
+    with Cluster(Graph.ring_based(6), config, tmp_path / "run",
+                 ["--iterations", str(iterations), "--compute-ms", "10", "--dim", "200000"]) as c:
+        c.wait_for_iteration(victim, 30)
+        c.signal(victim, signal.SIGKILL)
+        survivors = [r for r in range(6) if r != victim]
+        assert c.wait(survivors, timeout_s=180.0) == {r: 0 for r in survivors}, c.report()
+        events = load_run(c.run_dir)
+        for rank in survivors:
+            stop = next(rec for rec in events[rank] if rec["event"] == "stop")
+            assert stop["iter"] == iterations - 1, (rank, stop)
+            assert "send_timeout" not in stop["dropped"], (rank, stop["dropped"])
+            done = [rec["iter"] for rec in events[rank] if rec["event"] == "iteration"]
+            assert max(done) == iterations - 1
+        for rank in c.graph.peers(victim):  # 0, 2 and 4 noticed; 1 and 5 never talk to it
+            (dead,) = _peer_dead_records(c.run_dir, rank)
+            assert dead["peer"] == victim and dead["silent_s"] >= config.peer_timeout_s, dead
+        for rank in (1, 5):
+            assert _peer_dead_records(c.run_dir, rank) == []
+
+
+@pytest.mark.slow
+def test_without_backup_workers_a_killed_worker_is_named_by_its_neighbours(tmp_path: Path) -> None:
+    config = ProtocolConfig(timeout_s=60.0)  # the default --peer-timeout
+    with Cluster(Graph.ring(4), config, tmp_path / "run", ["--iterations", "100000", "--compute-ms", "5"]) as c:
+        c.wait_for_iteration(2, 40)
+        c.signal(2, signal.SIGKILL)
+        killed = time.monotonic()
+        assert c.wait([1, 3], timeout_s=55.0) == {1: 1, 3: 1}
+        assert time.monotonic() - killed < config.timeout_s
+        for rank in (1, 3):
+            failure = c.failure(rank)
+            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
+            assert failure["message"].startswith(f"rank {rank} cannot finish iteration "), failure
+            (dead,) = _peer_dead_records(c.run_dir, rank)
+            assert dead["peer"] == 2 and config.peer_timeout_s <= dead["silent_s"] < config.timeout_s, dead
+        assert c.wait([0], timeout_s=55.0) == {0: 1}
+
+
+@pytest.mark.slow
+def test_ranks_that_run_different_iteration_counts_are_told_so(tmp_path: Path) -> None:
+    config = ProtocolConfig(timeout_s=60.0)
+    with Cluster(Graph.ring(3), config, tmp_path / "run",
+                 ["--iterations", "40", "--iterations-rank", "0:20", "--compute-ms", "2"]) as c:
+        assert c.wait([0, 1, 2], timeout_s=START_TIMEOUT_S) == {0: 0, 1: 1, 2: 1}, c.report()
+        for rank in (1, 2):
+            failure = c.failure(rank)
+            assert failure["message"] == (f"peer 0 finished at iteration 19 but rank {rank} runs to iteration 39: "
+                                          "every rank must run the same number of iterations"), failure
+            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 0, "departed")
+        left = [rec for rec in load_run(c.run_dir)[1] if rec["event"] == "peer_left" and rec["peer"] == 0]
+        assert [(rec["last_iter"], rec["final_iter"]) for rec in left] == [(19, 19)]
+
+
+# ----------------------------------------------------------------------------- one process, ZeroMQ
+async def _start_zmq_workers(n: int, config: ProtocolConfig) -> list[AsyncWorker]:
+    """ring:n of AsyncWorkers on this loop, each with its own ZeroMQ transport over loopback."""
+    graph = Graph.ring(n)
+    addresses: dict[int, str] = {}
+    everyone = asyncio.Barrier(n)
+
+    def exchange_for(rank: int) -> Callable[[str], Awaitable[dict[int, str]]]:
+        async def exchange(address: str) -> dict[int, str]:
+            addresses[rank] = address
+            await everyone.wait()
+            return dict(addresses)
+        return exchange
+
+    return list(await asyncio.gather(*(
+        AsyncWorker.start(rank=r, graph=graph, config=config, params=torch.zeros(8),
+                          transport=ZmqTransport(r, frozenset(graph.peers(r))), exchange=exchange_for(r))
+        for r in range(n))))
+
+
+async def _train(worker: AsyncWorker, total: int) -> None:
+    while True:
+        last = worker.iteration >= total - 1
+        await worker.step(last=last)
+        if last:
+            return
+
+
+async def test_a_peer_that_is_alive_but_owes_an_update_is_stalled_not_dead() -> None:
+    """Rank 1 never steps, for longer than the peer timeout, but its node still beats: rank 0's
+    wait runs into --timeout and names rank 1 as stalled, not dead."""
+    config = ProtocolConfig(timeout_s=1.5, peer_timeout_s=0.3)
+    workers = await _start_zmq_workers(2, config)
+    try:
+        with pytest.raises(WaitTimeout) as info:
+            await _train(workers[0], 5)
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+    error = info.value
+    assert (error.peer, error.peer_state, error.iteration) == (1, "stalled", 1)
+    assert "from peer 1 (stalled) in iteration 1" in str(error)
+    assert workers[0].node.dead == {}
+
+
+async def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
+    """Rank 1 shuts its sockets without a bye (as a crash would): rank 0 fails naming it dead,
+    long before its wait timeout."""
+    config = ProtocolConfig(timeout_s=30.0, peer_timeout_s=0.3)
+    workers = await _start_zmq_workers(2, config)
+    await workers[1].node.close(leave=False)  # no bye: it just goes quiet
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(PeerFailure) as info:
+            await _train(workers[0], 5)
+    finally:
+        await workers[0].close()
+    assert loop.time() - started < config.timeout_s
+    error = info.value
+    assert (error.peer, error.peer_state) == (1, "dead")
+    assert "peer 1 went silent" in str(error)
+    assert config.peer_timeout_s <= workers[0].node.dead[1] < config.timeout_s
+
+
+def test_the_simulator_runs_no_heartbeats_so_deadlocks_are_still_found() -> None:
+    """In-process peers cannot die unannounced: nodes on that transport arm no beat timers,
+    which would otherwise keep virtual time running and turn a Deadlock into a hang."""
+    graph = Graph.ring(2)
+    network = InprocNetwork()
+    nodes = [Node(r, graph, network.transport(r, frozenset(graph.peers(r))),
+                  make_protocol(ProtocolConfig(), None), clock=Clock(60.0), peer_timeout_s=1.0)
+             for r in range(2)]
+
+    async def wait_forever() -> None:
+        for node in nodes:
+            await node.open()
+        assert all(node.liveness is None for node in nodes)
+        await asyncio.Event().wait()  # nothing will ever set it, and nothing else is scheduled
+
+    loop = VirtualTimeLoop()
+    try:
+        with pytest.raises(Deadlock):
+            loop.run_until_complete(wait_forever())
+    finally:
+        loop.close()
+
+
+def test_peer_timeout_flag_is_validated_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["simulate", "--graph", "ring:4", "--iterations", "2", "--peer-timeout", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--peer-timeout must be a positive number of seconds" in err[0], err
+    with pytest.raises(ConfigError, match="--peer-timeout"):
+        ProtocolConfig(peer_timeout_s=float("nan"))
+    assert ProtocolConfig.from_json(ProtocolConfig(peer_timeout_s=2.5).to_json()).peer_timeout_s == 2.5
