@@ -12,25 +12,31 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
 from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
+from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
 from hopnet.transports.base import Transport
 from hopnet.wire import Header, Message
 
+if TYPE_CHECKING:
+    from hopnet.collectives.base import Collective
+
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
+CollectiveFactory = Callable[["Node"], "Collective"]
 
 
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
-                 on_enter: EnterObserver | None = None) -> None:
+                 on_enter: EnterObserver | None = None,
+                 collective_factory: CollectiveFactory | None = None) -> None:
         if not 0 <= rank < graph.n:
             raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
         self.rank = rank
@@ -49,6 +55,12 @@ class Node:
         self._t0 = 0.0
         self.address: str | None = None
         self.departed: dict[int, int] = {}
+        self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
+        self._mailbox_kinds = self.mailbox.kinds
+        self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
+        self._connected: set[int] = set()
+        self._collective_factory = collective_factory
+        self._collective: Collective | None = None
         protocol.bind(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -60,14 +72,44 @@ class Node:
     async def open(self, exchange: AddressExchange | None = None) -> None:
         """Bind, learn the neighbours' addresses and connect, without entering iteration 0."""
         self._t0 = self.clock.now()
+        self.transport.admit_run(self.graph.n)
         self.address = await self.transport.start(self)
         if exchange is not None:
             addresses = await exchange(self.address)
             missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
             if missing:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
-            await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
+            self.addresses = {int(r): a for r, a in addresses.items()}
+            await self.connect_to(self.graph.peers(self.rank))
         self.record("start", address=self.address)
+
+    async def connect_to(self, ranks: Iterable[int]) -> None:
+        """Open the ways to ``ranks`` (any rank of the run, not only graph neighbours).
+
+        Connections are made once, on first need: a collective calls this for the members it
+        sends to. Without a rendezvous (the in-process transport, or a caller that connected
+        the transport itself) there is nothing to do."""
+        new = [r for r in ranks if r != self.rank and r not in self._connected]
+        if not new or self.addresses is None:
+            return
+        unknown = [r for r in new if r not in self.addresses]
+        if unknown:
+            raise HopnetError(f"rank {self.rank}: no address for rank(s) {unknown} (not in the rendezvous)")
+        await self.transport.connect({r: self.addresses[r] for r in new})
+        self._connected.update(new)
+
+    @property
+    def collective(self) -> Collective:
+        """The all-reduce every group protocol uses: built on first use by the node's
+        collective factory (default: :class:`hopnet.collectives.ring.RingCollective`)."""
+        if self._collective is None:
+            factory = self._collective_factory
+            if factory is None:
+                from hopnet.collectives.ring import RingCollective
+                self._collective = RingCollective(self)
+            else:
+                self._collective = factory(self)
+        return self._collective
 
     async def close(self, *, leave: bool = True) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""
@@ -75,6 +117,8 @@ class Node:
             if leave:
                 await self.protocol.stop()
             await self.flush()
+            if self._collective is not None:
+                await self._collective.close()
         finally:
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
@@ -83,16 +127,22 @@ class Node:
 
     # ------------------------------------------------------------------ the Receiver side
     def buffers_for(self, header: Header) -> Any:
+        if header.kind in self._mailbox_kinds:
+            return self.mailbox.buffers_for(header)
         if header.kind == "bye":
             return None
         return self.protocol.buffers_for(header)
 
     def deliver(self, msg: Message) -> None:
+        if msg.kind in self._mailbox_kinds:
+            self.mailbox.deliver(msg)
+            return
         if msg.kind == "bye":
             if msg.src not in self.departed:
                 self.departed[msg.src] = msg.iter
                 self.record("peer_left", peer=msg.src, last_iter=msg.iter)
                 self.protocol.on_peer_departed(msg.src, msg.iter)
+                self.mailbox.peer_departed(msg.src, f"left after iteration {msg.iter}")
                 self.transport.forget_peer(msg.src)
             return
         self.protocol.on_message(msg)
@@ -115,6 +165,17 @@ class Node:
         task = asyncio.get_running_loop().create_task(self.transport.send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
+
+    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
+        """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
+        modified again (``None``: the transport already let go of them)."""
+        if self._send_nowait is not None:
+            self._send_nowait(msg)
+            return None
+        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+        return task
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
