@@ -19,12 +19,13 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
@@ -104,6 +105,12 @@ class Worker:
         self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
         self.steps += 1
         self._compute_started = time.perf_counter()
+
+    def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                  tag: str) -> torch.Tensor:
+        """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
+        thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
+        return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
