@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, WORKERS
+from conftest import EXAMPLES, ROOT, WORKERS
 
 COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -61,3 +64,35 @@ def test_hop_options_with_allreduce_are_refused_in_one_line(launch, tmp_path: Pa
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --backup-workers: Hop option(s) that --protocol allreduce does not take"]
+
+
+@pytest.mark.slow
+def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: Path) -> None:
+    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) run by torchrun."""
+    run_dir = tmp_path / "run"
+    result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), DIGITS,
+                     "--iterations", "50"])
+    assert result.returncode == 0, result.stderr
+    ddp_out = tmp_path / "ddp.pt"
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          str(WORKERS / "ddp_digits.py"), str(ddp_out), "--iterations", "50"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert ddp.returncode == 0, ddp.stderr
+    ours = torch.load(run_dir / "final_rank0.pt")
+    theirs = torch.load(ddp_out)
+    assert ours.shape == theirs.shape
+    assert not torch.equal(ours, _initial_digits_params())  # both really trained
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _initial_digits_params() -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
