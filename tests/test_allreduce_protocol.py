@@ -136,3 +136,15 @@ def test_simulated_allreduce_iteration_is_compute_plus_the_ring_model() -> None:
     ring = 2 * (n - 1) * latency + 2 * (n - 1) / n * model_bytes / bandwidth
     assert result.iterations == [iterations] * n
     assert result.virtual_time == pytest.approx(iterations * (compute_s + ring), rel=0.02)
+
+
+def test_allreduce_without_gradients_says_what_it_needs() -> None:
+    network = InprocNetwork()
+    worker = Worker(rank=0, graph=Graph.ring(1), config=ProtocolConfig(protocol="allreduce", timeout_s=5),
+                    params=torch.zeros(3), transport=network.transport(0, frozenset()))
+    try:
+        with pytest.raises(ConfigError, match="averages gradients"):
+            for _ in worker.iterations(1):
+                worker.step()
+    finally:
+        worker.close()

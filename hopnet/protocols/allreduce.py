@@ -50,9 +50,7 @@ class AllReduceProtocol(Protocol):
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
-        buffer = self._gradient_buffer()
-        if buffer is not None:
-            await self.node.collective.allreduce(self.everyone, buffer, "mean", tag=f"{TAG_PREFIX}/{k}")
+        await self.node.collective.allreduce(self.everyone, self._gradient_buffer(), "mean", tag=f"{TAG_PREFIX}/{k}")
         if apply is not None:
             apply()
         self.node.iteration_done(k, self)
@@ -61,9 +59,12 @@ class AllReduceProtocol(Protocol):
         self.iteration = k + 1
         self.node.entered(k + 1, self)
 
-    def _gradient_buffer(self) -> torch.Tensor | None:
+    def _gradient_buffer(self) -> torch.Tensor:
         if isinstance(self.grads, FlatGradients):
             return self.grads.gather()
+        if self.grads is None:
+            raise ConfigError("--protocol allreduce averages gradients: start the worker with "
+                              "hopnet.init(model), or give Worker a grads buffer")
         return self.grads
 
     async def stop(self) -> None:
