@@ -11,7 +11,7 @@ called directly from the main thread.
 For every size the two methods take turns, ``--repeat`` times, after one untimed warm-up
 each: a gloo barrier, then N back-to-back mean all-reduces of one float32 tensor (N is
 about --total-mib / size, at least 3), timed on rank 0 from the barrier to the end of the
-N-th. gloo's mean is ``all_reduce(SUM)`` then a division, as DDP does it. The table
+N-th (N at most --max-count). gloo's mean is ``all_reduce(SUM)`` then a division, as DDP does it. The table
 shows the median time per all-reduce, the bus bandwidth (``2 (P-1)/P * bytes / time``,
 what each link carries) and hopnet's throughput as a ratio of gloo's.
 See bench/README.md ("Collectives") for results.
@@ -42,12 +42,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def repetitions(size_bytes: int, total_mib: float) -> int:
-    return max(3, int(total_mib * MiB // size_bytes))
+def repetitions(size_bytes: int, total_mib: float, max_count: int) -> int:
+    return max(3, min(max_count, int(total_mib * MiB // size_bytes)))
 
 
 def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, total_mib: float,
-           results: mp.Queue) -> None:
+           max_count: int, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -89,7 +89,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
     try:
         for size in sizes:
             tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
-            count = repetitions(size, total_mib)
+            count = repetitions(size, total_mib, max_count)
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             for method in METHODS:  # warm-up: connections, buffers
                 run[method](tensor)
@@ -114,7 +114,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
         dist.destroy_process_group()
 
 
-def run_world(world: int, sizes: list[int], repeat: int, total_mib: float) -> list[dict]:
+def run_world(world: int, sizes: list[int], repeat: int, total_mib: float, max_count: int) -> list[dict]:
     import torch.distributed as dist
 
     port = free_port()
@@ -122,14 +122,17 @@ def run_world(world: int, sizes: list[int], repeat: int, total_mib: float) -> li
                           timeout=datetime.timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, sizes, repeat, total_mib, results))
+    procs = [ctx.Process(target=worker, args=(r, world, port, sizes, repeat, total_mib, max_count, results))
              for r in range(world)]
     for p in procs:
         p.start()
     rows = []
+    printed = False
     try:
         for _ in sizes:
             rows.append(results.get(timeout=1800))
+            print(table(rows[-1:], header=not printed), flush=True)
+            printed = True
         for p in procs:
             p.join(timeout=120)
         failed = [p.exitcode for p in procs if p.exitcode != 0]
@@ -148,9 +151,9 @@ def fmt_size(size: int) -> str:
     return f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], header: bool = True) -> str:
     lines = ["| P | size | N | gloo ms | hopnet ring ms | gloo bus GB/s | ring bus GB/s | ring / gloo throughput |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
     for row in rows:
         world, size = row["world"], row["size"]
         med = {m: statistics.median(row["times"][m]) for m in METHODS}
@@ -167,13 +170,14 @@ def main() -> None:
     parser.add_argument("--nprocs", default="2,4", help="numbers of processes (default: 2,4)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--total-mib", type=float, default=256, help="about this much data per timed block")
+    parser.add_argument("--max-count", type=int, default=200, help="at most this many all-reduces per timed block")
     parser.add_argument("--json", default=None, help="also write the raw times to this file")
     args = parser.parse_args()
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     rows: list[dict] = []
     for world in (int(w) for w in args.nprocs.split(",")):
-        rows.extend(run_world(world, sizes, args.repeat, args.total_mib))
-    print(table(rows))
+        rows.extend(run_world(world, sizes, args.repeat, args.total_mib, args.max_count))
+    print("\nall rows:\n" + table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 
