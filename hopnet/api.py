@@ -34,7 +34,7 @@ from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.loop_thread import EventLoopThread
-from hopnet.runtime.node import AddressExchange, Node
+from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
 
 
@@ -44,7 +44,8 @@ class Worker:
     def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
                  params: torch.Tensor | None, transport: Transport,
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
-                 grads: FlatGradients | torch.Tensor | None = None) -> None:
+                 grads: FlatGradients | torch.Tensor | None = None,
+                 collective_factory: CollectiveFactory | None = None) -> None:
         if params is not None and params.device.type != "cpu":
             # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
             raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
@@ -57,7 +58,8 @@ class Worker:
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
         protocol = make_protocol(config, params, grads)
-        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                         collective_factory=collective_factory)
         self._final_iteration: int | None = None
         self._closed = False
         self.steps = 0
@@ -161,9 +163,11 @@ class AsyncWorker:
     async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None,
-                    grads: FlatGradients | torch.Tensor | None = None) -> AsyncWorker:
+                    grads: FlatGradients | torch.Tensor | None = None,
+                    collective_factory: CollectiveFactory | None = None) -> AsyncWorker:
         protocol = make_protocol(config, params, grads)
-        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events)
+        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                    collective_factory=collective_factory)
         try:
             await node.start(exchange)
         except BaseException:
