@@ -32,6 +32,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hopnet.collectives.ring import DEFAULT_CHUNK_BYTES  # noqa: E402
+
 MiB = 1 << 20
 METHODS = ("gloo", "hopnet-ring")
 
@@ -47,10 +49,11 @@ def repetitions(size_bytes: int, total_mib: float, max_count: int) -> int:
 
 
 def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, total_mib: float,
-           max_count: int, results: mp.Queue) -> None:
+           max_count: int, chunk_bytes: int, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from hopnet.collectives.ring import RingCollective
     from hopnet.config import ProtocolConfig
     from hopnet.graph import Graph
     from hopnet.protocols import make_protocol
@@ -66,7 +69,8 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
     graph = Graph.ring(world)
     config = ProtocolConfig(protocol="allreduce", timeout_s=120)
     transport = ZmqTransport(rank, frozenset(graph.peers(rank)))
-    node = Node(rank, graph, transport, make_protocol(config, None), clock=Clock(config.timeout_s))
+    node = Node(rank, graph, transport, make_protocol(config, None), clock=Clock(config.timeout_s),
+                collective_factory=lambda n: RingCollective(n, chunk_bytes=chunk_bytes))
 
     async def exchange(address: str) -> dict[int, str]:
         store.set(f"hopnet/{rank}", address)
@@ -114,7 +118,8 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
         dist.destroy_process_group()
 
 
-def run_world(world: int, sizes: list[int], repeat: int, total_mib: float, max_count: int) -> list[dict]:
+def run_world(world: int, sizes: list[int], repeat: int, total_mib: float, max_count: int,
+              chunk_bytes: int) -> list[dict]:
     import torch.distributed as dist
 
     port = free_port()
@@ -122,7 +127,8 @@ def run_world(world: int, sizes: list[int], repeat: int, total_mib: float, max_c
                           timeout=datetime.timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, sizes, repeat, total_mib, max_count, results))
+    procs = [ctx.Process(target=worker, args=(r, world, port, sizes, repeat, total_mib, max_count,
+                                                    chunk_bytes, results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -171,12 +177,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--total-mib", type=float, default=256, help="about this much data per timed block")
     parser.add_argument("--max-count", type=int, default=200, help="at most this many all-reduces per timed block")
+    parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024,
+                        help=f"the ring's chunk size (default: {DEFAULT_CHUNK_BYTES // 1024})")
     parser.add_argument("--json", default=None, help="also write the raw times to this file")
     args = parser.parse_args()
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     rows: list[dict] = []
     for world in (int(w) for w in args.nprocs.split(",")):
-        rows.extend(run_world(world, sizes, args.repeat, args.total_mib, args.max_count))
+        rows.extend(run_world(world, sizes, args.repeat, args.total_mib, args.max_count,
+                              args.chunk_kib * 1024))
     print("\nall rows:\n" + table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

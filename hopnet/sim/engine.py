@@ -190,6 +190,17 @@ def _stand_in_gradients(spec: SimSpec, n: int) -> tuple[int, float]:
     return numel, spec.model_bytes / (4 * numel)
 
 
+def _gradients(spec: SimSpec, rank: int, stand_in: int) -> torch.Tensor | None:
+    """What a gradient protocol reduces every iteration (there is no trainer to compute any):
+    random values of the model's size, or of the stand-in's when only its bytes are known."""
+    if spec.config.protocol not in GRADIENT_PROTOCOLS:
+        return None
+    gen = torch.Generator().manual_seed(spec.config.seed * 1_000_003 + rank + 1)
+    if spec.param_dim:
+        return torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
+    return torch.randn(stand_in, generator=gen, dtype=torch.float32)
+
+
 async def _run(spec: SimSpec, started: float) -> SimResult:
     graph, config = spec.graph, spec.config
     n = graph.n
@@ -204,10 +215,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         if spec.param_dim:
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
-        # Gradient protocols reduce these every iteration (there is no trainer to compute any).
-        grads = None if config.protocol not in GRADIENT_PROTOCOLS else torch.randn(spec.param_dim if spec.param_dim else stand_in, dtype=torch.float64 if spec.param_dim
-                            else torch.float32, generator=torch.Generator().manual_seed(config.seed + rank))
-        protocol = make_protocol(config, params, grads)
+        protocol = make_protocol(config, params, _gradients(spec, rank, stand_in))
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))
         nodes.append(Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s),
