@@ -28,6 +28,9 @@ class Codec(abc.ABC):
     name: str = "codec"
     lossless: bool = False
     """True when ``decode(encode(x)) == x`` bit for bit (the owner may then skip the round trip)."""
+    in_place: bool = False
+    """True when the payload is one tensor holding the chunk's own values (decode is a copy):
+    the all-gather then receives it straight into the result, with no copy."""
 
     @abc.abstractmethod
     def payload_specs(self, numel: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
@@ -62,6 +65,7 @@ class IdentityCodec(Codec):
 
     name = "identity"
     lossless = True
+    in_place = True
 
     def payload_specs(self, numel: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
         return (TensorSpec(dtype, (numel,)),)

@@ -12,7 +12,9 @@ wire. With the members ordered as the group lists them, member ``i`` sends to me
 * the owner divides by ``p`` (mean) and encodes its segment once; its own copy becomes the
   decoded payload;
 * all-gather, steps ``s = 0 .. p-2``: send segment ``i + 1 - s``, receive segment ``i - s``,
-  decode it into place and forward the received payload unchanged.
+  decode it into place and forward the received payload unchanged. With the identity
+  codec the receives are posted in the node's mailbox before the messages arrive, so the
+  bytes land in the result directly.
 
 Every member ends with the owner's values for every segment, decoded from the same
 bytes: the results are bitwise identical whatever the codec. Each member sends
@@ -191,19 +193,44 @@ class _RingRound:
 
     async def _all_gather(self) -> None:
         p, plan, flat = self.p, self.plan, self.flat
+        posted = self._post_in_place() if self.codec.in_place else {}
         for s in range(p - 1):
             step = p - 1 + s
             segment = (self.pos - s) % p
             for c, (lo, hi) in enumerate(plan.chunks(segment)):
+                dest = flat[lo:hi]
+                target = posted.get((step, c))
+                if target is None:
+                    earlier = self._reduce_sends.pop((segment, c), None)
+                    if earlier is not None and not earlier.done():
+                        await asyncio.wait((earlier,))  # its bytes may still be read by the transport
                 msg = await self._receive(step, c, hi - lo)
-                earlier = self._reduce_sends.pop((segment, c), None)
-                if earlier is not None and not earlier.done():
-                    await asyncio.wait((earlier,))  # its bytes may still be read by the transport
-                self.codec.decode(msg.tensors, flat[lo:hi])
+                if target is not None and self.node.mailbox.is_posted(msg, target):
+                    if s < p - 2:
+                        self._send(plan.seq(step + 1, c), target)  # the result itself, unchanged
+                    continue
+                self.codec.decode(msg.tensors, dest)
                 if s < p - 2:
                     self._forward(plan.seq(step + 1, c), msg)
                 else:
                     self.node.mailbox.release(msg)
+
+    def _post_in_place(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """Post the all-gather's receives straight into the result, for every chunk whose
+        reduce-scatter send has let go of that memory (the others go through the pool)."""
+        p, plan = self.p, self.plan
+        posted: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for s in range(p - 1):
+            step = p - 1 + s
+            segment = (self.pos - s) % p
+            for c, (lo, hi) in enumerate(plan.chunks(segment)):
+                earlier = self._reduce_sends.get((segment, c))
+                if earlier is not None and not earlier.done():
+                    continue
+                target = [self.flat[lo:hi]]
+                if self.node.mailbox.post(COLLECTIVE_KIND, self.tag, self.left, plan.seq(step, c), target):
+                    posted[(step, c)] = target
+        return posted
 
     # ------------------------------------------------------------------ messages
     def _send(self, seq: int, payload: list[torch.Tensor], *, key: tuple[int, int] | None = None) -> None:

@@ -8,7 +8,9 @@ that runs ahead) or after; either way it is matched by key, never by arrival ord
 
 Tensor payloads land in buffers from a :class:`SpecPool`, keyed by dtype and shape. The
 receiver hands them back with :meth:`Mailbox.release` once it has read them, so in steady
-state (the same shapes round after round) receiving allocates no tensor memory.
+state (the same shapes round after round) receiving allocates no tensor memory. A
+receiver that knows where a payload should end up may :meth:`Mailbox.post` that place
+before the message arrives; the bytes then land there directly, with no copy.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Mailbox:
         self.pool = pool if pool is not None else SpecPool()
         self._arrived: dict[MailKey, Message] = {}
         self._waiting: dict[MailKey, asyncio.Future[Message]] = {}
+        self._posted: dict[MailKey, list[torch.Tensor]] = {}
         self._departed: dict[int, str] = {}
 
     def __len__(self) -> int:
@@ -77,6 +80,10 @@ class Mailbox:
     def buffers_for(self, header: Header) -> list[torch.Tensor] | None:
         if not header.specs:
             return None
+        if self._posted:
+            posted = self._posted.pop((header.kind, header.tag, header.src, header.iter), None)
+            if posted is not None and _matches(posted, header.specs):
+                return posted
         return [self.pool.take(spec) for spec in header.specs]
 
     def deliver(self, msg: Message) -> None:
@@ -99,6 +106,21 @@ class Mailbox:
                 waiter.set_exception(self._departure(key, why))
 
     # ------------------------------------------------------------------ the collective's side
+    def post(self, kind: str, tag: Any, src: int, seq: int, tensors: list[torch.Tensor]) -> bool:
+        """Receive the message with this key straight into ``tensors`` (if its payload matches
+        them). False if it has already arrived (into pool buffers): read it with :meth:`receive`.
+        Tell posted tensors from pool ones with :meth:`is_posted`; never release posted ones."""
+        key: MailKey = (kind, tag, src, seq)
+        if key in self._arrived:
+            return False
+        self._posted[key] = tensors
+        return True
+
+    @staticmethod
+    def is_posted(msg: Message, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``msg`` was received into ``tensors`` (given to :meth:`post`)."""
+        return len(msg.tensors) == len(tensors) and all(a is b for a, b in zip(msg.tensors, tensors))
+
     async def receive(self, kind: str, tag: Any, src: int, seq: int, *, what: str) -> Message:
         """The message with this key, waiting at most the clock's timeout for it.
 
@@ -127,6 +149,8 @@ class Mailbox:
 
     def discard_tag(self, kind: str, tag: Any) -> int:
         """Drop what arrived for a round that will not be read any more (it failed). Returns the count."""
+        for key in [key for key in self._posted if key[0] == kind and key[1] == tag]:
+            del self._posted[key]  # the caller's tensors: nothing may land in them any more
         keys = [key for key in self._arrived if key[0] == kind and key[1] == tag]
         for key in keys:
             self.release(self._arrived.pop(key))
@@ -137,3 +161,8 @@ class Mailbox:
         kind, tag, src, seq = key
         return PeerFailure(f"rank {src} {why} before sending {kind} message {seq} of round {tag!r}",
                            peer=src, peer_state="departed")
+
+
+def _matches(tensors: list[torch.Tensor], specs: tuple[TensorSpec, ...]) -> bool:
+    return len(tensors) == len(specs) and all(
+        t.dtype == s.dtype and tuple(t.shape) == s.shape for t, s in zip(tensors, specs))
