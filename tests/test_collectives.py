@@ -292,3 +292,36 @@ def test_virtual_time_follows_the_ring_model(p: int, numel: int) -> None:
     elapsed = run_nodes(p, body, link=LinkModel(latency, bandwidth), virtual=True)
     model = 2 * (p - 1) * latency + 2 * (p - 1) / p * numel * 4 / bandwidth
     assert elapsed == pytest.approx(model, rel=0.10)
+
+
+def test_mailbox_posted_receives_land_in_place_and_a_failed_round_unposts_them() -> None:
+    from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
+
+    async def body() -> None:
+        box = Mailbox(COLLECTIVE_KINDS, Clock(5.0))
+        spec = (TensorSpec(torch.float32, (3,)),)
+        result = torch.zeros(6)
+        target = [result[3:]]
+        assert box.post("coll", "t", 1, 0, target)
+        header = Header("coll", 1, 0, 0, "t", None, spec)
+        landed = box.buffers_for(header)
+        assert landed is target  # the transport writes straight into the result
+        landed[0].copy_(torch.tensor([1.0, 2.0, 3.0]))
+        box.deliver(Message("coll", 1, 0, 0, "t", None, landed))
+        msg = await box.receive("coll", "t", 1, 0, what="test")
+        assert box.is_posted(msg, target) and result.tolist() == [0, 0, 0, 1, 2, 3]
+
+        # Arrived first: post() says so, and the payload sits in a pool buffer.
+        box.deliver(Message("coll", 1, 0, 1, "t", None, box.buffers_for(Header("coll", 1, 0, 1, "t", None, spec))))
+        assert not box.post("coll", "t", 1, 1, [result[:3]])
+        early = await box.receive("coll", "t", 1, 1, what="test")
+        assert not box.is_posted(early, [result[:3]])
+        box.release(early)
+
+        # A failed round: nothing may land in the caller's tensor afterwards.
+        assert box.post("coll", "u", 1, 0, [result[:3]])
+        box.discard_tag("coll", "u")
+        late = box.buffers_for(Header("coll", 1, 0, 0, "u", None, spec))
+        assert late[0].data_ptr() != result.data_ptr()  # a pool buffer, not the result
+
+    asyncio.run(body())
