@@ -19,22 +19,23 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
-from hopnet.params import flatten_parameters
+from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.loop_thread import EventLoopThread
-from hopnet.runtime.node import AddressExchange, Node
+from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
 
 
@@ -43,7 +44,9 @@ class Worker:
 
     def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
                  params: torch.Tensor | None, transport: Transport,
-                 exchange: AddressExchange | None = None, events: EventLog | None = None) -> None:
+                 exchange: AddressExchange | None = None, events: EventLog | None = None,
+                 grads: FlatGradients | torch.Tensor | None = None,
+                 collective_factory: CollectiveFactory | None = None) -> None:
         if params is not None and params.device.type != "cpu":
             # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
             raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
@@ -51,12 +54,13 @@ class Worker:
         self.graph = graph
         self.config = config
         self.params = params
+        self.grads = grads
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        protocol = make_protocol(config, params)
+        protocol = make_protocol(config, params, grads)
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                         peer_timeout_s=config.peer_timeout_s)
+                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
         self._final_iteration: int | None = None
         self._closed = False
         self.steps = 0
@@ -108,6 +112,12 @@ class Worker:
         self._thread.run(self.node.run_step(apply, last=last, compute_s=compute_s))
         self.steps += 1
         self._compute_started = time.monotonic()
+
+    def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                  tag: str) -> torch.Tensor:
+        """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
+        thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
+        return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
@@ -161,10 +171,12 @@ class AsyncWorker:
     @classmethod
     async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
                     transport: Transport, exchange: AddressExchange | None = None,
-                    events: EventLog | None = None) -> AsyncWorker:
-        protocol = make_protocol(config, params)
+                    events: EventLog | None = None,
+                    grads: FlatGradients | torch.Tensor | None = None,
+                    collective_factory: CollectiveFactory | None = None) -> AsyncWorker:
+        protocol = make_protocol(config, params, grads)
         node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                    peer_timeout_s=config.peer_timeout_s)
+                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
         try:
             await node.start(exchange)
         except BaseException:
@@ -208,8 +220,15 @@ class DistributedOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> None:
         self.worker.step(lambda: self.optimizer.step(closure))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients. When the worker holds them in one flat buffer (``hopnet.init(model)``)
+        they are zeroed in place whatever ``set_to_none`` says, so every ``.grad`` stays a view
+        into the buffer the gradient protocols reduce."""
+        grads = self.worker.grads
+        if isinstance(grads, FlatGradients):
+            grads.zero()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -226,7 +245,9 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
          config: ProtocolConfig | None = None, **options: Any) -> Worker:
     """Start this process's worker as `hopnet launch` configured it.
 
-    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`).
+    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`),
+    and its gradients into another (see :class:`hopnet.params.FlatGradients`): each
+    ``.grad`` is a view, so gradient protocols such as ``allreduce`` reduce one tensor.
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
     ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields.
     """
@@ -249,6 +270,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         raise ConfigError("pass either model or params, not both")
     check_config_for_graph(cfg, graph)  # the launcher's own check, for options given in code
     flat = flatten_parameters(model) if model is not None else params
+    grads = FlatGradients(model) if model is not None else None
     transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
 
     async def exchange(address: str) -> dict[int, str]:
@@ -257,4 +279,4 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events)
+                  exchange=exchange, events=events, grads=grads)

@@ -16,7 +16,11 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack")
+PROTOCOLS = ("hop", "notify-ack", "allreduce")
+GRADIENT_PROTOCOLS = ("allreduce",)
+"""Protocols that average gradients (they need the flat gradient buffer)."""
+GRAPH_FREE_PROTOCOLS = ("allreduce",)
+"""Protocols that ignore the communication graph (they reduce among all ranks)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
@@ -80,6 +84,10 @@ class ProtocolConfig:
     def validate(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {self.protocol!r} (choose from {', '.join(PROTOCOLS)})")
+        if self.protocol in GRAPH_FREE_PROTOCOLS:
+            hop_only = self.hop_options_set()
+            if hop_only:
+                raise ConfigError(f"{', '.join(hop_only)}: Hop option(s) that --protocol {self.protocol} does not take")
         if not isinstance(self.max_ig, int) or self.max_ig < 1:
             raise ConfigError(f"--max-ig must be an integer >= 1 (got {self.max_ig!r})")
         if self.staleness is not None and self.staleness < 0:
@@ -104,6 +112,25 @@ class ProtocolConfig:
             raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
         for spec in self.slowdown:
             parse_slowdown(spec)
+
+    def hop_options_set(self) -> list[str]:
+        """The Hop-only flags this configuration sets away from their defaults."""
+        flags = []
+        if self.max_ig != DEFAULT_MAX_IG:
+            flags.append("--max-ig")
+        if not self.token_queues:
+            flags.append("--no-token-queues")
+        if self.serial:
+            flags.append("--serial")
+        if self.has_backup_workers:
+            flags.append("--backup-workers")
+        if self.staleness is not None:
+            flags.append("--staleness")
+        if self.skip_threshold is not None:
+            flags.append("--skip-threshold")
+        if self.max_jump is not None:
+            flags.append("--max-jump")
+        return flags
 
     def validate_ranks(self, world_size: int) -> None:
         """Check the options that name ranks (slowdowns, per-rank backup workers) against the run."""
@@ -159,7 +186,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """The protocol flags shared by `hopnet launch` and `hopnet simulate`."""
     group = parser.add_argument_group("protocol")
     group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
-                       help="training protocol (default: hop)")
+                       help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
+                            "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
+                            "and it takes none of the Hop options below")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",

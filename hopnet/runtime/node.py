@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
@@ -27,8 +27,12 @@ from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.liveness import Liveness
+from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
+
+if TYPE_CHECKING:
+    from hopnet.collectives.base import Collective
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
@@ -44,12 +48,14 @@ class StepTimes:
         self.wait_updates = 0.0
         self.wait_tokens = 0.0
         self.apply = 0.0
+CollectiveFactory = Callable[["Node"], "Collective"]
 
 
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
                  on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
+                 collective_factory: CollectiveFactory | None = None,
                  timer: Timer = time.monotonic) -> None:
         """``peer_timeout_s``: declare a neighbour dead after this long without a message from
         it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
@@ -89,6 +95,12 @@ class Node:
         self.liveness: Liveness | None = None
         self._heard: set[int] = set()  # peers heard from since the watch last looked
         self._watch: asyncio.Task[None] | None = None
+        self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
+        self._mailbox_kinds = self.mailbox.kinds
+        self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
+        self._connected: set[int] = set()
+        self._collective_factory = collective_factory
+        self._collective: Collective | None = None
         protocol.bind(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -100,13 +112,15 @@ class Node:
     async def open(self, exchange: AddressExchange | None = None) -> None:
         """Bind, learn the neighbours' addresses and connect, without entering iteration 0."""
         self._t0 = self.clock.now()
+        self.transport.admit_run(self.graph.n)
         self.address = await self.transport.start(self)
         if exchange is not None:
             addresses = await exchange(self.address)
             missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
             if missing:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
-            await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
+            self.addresses = {int(r): a for r, a in addresses.items()}
+            await self.connect_to(self.graph.peers(self.rank))
         self.record("start", address=self.address)
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
@@ -123,12 +137,42 @@ class Node:
         self._jsonl.flush()
         self._flush_timer = asyncio.get_running_loop().call_later(self._jsonl.flush_interval_s, self._flush_tick)
 
+    async def connect_to(self, ranks: Iterable[int]) -> None:
+        """Open the ways to ``ranks`` (any rank of the run, not only graph neighbours).
+
+        Connections are made once, on first need: a collective calls this for the members it
+        sends to. Without a rendezvous (the in-process transport, or a caller that connected
+        the transport itself) there is nothing to do."""
+        new = [r for r in ranks if r != self.rank and r not in self._connected]
+        if not new or self.addresses is None:
+            return
+        unknown = [r for r in new if r not in self.addresses]
+        if unknown:
+            raise HopnetError(f"rank {self.rank}: no address for rank(s) {unknown} (not in the rendezvous)")
+        await self.transport.connect({r: self.addresses[r] for r in new})
+        self._connected.update(new)
+
+    @property
+    def collective(self) -> Collective:
+        """The all-reduce every group protocol uses: built on first use by the node's
+        collective factory (default: :class:`hopnet.collectives.ring.RingCollective`)."""
+        if self._collective is None:
+            factory = self._collective_factory
+            if factory is None:
+                from hopnet.collectives.ring import RingCollective
+                self._collective = RingCollective(self)
+            else:
+                self._collective = factory(self)
+        return self._collective
+
     async def close(self, *, leave: bool = True) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down."""
         try:
             if leave:
                 await self.protocol.stop()
             await self.flush()  # the watch still runs: a neighbour dying now releases its sends
+            if self._collective is not None:
+                await self._collective.close()
         finally:
             await self._stop_watch()
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
@@ -187,6 +231,7 @@ class Node:
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
+        self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
 
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
@@ -202,6 +247,8 @@ class Node:
         if header.src in self.dead:
             return DISCARD
         self._heard.add(header.src)  # a late update that is discarded is still a sign of life
+        if header.kind in self._mailbox_kinds:
+            return self.mailbox.buffers_for(header)
         if header.kind == "bye":
             return None
         return self.protocol.buffers_for(header)
@@ -215,6 +262,9 @@ class Node:
         kind = msg.kind
         if kind == "beat":
             return
+        if kind in self._mailbox_kinds:
+            self.mailbox.deliver(msg)
+            return
         if kind == "bye":
             if src not in self.departed:
                 final = msg.meta.get(BYE_FINAL_ITER) if msg.meta else None
@@ -226,6 +276,7 @@ class Node:
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
                 self.events.flush()
                 self.protocol.on_peer_departed(src, msg.iter)
+                self.mailbox.peer_departed(src, f"left after iteration {msg.iter}")
                 self.transport.forget_peer(src)
             return
         self.protocol.on_message(msg)
@@ -250,6 +301,17 @@ class Node:
         task = asyncio.get_running_loop().create_task(self.transport.send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
+
+    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
+        """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
+        modified again (``None``: the transport already let go of them)."""
+        if self._send_nowait is not None:
+            self._send_nowait(msg)
+            return None
+        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+        return task
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
