@@ -134,7 +134,7 @@ class WorkerEnv:
 
     def to_environ(self) -> dict[str, str]:
         """The ``HOPNET_*`` variables (strings) that :meth:`from_environ` reads back."""
-        environ = {
+        return {
             RANK: str(self.rank),
             WORLD_SIZE: str(self.world_size),
             LOCAL_RANK: str(self.local_rank),
@@ -144,10 +144,8 @@ class WorkerEnv:
             RUN_DIR: self.run_dir,
             CONFIG: self.config_json,
             BIND: self.bind_host,
+            STORE: self.store,
         }
-        if self.store:
-            environ[STORE] = self.store
-        return environ
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
