@@ -18,6 +18,7 @@ from hopnet.slowdown import Slowdown, parse_slowdown
 PROTOCOLS = ("hop", "notify-ack")
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
+BULK_PLANES = ("zmq", "torch", "auto")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -67,6 +68,7 @@ class ProtocolConfig:
     slowdown: list[str] = field(default_factory=list)
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
+    bulk: str = "auto"
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -89,6 +91,8 @@ class ProtocolConfig:
             raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
         if self.has_backup_workers and not self.token_queues:
             raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
+        if self.bulk not in BULK_PLANES:
+            raise ConfigError(f"--bulk {self.bulk!r}: choose from {', '.join(BULK_PLANES)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 (got {self.timeout_s})")
         if self.protocol == "notify-ack" and (self.has_backup_workers or self.staleness is not None
@@ -171,6 +175,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for slowdowns and sampling (default: 0)")
     group.add_argument("--timeout", dest="timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                        help=f"fail a wait after this long, naming what it waited for (default: {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--bulk", default="auto", choices=BULK_PLANES,
+                       help="what carries update tensors: zmq, torch (gloo on CPU, NCCL on CUDA) or auto "
+                            "(torch for CUDA tensors, the faster one for CPU; default: auto)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -186,4 +193,5 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         slowdown=list(args.slowdown),
         seed=args.seed,
         timeout_s=args.timeout_s,
+        bulk=getattr(args, "bulk", "auto"),
     )
