@@ -43,9 +43,9 @@ class Worker:
     def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
                  params: torch.Tensor | None, transport: Transport,
                  exchange: AddressExchange | None = None, events: EventLog | None = None) -> None:
-        if params is not None and params.device.type != "cpu":
-            # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
-            raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
+        if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
+            raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
+                              "(--bulk torch or auto), not ZeroMQ")
         self.rank = rank
         self.graph = graph
         self.config = config
@@ -209,13 +209,15 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
          config: ProtocolConfig | None = None, **options: Any) -> Worker:
     """Start this process's worker as `hopnet launch` configured it.
 
-    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`).
+    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`), on
+    the model's device: CUDA models need ``bulk="torch"`` or ``"auto"`` (NCCL moves their
+    tensors; they never pass through host memory).
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
     ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields.
     """
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.rendezvous import exchange_addresses_async
-    from hopnet.transports.zmq import ZmqTransport
+    from hopnet.transports.plane import make_transport
 
     env = WorkerEnv.from_environ()
     if env is None:
@@ -231,7 +233,9 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")
     flat = flatten_parameters(model) if model is not None else params
-    transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
+    device = flat.device if flat is not None else torch.device("cpu")
+    transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
+                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s)
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,

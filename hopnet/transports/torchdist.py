@@ -63,6 +63,7 @@ BULK_KEY = "_bulk"
 BACKENDS = ("gloo", "nccl")
 STORE_PREFIX = "hopnet/p2p"
 _CUDA_POLL_S = 0.0002
+DEPARTURE_GRACE_S = 2.0
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 
@@ -358,6 +359,9 @@ class TorchBulkTransport(Transport):
             await self.control.send(header)
         error = await done
         if error is not None:
+            if await self._departed_meanwhile(peer):
+                self.stats.drop("peer_left")  # it left while the payload was on its way: not an error
+                return
             raise self._peer_error(peer, "send", error)
         self.bulk_sent += 1
         self.stats.sent_bytes += sum(t.numel() * t.element_size() for t in msg.tensors)
@@ -371,6 +375,15 @@ class TorchBulkTransport(Transport):
                 raise PeerFailure(f"rank {self.rank}: no {backend} channel to rank {peer} after "
                                   f"{self.timeout_s:g}s", peer=peer, peer_state="dead") from None
         return fut.result()
+
+    async def _departed_meanwhile(self, peer: int) -> bool:
+        """A peer that leaves closes its channel right after its ``bye``; the ``bye`` (over
+        ZeroMQ) may land a moment after our send on the channel failed. Wait for it briefly."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEPARTURE_GRACE_S
+        while peer not in self._departed and loop.time() < deadline and not self._closed:
+            await asyncio.sleep(0.01)
+        return peer in self._departed
 
     def _peer_error(self, peer: int, what: str, error: BaseException) -> PeerFailure:
         text = _one_line(error)
@@ -470,6 +483,9 @@ class TorchBulkTransport(Transport):
             if receiver is None:
                 continue
             if head.error is not None:
+                if src in self._departed:
+                    self.stats.drop("peer_left")
+                    continue
                 self.stats.drop("bulk_failed")
                 text = _one_line(head.error)
                 self._failed.setdefault(src, text)

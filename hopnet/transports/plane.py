@@ -1,0 +1,57 @@
+"""Which plane carries a worker's update tensors: ``--bulk zmq|torch|auto``.
+
+- ``zmq``: everything over :class:`~hopnet.transports.zmq.ZmqTransport` (CPU tensors only).
+- ``torch``: headers and control over ZeroMQ, tensors over torch.distributed
+  (:class:`~hopnet.transports.torchdist.TorchBulkTransport`: gloo on CPU, NCCL on CUDA).
+- ``auto``: torch for CUDA tensors; for CPU tensors, per message, whichever
+  ``bench/bulk.py`` measured faster for its size: messages of at least
+  :data:`AUTO_CPU_MIN_BYTES` go over gloo, smaller ones over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hopnet.errors import ConfigError
+from hopnet.transports.base import Transport
+from hopnet.transports.zmq import ZmqTransport
+
+AUTO_CPU_MIN_BYTES: int | None = None
+"""Smallest CPU message ``auto`` sends over gloo; ``None``: ZeroMQ for every size.
+Set from bench/bulk.py (bench/README.md, "Bulk plane")."""
+
+
+def cpu_min_bytes(bulk: str) -> int | None:
+    """For CPU tensors: the smallest message that goes over torch, or None for none."""
+    if bulk == "torch":
+        return 0
+    if bulk == "auto":
+        return AUTO_CPU_MIN_BYTES
+    return None
+
+
+def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: str, device: torch.device,
+                   store_endpoint: str, timeout_s: float) -> Transport:
+    """The transport for a worker whose parameters live on ``device``."""
+    control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*")
+    if device.type == "cpu":
+        min_bytes = cpu_min_bytes(bulk)
+        if min_bytes is None:
+            return control
+    elif bulk == "zmq":
+        raise ConfigError(f"--bulk zmq moves CPU tensors only; the model is on {device} "
+                          "(use --bulk torch or auto)")
+    else:
+        min_bytes = 0
+    if not store_endpoint:
+        raise ConfigError(f"--bulk {bulk} with {device.type} tensors needs the run's c10d store "
+                          "(HOPNET_STORE, set by `hopnet launch`)")
+    from hopnet.launch.store import connect_store
+    from hopnet.transports.torchdist import TorchBulkTransport
+
+    store = connect_store(store_endpoint, timeout_s)
+    return TorchBulkTransport(control, store, min_bytes=min_bytes, timeout_s=timeout_s, host=bind_host,
+                              device=device)
+
+
+__all__ = ["AUTO_CPU_MIN_BYTES", "cpu_min_bytes", "make_transport"]
