@@ -1,22 +1,23 @@
 """All-reduce among a group of ranks over torch.distributed (gloo on CPU, NCCL on CUDA).
 
 Groups are formed by their members alone. A group's process group is built from the
-run's c10d store under the prefix ``hopnet/coll/{backend}/{members}/epoch{E}``, by the
-group's members only, with ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed
+run's c10d store under a prefix of its own (``hopnet/coll/{backend}/{members}/...``), by
+the group's members only, with ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed
 directly: no ``new_group`` and no call involving any rank outside the group.
 
 Communicators are cached, at most ``max_cached`` per collective (default
 :data:`DEFAULT_MAX_CACHED`). NCCL allows few live communicators per GPU (each holds
 buffers on the device); Prague (Sec. 6.1) meets the same limit. Past the bound the
-least recently used communicator that no call is using is destroyed.
+layer stops caching: a group met when the cache is full gets a fresh communicator for
+each call, destroyed right after.
 
-Members must agree on which communicator a call uses, yet each member evicts on its
-own (its other groups differ). So every call starts with a vote through the store:
-each member posts the epoch of the communicator it holds for the group (or -1), and
-reads the others'. If all hold the same epoch, that communicator is used; otherwise
-all build a fresh one under a new epoch that the store hands out (the first member to
-ask fixes it for the call). The vote costs three store round trips per call (a
-fraction of a millisecond on one host), paid so that eviction needs no coordination.
+Members must agree whether a group is cached, yet each member's cache fills with its
+own other groups. So the first call of a group decides, once, through the store: each
+member votes whether it has room (and reserves it); the group is cached only if all
+say yes, and then for good (cached communicators are never evicted, so the decision
+never has to be taken back). Every later call of the group knows the answer locally:
+a cached group's call costs no store traffic at all; an uncached group's call forms a
+communicator under ``.../once/{tag}/{n}`` (the n-th call with that tag) and drops it.
 
 The reduce itself is ``allreduce`` (sum) on the group's process group; ``mean``
 divides by the group size afterwards. gloo and NCCL reduce each element once and
@@ -29,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,19 +41,12 @@ from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_grou
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.transports.torchdist import _shutdown, backend_for, build_group, wait_work
 
-DEFAULT_MAX_CACHED = 8
+DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
-proxy thread) makes a few dozen the practical ceiling; 8 covers a rank's groups in
-every protocol of this project with room for Prague's rotating groups."""
+proxy thread) makes a few dozen the practical ceiling; 16 covers a rank's fixed groups
+in every protocol of this project and the most frequent of Prague's rotating ones."""
 
 STORE_PREFIX = "hopnet/coll"
-
-
-@dataclass
-class _Cached:
-    epoch: int
-    pg: Any
-    users: int = 0
 
 
 class TorchCollective(Collective):
@@ -75,17 +67,25 @@ class TorchCollective(Collective):
         self.host = host
         self.backend = backend  # None: by each tensor's device
         self.built = 0  # communicators constructed so far
-        self.evicted = 0
-        self._cache: OrderedDict[tuple[str, tuple[int, ...]], _Cached] = OrderedDict()
+        self.uncached_calls = 0  # calls that formed a communicator for themselves alone
+        self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._decided: dict[tuple[str, tuple[int, ...]], bool] = {}  # cached or not, agreed by the members
+        self._reserved = 0
         self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._lock = threading.Lock()
         self._closed = False
 
     @property
     def cached_groups(self) -> list[tuple[int, ...]]:
-        """Groups whose communicator is cached, least recently used first."""
+        """Groups whose communicator is cached."""
         with self._lock:
-            return [members for _, members in self._cache]
+            return [members for _, members in self._cached]
+
+    @property
+    def uncached_groups(self) -> list[tuple[int, ...]]:
+        """Groups the members agreed not to cache (the bound was reached by one of them)."""
+        with self._lock:
+            return [members for (_, members), cached in self._decided.items() if not cached]
 
     async def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
                         tag: str) -> torch.Tensor:
@@ -131,82 +131,70 @@ class TorchCollective(Collective):
         key = (backend, members)
         base = f"{STORE_PREFIX}/{backend}/{'-'.join(map(str, members))}"
         index = members.index(self.rank)
-        entry = self._use(key)
-        try:
-            entry = self._agree(key, entry, base, f"{base}/call/{tag}/{call}", index, members, tag)
+        cached = self._decided.get(key)
+        if cached is None:
+            cached = self._decide(key, base, index, members, tag)
+        if cached:
+            pg = self._cached.get(key)
+            if pg is None:
+                pg = self._form(key[0], f"{base}/cached", index, members, tag)
+                with self._lock:
+                    self._cached[key] = pg
+            self._run(pg, tensor, members, tag)
+        else:
+            pg = self._form(key[0], f"{base}/once/{tag}/{call}", index, members, tag)
             try:
-                work = entry.pg.allreduce([tensor])
-                wait_work(work, tensor.device, self.timeout_s)
-            except TimeoutError:
-                raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
-                                  peer_state="stalled") from None
-        finally:
-            self._release(key, entry)
+                self._run(pg, tensor, members, tag)
+            finally:
+                _shutdown(pg)
+            with self._lock:
+                self.uncached_calls += 1
         if op == "mean":
             tensor.div_(len(members))
-        self._forget_vote(f"{base}/call/{tag}/{call}", index)
 
-    def _agree(self, key: tuple[str, tuple[int, ...]], entry: _Cached | None, base: str, call_key: str,
-               index: int, members: tuple[int, ...], tag: str) -> _Cached:
-        """The vote: the communicator every member holds, or a new one built by all."""
-        vote_keys = [f"{call_key}/vote{i}" for i in range(len(members))]
-        mine = entry.epoch if entry is not None else -1
+    def _decide(self, key: tuple[str, tuple[int, ...]], base: str, index: int, members: tuple[int, ...],
+                tag: str) -> bool:
+        """The group's first call: cache it only if every member has room (one vote, once)."""
+        with self._lock:
+            room = len(self._cached) + self._reserved < self.max_cached
+            if room:
+                self._reserved += 1
+        vote_keys = [f"{base}/decide/{i}" for i in range(len(members))]
         try:
-            self.store.set(vote_keys[index], str(mine))
-            self.store.wait(vote_keys, timedelta(seconds=self.timeout_s))
-            votes = [int(v) for v in self.store.multi_get(vote_keys)]
+            self.store.set(vote_keys[index], "1" if room else "0")
+            votes = self.store.multi_get(vote_keys)  # blocks until every member voted, or the timeout
         except Exception as exc:
+            with self._lock:
+                self._reserved -= int(room)
             missing = [m for m, k in zip(members, vote_keys) if not self._has(k)]
             raise WaitTimeout(f"group {list(members)} to meet for all-reduce {tag!r} "
                               f"(missing ranks {missing}): {_one_line(exc)}", waited_s=self.timeout_s,
                               peer=missing[0] if missing else None, peer_state="stalled") from None
-        if entry is not None and all(v == mine for v in votes):
-            return entry
-        candidate = self.store.add(f"{base}/epochs", 1)
-        epoch = int(self.store.compare_set(f"{call_key}/epoch", "", str(candidate)))
+        cached = all(v == b"1" for v in votes)
+        with self._lock:
+            self._reserved -= int(room)
+            if cached:
+                self._cached[key] = None  # the slot is taken; the communicator follows
+            self._decided[key] = cached
+        return cached
+
+    def _form(self, backend: str, prefix: str, index: int, members: tuple[int, ...], tag: str) -> Any:
         try:
-            pg = build_group(dist.PrefixStore(f"{base}/epoch{epoch}", self.store), key[0], index,
-                             len(members), timeout_s=self.timeout_s, host=self.host)
+            pg = build_group(dist.PrefixStore(prefix, self.store), backend, index, len(members),
+                             timeout_s=self.timeout_s, host=self.host)
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: cannot form group {list(members)} for all-reduce "
                               f"{tag!r}: {_one_line(exc)}") from None
-        fresh = _Cached(epoch, pg, users=1)
         with self._lock:
             self.built += 1
-            old = self._cache.pop(key, None)
-            if old is not None:
-                old.users -= 1
-                if old.users == 0:
-                    _shutdown(old.pg)
-            self._cache[key] = fresh
-            self._evict_over_bound()
-        return fresh
+        return pg
 
-    def _use(self, key: tuple[str, tuple[int, ...]]) -> _Cached | None:
-        with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None:
-                entry.users += 1
-                self._cache.move_to_end(key)
-            return entry
-
-    def _release(self, key: tuple[str, tuple[int, ...]], entry: _Cached | None) -> None:
-        if entry is None:
-            return
-        with self._lock:
-            entry.users -= 1
-            if entry.users == 0 and self._cache.get(key) is not entry:
-                _shutdown(entry.pg)  # replaced or evicted while this call used it
-            self._evict_over_bound()
-
-    def _evict_over_bound(self) -> None:
-        """Drop least recently used idle communicators until at most ``max_cached`` remain."""
-        while len(self._cache) > self.max_cached:
-            victim = next((k for k, e in self._cache.items() if e.users == 0), None)
-            if victim is None:
-                return  # all busy: evicted when their calls end
-            _shutdown(self._cache.pop(victim).pg)
-            self.evicted += 1
+    def _run(self, pg: Any, tensor: torch.Tensor, members: tuple[int, ...], tag: str) -> None:
+        try:
+            wait_work(pg.allreduce([tensor]), tensor.device, self.timeout_s)
+        except TimeoutError:
+            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
+                              peer_state="stalled") from None
 
     def _has(self, key: str) -> bool:
         try:
@@ -214,21 +202,13 @@ class TorchCollective(Collective):
         except Exception:
             return False
 
-    def _forget_vote(self, call_key: str, index: int) -> None:
-        # Everyone has read the votes once the reduce completed (it needed all members).
-        try:
-            self.store.delete_key(f"{call_key}/vote{index}")
-            if index == 0:
-                self.store.delete_key(f"{call_key}/epoch")
-        except Exception:  # the store is gone at shutdown: nothing to clean
-            pass
-
     async def close(self) -> None:
         self._closed = True
         with self._lock:
-            for entry in self._cache.values():
-                _shutdown(entry.pg)
-            self._cache.clear()
+            for pg in self._cached.values():
+                if pg is not None:
+                    _shutdown(pg)
+            self._cached.clear()
 
 
 def _one_line(error: BaseException) -> str:

@@ -43,7 +43,8 @@ async def main() -> None:
             sizes.append(len(coll.cached_groups))
         torch.save(x, run_dir / f"r{rnd}_rank{env.rank}_out.pt")
     (run_dir / f"cache_rank{env.rank}.json").write_text(json.dumps(
-        {"sizes": sizes, "built": coll.built, "evicted": coll.evicted}))
+        {"sizes": sizes, "built": coll.built, "uncached_calls": coll.uncached_calls,
+         "uncached_groups": [list(g) for g in coll.uncached_groups]}))
     await coll.close()
 
 
