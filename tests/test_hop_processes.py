@@ -36,6 +36,28 @@ def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: s
     assert (final - mean).abs().max() < 1e-6
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per rank, for NCCL)")
+@pytest.mark.parametrize("bulk", ["torch", "auto"])
+def test_hop_on_gpus_averages_over_nccl(launch, tmp_path: Path, bulk: str) -> None:
+    n = min(4, torch.cuda.device_count())
+    run_dir = tmp_path / "run"
+    result = launch(["--graph", f"ring:{n}", "--bulk", bulk, "--run-dir", str(run_dir), HOP_WORKER,
+                     "--iterations", "80", "--compute-ms", "1", "--device", "cuda"])
+    assert result.returncode == 0, result.stderr
+    initial = torch.stack(_tensors(run_dir, "initial", n))
+    final = torch.stack(_tensors(run_dir, "final", n))
+    assert (final - initial.mean(dim=0)).abs().max() < 1e-6
+
+
+def test_a_cuda_model_over_zmq_is_refused_in_one_line() -> None:
+    from hopnet.errors import ConfigError
+    from hopnet.transports.plane import make_transport
+
+    with pytest.raises(ConfigError, match="--bulk zmq moves CPU tensors only"):
+        make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk="zmq",
+                       device=torch.device("cuda", 0), store_endpoint="", timeout_s=5)
+
+
 def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Path) -> None:
     """Theorem 2: Iter(i) - Iter(j) <= min(len(j->i), max_ig * len(i->j)); queues <= (1+max_ig)|N_in|."""
     run_dir = tmp_path / "run"

@@ -133,16 +133,44 @@ async def test_a_dead_peer_is_a_named_failure_not_a_hang(store_endpoint) -> None
         await b.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL refuses two ranks on one GPU)")
 async def test_cuda_tensors_travel_over_nccl_without_leaving_the_gpu(store_endpoint) -> None:
-    (a, b), (_ra, rb) = await _pair(store_endpoint, device="cuda")
+    transports, receivers = [], []
+    addresses = {}
+    for rank in (0, 1):
+        t = TorchBulkTransport(ZmqTransport(rank, frozenset({1 - rank})), connect_store(store_endpoint, 10),
+                               timeout_s=TIMEOUT, device=f"cuda:{rank}")
+        receivers.append(Recv())
+        addresses[rank] = await t.start(receivers[-1])
+        transports.append(t)
+    a, b = transports
+    rb = receivers[1]
     try:
-        slot = torch.zeros(1 << 20, device="cuda")
+        await a.connect({1: addresses[1]})
+        await b.connect({0: addresses[0]})
+        slot = torch.zeros(1 << 20, device="cuda:1")
         rb.buffers = [slot]
-        await a.send(Message("update", 0, 1, 0, tensors=[torch.full((1 << 20,), 3.0, device="cuda")]))
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.full((1 << 20,), 3.0, device="cuda:0")]))
         m = await rb.get()
-        assert m.tensors[0] is slot and slot.device.type == "cuda"
+        assert m.tensors[0] is slot and slot.device == torch.device("cuda:1")  # landed in the GPU slot
         assert torch.equal(slot.cpu(), torch.full((1 << 20,), 3.0))
     finally:
         await a.close()
         await b.close()
+
+
+def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from hopnet.config import ProtocolConfig
+    from hopnet.errors import ConfigError
+
+    assert ProtocolConfig().bulk == "auto" and ProtocolConfig(bulk="torch").bulk == "torch"
+    with pytest.raises(ConfigError, match="--bulk 'nccl'"):
+        ProtocolConfig(bulk="nccl")
+    script = tmp_path / "w.py"
+    script.write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--bulk", "fast", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--bulk" in proc.stderr and "ran" not in proc.stdout

@@ -77,11 +77,22 @@ def backend_for(device: torch.device) -> str:
 
 
 def build_pair_group(store: dist.Store, backend: str, rank: int, peer: int, *, timeout_s: float,
-                     host: str = "127.0.0.1") -> dist.ProcessGroup:
-    """The process group of the pair (rank, peer), from the store, by the two of them alone."""
+                     host: str = "127.0.0.1", device: torch.device | None = None) -> Any:
+    """The process group of the pair (rank, peer), from the store, by the two of them alone.
+
+    NCCL creates its communicator at the first op, and that blocks until the peer's
+    first op: done here with one element (lower rank sends), so that it happens in the
+    building thread and not in the event loop's first ``send``."""
     low, high = sorted((rank, peer))
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{backend}/{low}-{high}", store)
-    return build_group(prefixed, backend, 0 if rank == low else 1, 2, timeout_s=timeout_s, host=host)
+    pair_rank = 0 if rank == low else 1
+    pg = build_group(prefixed, backend, pair_rank, 2, timeout_s=timeout_s, host=host)
+    if backend == "nccl":
+        on = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        probe = torch.zeros(1, device=on)
+        work = pg.send([probe], 1, 0) if pair_rank == 0 else pg.recv([probe], 0, 0)
+        wait_work(work, on, timeout_s)
+    return pg
 
 
 def build_group(store: dist.Store, backend: str, group_rank: int, group_size: int, *, timeout_s: float,
@@ -281,7 +292,7 @@ class TorchBulkTransport(Transport):
         def build() -> None:
             try:
                 pg: Any = build_pair_group(self.store, backend, self.rank, peer, timeout_s=self.timeout_s,
-                                           host=self.host)
+                                           host=self.host, device=self.device)
                 result: tuple[Any, BaseException | None] = (pg, None)
             except BaseException as exc:  # torch raises several types
                 result = (None, exc)
