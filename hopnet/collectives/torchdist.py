@@ -22,8 +22,11 @@ communicator under ``.../once/{tag}/{n}`` (the n-th call with that tag) and drop
 The reduce itself is ``allreduce`` (sum) on the group's process group; ``mean``
 divides by the group size afterwards. gloo and NCCL reduce each element once and
 send the result to every member, so members end bit for bit equal (the tests check it).
-Each call runs in a thread of its own and is awaited on the caller's event loop; every
-wait (store, construction, reduce) has the collective's timeout and fails naming the group.
+A cached group's call issues the reduce on the caller's event loop (gloo and NCCL only
+enqueue it) and a thread per cached group waits for it; any other call (the first of a
+group, or an uncached one, which talk to the store and construct process groups) runs
+in a thread of its own. Every wait (store, construction, reduce) has the collective's
+timeout and fails naming the group.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from datetime import timedelta
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +43,7 @@ import torch.distributed as dist
 
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
-from hopnet.transports.torchdist import _shutdown, backend_for, build_group, wait_work
+from hopnet.transports.torchdist import _shutdown, _Waiter, backend_for, build_group, wait_work
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -71,6 +75,7 @@ class TorchCollective(Collective):
         self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._decided: dict[tuple[str, tuple[int, ...]], bool] = {}  # cached or not, agreed by the members
         self._reserved = 0
+        self._waiters: dict[tuple[str, tuple[int, ...]], _Waiter] = {}  # one thread per cached group
         self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._lock = threading.Lock()
         self._closed = False
@@ -100,6 +105,10 @@ class TorchCollective(Collective):
             raise ConfigError("all-reduce needs a contiguous tensor")
         if len(members) == 1:
             return tensor
+        key = (self.backend or backend_for(tensor.device), members)
+        pg = self._cached.get(key) if self._decided.get(key) else None
+        if pg is not None:
+            return await self._reduce_cached(key, pg, tensor, op, tag)
         self._calls[(members, tag)] += 1
         call = self._calls[(members, tag)]
         loop = asyncio.get_running_loop()
@@ -125,6 +134,33 @@ class TorchCollective(Collective):
                               f"{_one_line(error)}") from error
         return tensor
 
+    async def _reduce_cached(self, key: tuple[str, tuple[int, ...]], pg: Any, tensor: torch.Tensor, op: str,
+                             tag: str) -> torch.Tensor:
+        """The hot path: issue on the loop (both backends only enqueue), wait in the group's thread."""
+        members = key[1]
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+        try:
+            work = pg.allreduce([tensor])
+        except Exception as exc:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(exc)}") from None
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = _Waiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
+                                                  loop, self.timeout_s)
+        waiter.add([work], tensor.device, lambda err: done.done() or done.set_result(err))
+        error = await done
+        if isinstance(error, TimeoutError):
+            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
+                              peer_state="stalled")
+        if error is not None:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(error)}") from error
+        if op == "mean":
+            tensor.div_(len(members))
+        return tensor
+
     # ------------------------------------------------------------------ in the call's thread
     def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
         backend = self.backend or backend_for(tensor.device)
@@ -142,9 +178,14 @@ class TorchCollective(Collective):
                     self._cached[key] = pg
             self._run(pg, tensor, members, tag)
         else:
-            pg = self._form(key[0], f"{base}/once/{tag}/{call}", index, members, tag)
+            prefix = f"{base}/once/{tag}/{call}"
+            pg = self._form(key[0], prefix, index, members, tag)
             try:
                 self._run(pg, tensor, members, tag)
+                # A member may still be reading our last bytes: close only once all are done.
+                done_keys = [f"{prefix}/done{i}" for i in range(len(members))]
+                self.store.set(done_keys[index], "1")
+                self.store.wait(done_keys, timedelta(seconds=self.timeout_s))
             finally:
                 _shutdown(pg)
             with self._lock:
@@ -204,6 +245,9 @@ class TorchCollective(Collective):
 
     async def close(self) -> None:
         self._closed = True
+        for waiter in self._waiters.values():
+            waiter.stop()
+        self._waiters.clear()
         with self._lock:
             for pg in self._cached.values():
                 if pg is not None:
