@@ -235,7 +235,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     flat = flatten_parameters(model) if model is not None else params
     device = flat.device if flat is not None else torch.device("cpu")
     transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
-                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s)
+                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
+                               message_bytes=None if flat is None else flat.numel() * flat.element_size())
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,

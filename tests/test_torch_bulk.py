@@ -174,3 +174,23 @@ def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--bulk", "fast", str(script)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--bulk" in proc.stderr and "ran" not in proc.stdout
+
+
+def test_auto_picks_the_plane_by_device_and_size(store_endpoint) -> None:
+    from hopnet.transports.plane import AUTO_CPU_MIN_BYTES, make_transport
+
+    def pick(bulk: str, nbytes: int | None, endpoint: str = store_endpoint) -> str:
+        t = make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk=bulk,
+                           device=torch.device("cpu"), store_endpoint=endpoint, timeout_s=10,
+                           message_bytes=nbytes)
+        return type(t).__name__
+
+    assert pick("zmq", 1 << 30) == "ZmqTransport"
+    assert pick("torch", 16) == "TorchBulkTransport"
+    assert AUTO_CPU_MIN_BYTES is not None
+    assert pick("auto", AUTO_CPU_MIN_BYTES - 1) == "ZmqTransport"
+    assert pick("auto", AUTO_CPU_MIN_BYTES) == "TorchBulkTransport"
+    assert pick("auto", AUTO_CPU_MIN_BYTES, endpoint="") == "ZmqTransport"  # no store: stay on ZeroMQ
+    from hopnet.errors import ConfigError
+    with pytest.raises(ConfigError, match="needs the run's c10d store"):
+        pick("torch", 16, endpoint="")

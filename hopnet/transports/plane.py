@@ -16,9 +16,10 @@ from hopnet.errors import ConfigError
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
 
-AUTO_CPU_MIN_BYTES: int | None = None
-"""Smallest CPU message ``auto`` sends over gloo; ``None``: ZeroMQ for every size.
-Set from bench/bulk.py (bench/README.md, "Bulk plane")."""
+AUTO_CPU_MIN_BYTES: int | None = 16 << 20
+"""Smallest CPU message ``auto`` sends over gloo (``None`` would mean ZeroMQ for every size).
+From bench/bulk.py and bench/transport.py (bench/README.md, "Bulk plane"): ZeroMQ was
+faster up to 1 MiB in every run, gloo at 16 MiB in most, 4 MiB was a toss-up."""
 
 
 def cpu_min_bytes(bulk: str) -> int | None:
@@ -31,12 +32,18 @@ def cpu_min_bytes(bulk: str) -> int | None:
 
 
 def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: str, device: torch.device,
-                   store_endpoint: str, timeout_s: float) -> Transport:
-    """The transport for a worker whose parameters live on ``device``."""
+                   store_endpoint: str, timeout_s: float, message_bytes: int | None = None) -> Transport:
+    """The transport for a worker whose parameters live on ``device``.
+
+    ``message_bytes``: the size of the worker's updates when known (the flat parameters);
+    ``auto`` then skips the torch plane altogether for CPU updates below its threshold,
+    and also when no store is at hand (a launcher other than `hopnet launch`)."""
     control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*")
     if device.type == "cpu":
         min_bytes = cpu_min_bytes(bulk)
         if min_bytes is None:
+            return control
+        if bulk == "auto" and (not store_endpoint or (message_bytes is not None and message_bytes < min_bytes)):
             return control
     elif bulk == "zmq":
         raise ConfigError(f"--bulk zmq moves CPU tensors only; the model is on {device} "
