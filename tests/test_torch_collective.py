@@ -88,3 +88,19 @@ async def test_bad_calls_are_refused_in_one_line() -> None:
         await coll.close()
     finally:
         hosted.close()
+
+
+async def test_a_member_that_never_comes_is_named_after_the_timeout() -> None:
+    from hopnet.errors import WaitTimeout
+
+    hosted = host_store("127.0.0.1")
+    try:
+        coll = TorchCollective(0, 3, connect_store(hosted.endpoint, 10), timeout_s=2.0)
+        x = torch.ones(8)
+        with pytest.raises(WaitTimeout, match=r"group \[0, 2\].*missing ranks \[2\]") as info:
+            await coll.allreduce([0, 2], x, tag="lonely")
+        assert info.value.peer == 2
+        assert torch.equal(x, torch.ones(8))  # nothing was reduced
+        await coll.close()
+    finally:
+        hosted.close()
