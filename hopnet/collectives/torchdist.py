@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
-from hopnet.transports.torchdist import _shutdown, _Waiter, backend_for, build_group, wait_work
+from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, wait_work
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -75,7 +75,7 @@ class TorchCollective(Collective):
         self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._decided: dict[tuple[str, tuple[int, ...]], bool] = {}  # cached or not, agreed by the members
         self._reserved = 0
-        self._waiters: dict[tuple[str, tuple[int, ...]], _Waiter] = {}  # one thread per cached group
+        self._waiters: dict[tuple[str, tuple[int, ...]], OpWaiter] = {}  # one thread per cached group
         self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._lock = threading.Lock()
         self._closed = False
@@ -147,7 +147,7 @@ class TorchCollective(Collective):
                               f"{_one_line(exc)}") from None
         waiter = self._waiters.get(key)
         if waiter is None:
-            waiter = self._waiters[key] = _Waiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
+            waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
                                                   loop, self.timeout_s)
         waiter.add([work], tensor.device, lambda err: done.done() or done.set_result(err))
         error = await done
@@ -187,7 +187,7 @@ class TorchCollective(Collective):
                 self.store.set(done_keys[index], "1")
                 self.store.wait(done_keys, timedelta(seconds=self.timeout_s))
             finally:
-                _shutdown(pg)
+                release_group(pg)
             with self._lock:
                 self.uncached_calls += 1
         if op == "mean":
@@ -247,11 +247,14 @@ class TorchCollective(Collective):
         self._closed = True
         for waiter in self._waiters.values():
             waiter.stop()
+        loop = asyncio.get_running_loop()
+        for waiter in self._waiters.values():  # no thread may be inside torch when the process exits
+            await loop.run_in_executor(None, waiter.join, 5.0)
         self._waiters.clear()
         with self._lock:
             for pg in self._cached.values():
                 if pg is not None:
-                    _shutdown(pg)
+                    release_group(pg)
             self._cached.clear()
 
 

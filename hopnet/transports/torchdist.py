@@ -64,6 +64,7 @@ BACKENDS = ("gloo", "nccl")
 STORE_PREFIX = "hopnet/p2p"
 _CUDA_POLL_S = 0.0002
 DEPARTURE_GRACE_S = 2.0
+CLOSE_JOIN_S = 5.0
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 
@@ -167,7 +168,7 @@ def decode_bulk(value: Any) -> tuple[str, tuple[TensorSpec, ...]] | None:
     return value["b"], tuple(specs)
 
 
-class _Waiter:
+class OpWaiter:
     """A thread that waits for one peer's ops of one direction, in order, and reports back."""
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
@@ -182,6 +183,9 @@ class _Waiter:
 
     def stop(self) -> None:
         self._queue.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -242,7 +246,7 @@ class TorchBulkTransport(Transport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._channels: dict[tuple[int, str], asyncio.Future[Any]] = {}
         self._send_locks: dict[int, asyncio.Lock] = {}
-        self._waiters: dict[tuple[int, str], _Waiter] = {}
+        self._waiters: dict[tuple[int, str], OpWaiter] = {}
         self._inbox: dict[int, deque[_Inbound]] = {}
         self._unposted: dict[tuple[int, str], deque[_Inbound]] = {}
         self._failed: dict[int, str] = {}
@@ -273,10 +277,18 @@ class TorchBulkTransport(Transport):
         await self.control.close()
         for waiter in self._waiters.values():
             waiter.stop()
+        # A thread still inside a torch call when the interpreter exits is killed mid-C++
+        # (std::terminate): let the waiters finish while the process is healthy.
+        loop = asyncio.get_running_loop()
+        for waiter in self._waiters.values():
+            await loop.run_in_executor(None, waiter.join, CLOSE_JOIN_S)
+        self._waiters.clear()
         for fut in self._channels.values():
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                _shutdown(fut.result())
+                release_group(fut.result())
         self._channels.clear()
+        self._inbox.clear()
+        self._unposted.clear()
         self._receiver = None
 
     # ---------------------------------------------------------------- channels
@@ -308,7 +320,7 @@ class TorchBulkTransport(Transport):
         fut = self._channels.get(key)
         if fut is None or fut.done():
             if pg is not None:
-                _shutdown(pg)
+                release_group(pg)
             return
         if error is not None:
             fut.set_exception(PeerFailure(f"rank {self.rank}: no {key[1]} channel to rank {key[0]}: "
@@ -319,12 +331,12 @@ class TorchBulkTransport(Transport):
             fut.set_result(pg)
             self._post_receives(key)
 
-    def _waiter(self, peer: int, direction: str) -> _Waiter:
+    def _waiter(self, peer: int, direction: str) -> OpWaiter:
         key = (peer, direction)
         waiter = self._waiters.get(key)
         if waiter is None:
             assert self._loop is not None
-            waiter = _Waiter(f"hopnet-{direction}-{self.rank}-{peer}", self._loop, self.timeout_s)
+            waiter = OpWaiter(f"hopnet-{direction}-{self.rank}-{peer}", self._loop, self.timeout_s)
             self._waiters[key] = waiter
         return waiter
 
@@ -525,15 +537,18 @@ def _buffers_match(target: Any, specs: tuple[TensorSpec, ...]) -> bool:
                and t.is_contiguous() for t, s in zip(target, specs))
 
 
-def _shutdown(pg: Any) -> None:
-    for name in ("abort", "shutdown"):
-        method = getattr(pg, name, None)
-        if method is not None:
-            try:
-                method()
-                return
-            except Exception:  # already broken: nothing left to release
-                log.debug("process group %s failed", name, exc_info=True)
+def release_group(pg: Any) -> None:
+    """Release a process group we are done with.
+
+    NCCL communicators are shut down explicitly (they hold device memory). A gloo group is
+    left to its destructor when the last reference goes: ``abort()`` on a gloo group whose
+    peer still talks to it killed a worker at exit now and then (std::terminate)."""
+    if getattr(pg, "name", lambda: "")() != "nccl":
+        return
+    try:
+        pg.shutdown()
+    except Exception:  # already broken: nothing left to release
+        log.debug("NCCL process group shutdown failed", exc_info=True)
 
 
 def _one_line(error: BaseException) -> str:
@@ -542,4 +557,5 @@ def _one_line(error: BaseException) -> str:
     return first[:300]
 
 
-__all__ = ["BULK_KEY", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group"]
+__all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
+           "release_group", "wait_work"]
