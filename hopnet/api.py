@@ -47,9 +47,9 @@ class Worker:
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None) -> None:
-        if params is not None and params.device.type != "cpu":
-            # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
-            raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
+        if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
+            raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
+                              "(--bulk torch or auto), not ZeroMQ")
         self.rank = rank
         self.graph = graph
         self.config = config
@@ -248,12 +248,14 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`),
     and its gradients into another (see :class:`hopnet.params.FlatGradients`): each
     ``.grad`` is a view, so gradient protocols such as ``allreduce`` reduce one tensor.
+    They stay on the model's device: CUDA models need ``bulk="torch"`` or ``"auto"`` (NCCL
+    moves their tensors; they never pass through host memory).
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
     ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields.
     """
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.rendezvous import exchange_addresses_async
-    from hopnet.transports.zmq import ZmqTransport
+    from hopnet.transports.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
     if env is None:
@@ -271,7 +273,15 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     check_config_for_graph(cfg, graph)  # the launcher's own check, for options given in code
     flat = flatten_parameters(model) if model is not None else params
     grads = FlatGradients(model) if model is not None else None
-    transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
+    device = flat.device if flat is not None else torch.device("cpu")
+    transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
+                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
+                               message_bytes=None if flat is None else flat.numel() * flat.element_size())
+
+    factory = collective_factory(rank=env.rank, world_size=env.world_size, bulk=cfg.bulk, device=device,
+                                 store_endpoint=env.store, timeout_s=cfg.timeout_s, bind_host=env.bind_host,
+                                 tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
+                                 if grads is not None else None)
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
@@ -279,4 +289,4 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events, grads=grads)
+                  exchange=exchange, events=events, grads=grads, collective_factory=factory)

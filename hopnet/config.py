@@ -24,6 +24,7 @@ GRAPH_FREE_PROTOCOLS = ("allreduce",)
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
+BULK_PLANES = ("zmq", "torch", "auto")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -76,6 +77,7 @@ class ProtocolConfig:
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    bulk: str = "auto"
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -102,6 +104,8 @@ class ProtocolConfig:
             raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
         if self.has_backup_workers and not self.token_queues:
             raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
+        if self.bulk not in BULK_PLANES:
+            raise ConfigError(f"--bulk {self.bulk!r}: choose from {', '.join(BULK_PLANES)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 (got {self.timeout_s})")
         if (isinstance(self.peer_timeout_s, bool) or not isinstance(self.peer_timeout_s, (int, float))
@@ -212,6 +216,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS",
                        help="declare a neighbour dead when nothing was heard from it for this long "
                             f"(default: {DEFAULT_PEER_TIMEOUT_S:g})")
+    group.add_argument("--bulk", default="auto", choices=BULK_PLANES,
+                       help="what carries update tensors: zmq, torch (gloo on CPU, NCCL on CUDA) or auto "
+                            "(torch for CUDA tensors, the faster one for CPU; default: auto)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -228,4 +235,5 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         seed=args.seed,
         timeout_s=args.timeout_s,
         peer_timeout_s=args.peer_timeout_s,
+        bulk=getattr(args, "bulk", "auto"),
     )

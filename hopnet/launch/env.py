@@ -15,6 +15,9 @@ the same script can also run stand-alone.
 ``HOPNET_RUN_DIR``     directory for this run's files (``rank{R}.jsonl`` event logs)
 ``HOPNET_CONFIG``      the :class:`~hopnet.config.ProtocolConfig` as JSON
 ``HOPNET_BIND``        host the worker binds its sockets to (default: 127.0.0.1)
+``HOPNET_STORE``       ``HOST:PORT`` of the run's c10d ``TCPStore`` (hosted by the launcher;
+                       workers open it as clients on demand, see :mod:`hopnet.launch.store`).
+                       Optional: without it the torch bulk plane and collective are unavailable
 =====================  ==============================================================
 """
 
@@ -40,8 +43,9 @@ RENDEZVOUS = "HOPNET_RENDEZVOUS"
 RUN_DIR = "HOPNET_RUN_DIR"
 CONFIG = "HOPNET_CONFIG"
 BIND = "HOPNET_BIND"
+STORE = "HOPNET_STORE"
 
-ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND)
+ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND, STORE)
 """Every variable of the contract (the launcher also sets ``PYTHONUNBUFFERED=1``)."""
 
 DEFAULT_BIND = "127.0.0.1"
@@ -82,6 +86,7 @@ class WorkerEnv:
     config_json: str
     bind_host: str = DEFAULT_BIND
     node_rank: int = 0
+    store: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +109,13 @@ class WorkerEnv:
                               "(expected tcp://HOST:PORT)")
         if not self.bind_host:
             raise ConfigError(f"{BIND} is empty (expected a host such as 127.0.0.1)")
+        if self.store:
+            from hopnet.launch.store import parse_endpoint
+
+            try:
+                parse_endpoint(self.store)
+            except ConfigError as exc:
+                raise ConfigError(f"{STORE}: {exc}") from None
         try:
             json.loads(self.config_json)
         except json.JSONDecodeError as exc:
@@ -132,6 +144,7 @@ class WorkerEnv:
             RUN_DIR: self.run_dir,
             CONFIG: self.config_json,
             BIND: self.bind_host,
+            STORE: self.store,
         }
 
     @classmethod
@@ -157,4 +170,5 @@ class WorkerEnv:
             config_json=_str(environ, CONFIG, default="{}"),
             bind_host=_str(environ, BIND, default=DEFAULT_BIND),
             node_rank=_int(environ, NODE_RANK, default=0),
+            store=environ.get(STORE, "").strip(),
         )

@@ -45,11 +45,12 @@ from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.launch.env import DEFAULT_BIND, STORE, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.report.live import LaunchProgress  # [report]
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads
+from hopnet.launch.store import HostedStore, host_store
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -466,8 +467,11 @@ def launch(
     returncode = 0
     trap = _SignalTrap()
     server = RendezvousServer(world_size, host=rdzv_host).start()
+    store: HostedStore | None = None
     try:
+        store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
         launch_info["rendezvous"] = server.endpoint
+        launch_info["store"] = store.endpoint
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
@@ -482,6 +486,7 @@ def launch(
                                        run_dir=str(path), config_json=config.to_json(), bind=bind)
                 env = dict(base_env)
                 env.update(wenv.to_environ())
+                env[STORE] = store.endpoint
                 try:
                     workers.spawn(rank, command, env)
                 except OSError as exc:
@@ -525,6 +530,8 @@ def launch(
         workers.sweep()
         workers.drain(2.0)
         server.close()
+        if store is not None:
+            store.close()
         view.close()  # [report]
 
     wall_s = time.monotonic() - t0
