@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hopnet.config import ProtocolConfig
+from hopnet.errors import HopnetError
 from hopnet.graph import Graph
 
 
@@ -31,20 +32,72 @@ class GapTracker:
         np.maximum(row, iteration - self.iters, out=row)
 
 
+class RunLogError(HopnetError, ValueError):
+    """A run directory whose event logs do not describe one run (the message is one line)."""
+
+
+def _read_log(path: Path, rank: int) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    lines = path.read_text(encoding="utf-8").split("\n")
+    last = len(lines)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == last:
+                break  # a live run's last line may be cut short: left out
+            raise RunLogError(f"{path}:{lineno}: not a JSON record") from None
+        if not isinstance(record, dict):
+            raise RunLogError(f"{path}:{lineno}: not a JSON object")
+        if record.get("rank", rank) != rank:
+            raise RunLogError(f"{path}:{lineno}: a record of rank {record.get('rank')} in rank {rank}'s log")
+        records.append(record)
+    starts = sum(1 for r in records if r.get("event") == "start")
+    if starts > 1:
+        raise RunLogError(f"{path} holds {starts} runs ({starts} start records): the run directory was reused; "
+                          "launch into a fresh --run-dir or pass --overwrite")
+    return records
+
+
 def load_run(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """Every rank's event log in a run directory, by rank."""
+    """Every rank's event log in a run directory, by rank, checked to be one run.
+
+    Raises :class:`RunLogError` for a log that is not JSON lines, holds several runs, or
+    belongs to a rank that the run's ``graph.json`` does not have.
+    """
+    folder = Path(run_dir)
     runs: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(Path(run_dir).glob("rank*.jsonl")):
-        rank = int(path.stem[len("rank"):])
-        with path.open(encoding="utf-8") as handle:
-            runs[rank] = [json.loads(line) for line in handle if line.strip()]
-    return runs
+    for path in sorted(folder.glob("rank*.jsonl")):
+        suffix = path.stem[len("rank"):]
+        if not suffix.isdigit():
+            continue
+        runs[int(suffix)] = _read_log(path, int(suffix))
+    graph_path = folder / "graph.json"
+    if graph_path.is_file():
+        n = Graph.from_json(graph_path).n
+        stray = sorted(r for r in runs if r >= n)
+        if stray:
+            raise RunLogError(f"{folder / f'rank{stray[0]}.jsonl'}: rank {stray[0]} is not in this run's graph "
+                              f"({n} nodes), a file left by another run")
+    return dict(sorted(runs.items()))
 
 
 def max_gap_from_run(events: dict[int, list[dict[str, Any]]], n: int) -> np.ndarray:
     """Replay the ``enter`` events of all ranks in time order through a :class:`GapTracker`."""
-    entries = sorted((rec["mono"], rank, rec["iter"]) for rank, recs in events.items()
-                     for rec in recs if rec.get("event") == "enter")
+    stray = sorted(r for r in events if not 0 <= r < n)
+    if stray:
+        raise RunLogError(f"event log of rank {stray[0]} in a run of {n} workers: a file left by another run?")
+    entries = []
+    for rank, recs in events.items():
+        for rec in recs:
+            if rec.get("event") != "enter":
+                continue
+            if not isinstance(rec.get("mono"), (int, float)) or not isinstance(rec.get("iter"), int):
+                raise RunLogError(f"rank {rank}: an enter record without mono/iter: {json.dumps(rec)[:120]}")
+            entries.append((rec["mono"], rank, rec["iter"]))
+    entries.sort()
     tracker = GapTracker(n)
     for _, rank, iteration in entries:
         tracker.entered(rank, iteration)

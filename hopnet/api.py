@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
-from hopnet.params import flatten_parameters
+from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime import shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
-from hopnet.runtime.node import AddressExchange, Node
+from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
 
 CLOSE_TIMEOUT_S = 120.0
@@ -50,20 +52,23 @@ class Worker:
 
     def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
                  params: torch.Tensor | None, transport: Transport,
-                 exchange: AddressExchange | None = None, events: EventLog | None = None) -> None:
-        if params is not None and params.device.type != "cpu":
-            # The seam for CUDA tensors: the bulk plane (torch.distributed) will take these.
-            raise ConfigError("hopnet moves CPU tensors for now; keep the model on the CPU")
+                 exchange: AddressExchange | None = None, events: EventLog | None = None,
+                 grads: FlatGradients | torch.Tensor | None = None,
+                 collective_factory: CollectiveFactory | None = None) -> None:
+        if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
+            raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
+                              "(--bulk torch or auto), not ZeroMQ")
         self.rank = rank
         self.graph = graph
         self.config = config
         self.params = params
+        self.grads = grads
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        protocol = make_protocol(config, params)
+        protocol = make_protocol(config, params, grads)
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                         peer_timeout_s=config.peer_timeout_s)
+                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -78,7 +83,7 @@ class Worker:
                 self._thread.stop()
             raise
         shutdown.track(self)
-        self._compute_started = time.perf_counter()
+        self._compute_started = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
     @property
@@ -96,6 +101,9 @@ class Worker:
             raise ConfigError(f"iterations(total) needs total >= 1 (got {total})")
         self._final_iteration = total - 1
         self.node.protocol.final_iteration = total - 1
+        self._thread.loop.call_soon_threadsafe(self.node.plan, total)
+        if self.steps == 0:
+            self._compute_started = time.monotonic()  # setup before the loop is not iteration 0's compute
         while (current := self.iteration) < total:
             steps = self.steps
             yield current
@@ -110,16 +118,23 @@ class Worker:
             raise HopnetError("step() on a closed worker")
         factor = self.slowdown.factor(self.rank, self.iteration)
         if factor > 1.0:
-            time.sleep((factor - 1.0) * (time.perf_counter() - self._compute_started))
+            time.sleep((factor - 1.0) * (time.monotonic() - self._compute_started))
             self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
+        compute_s = time.monotonic() - self._compute_started
         try:
-            self._thread.run(self.node.protocol.finish_iteration(apply, last=last))
+            self._thread.run(self.node.run_step(apply, last=last, compute_s=compute_s))
         except Exception as exc:
             self.failure = exc
             raise
         self.steps += 1
-        self._compute_started = time.perf_counter()
+        self._compute_started = time.monotonic()
+
+    def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                  tag: str) -> torch.Tensor:
+        """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
+        thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
+        return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
@@ -191,18 +206,24 @@ class AsyncWorker:
             ...                                   # compute (off the loop for heavy work)
             await worker.step(apply, last=worker.iteration == total - 1)
         await worker.close()
+
+    Over ZeroMQ the node sends heartbeats from this loop: code that blocks the loop for
+    longer than ``peer_timeout_s`` makes the neighbours declare this worker dead.
     """
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._compute_started = time.monotonic()
 
     @classmethod
     async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
                     transport: Transport, exchange: AddressExchange | None = None,
-                    events: EventLog | None = None) -> AsyncWorker:
-        protocol = make_protocol(config, params)
+                    events: EventLog | None = None,
+                    grads: FlatGradients | torch.Tensor | None = None,
+                    collective_factory: CollectiveFactory | None = None) -> AsyncWorker:
+        protocol = make_protocol(config, params, grads)
         node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                    peer_timeout_s=config.peer_timeout_s)
+                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
         try:
             await node.start(exchange)
         except BaseException:
@@ -216,7 +237,13 @@ class AsyncWorker:
 
     async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
         """Finish the current iteration; with ``last`` the worker does not enter another."""
-        await self.node.protocol.finish_iteration(apply, last=last)
+        compute_s = time.monotonic() - self._compute_started
+        await self.node.run_step(apply, last=last, compute_s=compute_s)
+        self._compute_started = time.monotonic()
+
+    def plan(self, total: int) -> None:
+        """Tell the event log's readers (progress, report) that the run has ``total`` iterations."""
+        self.node.plan(total)
 
     def report(self, **metrics: Any) -> None:
         self.node.report(**metrics)
@@ -240,8 +267,15 @@ class DistributedOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> None:
         self.worker.step(lambda: self.optimizer.step(closure))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients. When the worker holds them in one flat buffer (``hopnet.init(model)``)
+        they are zeroed in place whatever ``set_to_none`` says, so every ``.grad`` stays a view
+        into the buffer the gradient protocols reduce."""
+        grads = self.worker.grads
+        if isinstance(grads, FlatGradients):
+            grads.zero()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -258,7 +292,11 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
          config: ProtocolConfig | None = None, **options: Any) -> Worker:
     """Start this process's worker as `hopnet launch` configured it.
 
-    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`).
+    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`),
+    and its gradients into another (see :class:`hopnet.params.FlatGradients`): each
+    ``.grad`` is a view, so gradient protocols such as ``allreduce`` reduce one tensor.
+    They stay on the model's device: CUDA models need ``bulk="torch"`` or ``"auto"`` (NCCL
+    moves their tensors; they never pass through host memory).
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword
     ``options`` (``max_ig=4``, ``backup_workers=1``...) override single fields, except
     those given explicitly on the launcher's command line (a :class:`ConfigError` names
@@ -268,7 +306,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.options import check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
-    from hopnet.transports.zmq import ZmqTransport
+    from hopnet.transports.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
     if env is None:
@@ -284,12 +322,21 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         cfg.validate()
     where = "hopnet.init()" if config is None else "the config passed to hopnet.init()"
     check_explicit(flags, cfg, env.explicit_options, where)
-    cfg.validate_ranks(graph.n)
     announced = json.loads(cfg.to_json())
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")
+    check_config_for_graph(cfg, graph)  # the launcher's own check, for options given in code
     flat = flatten_parameters(model) if model is not None else params
-    transport = ZmqTransport(env.rank, frozenset(graph.peers(env.rank)), bind=f"tcp://{env.bind_host}:*")
+    grads = FlatGradients(model) if model is not None else None
+    device = flat.device if flat is not None else torch.device("cpu")
+    transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
+                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
+                               message_bytes=None if flat is None else flat.numel() * flat.element_size())
+
+    factory = collective_factory(rank=env.rank, world_size=env.world_size, bulk=cfg.bulk, device=device,
+                                 store_endpoint=env.store, timeout_s=cfg.timeout_s, bind_host=env.bind_host,
+                                 tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
+                                 if grads is not None else None)
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
@@ -297,4 +344,4 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events)
+                  exchange=exchange, events=events, grads=grads, collective_factory=factory)

@@ -16,10 +16,15 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack")
+PROTOCOLS = ("hop", "notify-ack", "allreduce")
+GRADIENT_PROTOCOLS = ("allreduce",)
+"""Protocols that average gradients (they need the flat gradient buffer)."""
+GRAPH_FREE_PROTOCOLS = ("allreduce",)
+"""Protocols that ignore the communication graph (they reduce among all ranks)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
+BULK_PLANES = ("zmq", "torch", "auto")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -50,6 +55,8 @@ def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[
             raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
         if rank < 0 or count < 0:
             raise ConfigError(f"--backup-workers {text!r}: ranks and counts must be >= 0")
+        if rank in result:
+            raise ConfigError(f"--backup-workers {text!r}: rank {rank} given twice")
         result[rank] = count
     return result
 
@@ -70,6 +77,7 @@ class ProtocolConfig:
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    bulk: str = "auto"
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -78,6 +86,10 @@ class ProtocolConfig:
     def validate(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {self.protocol!r} (choose from {', '.join(PROTOCOLS)})")
+        if self.protocol in GRAPH_FREE_PROTOCOLS:
+            hop_only = self.hop_options_set()
+            if hop_only:
+                raise ConfigError(f"{', '.join(hop_only)}: Hop option(s) that --protocol {self.protocol} does not take")
         if not isinstance(self.max_ig, int) or self.max_ig < 1:
             raise ConfigError(f"--max-ig must be an integer >= 1 (got {self.max_ig!r})")
         if self.staleness is not None and self.staleness < 0:
@@ -92,6 +104,8 @@ class ProtocolConfig:
             raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
         if self.has_backup_workers and not self.token_queues:
             raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
+        if self.bulk not in BULK_PLANES:
+            raise ConfigError(f"--bulk {self.bulk!r}: choose from {', '.join(BULK_PLANES)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 (got {self.timeout_s})")
         if (isinstance(self.peer_timeout_s, bool) or not isinstance(self.peer_timeout_s, (int, float))
@@ -102,6 +116,25 @@ class ProtocolConfig:
             raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
         for spec in self.slowdown:
             parse_slowdown(spec)
+
+    def hop_options_set(self) -> list[str]:
+        """The Hop-only flags this configuration sets away from their defaults."""
+        flags = []
+        if self.max_ig != DEFAULT_MAX_IG:
+            flags.append("--max-ig")
+        if not self.token_queues:
+            flags.append("--no-token-queues")
+        if self.serial:
+            flags.append("--serial")
+        if self.has_backup_workers:
+            flags.append("--backup-workers")
+        if self.staleness is not None:
+            flags.append("--staleness")
+        if self.skip_threshold is not None:
+            flags.append("--skip-threshold")
+        if self.max_jump is not None:
+            flags.append("--max-jump")
+        return flags
 
     def validate_ranks(self, world_size: int) -> None:
         """Check the options that name ranks (slowdowns, per-rank backup workers) against the run."""
@@ -157,7 +190,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """The protocol flags shared by `hopnet launch` and `hopnet simulate`."""
     group = parser.add_argument_group("protocol")
     group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
-                       help="training protocol (default: hop)")
+                       help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
+                            "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
+                            "and it takes none of the Hop options below")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
@@ -181,6 +216,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS",
                        help="declare a neighbour dead when nothing was heard from it for this long "
                             f"(default: {DEFAULT_PEER_TIMEOUT_S:g})")
+    group.add_argument("--bulk", default="auto", choices=BULK_PLANES,
+                       help="what carries update tensors: zmq, torch (gloo on CPU, NCCL on CUDA) or auto "
+                            "(torch for CUDA tensors, the faster one for CPU; default: auto)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -197,4 +235,5 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         seed=args.seed,
         timeout_s=args.timeout_s,
         peer_timeout_s=args.peer_timeout_s,
+        bulk=getattr(args, "bulk", "auto"),
     )

@@ -1,8 +1,10 @@
-"""One flat buffer for a model's parameters.
+"""One flat buffer for a model's parameters, and one for its gradients.
 
 Every parameter of the module becomes a view into a single contiguous tensor, so a
 model update is one message and one weighted sum, with no per-tensor loop. The
 optimizer keeps working on the same ``Parameter`` objects; only their storage moves.
+Gradients get the same treatment (:class:`FlatGradients`), so a gradient protocol
+reduces one tensor.
 """
 
 from __future__ import annotations
@@ -59,3 +61,63 @@ def _shared_buffer(plist: list[torch.nn.Parameter]) -> torch.Tensor | None:
     if storage.nbytes() != offset * base.element_size():
         return None
     return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (offset,))
+
+
+class FlatGradients:
+    """One flat buffer for the gradients, each parameter's ``.grad`` a view into it.
+
+    ``loss.backward()`` accumulates into existing ``.grad`` tensors in place, so the views
+    survive backward; zeroing in place (:meth:`zero`, or the optimizer's
+    ``zero_grad(set_to_none=False)``) keeps them. A gradient protocol then reduces
+    :attr:`buffer`, one tensor. If something replaced a ``.grad`` (``zero_grad()`` with
+    ``set_to_none=True`` on the bare optimizer, say), :meth:`gather` copies it back in and
+    restores the view.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> None:
+        if isinstance(params, torch.nn.Module):
+            params = params.parameters()
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no trainable parameters")
+        first = self.params[0]
+        total = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            view = self.buffer[offset:offset + n].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            self.views.append(view)
+            offset += n
+        self._attach()
+
+    def _attach(self) -> None:
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def aliased(self) -> bool:
+        """Whether every parameter's ``.grad`` is still its view into :attr:`buffer`."""
+        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+                   for p, v in zip(self.params, self.views))
+
+    def gather(self) -> torch.Tensor:
+        """:attr:`buffer`, holding every current ``.grad`` (restoring views that were replaced)."""
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            else:
+                continue
+            p.grad = view
+        return self.buffer
+
+    def zero(self) -> None:
+        """Zero every gradient in place, keeping (or restoring) the views."""
+        self.buffer.zero_()
+        if not self.aliased():
+            self._attach()

@@ -27,6 +27,9 @@ from hopnet.errors import HopnetError
 # lately (see hopnet.runtime.liveness); it carries nothing but the sender's iteration.
 _KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye", "beat"}
 BYE_FINAL_ITER = "f"
+# Kinds accepted from any rank of the run, not only from graph neighbours (collectives
+# among groups formed on the fly, and the goodbye every rank may say to any other).
+_ANY_RANK_KINDS: set[str] = {"bye"}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,13 +57,26 @@ class DecodeError(HopnetError):
         self.reason = reason
 
 
-def register_kind(kind: str) -> None:
-    """Allow a protocol-specific message kind on the wire."""
+def register_kind(kind: str, *, any_rank: bool = False) -> None:
+    """Allow a protocol-specific message kind on the wire.
+
+    With ``any_rank`` the kind is accepted from every rank of the run; otherwise only
+    from the graph neighbours the transport was given."""
     _KNOWN_KINDS.add(kind)
+    if any_rank:
+        _ANY_RANK_KINDS.add(kind)
 
 
 def known_kinds() -> frozenset[str]:
     return frozenset(_KNOWN_KINDS)
+
+
+def any_rank_kinds() -> frozenset[str]:
+    return frozenset(_ANY_RANK_KINDS)
+
+
+def is_any_rank_kind(kind: str) -> bool:
+    return kind in _ANY_RANK_KINDS
 
 
 @dataclass(frozen=True, slots=True)

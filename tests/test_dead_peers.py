@@ -14,20 +14,24 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from hopnet import Graph, PeerFailure, ProtocolConfig, WaitTimeout, Worker
+from hopnet import AsyncWorker, Graph, PeerFailure, ProtocolConfig, WaitTimeout
 from hopnet.analysis import load_run
 from hopnet.cli.main import main as cli
 from hopnet.errors import ConfigError
 from hopnet.launch.env import ENV_VARS, WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.node import Node
+from hopnet.sim.vloop import Deadlock, VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork
 from hopnet.transports.zmq import ZmqTransport
 
 from conftest import ROOT, WORKERS
@@ -205,87 +209,90 @@ def test_ranks_that_run_different_iteration_counts_are_told_so(tmp_path: Path) -
 
 
 # ----------------------------------------------------------------------------- one process, ZeroMQ
-def _run_zmq_workers(n: int, config: ProtocolConfig, body: Callable[[Worker], None]) -> dict[int, BaseException]:
-    """One thread per rank, each with a Worker on a ZeroMQ transport over loopback (ring:n)."""
+async def _start_zmq_workers(n: int, config: ProtocolConfig) -> list[AsyncWorker]:
+    """ring:n of AsyncWorkers on this loop, each with its own ZeroMQ transport over loopback."""
     graph = Graph.ring(n)
     addresses: dict[int, str] = {}
-    barrier = threading.Barrier(n)
-    errors: dict[int, BaseException] = {}
+    everyone = asyncio.Barrier(n)
 
-    def run(rank: int) -> None:
+    def exchange_for(rank: int) -> Callable[[str], Awaitable[dict[int, str]]]:
         async def exchange(address: str) -> dict[int, str]:
             addresses[rank] = address
-            await asyncio.to_thread(barrier.wait, 30)
+            await everyone.wait()
             return dict(addresses)
+        return exchange
 
-        try:
-            worker = Worker(rank=rank, graph=graph, config=config, params=torch.zeros(8),
-                            transport=ZmqTransport(rank, frozenset(graph.peers(rank))), exchange=exchange)
-            body(worker)
-        except BaseException as exc:  # collected for the test to assert on
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    return errors
+    return list(await asyncio.gather(*(
+        AsyncWorker.start(rank=r, graph=graph, config=config, params=torch.zeros(8),
+                          transport=ZmqTransport(r, frozenset(graph.peers(r))), exchange=exchange_for(r))
+        for r in range(n))))
 
 
-def test_a_peer_that_is_alive_but_owes_an_update_is_stalled_not_dead() -> None:
-    """Rank 1 stops stepping for longer than the peer timeout, but its loop still beats: rank 0's
-    wait runs into --timeout and names rank 1 as stalled."""
+async def _train(worker: AsyncWorker, total: int) -> None:
+    while True:
+        last = worker.iteration >= total - 1
+        await worker.step(last=last)
+        if last:
+            return
+
+
+async def test_a_peer_that_is_alive_but_owes_an_update_is_stalled_not_dead() -> None:
+    """Rank 1 never steps, for longer than the peer timeout, but its node still beats: rank 0's
+    wait runs into --timeout and names rank 1 as stalled, not dead."""
     config = ProtocolConfig(timeout_s=1.5, peer_timeout_s=0.3)
-    resume = threading.Event()
-
-    def body(worker: Worker) -> None:
-        try:
-            if worker.rank == 0:
-                for _ in worker.iterations(5):
-                    worker.step()
-            else:
-                resume.wait(20)
-        finally:
-            resume.set()
-            worker.close()
-
-    errors = _run_zmq_workers(2, config, body)
-    assert set(errors) == {0}, errors
-    error = errors[0]
-    assert isinstance(error, WaitTimeout), error
+    workers = await _start_zmq_workers(2, config)
+    try:
+        with pytest.raises(WaitTimeout) as info:
+            await _train(workers[0], 5)
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+    error = info.value
     assert (error.peer, error.peer_state, error.iteration) == (1, "stalled", 1)
     assert "from peer 1 (stalled) in iteration 1" in str(error)
+    assert workers[0].node.dead == {}
 
 
-def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
-    """Rank 1 shuts its sockets without a bye (as a crash would): rank 0 fails naming it dead
+async def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
+    """Rank 1 shuts its sockets without a bye (as a crash would): rank 0 fails naming it dead,
     long before its wait timeout."""
     config = ProtocolConfig(timeout_s=30.0, peer_timeout_s=0.3)
-    gone = threading.Event()
-
-    def body(worker: Worker) -> None:
-        if worker.rank == 1:
-            worker._thread.run(worker.node.close(leave=False))  # no bye: the peer just goes quiet
-            worker._thread.stop()
-            gone.set()
-            return
-        gone.wait(20)
-        started = time.monotonic()
-        try:
-            for _ in worker.iterations(5):
-                worker.step()
-        finally:
-            worker.close()
-            assert time.monotonic() - started < config.timeout_s
-
-    errors = _run_zmq_workers(2, config, body)
-    assert set(errors) == {0}, errors
-    error = errors[0]
-    assert isinstance(error, PeerFailure), error
+    workers = await _start_zmq_workers(2, config)
+    await workers[1].node.close(leave=False)  # no bye: it just goes quiet
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(PeerFailure) as info:
+            await _train(workers[0], 5)
+    finally:
+        await workers[0].close()
+    assert loop.time() - started < config.timeout_s
+    error = info.value
     assert (error.peer, error.peer_state) == (1, "dead")
     assert "peer 1 went silent" in str(error)
+    assert config.peer_timeout_s <= workers[0].node.dead[1] < config.timeout_s
+
+
+def test_the_simulator_runs_no_heartbeats_so_deadlocks_are_still_found() -> None:
+    """In-process peers cannot die unannounced: nodes on that transport arm no beat timers,
+    which would otherwise keep virtual time running and turn a Deadlock into a hang."""
+    graph = Graph.ring(2)
+    network = InprocNetwork()
+    nodes = [Node(r, graph, network.transport(r, frozenset(graph.peers(r))),
+                  make_protocol(ProtocolConfig(), None), clock=Clock(60.0), peer_timeout_s=1.0)
+             for r in range(2)]
+
+    async def wait_forever() -> None:
+        for node in nodes:
+            await node.open()
+        assert all(node.liveness is None for node in nodes)
+        await asyncio.Event().wait()  # nothing will ever set it, and nothing else is scheduled
+
+    loop = VirtualTimeLoop()
+    try:
+        with pytest.raises(Deadlock):
+            loop.run_until_complete(wait_forever())
+    finally:
+        loop.close()
 
 
 def test_peer_timeout_flag_is_validated_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

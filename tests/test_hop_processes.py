@@ -15,17 +15,19 @@ from hopnet.analysis import gap_bound, load_run, max_gap_from_run
 from conftest import WORKERS
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
+BULK = pytest.mark.parametrize("bulk", ["zmq", "torch"])  # Hop runs unchanged over either plane
 
 
 def _tensors(run_dir: Path, prefix: str, n: int) -> list[torch.Tensor]:
     return [torch.load(run_dir / f"{prefix}_rank{r}.pt") for r in range(n)]
 
 
+@BULK
 @pytest.mark.parametrize("graph,n", [("ring:4", 4), ("ring_based:6", 6), ("torus:2x3", 6)])
-def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int) -> None:
+def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int, bulk: str) -> None:
     """W is doubly stochastic on these graphs, so gossip alone reaches the initial average."""
     run_dir = tmp_path / "run"
-    result = launch(["--graph", graph, "--run-dir", str(run_dir), HOP_WORKER,
+    result = launch(["--graph", graph, "--bulk", bulk, "--run-dir", str(run_dir), HOP_WORKER,
                      "--iterations", "80", "--compute-ms", "1"])
     assert result.returncode == 0, result.stderr
     initial = torch.stack(_tensors(run_dir, "initial", n))
@@ -33,6 +35,28 @@ def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: s
     mean = initial.mean(dim=0)
     assert (initial - mean).abs().max() > 1.0  # the workers really started apart
     assert (final - mean).abs().max() < 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per rank, for NCCL)")
+@pytest.mark.parametrize("bulk", ["torch", "auto"])
+def test_hop_on_gpus_averages_over_nccl(launch, tmp_path: Path, bulk: str) -> None:
+    n = min(4, torch.cuda.device_count())
+    run_dir = tmp_path / "run"
+    result = launch(["--graph", f"ring:{n}", "--bulk", bulk, "--run-dir", str(run_dir), HOP_WORKER,
+                     "--iterations", "80", "--compute-ms", "1", "--device", "cuda"])
+    assert result.returncode == 0, result.stderr
+    initial = torch.stack(_tensors(run_dir, "initial", n))
+    final = torch.stack(_tensors(run_dir, "final", n))
+    assert (final - initial.mean(dim=0)).abs().max() < 1e-6
+
+
+def test_a_cuda_model_over_zmq_is_refused_in_one_line() -> None:
+    from hopnet.errors import ConfigError
+    from hopnet.transports.plane import make_transport
+
+    with pytest.raises(ConfigError, match="--bulk zmq moves CPU tensors only"):
+        make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk="zmq",
+                       device=torch.device("cuda", 0), store_endpoint="", timeout_s=5)
 
 
 def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Path) -> None:
@@ -56,9 +80,10 @@ def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Pa
     assert len(slowed) >= 59 and all(rec["slowdown"] >= 6 for rec in slowed)  # visible in the log
 
 
-def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path) -> None:
+@BULK
+def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path, bulk: str) -> None:
     run_dir = tmp_path / "run"
-    result = launch(["--graph", "ring_based:6", "--backup-workers", "1", "--run-dir", str(run_dir),
+    result = launch(["--graph", "ring_based:6", "--backup-workers", "1", "--bulk", bulk, "--run-dir", str(run_dir),
                      HOP_WORKER, "--iterations", "60", "--stop-rank", "2", "--stop-at", "10"])
     assert result.returncode == 0, result.stderr
     events = load_run(run_dir)
@@ -71,8 +96,9 @@ def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Pa
         assert (first_left["peer"], first_left["last_iter"]) == (2, 10)
 
 
-def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: Path) -> None:
-    result = launch(["--graph", "ring:4", "--run-dir", str(tmp_path / "run"), HOP_WORKER,
+@BULK
+def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: Path, bulk: str) -> None:
+    result = launch(["--graph", "ring:4", "--bulk", bulk, "--run-dir", str(tmp_path / "run"), HOP_WORKER,
                      "--iterations", "40", "--stop-rank", "2", "--stop-at", "5"])
     assert result.returncode != 0
     # Its neighbours (1 and 3) need its update of iteration 6; whichever fails first names it.
@@ -143,11 +169,13 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     assert "bad_header" in stop["dropped"] or "truncated" in stop["dropped"]
 
 
-def test_zero_copy_sends_to_a_finished_neighbour_do_not_stall(launch, tmp_path: Path) -> None:
+@BULK
+def test_zero_copy_sends_to_a_finished_neighbour_do_not_stall(launch, tmp_path: Path, bulk: str) -> None:
     """With backup workers the fast workers finish first; the straggler's last zero-copy
-    updates to them must be released when they leave, not wait out the send timeout."""
+    updates to them must be released when they leave, not wait out the send timeout
+    (over torch: its sends to a neighbour that closed its channel count as peer_left)."""
     run_dir = tmp_path / "run"
-    result = launch(["--graph", "ring:3", "--backup-workers", "1", "--slowdown", "rank=0:4",
+    result = launch(["--graph", "ring:3", "--backup-workers", "1", "--slowdown", "rank=0:4", "--bulk", bulk,
                      "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "20",
                      "--compute-ms", "20", "--dim", "20000"])  # 160 KB: the zero-copy path
     assert result.returncode == 0, result.stderr

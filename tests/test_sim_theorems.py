@@ -72,8 +72,8 @@ def check_run(g: Graph, cfg: ProtocolConfig, iterations: int, r: SimResult, boun
     d = g.shortest_path_lengths()
     skipped = [0] * n
     for event in r.skips:
-        assert event["to"] > event["iteration"] + 1
-        skipped[event["rank"]] += event["to"] - event["iteration"] - 1
+        assert event["to"] > event["iter"] + 1
+        skipped[event["rank"]] += event["to"] - event["iter"] - 1
     assert [len(t) + s for t, s in zip(r.finish_times, skipped)] == [iterations] * n, "every worker must finish"
     assert r.iterations == [iterations] * n
     gap = r.max_gap

@@ -95,9 +95,9 @@ def test_skipping_lets_the_others_recover_from_a_deterministic_straggler():
     assert fast.skips == [] and slow.skips == []
     assert skip.skips and {e["rank"] for e in skip.skips} == {0}
     for e in skip.skips:
-        assert 1 < e["to"] - e["iteration"] <= 1 + 4  # at most max_jump iterations skipped
+        assert 1 < e["to"] - e["iter"] <= 1 + 4  # at most max_jump iterations skipped
         assert e["behind"] > 2
-    skipped = sum(e["to"] - e["iteration"] - 1 for e in skip.skips)
+    skipped = sum(e["to"] - e["iter"] - 1 for e in skip.skips)
     assert len(skip.finish_times[0]) + skipped == 100
     assert skip.iterations == [100] * 16
 

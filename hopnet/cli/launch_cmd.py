@@ -94,10 +94,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--run-dir", default=None, metavar="DIR",
                           help="directory for graph.json, launch.json and the workers' logs "
                                "(default: runs/<time>-<protocol>-<graph>)")
+    launcher.add_argument("--overwrite", action="store_true",
+                          help="reuse a --run-dir that holds an earlier run, removing that run's "
+                               "launch.json, graph.json and rank*.jsonl (other files stay)")
     launcher.add_argument("--bind", default="127.0.0.1", metavar="HOST",
                           help="host the workers bind their sockets to (default: 127.0.0.1)")
     launcher.add_argument("--no-prefix", dest="prefix", action="store_false",
                           help="let workers write straight to this terminal, without [rank R] prefixes")
+    launcher.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="no live status line (it is shown only on a terminal anyway); "
+                               "the per-rank summary table is still printed at the end")
     launcher.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                           help="after SIGTERM, how long workers get before SIGKILL "
                                f"(default: {DEFAULT_GRACE_S:g})")
@@ -132,5 +138,7 @@ def run(args: argparse.Namespace) -> int:
         argv=sys.argv,
         max_failures=args.max_failures,
         explicit_options=sorted(getattr(args, EXPLICIT_DEST, None) or ()),
+        progress=args.progress,
+        overwrite=args.overwrite,
     )
     return result.returncode

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from hopnet.config import add_protocol_arguments, config_from_args
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.launch.launcher import DEFAULT_NPROC
@@ -156,7 +157,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
     config = config_from_args(args)
-    config.validate_ranks(n)
+    for note in check_config_for_graph(config, graph):
+        print(f"hopnet simulate: note: {note}", file=sys.stderr)
     iterations = _int("--iterations", args.iterations)
     if iterations < 1:
         raise ConfigError(f"--iterations must be >= 1 (got {iterations})")
@@ -229,7 +231,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     if config["protocol"] == "hop" and config["token_queues"]:
         t_rank = max(range(n), key=lambda r: result.token_high_water[r])
         lines.append(f"token high water:  {result.token_high_water[t_rank]} tokens (rank {t_rank})")
-    skipped = sum(s["to"] - s["iteration"] - 1 for s in result.skips)
+    skipped = sum(s["to"] - s["iter"] - 1 for s in result.skips)
     lines.append(f"skips:             {len(result.skips)}"
                  + (f" ({skipped} iterations skipped)" if result.skips else ""))
     if result.dropped_late_updates or result.updates_not_sent:

@@ -18,6 +18,9 @@ the same script can also run stand-alone.
 ``HOPNET_EXPLICIT``    protocol options given explicitly on the command line, as a
                        JSON list of :class:`~hopnet.config.ProtocolConfig` field names
                        (code may set the others; see :mod:`hopnet.launch.options`)
+``HOPNET_STORE``       ``HOST:PORT`` of the run's c10d ``TCPStore`` (hosted by the launcher;
+                       workers open it as clients on demand, see :mod:`hopnet.launch.store`).
+                       Optional: without it the torch bulk plane and collective are unavailable
 =====================  ==============================================================
 
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
@@ -47,8 +50,9 @@ RUN_DIR = "HOPNET_RUN_DIR"
 CONFIG = "HOPNET_CONFIG"
 BIND = "HOPNET_BIND"
 EXPLICIT = "HOPNET_EXPLICIT"
+STORE = "HOPNET_STORE"
 
-ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND, EXPLICIT)
+ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND, EXPLICIT, STORE)
 """Every variable of the contract (the launcher also sets ``PYTHONUNBUFFERED=1``)."""
 
 DEFAULT_BIND = "127.0.0.1"
@@ -104,6 +108,7 @@ class WorkerEnv:
     node_rank: int = 0
     explicit_options: tuple[str, ...] = ()
     """Protocol options given explicitly on the command line (field names)."""
+    store: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,6 +131,13 @@ class WorkerEnv:
                               "(expected tcp://HOST:PORT)")
         if not self.bind_host:
             raise ConfigError(f"{BIND} is empty (expected a host such as 127.0.0.1)")
+        if self.store:
+            from hopnet.launch.store import parse_endpoint
+
+            try:
+                parse_endpoint(self.store)
+            except ConfigError as exc:
+                raise ConfigError(f"{STORE}: {exc}") from None
         try:
             json.loads(self.config_json)
         except json.JSONDecodeError as exc:
@@ -155,6 +167,7 @@ class WorkerEnv:
             CONFIG: self.config_json,
             BIND: self.bind_host,
             EXPLICIT: json.dumps(list(self.explicit_options)),
+            STORE: self.store,
         }
 
     @classmethod
@@ -181,4 +194,5 @@ class WorkerEnv:
             bind_host=_str(environ, BIND, default=DEFAULT_BIND),
             node_rank=_int(environ, NODE_RANK, default=0),
             explicit_options=_names(environ, EXPLICIT),
+            store=environ.get(STORE, "").strip(),
         )

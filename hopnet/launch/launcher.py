@@ -3,8 +3,11 @@
 The launcher
 
 * resolves the graph (a JSON file or a builder spec such as ``ring:4``) and the
-  protocol configuration, and checks both against the number of workers;
-* creates the run directory and writes ``graph.json`` and ``launch.json`` into it;
+  protocol configuration, and checks the options against the graph
+  (:mod:`hopnet.config_checks`) before anything is created;
+* creates the run directory (refusing one that holds a run, see
+  :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and ``launch.json`` into it;
+* sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
 * runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
   :mod:`hopnet.launch.env`, through :mod:`hopnet.launch.worker_main` (exit statuses,
@@ -43,14 +46,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch import parent_watch
 from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.blame import describe_exit as _describe_exit
-from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.launch.env import DEFAULT_BIND, STORE, WorkerEnv
 from hopnet.launch.options import describe, differences, option_names
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.report.live import LaunchProgress  # [report]
+from hopnet.launch.run_dir import clear_previous_run
+from hopnet.launch.threads import limit_worker_threads
+from hopnet.launch.store import HostedStore, host_store
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -383,11 +391,13 @@ def launch(
     module: bool = False,
     grace_s: float = DEFAULT_GRACE_S,
     argv: Sequence[str] | None = None,
+    overwrite: bool = False,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     max_failures: int = 0,
     explicit_options: Collection[str] = (),
     settle_s: float = DEFAULT_SETTLE_S,
+    progress: bool = True,  # [report] live status line on a terminal
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -401,6 +411,9 @@ def launch(
     ``explicit_options`` names the protocol options the user gave explicitly (code in the
     workers may set only the others); ``settle_s`` is how long the launcher lets the other
     workers end on their own after a failure before it stops them, to see who blames whom.
+    ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
+    A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
+    that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -430,13 +443,18 @@ def launch(
         raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
 
     g, world_size = resolve_graph(graph, nproc)
-    config.validate_ranks(world_size)
+    notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
     plan = NodePlan(world_size=world_size, nproc=world_size)
 
+    cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
+    if cleared:
+        _log(err_stream, cleared)
+    for note in notes:
+        _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
     g.to_json(graph_path)
     started_at = datetime.now(timezone.utc)
@@ -464,6 +482,11 @@ def launch(
         "launcher_pid": os.getpid(),
     }
 
+    # [report] live status line and end-of-run summary (hopnet.report.live); while the line is up,
+    # worker output and launcher messages go through its console, above it.
+    view = LaunchProgress(path, list(plan.ranks), out_stream, err_stream, live=progress and prefix)
+    out_stream, err_stream = view.stdout, view.stderr  # type: ignore[assignment]
+    # [report] end
     err_out = _Output(err_stream)
     workers = _Workers(_Output(out_stream) if prefix else None, err_out if prefix else None)
     rdzv_host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
@@ -472,6 +495,7 @@ def launch(
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
     if env_extra:
         base_env.update({str(k): str(v) for k, v in env_extra.items()})
+    threads_note = limit_worker_threads(base_env, plan.nproc)
     # The launcher watch: workers hold the read end, only this process the write end.
     watch_read, watch_write = os.pipe()
     base_env[parent_watch.PARENT_FD] = str(watch_read)
@@ -487,11 +511,16 @@ def launch(
     exit_order: list[int] = []
     trap = _SignalTrap()
     server = RendezvousServer(world_size, host=rdzv_host).start()
+    store: HostedStore | None = None
     try:
+        store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
         launch_info["rendezvous"] = server.endpoint
+        launch_info["store"] = store.endpoint
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
+        if threads_note:
+            _log(err_stream, threads_note)
         with trap:
             # --- start
             for rank in plan.ranks:
@@ -502,6 +531,7 @@ def launch(
                                        explicit_options=tuple(sorted(explicit_options)))
                 env = dict(base_env)
                 env.update(wenv.to_environ())
+                env[STORE] = store.endpoint
                 try:
                     workers.spawn(rank, command, env, pass_fds=(watch_read,))
                 except OSError as exc:
@@ -570,6 +600,9 @@ def launch(
         workers.sweep()
         workers.drain(2.0)
         server.close()
+        if store is not None:
+            store.close()
+        view.close()  # [report]
         for fd in (watch_read, watch_write):
             if fd >= 0:
                 os.close(fd)
@@ -604,7 +637,8 @@ def launch(
         _write_json(path / "launch.json", launch_info)
     except OSError:
         pass
-    if not trap.received:
+    if not trap.received:  # [report] the per-rank table; after Ctrl-C/SIGTERM the launcher says one line only
+        view.print_summary()
         status = "finished" if returncode == 0 else "failed"
         _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result

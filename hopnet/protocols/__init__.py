@@ -5,15 +5,23 @@ from __future__ import annotations
 import torch
 
 from hopnet.config import ProtocolConfig
+from hopnet.params import FlatGradients
+from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.hop import HopProtocol
 
 
-def make_protocol(config: ProtocolConfig, params: torch.Tensor | None) -> Protocol:
-    """The protocol object ``config.protocol`` names, for one worker."""
+def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
+                  grads: FlatGradients | torch.Tensor | None = None) -> Protocol:
+    """The protocol object ``config.protocol`` names, for one worker.
+
+    ``params`` is the flat parameter buffer (protocols that average models mix it);
+    ``grads`` the flat gradients (protocols that average gradients reduce them)."""
     if config.protocol in ("hop", "notify-ack"):
         return HopProtocol(config, params)
+    if config.protocol == "allreduce":
+        return AllReduceProtocol(config, grads)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["HopProtocol", "Protocol", "make_protocol"]
+__all__ = ["AllReduceProtocol", "HopProtocol", "Protocol", "make_protocol"]

@@ -235,9 +235,9 @@ class HopProtocol(Protocol):
         updates, iters = await self._recv(target - 1)
         self._reduce(updates, iters, target - 1)
         self.skipped_iterations += target - k - 1
-        self.skip_log.append({"rank": self.rank, "iteration": k, "to": target, "behind": behind,
+        self.skip_log.append({"rank": self.rank, "iter": k, "to": target, "behind": behind,
                               "t": round(self.node.clock.now(), 9)})
-        self.node.record("skip", iteration=k, to=target, behind=behind)
+        self.node.record("skip", iter=k, to=target, behind=behind)
         return target
 
     async def _enter(self, k: int, count: int) -> None:
@@ -372,14 +372,18 @@ class HopProtocol(Protocol):
         """Wait until ``ready()``; on timeout, name what was missing and from whom."""
         if ready():
             return
+        node = self.node
+        began = node.timer()
         try:
-            await self.node.clock.wait(waitable.wait_until(ready), "", iteration=k)
+            await node.clock.wait(waitable.wait_until(ready), "", iteration=k)
         except WaitTimeout as exc:
             what, peers = describe()
             peer = peers[0] if peers else None
             raise WaitTimeout(f"{what} (rank {self.rank})", peer=peer,
                               peer_state=self.node.peer_state(peer) if peer is not None else None,
                               iteration=k, waited_s=exc.waited_s) from None
+        finally:
+            node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began)
 
     # ------------------------------------------------------------------ mixing
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:

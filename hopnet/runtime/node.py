@@ -19,8 +19,8 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
@@ -28,16 +28,36 @@ from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.liveness import Liveness
+from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
+if TYPE_CHECKING:
+    from hopnet.collectives.base import Collective
+
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
+Timer = Callable[[], float]
+
+
+class StepTimes:
+    """Where the current step's time went so far (seconds); reset at the start of each step."""
+
+    __slots__ = ("wait_updates", "wait_tokens", "apply")
+
+    def __init__(self) -> None:
+        self.wait_updates = 0.0
+        self.wait_tokens = 0.0
+        self.apply = 0.0
+CollectiveFactory = Callable[["Node"], "Collective"]
+
 
 class Node:
     def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
                  clock: Clock, events: EventLog | None = None,
-                 on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None) -> None:
+                 on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
+                 collective_factory: CollectiveFactory | None = None,
+                 timer: Timer = time.monotonic) -> None:
         """``peer_timeout_s``: declare a neighbour dead after this long without a message from
         it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
         ``None`` turns the watch off."""
@@ -51,7 +71,18 @@ class Node:
         self.events = events if events is not None else EventLog(keep=False)
         self.dropped: Counter[str] = Counter()
         self._on_enter = on_enter
-        self._log_entries = isinstance(self.events, JsonlEventLog)
+        self._jsonl = self.events if isinstance(self.events, JsonlEventLog) else None
+        self._log_entries = self._jsonl is not None
+        self._logging = self.events.keep or self._log_entries
+        # One clock for step timings and the records' ``mono`` stamps. The system's monotonic
+        # clock is shared by the processes of one machine, so logs of different ranks merge into
+        # one timeline. Not loop.time(): uvloop caches it per loop turn at millisecond resolution.
+        # The simulator passes its virtual clock.
+        self.timer = timer
+        self.step_times = StepTimes()
+        self._in_step = False
+        self._finished: dict[str, Any] | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._send_nowait = getattr(transport, "send_nowait", None)
         self._pending: set[asyncio.Task[None]] = set()
         self._send_error: BaseException | None = None
@@ -65,6 +96,12 @@ class Node:
         self.liveness: Liveness | None = None
         self._heard: set[int] = set()  # peers heard from since the watch last looked
         self._watch: asyncio.Task[None] | None = None
+        self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
+        self._mailbox_kinds = self.mailbox.kinds
+        self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
+        self._connected: set[int] = set()
+        self._collective_factory = collective_factory
+        self._collective: Collective | None = None
         protocol.bind(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -76,47 +113,89 @@ class Node:
     async def open(self, exchange: AddressExchange | None = None) -> None:
         """Bind, learn the neighbours' addresses and connect, without entering iteration 0."""
         self._t0 = self.clock.now()
+        self.transport.admit_run(self.graph.n)
         self.address = await self.transport.start(self)
         if exchange is not None:
             addresses = await exchange(self.address)
             missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
             if missing:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
-            await self.transport.connect({p: addresses[p] for p in self.graph.peers(self.rank)})
+            self.addresses = {int(r): a for r, a in addresses.items()}
+            await self.connect_to(self.graph.peers(self.rank))
         config = getattr(self.protocol, "config", None)
         to_json = getattr(config, "to_json", None)
         self.record("start", address=self.address, **({"config": json.loads(to_json())} if to_json else {}))
+        if self._jsonl is not None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                self._jsonl.flush_interval_s, self._flush_tick)
         if self.peer_timeout_s is not None and self.graph.peers(self.rank):
             self.liveness = Liveness(self.graph.peers(self.rank), timeout_s=self.peer_timeout_s,
                                      now=self.clock.now())
             self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
 
+    def _flush_tick(self) -> None:
+        """Flush the event log while the worker waits, so a live reader sees its last records."""
+        if self._jsonl is None:
+            return
+        self._jsonl.flush()
+        self._flush_timer = asyncio.get_running_loop().call_later(self._jsonl.flush_interval_s, self._flush_tick)
+
+    async def connect_to(self, ranks: Iterable[int]) -> None:
+        """Open the ways to ``ranks`` (any rank of the run, not only graph neighbours).
+
+        Connections are made once, on first need: a collective calls this for the members it
+        sends to. Without a rendezvous (the in-process transport, or a caller that connected
+        the transport itself) there is nothing to do."""
+        new = [r for r in ranks if r != self.rank and r not in self._connected]
+        if not new or self.addresses is None:
+            return
+        unknown = [r for r in new if r not in self.addresses]
+        if unknown:
+            raise HopnetError(f"rank {self.rank}: no address for rank(s) {unknown} (not in the rendezvous)")
+        await self.transport.connect({r: self.addresses[r] for r in new})
+        self._connected.update(new)
+
+    @property
+    def collective(self) -> Collective:
+        """The all-reduce every group protocol uses: built on first use by the node's
+        collective factory (default: :class:`hopnet.collectives.ring.RingCollective`)."""
+        if self._collective is None:
+            factory = self._collective_factory
+            if factory is None:
+                from hopnet.collectives.ring import RingCollective
+                self._collective = RingCollective(self)
+            else:
+                self._collective = factory(self)
+        return self._collective
+
     async def close(self, *, leave: bool = True, flush_timeout_s: float | None = None) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down.
 
-        ``flush_timeout_s`` bounds the wait for sends still in flight (a worker that fails
-        leaves promptly: a neighbour that stopped reading must not hold it); what has not
-        left by then is dropped with the sockets.
+        ``flush_timeout_s`` bounds the wait for sends still in flight and the collective's
+        close (a worker that fails leaves promptly: a neighbour that stopped reading must
+        not hold it); what has not left by then is dropped with the sockets.
         """
         try:
             # the watch still runs while flushing: a neighbour dying now releases its sends
-            if flush_timeout_s is None:
-                if leave:
-                    await self.protocol.stop()
-                await self.flush()
-            else:
-                try:
-                    async with asyncio.timeout(flush_timeout_s):
-                        if leave:
-                            await self.protocol.stop()
-                        await self.flush()
-                except TimeoutError:
-                    for task in list(self._pending):
-                        task.cancel()
+            try:
+                async with asyncio.timeout(flush_timeout_s):
+                    if leave:
+                        await self.protocol.stop()
+                    await self.flush()
+                    if self._collective is not None:
+                        await self._collective.close()
+            except TimeoutError:
+                if flush_timeout_s is None:
+                    raise
+                for task in list(self._pending):
+                    task.cancel()
         finally:
             await self._stop_watch()
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+                self._flush_timer = None
             await self.transport.close()
             self.events.close()
 
@@ -168,6 +247,7 @@ class Node:
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
+        self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
 
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
@@ -183,6 +263,8 @@ class Node:
         if header.src in self.dead:
             return DISCARD
         self._heard.add(header.src)  # a late update that is discarded is still a sign of life
+        if header.kind in self._mailbox_kinds:
+            return self.mailbox.buffers_for(header)
         if header.kind == "bye":
             return None
         return self.protocol.buffers_for(header)
@@ -196,6 +278,9 @@ class Node:
         kind = msg.kind
         if kind == "beat":
             return
+        if kind in self._mailbox_kinds:
+            self.mailbox.deliver(msg)
+            return
         if kind == "bye":
             if src not in self.departed:
                 final = msg.meta.get(BYE_FINAL_ITER) if msg.meta else None
@@ -207,6 +292,7 @@ class Node:
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
                 self.events.flush()
                 self.protocol.on_peer_departed(src, msg.iter)
+                self.mailbox.peer_departed(src, f"left after iteration {msg.iter}")
                 self.transport.forget_peer(src)
             return
         self.protocol.on_message(msg)
@@ -232,6 +318,17 @@ class Node:
         self._pending.add(task)
         task.add_done_callback(self._sent)
 
+    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
+        """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
+        modified again (``None``: the transport already let go of them)."""
+        if self._send_nowait is not None:
+            self._send_nowait(msg)
+            return None
+        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+        return task
+
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
         if not task.cancelled() and task.exception() is not None and self._send_error is None:
@@ -250,21 +347,80 @@ class Node:
         if self._on_enter is not None:
             self._on_enter(self.rank, iteration)
         if self._log_entries:
-            # The system's monotonic clock is shared by the processes of one machine, so logs of
-            # different ranks merge into one timeline (the gap checks replay it). Not loop.time():
-            # uvloop caches it per loop turn at millisecond resolution.
-            self.record("enter", iter=iteration, mono=time.monotonic())
+            self.record("enter", iter=iteration)
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, accuracy...) to the next iteration record."""
         self._pending_metrics.update(metrics)
 
+    def plan(self, total: int) -> None:
+        """The trainer will run ``total`` iterations: tell the readers of the event log."""
+        self.record("plan", total=total)
+
+    # ------------------------------------------------------------------ one step, timed
+    async def run_step(self, apply: Callable[[], None] | None, *, last: bool = False,
+                       compute_s: float = 0.0) -> None:
+        """Finish the current iteration through the protocol and log it with its timings.
+
+        ``compute_s`` is the trainer's time since its previous step returned. The iteration
+        record splits the step into ``compute_s`` (that, plus ``apply``), ``wait_updates_s``
+        and ``wait_tokens_s`` (the protocol's waits) and ``mix_s`` (the rest of the step:
+        mixing, sending, waiting for sends to leave).
+        """
+        if not self._logging:
+            await self.protocol.finish_iteration(apply, last=last)
+            return
+        timer = self.timer
+        times = self.step_times
+        times.wait_updates = times.wait_tokens = times.apply = 0.0
+        began = timer()
+        self._in_step = True
+        try:
+            await self.protocol.finish_iteration(
+                apply if apply is None else self._timed_apply(apply), last=last)
+        finally:
+            self._in_step = False
+            record = self._finished
+            if record is not None:
+                self._finished = None
+                ended = timer()
+                waited = times.wait_updates + times.wait_tokens
+                record["compute_s"] = round(compute_s + times.apply, 6)
+                record["wait_updates_s"] = round(times.wait_updates, 6)
+                record["wait_tokens_s"] = round(times.wait_tokens, 6)
+                record["mix_s"] = round(max(0.0, ended - began - waited - times.apply), 6)
+                record["mono"] = ended
+                self.record("iteration", **record)
+
+    def _timed_apply(self, apply: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            began = self.timer()
+            try:
+                apply()
+            finally:
+                self.step_times.apply += self.timer() - began
+        return timed
+
+    def waited(self, what: str, seconds: float) -> None:
+        """The protocol waited ``seconds`` for ``"updates"`` or ``"tokens"`` (acks count as tokens)."""
+        if what == "updates":
+            self.step_times.wait_updates += seconds
+        else:
+            self.step_times.wait_tokens += seconds
+
     def iteration_done(self, iteration: int, protocol: Protocol) -> None:
+        """The protocol finished ``iteration``; its record is written when the step ends."""
+        if not self._logging:
+            self._pending_metrics = {}
+            return
         record = {"iter": iteration, **protocol.snapshot()}
         if self._pending_metrics:
             record.update(self._pending_metrics)
             self._pending_metrics = {}
-        self.record("iteration", **record)
+        if self._in_step:
+            self._finished = record
+        else:
+            self.record("iteration", **record)
 
     def record_error(self, fields: Mapping[str, Any], iteration: int | None = None) -> None:
         """Write the ``error`` record of a failing worker (see docs: event records)."""
@@ -272,9 +428,9 @@ class Node:
                     iter=self.protocol.iteration if iteration is None else iteration, **fields)
 
     def record(self, event: str, **fields: Any) -> None:
-        if self.events.keep or self._log_entries:
+        if self._logging:
             self.events.write({"event": event, "rank": self.rank,
-                               "t": round(self.clock.now() - self._t0, 6), **fields})
+                               "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from hopnet.analysis import GapTracker
-from hopnet.config import ProtocolConfig
+from hopnet.config import GRADIENT_PROTOCOLS, ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
+from hopnet.runtime.mailbox import COLLECTIVE_KIND
 from hopnet.runtime.node import Node
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork, LinkModel
@@ -178,23 +179,48 @@ def simulate(spec: SimSpec) -> SimResult:
             gc.enable()
 
 
+STAND_IN_MAX_ELEMENTS = 1 << 16
+"""Largest stand-in gradient (float32 elements) the simulator all-reduces for a model it
+only knows the size of; the links are charged the model's bytes, scaled up."""
+
+
+def _stand_in_gradients(spec: SimSpec, n: int) -> tuple[int, float]:
+    """Elements of the float32 gradient stand-in, and the factor its bytes are charged at."""
+    numel = max(n, min(spec.model_bytes // 4, STAND_IN_MAX_ELEMENTS))
+    return numel, spec.model_bytes / (4 * numel)
+
+
+def _gradients(spec: SimSpec, rank: int, stand_in: int) -> torch.Tensor | None:
+    """What a gradient protocol reduces every iteration (there is no trainer to compute any):
+    random values of the model's size, or of the stand-in's when only its bytes are known."""
+    if spec.config.protocol not in GRADIENT_PROTOCOLS:
+        return None
+    gen = torch.Generator().manual_seed(spec.config.seed * 1_000_003 + rank + 1)
+    if spec.param_dim:
+        return torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
+    return torch.randn(stand_in, generator=gen, dtype=torch.float32)
+
+
 async def _run(spec: SimSpec, started: float) -> SimResult:
     graph, config = spec.graph, spec.config
     n = graph.n
-    network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None)
+    stand_in, scale = _stand_in_gradients(spec, n)
+    network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None,
+                            byte_scale=None if spec.param_dim else {COLLECTIVE_KIND: scale})
     gaps = GapTracker(n)
     slowdown = config.make_slowdown()
+    virtual_time = asyncio.get_running_loop().time
     nodes: list[Node] = []
     for rank in range(n):
         params = None
         if spec.param_dim:
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
-        protocol = make_protocol(config, params)
+        protocol = make_protocol(config, params, _gradients(spec, rank, stand_in))
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))
         nodes.append(Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s),
-                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered))
+                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered, timer=virtual_time))
     for node in nodes:
         await node.open()
     finish_times: list[list[float]] = [[] for _ in range(n)]
@@ -207,12 +233,14 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         compute = spec.compute.for_rank(rank)
         stop = spec.stop_at.get(rank)
         await protocol.start()
+        node.plan(spec.iterations)
         while True:
             k = protocol.iteration
             if stop is not None and k >= stop:
                 break
-            await asyncio.sleep(compute.sample(rng) * slowdown.factor(rank, k))
-            await protocol.finish_iteration(None, last=k >= spec.iterations - 1)
+            compute_s = compute.sample(rng) * slowdown.factor(rank, k)
+            await asyncio.sleep(compute_s)
+            await node.run_step(None, last=k >= spec.iterations - 1, compute_s=compute_s)
             finish_times[rank].append(node.clock.now())
             completed[rank] = k + 1 if protocol.iteration == k else protocol.iteration
             if k >= spec.iterations - 1:
@@ -232,7 +260,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         finish_times=finish_times,
         rates=rates,
         max_gap=gaps.max_gap,
-        queue_high_water=[getattr(p, "queue").high_water for p in protocols],
+        queue_high_water=[p.summary().get("queue_high_water") or 0 for p in protocols],
         token_high_water=[p.summary().get("token_high_water") or 0 for p in protocols],
         skips=skips,
         virtual_time=max((t[-1] for t in finish_times if t), default=0.0),

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from hopnet.wire import Header, Message
+from hopnet.wire import Header, Message, is_any_rank_kind
 
 DISCARD = object()
 """Returned by :meth:`Receiver.buffers_for` to say: read the bytes, then drop the message."""
@@ -72,7 +72,13 @@ class Transport(abc.ABC):
     def __init__(self, rank: int, allowed_senders: frozenset[int]) -> None:
         self.rank = rank
         self.allowed_senders = allowed_senders
+        self.world_size: int | None = None
         self.stats = TransportStats()
+
+    def admit_run(self, world_size: int) -> None:
+        """Accept messages of the any-rank kinds (:func:`hopnet.wire.register_kind`) from
+        every rank ``0 <= r < world_size``; other kinds still only from ``allowed_senders``."""
+        self.world_size = world_size
 
     @abc.abstractmethod
     async def start(self, receiver: Receiver) -> str:
@@ -100,6 +106,9 @@ class Transport(abc.ABC):
         """The common validation every transport applies. Returns a drop reason or None."""
         if header.dst != self.rank:
             return "wrong_dst"
-        if header.src not in self.allowed_senders:
-            return "not_neighbor"
+        src = header.src
+        if src not in self.allowed_senders:
+            size = self.world_size
+            if not (size is not None and is_any_rank_kind(header.kind) and 0 <= src < size and src != self.rank):
+                return "not_neighbor"
         return None

@@ -39,11 +39,15 @@ class InprocNetwork:
     """The shared medium the in-process transports of one run attach to."""
 
     def __init__(self, link_model: LinkModel | None = None,
-                 virtual_bytes: dict[str, int] | None = None) -> None:
+                 virtual_bytes: dict[str, int] | None = None,
+                 byte_scale: dict[str, float] | None = None) -> None:
         """``virtual_bytes`` charges the link model a size for tensor-less messages of a kind
-        (the simulator runs Hop without real parameters but still models their transfer)."""
+        (the simulator runs Hop without real parameters but still models their transfer);
+        ``byte_scale`` multiplies the size charged for messages of a kind (the simulator
+        all-reduces a small stand-in for a large model's gradients)."""
         self.link_model = link_model
         self.virtual_bytes = virtual_bytes or {}
+        self.byte_scale = byte_scale or {}
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
 
@@ -110,6 +114,9 @@ class InprocTransport(Transport):
             msg = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, msg.meta,
                           [t.detach().clone() for t in msg.tensors])
             nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
+            scale = self.network.byte_scale.get(msg.kind)
+            if scale is not None:
+                nbytes = int(round(nbytes * scale))
         else:
             nbytes = self.network.virtual_bytes.get(msg.kind, 0)
         self.stats.sent_messages += 1

@@ -671,7 +671,10 @@ class ZmqTransport(Transport):
         if reason is not None:
             stats.drop(reason)
             return
-        if frames[0].bytes != self._ids[header.src]:
+        expected_id = self._ids.get(header.src)
+        if expected_id is None:
+            expected_id = self._ids[header.src] = routing_id(header.src)
+        if frames[0].bytes != expected_id:
             stats.drop("spoofed_src")
             return
         specs = header.specs

@@ -35,6 +35,8 @@ def main() -> None:
                         help="pass NAME=INT to hopnet.init (on every rank, or R:NAME=INT on rank R)")
     parser.add_argument("--sleep-before-init", type=float, default=0.0,
                         help="sleep this long before hopnet.init (a worker still starting up)")
+    parser.add_argument("--report-loss", action="store_true", help="report the parameters' mean square as loss")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: each rank on GPU LOCAL_RANK mod count")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
@@ -42,6 +44,10 @@ def main() -> None:
     params = torch.randn(args.dim, generator=torch.Generator().manual_seed(1234 + rank), dtype=torch.float64)
     run_dir = Path(os.environ["HOPNET_RUN_DIR"])
     torch.save(params.clone(), run_dir / f"initial_rank{rank}.pt")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["HOPNET_LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        params = params.to(device)
     options: dict[str, int] = {}
     for item in args.init_option:
         target, _, assignment = item.rpartition(":")
@@ -61,12 +67,15 @@ def main() -> None:
             if rank == args.raise_rank:
                 raise RuntimeError(f"rank {rank} broke in iteration {step}")
         time.sleep(args.compute_ms / 1000.0)
+        if args.report_loss:
+            worker.report(loss=float(params.pow(2).mean()))
         worker.step()
     if args.no_close:
         print(f"done at iteration {worker.iteration}, not closing", flush=True)
         return
     worker.close()
-    torch.save(params.clone(), run_dir / f"final_rank{rank}.pt")
+    assert params.device.type == args.device  # the model stayed where it was
+    torch.save(params.cpu(), run_dir / f"final_rank{rank}.pt")
     print(f"done at iteration {worker.iteration}, dropped {worker.dropped}", flush=True)
 
 

@@ -1,0 +1,266 @@
+"""All-reduce among a group of ranks over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Groups are formed by their members alone. A group's process group is built from the
+run's c10d store under a prefix of its own (``hopnet/coll/{backend}/{members}/...``), by
+the group's members only, with ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed
+directly: no ``new_group`` and no call involving any rank outside the group.
+
+Communicators are cached, at most ``max_cached`` per collective (default
+:data:`DEFAULT_MAX_CACHED`). NCCL allows few live communicators per GPU (each holds
+buffers on the device); Prague (Sec. 6.1) meets the same limit. Past the bound the
+layer stops caching: a group met when the cache is full gets a fresh communicator for
+each call, destroyed right after.
+
+Members must agree whether a group is cached, yet each member's cache fills with its
+own other groups. So the first call of a group decides, once, through the store: each
+member votes whether it has room (and reserves it); the group is cached only if all
+say yes, and then for good (cached communicators are never evicted, so the decision
+never has to be taken back). Every later call of the group knows the answer locally:
+a cached group's call costs no store traffic at all; an uncached group's call forms a
+communicator under ``.../once/{tag}/{n}`` (the n-th call with that tag) and drops it.
+
+The reduce itself is ``allreduce`` (sum) on the group's process group; ``mean``
+divides by the group size afterwards. gloo and NCCL reduce each element once and
+send the result to every member, so members end bit for bit equal (the tests check it).
+A cached group's call issues the reduce on the caller's event loop (gloo and NCCL only
+enqueue it) and a thread per cached group waits for it; any other call (the first of a
+group, or an uncached one, which talk to the store and construct process groups) runs
+in a thread of its own. Every wait (store, construction, reduce) has the collective's
+timeout and fails naming the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from datetime import timedelta
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
+from hopnet.errors import ConfigError, HopnetError, WaitTimeout
+from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, wait_work
+
+DEFAULT_MAX_CACHED = 16
+"""Communicators kept per process. NCCL's cost per communicator (device buffers, a
+proxy thread) makes a few dozen the practical ceiling; 16 covers a rank's fixed groups
+in every protocol of this project and the most frequent of Prague's rotating ones."""
+
+STORE_PREFIX = "hopnet/coll"
+
+
+class TorchCollective(Collective):
+    """:class:`~hopnet.collectives.base.Collective` over torch.distributed process groups."""
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store, *, timeout_s: float = 120.0,
+                 max_cached: int = DEFAULT_MAX_CACHED, host: str = "127.0.0.1",
+                 backend: str | None = None) -> None:
+        if max_cached < 1:
+            raise ConfigError(f"max_cached must be >= 1 (got {max_cached})")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout must be positive (got {timeout_s})")
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.timeout_s = float(timeout_s)
+        self.max_cached = max_cached
+        self.host = host
+        self.backend = backend  # None: by each tensor's device
+        self.built = 0  # communicators constructed so far
+        self.uncached_calls = 0  # calls that formed a communicator for themselves alone
+        self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._decided: dict[tuple[str, tuple[int, ...]], bool] = {}  # cached or not, agreed by the members
+        self._reserved = 0
+        self._waiters: dict[tuple[str, tuple[int, ...]], OpWaiter] = {}  # one thread per cached group
+        self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def cached_groups(self) -> list[tuple[int, ...]]:
+        """Groups whose communicator is cached."""
+        with self._lock:
+            return [members for _, members in self._cached]
+
+    @property
+    def uncached_groups(self) -> list[tuple[int, ...]]:
+        """Groups the members agreed not to cache (the bound was reached by one of them)."""
+        with self._lock:
+            return [members for (_, members), cached in self._decided.items() if not cached]
+
+    async def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                        tag: str) -> torch.Tensor:
+        if self._closed:
+            raise HopnetError("allreduce on a closed collective")
+        members = check_group(group, self.rank, self.world_size)
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"unknown reduce op {op!r} (choose from {', '.join(REDUCE_OPS)})")
+        if not isinstance(tag, str) or not tag:
+            raise ConfigError("an all-reduce needs a non-empty string tag")
+        if not tensor.is_contiguous():
+            raise ConfigError("all-reduce needs a contiguous tensor")
+        if len(members) == 1:
+            return tensor
+        key = (self.backend or backend_for(tensor.device), members)
+        pg = self._cached.get(key) if self._decided.get(key) else None
+        if pg is not None:
+            return await self._reduce_cached(key, pg, tensor, op, tag)
+        self._calls[(members, tag)] += 1
+        call = self._calls[(members, tag)]
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                self._reduce(members, tensor, op, tag, call)
+            except BaseException as exc:
+                error = exc
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+            except RuntimeError:
+                pass
+
+        threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
+        error = await done
+        if error is not None:
+            if isinstance(error, HopnetError):
+                raise error
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(error)}") from error
+        return tensor
+
+    async def _reduce_cached(self, key: tuple[str, tuple[int, ...]], pg: Any, tensor: torch.Tensor, op: str,
+                             tag: str) -> torch.Tensor:
+        """The hot path: issue on the loop (both backends only enqueue), wait in the group's thread."""
+        members = key[1]
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+        try:
+            work = pg.allreduce([tensor])
+        except Exception as exc:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(exc)}") from None
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
+                                                  loop, self.timeout_s)
+        waiter.add([work], tensor.device, lambda err: done.done() or done.set_result(err))
+        error = await done
+        if isinstance(error, TimeoutError):
+            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
+                              peer_state="stalled")
+        if error is not None:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(error)}") from error
+        if op == "mean":
+            tensor.div_(len(members))
+        return tensor
+
+    # ------------------------------------------------------------------ in the call's thread
+    def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
+        backend = self.backend or backend_for(tensor.device)
+        key = (backend, members)
+        base = f"{STORE_PREFIX}/{backend}/{'-'.join(map(str, members))}"
+        index = members.index(self.rank)
+        cached = self._decided.get(key)
+        if cached is None:
+            cached = self._decide(key, base, index, members, tag)
+        if cached:
+            pg = self._cached.get(key)
+            if pg is None:
+                pg = self._form(key[0], f"{base}/cached", index, members, tag)
+                with self._lock:
+                    self._cached[key] = pg
+            self._run(pg, tensor, members, tag)
+        else:
+            prefix = f"{base}/once/{tag}/{call}"
+            pg = self._form(key[0], prefix, index, members, tag)
+            try:
+                self._run(pg, tensor, members, tag)
+                # A member may still be reading our last bytes: close only once all are done.
+                done_keys = [f"{prefix}/done{i}" for i in range(len(members))]
+                self.store.set(done_keys[index], "1")
+                self.store.wait(done_keys, timedelta(seconds=self.timeout_s))
+            finally:
+                release_group(pg)
+            with self._lock:
+                self.uncached_calls += 1
+        if op == "mean":
+            tensor.div_(len(members))
+
+    def _decide(self, key: tuple[str, tuple[int, ...]], base: str, index: int, members: tuple[int, ...],
+                tag: str) -> bool:
+        """The group's first call: cache it only if every member has room (one vote, once)."""
+        with self._lock:
+            room = len(self._cached) + self._reserved < self.max_cached
+            if room:
+                self._reserved += 1
+        vote_keys = [f"{base}/decide/{i}" for i in range(len(members))]
+        try:
+            self.store.set(vote_keys[index], "1" if room else "0")
+            votes = self.store.multi_get(vote_keys)  # blocks until every member voted, or the timeout
+        except Exception as exc:
+            with self._lock:
+                self._reserved -= int(room)
+            missing = [m for m, k in zip(members, vote_keys) if not self._has(k)]
+            raise WaitTimeout(f"group {list(members)} to meet for all-reduce {tag!r} "
+                              f"(missing ranks {missing}): {_one_line(exc)}", waited_s=self.timeout_s,
+                              peer=missing[0] if missing else None, peer_state="stalled") from None
+        cached = all(v == b"1" for v in votes)
+        with self._lock:
+            self._reserved -= int(room)
+            if cached:
+                self._cached[key] = None  # the slot is taken; the communicator follows
+            self._decided[key] = cached
+        return cached
+
+    def _form(self, backend: str, prefix: str, index: int, members: tuple[int, ...], tag: str) -> Any:
+        try:
+            pg = build_group(dist.PrefixStore(prefix, self.store), backend, index, len(members),
+                             timeout_s=self.timeout_s, host=self.host)
+        except Exception as exc:
+            raise HopnetError(f"rank {self.rank}: cannot form group {list(members)} for all-reduce "
+                              f"{tag!r}: {_one_line(exc)}") from None
+        with self._lock:
+            self.built += 1
+        return pg
+
+    def _run(self, pg: Any, tensor: torch.Tensor, members: tuple[int, ...], tag: str) -> None:
+        try:
+            wait_work(pg.allreduce([tensor]), tensor.device, self.timeout_s)
+        except TimeoutError:
+            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
+                              peer_state="stalled") from None
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        self._closed = True
+        for waiter in self._waiters.values():
+            waiter.stop()
+        loop = asyncio.get_running_loop()
+        for waiter in self._waiters.values():  # no thread may be inside torch when the process exits
+            await loop.run_in_executor(None, waiter.join, 5.0)
+        self._waiters.clear()
+        with self._lock:
+            for pg in self._cached.values():
+                if pg is not None:
+                    release_group(pg)
+            self._cached.clear()
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+__all__ = ["DEFAULT_MAX_CACHED", "TorchCollective"]

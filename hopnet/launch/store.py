@@ -1,0 +1,99 @@
+"""The run's c10d store: one torch ``TCPStore`` per run, hosted by `hopnet launch`.
+
+The launcher hosts the store (:func:`host_store`) next to its rendezvous server and hands
+its endpoint to every worker as ``HOPNET_STORE=HOST:PORT``. Workers open it as clients
+when they need it (:func:`connect_store`): the torch bulk plane and the torch collective
+build their process groups from prefixed keys of it, so process groups are formed by
+their members alone. Under torchrun the same role is played by torchrun's own store.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hopnet.errors import ConfigError, HopnetError
+
+STORE_CONNECT_RETRY_S = 0.1
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as a (host, port) pair."""
+    text = endpoint.strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"store endpoint {endpoint!r}: expected HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"store endpoint {endpoint!r}: port {port_text!r} is not an integer") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"store endpoint {endpoint!r}: port {port} out of range")
+    return host, port
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class HostedStore:
+    """The master side of the run's TCPStore; :meth:`close` shuts its server down."""
+
+    def __init__(self, host: str, timeout_s: float = 300.0) -> None:
+        try:
+            self.store: dist.TCPStore | None = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # torch raises RuntimeError / DistNetworkError
+            raise HopnetError(f"cannot host the run's c10d store on {host}: {exc}") from None
+        self.host = host
+        self.port = int(self.store.port)
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(self.host, self.port)
+
+    def close(self) -> None:
+        """Stop serving. Dropping the last reference to the master stops its server thread."""
+        self.store = None
+
+
+def host_store(host: str = "127.0.0.1") -> HostedStore:
+    """Host a TCPStore on ``host`` at a free port (no waiting for clients)."""
+    return HostedStore(host)
+
+
+def _wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout_s))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise HopnetError(f"the run's c10d store at {format_endpoint(host, port)} is unreachable "
+                              f"after {timeout_s:g}s ({last.strerror or last if last else 'no answer'})")
+        time.sleep(STORE_CONNECT_RETRY_S)
+
+
+def connect_store(endpoint: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    """Open the run's store as a client. Fails naming the endpoint, never hangs.
+
+    ``timeout_s`` bounds the connection and every later blocking call on the store
+    (``get``/``wait`` of a key nobody sets fail after it).
+    """
+    host, port = parse_endpoint(endpoint)
+    _wait_until_reachable(host, port, timeout_s)  # a clear message instead of torch's retry log
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise HopnetError(f"cannot open the run's c10d store at {endpoint}: {exc}") from None
+
+
+__all__ = ["HostedStore", "connect_store", "format_endpoint", "host_store", "parse_endpoint"]

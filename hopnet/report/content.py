@@ -1,0 +1,184 @@
+"""What a report says, independent of how it is laid out (HTML or Markdown).
+
+:func:`build_content` turns a run into tables, figures and notes; :mod:`~hopnet.report.html`
+and :mod:`~hopnet.report.markdown` lay the same content out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hopnet.config import ProtocolConfig
+from hopnet.report import plots
+from hopnet.report.gaps import EdgeGap, bound_rule, edge_gaps, format_bound
+from hopnet.report.rundir import RunData
+from hopnet.report.stats import PART_LABELS, TIME_PARTS, RunStats, run_stats
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Figure:
+    name: str
+    title: str
+    caption: str
+    png: bytes
+
+
+@dataclass
+class Section:
+    title: str
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+
+
+@dataclass
+class ReportContent:
+    title: str
+    overview: Table
+    sections: list[Section]
+
+
+def format_options(config: ProtocolConfig | None) -> str:
+    """The options that differ from the defaults, as flags."""
+    if config is None:
+        return "unknown (no launch.json)"
+    default = ProtocolConfig()
+    parts = [config.protocol]
+    for f in fields(config):
+        if f.name in ("protocol", "timeout_s"):
+            continue
+        value = getattr(config, f.name)
+        shown_anyway = f.name == "max_ig" and config.token_queues and config.protocol == "hop"
+        if value == getattr(default, f.name) and not shown_anyway:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):
+            parts.extend(f"{flag} {v}" for v in value)
+        elif isinstance(value, dict):
+            parts.append(f"{flag} " + ",".join(f"{k}:{v}" for k, v in sorted(value.items())))
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _overview(run: RunData, stats: RunStats) -> Table:
+    rows: list[list[str]] = [["run directory", str(run.path)]]
+    if run.graph is not None:
+        rows.append(["graph", f"{run.graph.name or 'graph.json'} ({run.graph.n} workers)"])
+    else:
+        rows.append(["workers", str(len(stats.ranks))])
+    rows.append(["options", format_options(run.config)])
+    if run.launch.get("start_time"):
+        rows.append(["started", str(run.launch["start_time"])])
+    total = stats.total
+    rows.append(["iterations", f"{total} planned" if total is not None else "not announced by the trainer"])
+    rows.append(["wall time", f"{stats.wall_s:.2f} s (first start to last iteration)"])
+    result = run.launch.get("result")
+    if isinstance(result, dict):
+        outcome = "exit 0" if result.get("returncode") == 0 else f"exit {result.get('returncode')}"
+        if result.get("failed_rank") is not None:
+            outcome += f", worker {result['failed_rank']} {result.get('reason') or 'failed'}"
+        elif result.get("reason"):
+            outcome += f", {result['reason']}"
+        rows.append(["launch result", outcome])
+    rows.append(["skips", f"{stats.skips} ({sum(s.skipped_iterations for s in stats.ranks.values())} iterations skipped)"])
+    return Table(["", ""], rows)
+
+
+def rank_table(stats: RunStats) -> Table:
+    headers = ["rank", "status", "iterations", "steps", "it/s", *(PART_LABELS[p] for p in TIME_PARTS),
+               "skips", "dropped", "late updates dropped", "last loss"]
+    rows = []
+    for rank, s in stats.ranks.items():
+        rows.append([str(rank), s.status, str(s.iterations), str(s.steps), f"{s.rate:.2f}",
+                     *(_pct(s.share(p)) for p in TIME_PARTS), str(s.skips), str(s.dropped),
+                     str(s.late_updates_dropped), "-" if s.last_loss is None else f"{s.last_loss:.4g}"])
+    return Table(headers, rows)
+
+
+def gap_table(gaps: list[EdgeGap]) -> Table:
+    rows = [[str(g.ahead), str(g.behind), str(g.observed), format_bound(g.bound),
+             {True: "yes", False: "NO", None: "?"}[g.within]] for g in gaps]
+    return Table(["i", "j", "largest Iter(i) − Iter(j)", "Table 1 bound", "within"], rows)
+
+
+def _gap_note(run: RunData, gaps: list[EdgeGap]) -> str:
+    if not gaps:
+        return "No gaps: the logs have no enter records or the run directory has no graph.json."
+    if run.config is None:
+        return f"{len(gaps)} ordered pairs of neighbours; the bounds need the run's options (launch.json)."
+    outside = [g for g in gaps if g.within is False]
+    rule = bound_rule(run.config)
+    if outside:
+        return (f"Bound for this setting: {rule}. {len(outside)} of {len(gaps)} pairs EXCEED it: "
+                + ", ".join(f"{g.ahead}→{g.behind} ({g.observed} > {format_bound(g.bound)})" for g in outside[:10]))
+    return (f"Bound for this setting: {rule} (len = shortest path length). "
+            f"All {len(gaps)} ordered pairs of neighbours stayed within it; the largest gap was "
+            f"{max(g.observed for g in gaps)}.")
+
+
+def _describe(rec: dict[str, Any], t0: float) -> str:
+    at = rec.get("mono")
+    when = f"{at - t0:.2f} s" if isinstance(at, (int, float)) else "?"
+    kind = rec.get("event")
+    rank = rec.get("rank")
+    if kind == "peer_left":
+        return f"{when}: rank {rank} saw peer {rec.get('peer')} leave after iteration {rec.get('last_iter')}"
+    if kind == "peer_dead":
+        return (f"{when}: rank {rank} found peer {rec.get('peer')} dead (silent {rec.get('silent_s')} s, "
+                f"iteration {rec.get('iter')})")
+    peer = f", peer {rec.get('peer')} {rec.get('peer_state') or ''}".rstrip() if rec.get("peer") is not None else ""
+    return (f"{when}: rank {rank} failed in iteration {rec.get('iter')}: {rec.get('error')}: "
+            f"{rec.get('message')}{peer} (exit code {rec.get('exit_code')})")
+
+
+def build_content(run: RunData) -> ReportContent:
+    stats = run_stats(run)
+    gaps = edge_gaps(run)
+    progress = Section("Progress", tables=[rank_table(stats)], paragraphs=[
+        "iterations: finished iterations, skipped ones included; steps: iterations computed; "
+        "it/s: iterations from starting iteration 0 to finishing the last one. The four shares split "
+        "each step: compute is the trainer's time between steps (optimizer step included), the waits "
+        "are the protocol's, mixing is the rest of the step (averaging, sending)."])
+    progress.figures.append(Figure("iterations", "Iteration against wall time", "A straggler's line is "
+                                   "flatter; its neighbours' lines follow it within the gap bound.",
+                                   plots.iteration_plot(stats)))
+    loss = plots.loss_plot(stats)
+    if loss is not None:
+        progress.figures.append(Figure("loss", "Loss against wall time", "As each worker reported it "
+                                       "(worker.report(loss=...)).", loss))
+    else:
+        progress.paragraphs.append("No worker reported a loss (worker.report(loss=...)), so there is no loss plot.")
+    split = Section("Where the time went", figures=[Figure(
+        "time_split", "Time per worker", "Stacked: compute, waiting for neighbours' updates, waiting for "
+        "tokens (the max_ig limit), mixing.", plots.time_split_plot(stats))])
+    gap_section = Section("Iteration gaps", paragraphs=[_gap_note(run, gaps)])
+    figure = plots.gap_plot(gaps)
+    if figure is not None:
+        gap_section.figures.append(Figure("gaps", "Largest gap per pair of neighbours", "Observed (bars) "
+                                          "beside Hop's Table 1 bound (hatched).", figure))
+    if gaps:
+        gap_section.tables.append(gap_table(gaps))
+    sections = [progress, split, gap_section]
+    last_iteration = max((s.iterations for s in stats.ranks.values()), default=0) - 1
+    notable = [rec for rec in stats.notable
+               if rec.get("event") != "peer_left" or not isinstance(rec.get("last_iter"), int)
+               or rec["last_iter"] < last_iteration]  # leaving after the last iteration is the normal end
+    if notable:
+        sections.append(Section("Departures, dead peers and errors",
+                                paragraphs=[_describe(rec, stats.t0) for rec in notable]))
+    title = f"hopnet run {run.path.name}"
+    return ReportContent(title=title, overview=_overview(run, stats), sections=sections)

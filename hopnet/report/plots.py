@@ -1,0 +1,135 @@
+"""The report's figures, drawn with matplotlib's Agg renderer into PNG bytes.
+
+Figures are built on :class:`matplotlib.figure.Figure` directly (no pyplot), so drawing
+needs no display and touches no global backend state.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from hopnet.report.gaps import EdgeGap
+from hopnet.report.stats import PART_LABELS, TIME_PARTS, RunStats
+
+PART_COLORS = {"compute_s": "#4c72b0", "wait_updates_s": "#dd8452",
+               "wait_tokens_s": "#c44e52", "mix_s": "#55a868"}
+LEGEND_LIMIT = 16  # more ranks than this and a legend hides the plot
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+def _rank_color(rank: int, n: int) -> tuple[float, float, float, float]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20" if n <= 20 else "viridis"]
+    if n <= 20:
+        return cmap(rank % cmap.N)
+    return cmap(rank / max(1, n - 1))
+
+
+def _figure(width: float = 8.0, height: float = 4.0) -> tuple[Figure, object]:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def loss_plot(stats: RunStats) -> bytes | None:
+    """Loss against wall time, one line per worker; ``None`` when no worker reported a loss."""
+    if not any(s.losses for s in stats.ranks.values()):
+        return None
+    fig, ax = _figure()
+    n = len(stats.ranks)
+    for rank, s in stats.ranks.items():
+        if s.losses:
+            ax.plot([m - stats.t0 for m, _ in s.losses], [v for _, v in s.losses],
+                    color=_rank_color(rank, n), linewidth=1.2, label=f"rank {rank}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("loss")
+    if all(v > 0 for s in stats.ranks.values() for _, v in s.losses):
+        values = [v for s in stats.ranks.values() for _, v in s.losses]
+        if max(values) / min(values) > 20:
+            ax.set_yscale("log")
+    ax.set_title("Loss per worker")
+    if n <= LEGEND_LIMIT:
+        ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def iteration_plot(stats: RunStats) -> bytes:
+    """Iteration against wall time per worker: a straggler's line is flatter; skips are marked."""
+    fig, ax = _figure()
+    n = len(stats.ranks)
+    skip_label = "skip"
+    for rank, s in stats.ranks.items():
+        color = _rank_color(rank, n)
+        if s.progress:
+            ax.step([m - stats.t0 for m, _ in s.progress], [k for _, k in s.progress], where="post",
+                    color=color, linewidth=1.2, label=f"rank {rank}")
+        if s.skip_points:
+            ax.scatter([m - stats.t0 for m, _, _ in s.skip_points], [to for _, _, to in s.skip_points],
+                       marker="^", s=36, color=color, edgecolors="black", linewidths=0.6, zorder=3,
+                       label=skip_label)
+            skip_label = "_nolegend_"
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("iteration finished")
+    ax.set_title("Progress per worker (▲ = skip ahead)")
+    if n <= LEGEND_LIMIT:
+        ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def time_split_plot(stats: RunStats) -> bytes:
+    """Each worker's time as stacked bars: compute, wait for updates, wait for tokens, mixing."""
+    ranks = list(stats.ranks)
+    fig, ax = _figure(max(6.0, min(16.0, 0.45 * len(ranks) + 3)), 4.0)
+    bottom = [0.0] * len(ranks)
+    for part in TIME_PARTS:
+        values = [stats.ranks[r].time_s[part] for r in ranks]
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=PART_COLORS[part], label=PART_LABELS[part])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("rank")
+    ax.set_ylabel("seconds")
+    ax.set_title("Where each worker's time went")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def gap_plot(gaps: list[EdgeGap]) -> bytes | None:
+    """The largest observed Iter(i) - Iter(j) per pair of neighbours, beside Table 1's bound."""
+    if not gaps:
+        return None
+    labels = [f"{g.ahead}→{g.behind}" for g in gaps]
+    x = list(range(len(gaps)))
+    finite = [g.bound for g in gaps if g.bound is not None and not math.isinf(g.bound)]
+    top = max([float(g.observed) for g in gaps] + finite + [1.0])
+    fig, ax = _figure(max(6.0, min(18.0, 0.3 * len(gaps) + 3)), 4.0)
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], [g.observed for g in gaps], width, color="#4c72b0",
+           label="largest observed gap")
+    bounds = [(i, g.bound) for i, g in zip(x, gaps) if g.bound is not None]
+    if bounds:
+        ax.bar([i + width / 2 for i, b in bounds], [top * 1.08 if math.isinf(b) else b for _, b in bounds], width,
+               color="none", edgecolor="#c44e52", hatch="//", label="Table 1 bound")
+        for i, b in bounds:
+            if math.isinf(b):
+                ax.text(i + width / 2, top * 1.1, "∞", ha="center", va="bottom", color="#c44e52")
+    ax.set_ylim(0, top * 1.25)
+    ax.set_xticks(x, labels if len(gaps) <= 64 else [""] * len(gaps), rotation=90 if len(gaps) > 16 else 0,
+                  fontsize="small")
+    ax.set_xlabel("neighbours i→j (Iter(i) − Iter(j))")
+    ax.set_ylabel("iterations")
+    ax.set_title("Largest iteration gap per pair of neighbours vs. Hop's bound")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)

@@ -1,0 +1,171 @@
+"""Per-rank numbers from event records: progress, rate, where the time went, skips, drops.
+
+Everything here is computed from the records alone (docs/events.md): ``iteration``
+records give progress (``iter``, ``mono``), the time split (``compute_s``,
+``wait_updates_s``, ``wait_tokens_s``, ``mix_s``) and the trainer's metrics (``loss``);
+``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hopnet.report.rundir import Record, RunData
+
+TIME_PARTS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
+PART_LABELS = {"compute_s": "compute", "wait_updates_s": "wait for updates",
+               "wait_tokens_s": "wait for tokens", "mix_s": "mixing"}
+NOTABLE_EVENTS = ("peer_left", "peer_dead", "error")
+
+
+@dataclass
+class RankStats:
+    """One worker's run, summed up. Times are seconds; ``mono`` stamps are on the shared clock."""
+
+    rank: int
+    iterations: int = 0
+    """Iterations finished, skipped ones included: the last finished ``iter`` + 1."""
+    steps: int = 0
+    """Iterations computed (one ``iteration`` record each)."""
+    total: int | None = None
+    began: float | None = None
+    """When the worker began computing iteration 0 (``mono``): the end of its first step less
+    that step's four parts (without timings: when it entered iteration 0)."""
+    last: float | None = None
+    """When it finished its last iteration (``mono``)."""
+    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_PARTS, 0.0))
+    skips: int = 0
+    skipped_iterations: int = 0
+    dropped: int = 0
+    """Messages dropped by validation (the ``stop`` record's ``dropped`` counts)."""
+    late_updates_dropped: int = 0
+    last_loss: float | None = None
+    stopped: bool = False
+    error: Record | None = None
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    """(``mono``, ``iter``) at the end of each computed iteration."""
+    losses: list[tuple[float, float]] = field(default_factory=list)
+    skip_points: list[tuple[float, int, int]] = field(default_factory=list)
+    """(``mono``, from ``iter``, ``to``) of each skip."""
+
+    @property
+    def elapsed_s(self) -> float:
+        if self.began is None or self.last is None:
+            return 0.0
+        return max(0.0, self.last - self.began)
+
+    @property
+    def rate(self) -> float:
+        """Iterations per second, from beginning iteration 0 to finishing the last one."""
+        elapsed = self.elapsed_s
+        return self.iterations / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.time_s.values())
+
+    def share(self, part: str) -> float:
+        """Fraction of the step time spent in ``part`` (one of :data:`TIME_PARTS`)."""
+        busy = self.busy_s
+        return self.time_s[part] / busy if busy > 0 else 0.0
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return f"failed ({self.error.get('error', 'error')})"
+        return "finished" if self.stopped else "no stop record"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def rank_stats(rank: int, records: list[Record]) -> RankStats:
+    """Sum up one rank's event records."""
+    stats = RankStats(rank)
+    start_mono: float | None = None
+    entered_mono: float | None = None
+    for rec in records:
+        event = rec.get("event")
+        mono = _number(rec.get("mono"))
+        if event == "iteration":
+            iteration = int(rec.get("iter", -1))
+            stats.steps += 1
+            stats.iterations = max(stats.iterations, iteration + 1)
+            for part in TIME_PARTS:
+                value = _number(rec.get(part))
+                if value is not None:
+                    stats.time_s[part] += value
+            if mono is not None:
+                if stats.began is None and all(_number(rec.get(p)) is not None for p in TIME_PARTS):
+                    stats.began = mono - sum(float(rec[p]) for p in TIME_PARTS)
+                stats.last = mono if stats.last is None else max(stats.last, mono)
+                stats.progress.append((mono, iteration))
+            loss = _number(rec.get("loss"))
+            if loss is not None:
+                stats.last_loss = loss
+                if mono is not None:
+                    stats.losses.append((mono, loss))
+        elif event == "enter":
+            if rec.get("iter") == 0 and mono is not None and entered_mono is None:
+                entered_mono = mono
+        elif event == "start":
+            start_mono = mono if start_mono is None else start_mono
+        elif event == "plan":
+            total = rec.get("total")
+            if isinstance(total, int):
+                stats.total = total
+        elif event == "skip":
+            stats.skips += 1
+            frm, to = int(rec.get("iter", 0)), int(rec.get("to", 0))
+            stats.skipped_iterations += max(0, to - frm - 1)
+            if mono is not None:
+                stats.skip_points.append((mono, frm, to))
+        elif event == "stop":
+            stats.stopped = True
+            dropped = rec.get("dropped") or {}
+            if isinstance(dropped, dict):
+                stats.dropped = sum(int(v) for v in dropped.values() if isinstance(v, int))
+            stats.late_updates_dropped = int(rec.get("late_updates_dropped") or 0)
+        elif event == "error":
+            stats.error = stats.error or rec
+    if stats.began is None:
+        stats.began = entered_mono if entered_mono is not None else start_mono
+    return stats
+
+
+@dataclass
+class RunStats:
+    """Every rank's :class:`RankStats` and the run-wide numbers built from them."""
+
+    t0: float
+    ranks: dict[int, RankStats]
+    notable: list[Record]
+    """``peer_left``, ``peer_dead`` and ``error`` records of every rank, in time order."""
+
+    @property
+    def total(self) -> int | None:
+        totals = [s.total for s in self.ranks.values() if s.total is not None]
+        return max(totals) if totals else None
+
+    @property
+    def wall_s(self) -> float:
+        ends = [s.last for s in self.ranks.values() if s.last is not None]
+        return max(ends) - self.t0 if ends else 0.0
+
+    @property
+    def skips(self) -> int:
+        return sum(s.skips for s in self.ranks.values())
+
+
+def run_stats(run: RunData) -> RunStats:
+    ranks = {rank: rank_stats(rank, records) for rank, records in sorted(run.events.items())}
+    notable = sorted((rec for records in run.events.values() for rec in records
+                      if rec.get("event") in NOTABLE_EVENTS),
+                     key=lambda rec: (_number(rec.get("mono")) or 0.0, rec.get("rank", 0)))
+    return RunStats(t0=run.t0, ranks=ranks, notable=notable)

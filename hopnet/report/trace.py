@@ -1,0 +1,81 @@
+"""Chrome trace events (Perfetto, chrome://tracing) from a run's event logs.
+
+One process per rank (``pid`` = rank). Each computed iteration becomes up to four
+complete ("X") spans laid end to end, ending at the iteration record's ``mono``:
+compute, wait for updates, mixing, wait for tokens. Their lengths are the measured
+ones; their order inside a step is nominal (with the parallel approach the optimizer
+step, counted as compute, actually runs after the mix). Skips, departures, dead peers
+and errors are instant ("i") events.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hopnet.report.rundir import RunData
+
+SPAN_ORDER = (("compute_s", "compute"), ("wait_updates_s", "wait for updates"),
+              ("mix_s", "mixing"), ("wait_tokens_s", "wait for tokens"))
+STEP_TID = 0
+
+
+def _us(seconds: float) -> int:
+    return int(round(seconds * 1_000_000))
+
+
+def _instant(name: str, rank: int, ts: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "cat": "event", "ph": "i", "s": "t", "ts": ts, "pid": rank, "tid": STEP_TID,
+            "args": args}
+
+
+def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    """One rank's spans and instant events; its spans never overlap."""
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": STEP_TID, "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": STEP_TID, "args": {"sort_index": rank}},
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": STEP_TID, "args": {"name": "steps"}},
+    ]
+    previous_end: int | None = None
+    for rec in records:
+        kind = rec.get("event")
+        mono = rec.get("mono")
+        if not isinstance(mono, (int, float)):
+            continue
+        end = _us(mono - t0)
+        if kind == "iteration":
+            durations = [(name, _us(float(rec.get(field) or 0.0))) for field, name in SPAN_ORDER]
+            cursor = end - sum(d for _, d in durations)
+            if previous_end is not None:
+                cursor = max(cursor, previous_end)  # rounding and thread hand-offs: never overlap
+            for name, duration in durations:
+                stop = min(cursor + duration, end)
+                if stop > cursor:
+                    events.append({"name": name, "cat": "step", "ph": "X", "ts": cursor, "dur": stop - cursor,
+                                   "pid": rank, "tid": STEP_TID, "args": {"iter": rec.get("iter")}})
+                    cursor = stop
+            previous_end = end if previous_end is None else max(end, previous_end)
+        elif kind == "skip":
+            events.append(_instant(f"skip {rec.get('iter')}→{rec.get('to')}", rank, end,
+                                   {"iter": rec.get("iter"), "to": rec.get("to"), "behind": rec.get("behind")}))
+        elif kind in ("peer_left", "peer_dead", "error"):
+            args = {k: v for k, v in rec.items() if k not in ("event", "rank", "t", "mono")}
+            events.append(_instant(str(kind), rank, end, args))
+    return events
+
+
+def chrome_trace(run: RunData) -> dict[str, Any]:
+    """The whole run as a Chrome trace object (``{"traceEvents": [...]}``), times relative to its start."""
+    t0 = run.t0
+    events: list[dict[str, Any]] = []
+    for rank, records in sorted(run.events.items()):
+        events.extend(rank_trace_events(rank, records, t0))
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run_dir": str(run.path)}}
+
+
+def write_trace(run: RunData, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(chrome_trace(run), separators=(",", ":")) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,170 @@
+"""The node's mailbox for collective messages: messages wait here until a receive asks for them.
+
+A collective message is addressed by its key ``(kind, tag, src, seq)``: the message kind,
+the tag of the round it belongs to (which keeps concurrent groups and back-to-back rounds
+apart), its sender, and its sequence number within the round (carried in the envelope's
+``iter`` field). A message may arrive before the receive that wants it (a ring neighbour
+that runs ahead) or after; either way it is matched by key, never by arrival order.
+
+Tensor payloads land in buffers from a :class:`SpecPool`, keyed by dtype and shape. The
+receiver hands them back with :meth:`Mailbox.release` once it has read them, so in steady
+state (the same shapes round after round) receiving allocates no tensor memory. A
+receiver that knows where a payload should end up may :meth:`Mailbox.post` that place
+before the message arrives; the bytes then land there directly, with no copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from hopnet.errors import PeerFailure
+from hopnet.runtime.clock import Clock
+from hopnet.wire import Header, Message, TensorSpec, register_kind
+
+COLLECTIVE_KIND = "coll"
+"""The kind of every collective message (chunks of a ring all-reduce, say)."""
+COLLECTIVE_KINDS: frozenset[str] = frozenset({COLLECTIVE_KIND})
+for _kind in COLLECTIVE_KINDS:
+    register_kind(_kind, any_rank=True)
+
+MailKey = tuple[str, Any, int, int]
+"""(kind, tag, src, seq)"""
+
+
+class SpecPool:
+    """Free tensors by (dtype, shape), allocated on demand and reused after release."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        self.allocated = 0
+        self._free: dict[TensorSpec, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, spec: TensorSpec) -> torch.Tensor:
+        free = self._free.get(spec)
+        if free:
+            tensor = free.pop()
+            self.held_bytes -= spec.nbytes
+            return tensor
+        self.allocated += 1
+        return torch.empty(spec.shape, dtype=spec.dtype)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        spec = TensorSpec(tensor.dtype, tuple(tensor.shape))
+        if self.held_bytes + spec.nbytes > self.max_bytes:
+            return  # let it go: keeps a burst of odd shapes from pinning memory
+        self.held_bytes += spec.nbytes
+        self._free[spec].append(tensor)
+
+
+class Mailbox:
+    """Collective messages by key, for the kinds given; lives on the node's event loop."""
+
+    def __init__(self, kinds: frozenset[str], clock: Clock, *, pool: SpecPool | None = None) -> None:
+        self.kinds = kinds
+        self.clock = clock
+        self.pool = pool if pool is not None else SpecPool()
+        self._arrived: dict[MailKey, Message] = {}
+        self._waiting: dict[MailKey, asyncio.Future[Message]] = {}
+        self._posted: dict[MailKey, list[torch.Tensor]] = {}
+        self._departed: dict[int, tuple[str, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._arrived)
+
+    # ------------------------------------------------------------------ the transport's side
+    def buffers_for(self, header: Header) -> list[torch.Tensor] | None:
+        if not header.specs:
+            return None
+        if self._posted:
+            posted = self._posted.pop((header.kind, header.tag, header.src, header.iter), None)
+            if posted is not None and _matches(posted, header.specs):
+                return posted
+        return [self.pool.take(spec) for spec in header.specs]
+
+    def deliver(self, msg: Message) -> None:
+        key: MailKey = (msg.kind, msg.tag, msg.src, msg.iter)
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+            return
+        old = self._arrived.get(key)
+        if old is not None:  # a duplicate key: a peer reused a tag while its round was still open
+            self.release(old)
+        self._arrived[key] = msg
+
+    def peer_departed(self, peer: int, why: str, state: str = "departed") -> None:
+        """``peer`` will send nothing more (``state``: "departed" or "dead"): fail the receives
+        waiting on it, now and later."""
+        self._departed[peer] = (why, state)
+        for key, waiter in list(self._waiting.items()):
+            if key[2] == peer and not waiter.done():
+                del self._waiting[key]
+                waiter.set_exception(self._departure(key, (why, state)))
+
+    # ------------------------------------------------------------------ the collective's side
+    def post(self, kind: str, tag: Any, src: int, seq: int, tensors: list[torch.Tensor]) -> bool:
+        """Receive the message with this key straight into ``tensors`` (if its payload matches
+        them). False if it has already arrived (into pool buffers): read it with :meth:`receive`.
+        Tell posted tensors from pool ones with :meth:`is_posted`; never release posted ones."""
+        key: MailKey = (kind, tag, src, seq)
+        if key in self._arrived:
+            return False
+        self._posted[key] = tensors
+        return True
+
+    @staticmethod
+    def is_posted(msg: Message, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``msg`` was received into ``tensors`` (given to :meth:`post`)."""
+        return len(msg.tensors) == len(tensors) and all(a is b for a, b in zip(msg.tensors, tensors))
+
+    async def receive(self, kind: str, tag: Any, src: int, seq: int, *, what: str) -> Message:
+        """The message with this key, waiting at most the clock's timeout for it.
+
+        ``what`` names the wait in the timeout's message (the group, the round and the step)."""
+        key: MailKey = (kind, tag, src, seq)
+        msg = self._arrived.pop(key, None)
+        if msg is not None:
+            return msg
+        why = self._departed.get(src)
+        if why is not None:
+            raise self._departure(key, why)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Message] = loop.create_future()
+        self._waiting[key] = waiter
+        try:
+            return await self.clock.wait(waiter, what, peer=src)
+        finally:
+            if self._waiting.get(key) is waiter:
+                del self._waiting[key]
+
+    def release(self, msg: Message) -> None:
+        """Give the message's tensors back to the pool (the caller has read them)."""
+        for tensor in msg.tensors:
+            self.pool.give(tensor)
+        msg.tensors = []
+
+    def discard_tag(self, kind: str, tag: Any) -> int:
+        """Drop what arrived for a round that will not be read any more (it failed). Returns the count."""
+        for key in [key for key in self._posted if key[0] == kind and key[1] == tag]:
+            del self._posted[key]  # the caller's tensors: nothing may land in them any more
+        keys = [key for key in self._arrived if key[0] == kind and key[1] == tag]
+        for key in keys:
+            self.release(self._arrived.pop(key))
+        return len(keys)
+
+    @staticmethod
+    def _departure(key: MailKey, why: tuple[str, str]) -> PeerFailure:
+        kind, tag, src, seq = key
+        text, state = why
+        return PeerFailure(f"rank {src} {text} before sending {kind} message {seq} of round {tag!r}",
+                           peer=src, peer_state=state)
+
+
+def _matches(tensors: list[torch.Tensor], specs: tuple[TensorSpec, ...]) -> bool:
+    return len(tensors) == len(specs) and all(
+        t.dtype == s.dtype and tuple(t.shape) == s.shape for t, s in zip(tensors, specs))

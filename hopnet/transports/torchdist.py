@@ -1,0 +1,561 @@
+"""The torch bulk plane: tensors over torch.distributed, everything else over ZeroMQ.
+
+:class:`TorchBulkTransport` composes a :class:`~hopnet.transports.zmq.ZmqTransport`
+(the control plane) with point-to-point process groups (the data plane), so protocols
+and the Node see one ordinary :class:`~hopnet.transports.base.Transport`.
+
+A message whose tensors hold at least ``min_bytes`` goes as two parts:
+
+- its header over ZeroMQ, with no tensor frames: the tensors' dtypes and shapes, and
+  the backend, ride in ``meta[BULK_KEY]`` (never a byte of the tensors, never a host copy);
+- its tensors by ``send`` on the pair's process group (gloo for CPU tensors, NCCL for
+  CUDA tensors), one op per tensor, issued before the header leaves.
+
+The receiver, when the header arrives, asks its Receiver for buffers (``buffers_for``,
+the update pool's next slot) and posts one ``recv`` per tensor into them. Smaller
+messages and control messages travel over ZeroMQ as before.
+
+Ordering. Ops of one pair's process group match in issue order. The sender issues its
+sends in the order of its ``send`` calls, under a per-peer lock that also covers handing
+the header to ZeroMQ, which keeps per-peer order; the receiver posts its receives in
+header order. So payloads and headers pair up on both sides, whatever the protocol
+chose not to send. Delivery keeps per-sender order too: a message (bulk or not) waits
+behind a bulk message of the same sender whose payload has not landed yet.
+
+Process groups are built from the run's c10d store by the two ranks of the pair alone,
+under the key prefix ``hopnet/p2p/{backend}/{low}-{high}``: no call involves any other
+rank. They are built in a thread of their own (the constructor blocks until the peer
+arrives), started for every neighbour at ``connect``, and on demand for other ranks.
+
+Waiting. gloo's ``Work`` has no future for send/recv, so a thread per peer and
+direction waits for each op in order (``wait(timeout)``; CUDA ops are polled with
+``is_completed`` until the deadline) and wakes the event loop. Every wait has the
+transport's timeout; a failed or timed out op raises :class:`~hopnet.errors.PeerFailure`
+naming the peer (sends), or is logged and counted as ``bulk_failed`` and makes later
+sends to that peer fail the same way (receives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hopnet.errors import ConfigError, HopnetError, PeerFailure
+from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.transports.zmq import ZmqTransport
+from hopnet.wire import DTYPE_NAMES, DTYPES, MAX_DIMS, MAX_TENSORS_PER_MESSAGE, Header, Message, TensorSpec
+
+log = logging.getLogger(__name__)
+
+BULK_KEY = "_bulk"
+"""Meta key of a header whose tensors follow over torch.distributed: ``{"b": backend, "x": specs}``."""
+
+BACKENDS = ("gloo", "nccl")
+STORE_PREFIX = "hopnet/p2p"
+_CUDA_POLL_S = 0.0002
+DEPARTURE_GRACE_S = 2.0
+CLOSE_JOIN_S = 5.0
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo for CPU tensors, NCCL for CUDA tensors."""
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        return "nccl"
+    raise ConfigError(f"the torch bulk plane moves CPU or CUDA tensors, not {device.type}")
+
+
+def build_pair_group(store: dist.Store, backend: str, rank: int, peer: int, *, timeout_s: float,
+                     host: str = "127.0.0.1", device: torch.device | None = None) -> Any:
+    """The process group of the pair (rank, peer), from the store, by the two of them alone.
+
+    NCCL creates its communicator at the first op, and that blocks until the peer's
+    first op: done here with one element (lower rank sends), so that it happens in the
+    building thread and not in the event loop's first ``send``."""
+    low, high = sorted((rank, peer))
+    prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{backend}/{low}-{high}", store)
+    pair_rank = 0 if rank == low else 1
+    pg = build_group(prefixed, backend, pair_rank, 2, timeout_s=timeout_s, host=host)
+    if backend == "nccl":
+        on = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        probe = torch.zeros(1, device=on)
+        work = pg.send([probe], 1, 0) if pair_rank == 0 else pg.recv([probe], 0, 0)
+        wait_work(work, on, timeout_s)
+    return pg
+
+
+def build_group(store: dist.Store, backend: str, group_rank: int, group_size: int, *, timeout_s: float,
+                host: str = "127.0.0.1") -> Any:
+    """A gloo or NCCL process group over ``store`` (already prefixed for this group).
+
+    Blocks until every member has constructed it (or ``timeout_s`` passes): call it off
+    the event loop."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        if host in _WILDCARD_HOSTS:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, group_rank, group_size, opts)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise HopnetError("CUDA tensors need NCCL, and this torch build has none")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, group_rank, group_size, opts)
+    raise ConfigError(f"unknown torch backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
+    """Block until ``work`` completes; raise TimeoutError after ``timeout_s``."""
+    if device.type == "cuda":
+        # NCCL's wait() only orders the current stream after the op; poll for real completion.
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not completed within {timeout_s:g}s")
+            time.sleep(_CUDA_POLL_S)
+        work.wait()
+        return
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"not completed within {timeout_s:g}s")
+
+
+def encode_bulk(backend: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    specs = []
+    for t in tensors:
+        try:
+            name = DTYPE_NAMES[t.dtype]
+        except KeyError:
+            raise HopnetError(f"cannot send tensors of dtype {t.dtype}") from None
+        if not t.is_contiguous():
+            raise HopnetError("tensors sent by hopnet must be contiguous")
+        specs.append([name, list(t.shape)])
+    return {"b": backend, "x": specs}
+
+
+def decode_bulk(value: Any) -> tuple[str, tuple[TensorSpec, ...]] | None:
+    """(backend, specs) of a header's bulk entry, or None if it is malformed."""
+    if not isinstance(value, dict) or value.get("b") not in BACKENDS:
+        return None
+    raw = value.get("x")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TENSORS_PER_MESSAGE:
+        return None
+    specs = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            return None
+        name, shape = entry
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if (dtype is None or not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(isinstance(d, int) and d >= 0 for d in shape)):
+            return None
+        specs.append(TensorSpec(dtype, tuple(shape)))
+    return value["b"], tuple(specs)
+
+
+class OpWaiter:
+    """A thread that waits for one peer's ops of one direction, in order, and reports back."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, works: list[Any], device: torch.device, done: Callable[[BaseException | None], None]) -> None:
+        self._queue.put((works, device, done))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            works, device, done = item
+            error: BaseException | None = None
+            try:
+                for work in works:
+                    wait_work(work, device, self.timeout_s)
+            except BaseException as exc:  # torch raises RuntimeError / DistError
+                error = exc
+            try:
+                self.loop.call_soon_threadsafe(done, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+
+
+class _Inbound:
+    """A message from one sender, waiting for its payload (or for the ones before it)."""
+
+    __slots__ = ("discard", "done", "error", "msg", "staged", "tensors")
+
+    def __init__(self, msg: Message, tensors: list[torch.Tensor], staged: list[torch.Tensor] | None,
+                 discard: bool, done: bool) -> None:
+        self.msg = msg
+        self.tensors = tensors  # what the recvs land in
+        self.staged = staged  # the receiver's buffers, when they sit on another device
+        self.discard = discard
+        self.done = done
+        self.error: BaseException | None = None
+
+
+class TorchBulkTransport(Transport):
+    """ZeroMQ for headers, credits and control; torch.distributed p2p for tensors."""
+
+    carries_cuda = True
+
+    def __init__(self, control: ZmqTransport, store: dist.Store, *, min_bytes: int = 0,
+                 timeout_s: float = 120.0, host: str = "127.0.0.1",
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(control.rank, control.allowed_senders)
+        if min_bytes < 0:
+            raise ConfigError(f"min_bytes must be >= 0, got {min_bytes}")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout must be positive, got {timeout_s}")
+        self.control = control
+        self.stats = control.stats  # one set of counters for both planes
+        self.store = store
+        self.min_bytes = min_bytes
+        self.timeout_s = float(timeout_s)
+        self.host = host
+        self.device = torch.device(device)
+        self.bulk_sent = 0
+        self.bulk_received = 0
+        self._receiver: Receiver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channels: dict[tuple[int, str], asyncio.Future[Any]] = {}
+        self._send_locks: dict[int, asyncio.Lock] = {}
+        self._waiters: dict[tuple[int, str], OpWaiter] = {}
+        self._inbox: dict[int, deque[_Inbound]] = {}
+        self._unposted: dict[tuple[int, str], deque[_Inbound]] = {}
+        self._failed: dict[int, str] = {}
+        self._departed: set[int] = set()
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, receiver: Receiver) -> str:
+        self._loop = asyncio.get_running_loop()
+        self._receiver = receiver
+        return await self.control.start(self)
+
+    async def connect(self, addresses: Mapping[int, str]) -> None:
+        await self.control.connect(addresses)
+        backend = backend_for(self.device)
+        for peer in addresses:
+            if peer != self.rank:
+                self._channel(peer, backend)  # build every neighbour's channel now, in the background
+
+    def forget_peer(self, rank: int) -> None:
+        self._departed.add(rank)
+        self.control.forget_peer(rank)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.control.close()
+        for waiter in self._waiters.values():
+            waiter.stop()
+        # A thread still inside a torch call when the interpreter exits is killed mid-C++
+        # (std::terminate): let the waiters finish while the process is healthy.
+        loop = asyncio.get_running_loop()
+        for waiter in self._waiters.values():
+            await loop.run_in_executor(None, waiter.join, CLOSE_JOIN_S)
+        self._waiters.clear()
+        for fut in self._channels.values():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                release_group(fut.result())
+        self._channels.clear()
+        self._inbox.clear()
+        self._unposted.clear()
+        self._receiver = None
+
+    # ---------------------------------------------------------------- channels
+    def _channel(self, peer: int, backend: str) -> asyncio.Future[Any]:
+        key = (peer, backend)
+        fut = self._channels.get(key)
+        if fut is not None:
+            return fut
+        loop = self._loop or asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._channels[key] = fut
+
+        def build() -> None:
+            try:
+                pg: Any = build_pair_group(self.store, backend, self.rank, peer, timeout_s=self.timeout_s,
+                                           host=self.host, device=self.device)
+                result: tuple[Any, BaseException | None] = (pg, None)
+            except BaseException as exc:  # torch raises several types
+                result = (None, exc)
+            try:
+                loop.call_soon_threadsafe(self._channel_built, key, *result)
+            except RuntimeError:
+                pass
+
+        threading.Thread(target=build, name=f"hopnet-p2p-{self.rank}-{peer}", daemon=True).start()
+        return fut
+
+    def _channel_built(self, key: tuple[int, str], pg: Any, error: BaseException | None) -> None:
+        fut = self._channels.get(key)
+        if fut is None or fut.done():
+            if pg is not None:
+                release_group(pg)
+            return
+        if error is not None:
+            fut.set_exception(PeerFailure(f"rank {self.rank}: no {key[1]} channel to rank {key[0]}: "
+                                          f"{_one_line(error)}", peer=key[0], peer_state="dead"))
+            fut.exception()  # retrieved: a failure no one waits for is not an asyncio warning
+            self._fail_unposted(key)
+        else:
+            fut.set_result(pg)
+            self._post_receives(key)
+
+    def _waiter(self, peer: int, direction: str) -> OpWaiter:
+        key = (peer, direction)
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            assert self._loop is not None
+            waiter = OpWaiter(f"hopnet-{direction}-{self.rank}-{peer}", self._loop, self.timeout_s)
+            self._waiters[key] = waiter
+        return waiter
+
+    def _other(self, peer: int) -> int:
+        """The peer's rank inside the pair's process group."""
+        return 1 if peer > self.rank else 0
+
+    # ---------------------------------------------------------------- sending
+    async def send(self, msg: Message) -> None:
+        peer = msg.dst
+        if not msg.tensors or sum(t.numel() * t.element_size() for t in msg.tensors) < self.min_bytes:
+            if self._send_locks.get(peer) is None or not self._send_locks[peer].locked():
+                await self.control.send(msg)
+                return
+            async with self._send_locks[peer]:  # behind a bulk send still queueing its header
+                await self.control.send(msg)
+            return
+        if peer in self._departed:
+            self.stats.drop("peer_left")
+            return
+        if peer in self._failed:
+            raise PeerFailure(f"rank {self.rank}: bulk channel to rank {peer} failed earlier: "
+                              f"{self._failed[peer]}", peer=peer, peer_state="dead")
+        devices = {t.device for t in msg.tensors}
+        if len(devices) != 1:
+            raise HopnetError(f"the tensors of one message must share a device, got {sorted(map(str, devices))}")
+        device = devices.pop()
+        backend = backend_for(device)
+        meta = dict(msg.meta or {})
+        meta[BULK_KEY] = encode_bulk(backend, msg.tensors)
+        header = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, meta)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+        lock = self._send_locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            pg = await self._await_channel(peer, backend)
+            other = self._other(peer)
+            try:
+                works = [pg.send([t], other, 0) for t in msg.tensors]
+            except Exception as exc:
+                raise self._peer_error(peer, "send", exc) from None
+            self._waiter(peer, "send").add(works, device, lambda err: done.done() or done.set_result(err))
+            await self.control.send(header)
+        error = await done
+        if error is not None:
+            if await self._departed_meanwhile(peer):
+                self.stats.drop("peer_left")  # it left while the payload was on its way: not an error
+                return
+            raise self._peer_error(peer, "send", error)
+        self.bulk_sent += 1
+        self.stats.sent_bytes += sum(t.numel() * t.element_size() for t in msg.tensors)
+
+    async def _await_channel(self, peer: int, backend: str) -> Any:
+        fut = self._channel(peer, backend)
+        if not fut.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.timeout_s + 5.0)
+            except asyncio.TimeoutError:
+                raise PeerFailure(f"rank {self.rank}: no {backend} channel to rank {peer} after "
+                                  f"{self.timeout_s:g}s", peer=peer, peer_state="dead") from None
+        return fut.result()
+
+    async def _departed_meanwhile(self, peer: int) -> bool:
+        """A peer that leaves closes its channel right after its ``bye``; the ``bye`` (over
+        ZeroMQ) may land a moment after our send on the channel failed. Wait for it briefly."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEPARTURE_GRACE_S
+        while peer not in self._departed and loop.time() < deadline and not self._closed:
+            await asyncio.sleep(0.01)
+        return peer in self._departed
+
+    def _peer_error(self, peer: int, what: str, error: BaseException) -> PeerFailure:
+        text = _one_line(error)
+        self._failed.setdefault(peer, text)
+        return PeerFailure(f"rank {self.rank}: bulk {what} with rank {peer} failed: {text}",
+                           peer=peer, peer_state="dead")
+
+    # ---------------------------------------------------------------- receiving (Receiver of the control plane)
+    def buffers_for(self, header: Header) -> Any:
+        receiver = self._receiver
+        return None if receiver is None else receiver.buffers_for(header)
+
+    def deliver(self, msg: Message) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            return
+        inbox = self._inbox.setdefault(msg.src, deque())
+        if msg.meta is None or BULK_KEY not in msg.meta:
+            if inbox:
+                inbox.append(_Inbound(msg, [], None, False, done=True))
+            else:
+                receiver.deliver(msg)
+            return
+        meta = dict(msg.meta)
+        decoded = decode_bulk(meta.pop(BULK_KEY))
+        if decoded is None:
+            # Its payload cannot be matched any more: the pair's stream is out of step.
+            self.stats.drop("bad_bulk_header")
+            self._failed.setdefault(msg.src, "malformed bulk header")
+            log.warning("rank %d: malformed bulk header from rank %d", self.rank, msg.src)
+            return
+        backend, specs = decoded
+        plain = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, meta or None)
+        header = Header(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, meta or None, specs)
+        target = receiver.buffers_for(header)
+        device = self._recv_device(backend)
+        discard = target is DISCARD
+        staged: list[torch.Tensor] | None = None
+        if target is None or discard:
+            tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+        elif not _buffers_match(target, specs):
+            self.stats.drop("bad_buffers")
+            discard = True
+            tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+        elif any(t.device.type != device.type for t in target):
+            staged = list(target)  # the receiver's buffers sit elsewhere: land here, copy on arrival
+            tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+        else:
+            tensors = list(target)
+        entry = _Inbound(plain, tensors, staged, discard, done=False)
+        inbox.append(entry)
+        self._unposted.setdefault((msg.src, backend), deque()).append(entry)
+        fut = self._channel(msg.src, backend)
+        if fut.done():
+            if fut.exception() is not None:
+                self._fail_unposted((msg.src, backend))
+            else:
+                self._post_receives((msg.src, backend))
+
+    def _recv_device(self, backend: str) -> torch.device:
+        if backend == "gloo":
+            return torch.device("cpu")
+        if self.device.type == "cuda":
+            return self.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _post_receives(self, key: tuple[int, str]) -> None:
+        pending = self._unposted.get(key)
+        if not pending:
+            return
+        src, _ = key
+        pg = self._channels[key].result()
+        other = self._other(src)
+        while pending:
+            entry = pending.popleft()
+            try:
+                works = [pg.recv([t], other, 0) for t in entry.tensors]
+            except Exception as exc:
+                self._received(src, entry, exc)
+                continue
+            device = entry.tensors[0].device
+            self._waiter(src, "recv").add(works, device, lambda err, e=entry: self._received(src, e, err))
+
+    def _fail_unposted(self, key: tuple[int, str]) -> None:
+        error = self._channels[key].exception()
+        pending = self._unposted.get(key)
+        while pending:
+            self._received(key[0], pending.popleft(), error or HopnetError("no channel"))
+
+    def _received(self, src: int, entry: _Inbound, error: BaseException | None) -> None:
+        entry.done = True
+        entry.error = error
+        inbox = self._inbox.get(src)
+        receiver = self._receiver
+        while inbox and inbox[0].done:
+            head = inbox.popleft()
+            if receiver is None:
+                continue
+            if head.error is not None:
+                if src in self._departed:
+                    self.stats.drop("peer_left")
+                    continue
+                self.stats.drop("bulk_failed")
+                text = _one_line(head.error)
+                self._failed.setdefault(src, text)
+                log.warning("rank %d: bulk receive from rank %d failed: %s", self.rank, src, text)
+                continue
+            if head.discard:
+                self.stats.drop("discarded")
+                continue
+            tensors = head.tensors
+            if head.staged is not None:
+                for dst, got in zip(head.staged, tensors):
+                    dst.copy_(got)
+                tensors = head.staged
+            msg = head.msg
+            if tensors:
+                msg.tensors = tensors
+                self.bulk_received += 1
+                self.stats.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            receiver.deliver(msg)
+
+
+def _buffers_match(target: Any, specs: tuple[TensorSpec, ...]) -> bool:
+    if not isinstance(target, (list, tuple)) or len(target) != len(specs):
+        return False
+    return all(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == s.shape
+               and t.is_contiguous() for t, s in zip(target, specs))
+
+
+def release_group(pg: Any) -> None:
+    """Release a process group we are done with.
+
+    NCCL communicators are shut down explicitly (they hold device memory). A gloo group is
+    left to its destructor when the last reference goes: ``abort()`` on a gloo group whose
+    peer still talks to it killed a worker at exit now and then (std::terminate)."""
+    if getattr(pg, "name", lambda: "")() != "nccl":
+        return
+    try:
+        pg.shutdown()
+    except Exception:  # already broken: nothing left to release
+        log.debug("NCCL process group shutdown failed", exc_info=True)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
+    return first[:300]
+
+
+__all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
+           "release_group", "wait_work"]

@@ -1,0 +1,98 @@
+"""The ring all-reduce and the allreduce protocol between real processes over ZeroMQ."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, ROOT, WORKERS
+
+COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
+DIGITS = str(EXAMPLES / "train_digits.py")
+ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
+
+
+def _start(rank: int, name: str, numel: int) -> torch.Tensor:
+    seed = 1000 * rank + sum(map(ord, name))
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.slow
+def test_groups_over_zeromq_reduce_exactly_and_leave_non_members_alone(launch, tmp_path: Path) -> None:
+    n, numel = 5, 300_007
+    run_dir = tmp_path / "run"
+    result = launch(["--protocol", "allreduce", "--nproc", str(n), "--run-dir", str(run_dir),
+                     COLLECTIVE_WORKER, "--numel", str(numel)])
+    assert result.returncode == 0, result.stderr
+    held = [torch.load(run_dir / f"collective_rank{r}.pt") for r in range(n)]
+    cases = {"all": (tuple(range(n)), "mean", numel), "pair": ((0, 2), "sum", numel),
+             "trio": ((4, 1, 3), "sum", numel)}
+    cases.update({f"again{k}": ((0, 2), "mean", numel // 3) for k in range(3)})
+    for name, (group, op, size) in cases.items():
+        before = [_start(r, name, size) for r in range(n)]
+        stacked = torch.stack([before[r].double() for r in group])
+        expected = stacked.mean(0) if op == "mean" else stacked.sum(0)
+        for r in range(n):
+            if r in group:
+                assert torch.equal(held[r][name], held[group[0]][name]), (name, r)
+                torch.testing.assert_close(held[r][name].double(), expected, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(held[r][name], before[r]), (name, r)
+
+
+@pytest.mark.slow
+def test_allreduce_protocol_trains_digits_with_identical_models(launch, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), DIGITS])
+    assert result.returncode == 0, result.stderr
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(result.stdout)}
+    assert sorted(accuracies) == [0, 1, 2, 3], result.stdout
+    assert min(accuracies.values()) >= 0.95, accuracies
+    params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(4)]
+    for r in range(1, 4):
+        assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
+
+
+def test_hop_options_with_allreduce_are_refused_in_one_line(launch, tmp_path: Path) -> None:
+    result = launch(["--protocol", "allreduce", "--backup-workers", "1", "--run-dir", str(tmp_path / "r"), DIGITS])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hopnet launch: error: --backup-workers: Hop option(s) that --protocol allreduce does not take"]
+
+
+@pytest.mark.slow
+def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: Path) -> None:
+    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) run by torchrun."""
+    run_dir = tmp_path / "run"
+    result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), DIGITS,
+                     "--iterations", "50"])
+    assert result.returncode == 0, result.stderr
+    ddp_out = tmp_path / "ddp.pt"
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          str(WORKERS / "ddp_digits.py"), str(ddp_out), "--iterations", "50"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert ddp.returncode == 0, ddp.stderr
+    ours = torch.load(run_dir / "final_rank0.pt")
+    theirs = torch.load(ddp_out)
+    assert ours.shape == theirs.shape
+    assert not torch.equal(ours, _initial_digits_params())  # both really trained
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _initial_digits_params() -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

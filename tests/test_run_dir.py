@@ -1,0 +1,160 @@
+"""One run per run directory, torch threads per worker, and analysis of logs that are not one run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hopnet.analysis import RunLogError, load_run, max_gap_from_run
+from hopnet.launch.run_dir import clear_previous_run
+from hopnet.launch.threads import limit_worker_threads, threads_per_worker, usable_cores
+
+from conftest import WORKERS, run_launch
+
+HOP_WORKER = str(WORKERS / "hop_worker.py")
+
+
+def _starts(log: Path) -> int:
+    return sum(1 for line in log.read_text().splitlines() if json.loads(line)["event"] == "start")
+
+
+# ---------------------------------------------------------------------------- the launcher, for real
+@pytest.mark.slow
+def test_a_reused_run_dir_is_refused_and_overwrite_replaces_only_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = run_launch(["--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "10", "--dim", "10"])
+    assert first.returncode == 0, first.stderr
+    (run_dir / "notes.txt").write_text("mine\n")
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+
+    again = run_launch(["--nproc", "2", "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "10", "--dim", "10"])
+    assert again.returncode == 2
+    assert again.stdout == ""
+    assert again.stderr.splitlines() == [
+        f"hopnet launch: error: --run-dir {run_dir} already holds a run (graph.json, launch.json, 4 event logs): "
+        "choose another directory or pass --overwrite to replace it"]
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before  # nothing touched
+
+    over = run_launch(["--nproc", "2", "--overwrite", "--run-dir", str(run_dir), HOP_WORKER,
+                       "--iterations", "10", "--dim", "10"])
+    assert over.returncode == 0, over.stderr
+    said = [line for line in over.stderr.splitlines() if "--overwrite" in line]
+    assert len(said) == 1 and said[0].startswith(
+        f"hopnet launch: --overwrite: removed the previous run's graph.json, launch.json, 4 event logs from {run_dir}")
+    assert sorted(p.name for p in run_dir.glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]  # no stale rank3
+    assert (run_dir / "notes.txt").read_text() == "mine\n"  # the user's file stays
+    assert json.loads((run_dir / "launch.json").read_text())["world_size"] == 2
+    events = load_run(run_dir)
+    assert all(_starts(run_dir / f"rank{r}.jsonl") == 1 for r in events)
+    gaps = max_gap_from_run(events, 2)
+    assert gaps.shape == (2, 2) and gaps.max() <= 1
+
+
+# ---------------------------------------------------------------------------- the run directory rules
+def test_clear_previous_run(tmp_path: Path) -> None:
+    assert clear_previous_run(tmp_path / "missing", overwrite=False) is None
+    (tmp_path / "data.csv").write_text("x\n")
+    assert clear_previous_run(tmp_path, overwrite=False) is None  # user files alone are no run
+    (tmp_path / "rank0.jsonl").write_text("{}\n")
+    with pytest.raises(Exception, match=r"already holds a run \(1 event log\)"):
+        clear_previous_run(tmp_path, overwrite=False)
+    said = clear_previous_run(tmp_path, overwrite=True)
+    assert said == f"--overwrite: removed the previous run's 1 event log from {tmp_path}; kept 1 other file"
+    assert sorted(os.listdir(tmp_path)) == ["data.csv"]
+
+
+# ---------------------------------------------------------------------------- analysis of logs that are not one run
+def _log(rank: int, enters: list[tuple[float, int]]) -> list[dict]:
+    records = [{"event": "start", "rank": rank, "t": 0.0}]
+    records += [{"event": "enter", "rank": rank, "t": m, "mono": m, "iter": k} for m, k in enters]
+    return records
+
+
+def _write(run_dir: Path, rank: int, records: list[dict], mode: str = "w") -> None:
+    with (run_dir / f"rank{rank}.jsonl").open(mode) as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_analysis_of_a_clean_run(tmp_path: Path) -> None:
+    from hopnet import Graph
+
+    Graph.ring(2).to_json(tmp_path / "graph.json")
+    _write(tmp_path, 0, _log(0, [(0.0, 0), (1.0, 1), (2.0, 2)]))
+    _write(tmp_path, 1, _log(1, [(0.5, 0), (3.0, 1)]))
+    gaps = max_gap_from_run(load_run(tmp_path), 2)
+    assert gaps.tolist() == [[0, 2], [0, 0]]
+
+
+def test_analysis_names_a_reused_directory_and_a_stale_rank(tmp_path: Path) -> None:
+    from hopnet import Graph
+
+    Graph.ring(2).to_json(tmp_path / "graph.json")
+    _write(tmp_path, 0, _log(0, [(0.0, 0)]))
+    _write(tmp_path, 1, _log(1, [(0.0, 0)]))
+    _write(tmp_path, 3, _log(3, [(0.0, 0)]))  # left by an earlier run of 4 workers
+    with pytest.raises(RunLogError, match=r"rank3.jsonl: rank 3 is not in this run's graph \(2 nodes\)"):
+        load_run(tmp_path)
+    with pytest.raises(RunLogError, match="event log of rank 3 in a run of 2 workers"):
+        max_gap_from_run({0: _log(0, []), 3: _log(3, [])}, 2)
+    (tmp_path / "rank3.jsonl").unlink()
+    _write(tmp_path, 1, _log(1, [(5.0, 0)]), mode="a")  # a second run appended to the same log
+    with pytest.raises(RunLogError, match=r"rank1.jsonl holds 2 runs \(2 start records\)"):
+        load_run(tmp_path)
+    (tmp_path / "rank0.jsonl").write_text('{"event": "start", "rank": 0}\nnot json\n')
+    with pytest.raises(RunLogError, match=r"rank0.jsonl:2: not a JSON record"):
+        load_run(tmp_path)
+
+
+# ---------------------------------------------------------------------------- threads
+def test_threads_per_worker_share_the_usable_cores() -> None:
+    assert threads_per_worker(4, cores=16) == 4
+    assert threads_per_worker(3, cores=16) == 5
+    assert threads_per_worker(8, cores=2) == 1
+    assert threads_per_worker(1) == usable_cores()
+    env: dict[str, str] = {}
+    note = limit_worker_threads(env, 4, cores=8)
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert note == "OMP_NUM_THREADS=2 for each of 4 workers (8 usable cores); set OMP_NUM_THREADS to choose otherwise"
+    user = {"OMP_NUM_THREADS": "3"}
+    assert limit_worker_threads(user, 4, cores=8) is None and user["OMP_NUM_THREADS"] == "3"
+
+
+THREADS_SCRIPT = """\
+import os, torch
+print("THREADS", torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_torch_in_the_workers_uses_the_cores_divided_by_the_workers(tmp_path: Path, nproc: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    result = run_launch(["--nproc", str(nproc), "--run-dir", str(tmp_path / "run"), str(script)])
+    assert result.returncode == 0, result.stderr
+    expected = max(1, usable_cores() // nproc)
+    threads = [line.split("THREADS ")[1] for line in result.stdout.splitlines() if "THREADS " in line]
+    assert threads == [f"{expected} {expected}"] * nproc
+    said = [line for line in result.stderr.splitlines() if "OMP_NUM_THREADS" in line]
+    assert len(said) == 1 and said[0].startswith(f"hopnet launch: OMP_NUM_THREADS={expected} for each of {nproc}")
+
+
+@pytest.mark.slow
+def test_a_thread_count_the_user_set_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if usable_cores() < 2:
+        pytest.skip("needs 2 cores to tell the user's setting from the launcher's")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launcher alone would give the one worker every core
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    result = run_launch(["--nproc", "1", "--run-dir", str(tmp_path / "run"), str(script)])
+    assert result.returncode == 0, result.stderr
+    threads = [line.split("THREADS ")[1] for line in result.stdout.splitlines() if "THREADS " in line]
+    assert threads == ["1 1"]
+    assert "OMP_NUM_THREADS" not in result.stderr
+

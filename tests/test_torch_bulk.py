@@ -1,0 +1,196 @@
+"""The torch bulk plane: headers over ZeroMQ, tensors over gloo (NCCL where CUDA is present)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from hopnet.errors import PeerFailure
+from hopnet.launch.store import connect_store, host_store
+from hopnet.transports.base import DISCARD
+from hopnet.transports.torchdist import BULK_KEY, TorchBulkTransport
+from hopnet.transports.zmq import ZmqTransport
+from hopnet.wire import Header, Message
+
+TIMEOUT = 30.0
+
+
+class Recv:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.headers: list[Header] = []
+        self.buffers: object = None
+
+    def buffers_for(self, header: Header):
+        self.headers.append(header)
+        b = self.buffers
+        return b(header) if callable(b) else b
+
+    def deliver(self, msg: Message) -> None:
+        self.queue.put_nowait(msg)
+
+    async def get(self) -> Message:
+        return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+
+
+@pytest.fixture
+def store_endpoint():
+    hosted = host_store("127.0.0.1")
+    yield hosted.endpoint
+    hosted.close()
+
+
+async def _pair(endpoint: str, *, min_bytes: int = 0, device: str = "cpu", timeout_s: float = TIMEOUT):
+    transports, receivers, addresses = [], [], {}
+    for rank in (0, 1):
+        control = ZmqTransport(rank, frozenset({1 - rank}))
+        t = TorchBulkTransport(control, connect_store(endpoint, 10), min_bytes=min_bytes,
+                               timeout_s=timeout_s, device=device)
+        r = Recv()
+        addresses[rank] = await t.start(r)
+        transports.append(t)
+        receivers.append(r)
+    for rank, t in enumerate(transports):
+        await t.connect({1 - rank: addresses[1 - rank]})
+    return transports, receivers
+
+
+async def test_tensors_land_in_the_receivers_buffers_in_send_order(store_endpoint) -> None:
+    (a, b), (_ra, rb) = await _pair(store_endpoint)
+    try:
+        pool = [torch.zeros(1000) for _ in range(6)]
+        handed: list[torch.Tensor] = []
+
+        def slot(header: Header):
+            assert BULK_KEY not in (header.meta or {}) and header.specs[0].shape == (1000,)
+            handed.append(pool[len(handed)])
+            return [handed[-1]]
+
+        rb.buffers = slot
+        sends = [a.send(Message("update", 0, 1, k, meta={"c": k}, tensors=[torch.full((1000,), float(k))]))
+                 for k in range(6)]
+        sends.insert(3, a.send(Message("token", 0, 1, 99, meta={"c": 1})))  # control, in the middle
+        await asyncio.gather(*sends)
+        got = [await rb.get() for _ in range(7)]
+        assert [m.iter for m in got] == [0, 1, 2, 99, 3, 4, 5]  # per-sender order kept across planes
+        for m in got:
+            if m.kind == "update":
+                assert m.meta == {"c": m.iter}
+                assert torch.equal(m.tensors[0], torch.full((1000,), float(m.iter)))
+        assert all(any(m.tensors[0] is p for p in pool) for m in got if m.kind == "update")
+        assert a.bulk_sent == 6 and b.bulk_received == 6
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_discarded_payloads_are_consumed_so_later_ones_still_pair_up(store_endpoint) -> None:
+    (a, b), (_ra, rb) = await _pair(store_endpoint)
+    try:
+        rb.buffers = lambda h: DISCARD if h.iter % 2 == 0 else None
+        for k in range(6):
+            await a.send(Message("update", 0, 1, k, tensors=[torch.full((50, 4), float(k), dtype=torch.float64)]))
+        got = [await rb.get() for _ in range(3)]
+        assert [m.iter for m in got] == [1, 3, 5]
+        assert all(torch.equal(m.tensors[0], torch.full((50, 4), float(m.iter), dtype=torch.float64)) for m in got)
+        assert b.stats.dropped["discarded"] == 3
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_small_messages_stay_on_zeromq_below_min_bytes(store_endpoint) -> None:
+    (a, b), (_ra, rb) = await _pair(store_endpoint, min_bytes=4096)
+    try:
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(10)]))          # 40 B: zmq frames
+        await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(2000)]))        # 8 KB: gloo
+        got = [await rb.get() for _ in range(2)]
+        assert [m.iter for m in got] == [0, 1]
+        assert torch.equal(got[0].tensors[0], torch.ones(10)) and torch.equal(got[1].tensors[0], torch.ones(2000))
+        assert a.bulk_sent == 1
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_dead_peer_is_a_named_failure_not_a_hang(store_endpoint) -> None:
+    (a, b), (_ra, rb) = await _pair(store_endpoint, timeout_s=5.0)
+    try:
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(100)]))
+        await rb.get()
+        await b.close()  # the peer's process group goes away
+        started = time.monotonic()
+        with pytest.raises(PeerFailure, match="rank 1") as info:
+            for k in range(1, 50):
+                await a.send(Message("update", 0, 1, k, tensors=[torch.ones(1 << 18)]))
+        assert info.value.peer == 1
+        assert time.monotonic() - started < 60
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL refuses two ranks on one GPU)")
+async def test_cuda_tensors_travel_over_nccl_without_leaving_the_gpu(store_endpoint) -> None:
+    transports, receivers = [], []
+    addresses = {}
+    for rank in (0, 1):
+        t = TorchBulkTransport(ZmqTransport(rank, frozenset({1 - rank})), connect_store(store_endpoint, 10),
+                               timeout_s=TIMEOUT, device=f"cuda:{rank}")
+        receivers.append(Recv())
+        addresses[rank] = await t.start(receivers[-1])
+        transports.append(t)
+    a, b = transports
+    rb = receivers[1]
+    try:
+        await a.connect({1: addresses[1]})
+        await b.connect({0: addresses[0]})
+        slot = torch.zeros(1 << 20, device="cuda:1")
+        rb.buffers = [slot]
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.full((1 << 20,), 3.0, device="cuda:0")]))
+        m = await rb.get()
+        assert m.tensors[0] is slot and slot.device == torch.device("cuda:1")  # landed in the GPU slot
+        assert torch.equal(slot.cpu(), torch.full((1 << 20,), 3.0))
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from hopnet.config import ProtocolConfig
+    from hopnet.errors import ConfigError
+
+    assert ProtocolConfig().bulk == "auto" and ProtocolConfig(bulk="torch").bulk == "torch"
+    with pytest.raises(ConfigError, match="--bulk 'nccl'"):
+        ProtocolConfig(bulk="nccl")
+    script = tmp_path / "w.py"
+    script.write_text("print('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--bulk", "fast", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--bulk" in proc.stderr and "ran" not in proc.stdout
+
+
+def test_auto_picks_the_plane_by_device_and_size(store_endpoint) -> None:
+    from hopnet.transports.plane import AUTO_CPU_MIN_BYTES, make_transport
+
+    def pick(bulk: str, nbytes: int | None, endpoint: str = store_endpoint) -> str:
+        t = make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk=bulk,
+                           device=torch.device("cpu"), store_endpoint=endpoint, timeout_s=10,
+                           message_bytes=nbytes)
+        return type(t).__name__
+
+    assert pick("zmq", 1 << 30) == "ZmqTransport"
+    assert pick("torch", 16) == "TorchBulkTransport"
+    assert AUTO_CPU_MIN_BYTES is not None
+    assert pick("auto", AUTO_CPU_MIN_BYTES - 1) == "ZmqTransport"
+    assert pick("auto", AUTO_CPU_MIN_BYTES) == "TorchBulkTransport"
+    assert pick("auto", AUTO_CPU_MIN_BYTES, endpoint="") == "ZmqTransport"  # no store: stay on ZeroMQ
+    from hopnet.errors import ConfigError
+    with pytest.raises(ConfigError, match="needs the run's c10d store"):
+        pick("torch", 16, endpoint="")

@@ -1,0 +1,106 @@
+"""TorchCollective between real processes over gloo: groups formed by their members alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopnet.collectives.torchdist import TorchCollective
+from hopnet.errors import ConfigError
+from hopnet.launch.store import connect_store, host_store
+
+from conftest import WORKERS, run_launch
+
+WORKER = str(WORKERS / "torch_collective_worker.py")
+
+
+def _run(tmp_path: Path, schedule: list[list[int]], *extra: str) -> Path:
+    run_dir = tmp_path / "run"
+    result = run_launch(["--nproc", "4", "--run-dir", str(run_dir), WORKER, "--schedule", json.dumps(schedule),
+                         *extra], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def _check_round(run_dir: Path, rnd: int, group: list[int], world: int, op: str = "mean") -> None:
+    inputs = [torch.load(run_dir / f"r{rnd}_rank{r}_in.pt") for r in range(world)]
+    outputs = [torch.load(run_dir / f"r{rnd}_rank{r}_out.pt") for r in range(world)]
+    total = torch.stack([inputs[r].double() for r in group]).sum(0)
+    expected = total / len(group) if op == "mean" else total
+    first = outputs[group[0]]
+    assert torch.allclose(first.double(), expected, rtol=1e-5, atol=1e-5), (rnd, group)
+    for r in group:  # members agree bit for bit
+        assert torch.equal(outputs[r].view(torch.int32), first.view(torch.int32)), (rnd, group, r)
+    for r in set(range(world)) - set(group):  # non-members untouched
+        assert torch.equal(outputs[r], inputs[r]), (rnd, group, r)
+
+
+@pytest.mark.slow
+def test_groups_of_two_three_and_all_reduce_to_the_mean(tmp_path: Path) -> None:
+    # Round 0 and 1: disjoint pairs at the same time; then a triple (rank 3 out), then all in a
+    # rank order of their own, then a pair again (its communicator comes from the cache).
+    schedule = [[0, 1], [2, 3], [0, 1, 2], [3, 1, 0, 2], [2, 3]]
+    # Rounds [0,1] and [2,3] are separate rounds in the schedule but every rank is in only one
+    # of them, so ranks 0,1 and ranks 2,3 run their pair's all-reduce concurrently.
+    run_dir = _run(tmp_path, schedule)
+    for rnd, group in enumerate(schedule):
+        _check_round(run_dir, rnd, group, 4)
+    for rank in range(4):
+        info = json.loads((run_dir / f"cache_rank{rank}.json").read_text())
+        distinct = {tuple(g) for g in schedule if rank in g}
+        assert info["built"] == len(distinct) and info["uncached_calls"] == 0  # formed once, then reused
+
+
+@pytest.mark.slow
+def test_past_the_cache_bound_groups_are_formed_per_call_by_agreement(tmp_path: Path) -> None:
+    # Rank 0 is in every group and caches 2: (0,1) and (0,2) are cached; (0,3) and the
+    # group of all are not, for every member, although ranks 1..3 have room left.
+    schedule = [[0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [0, 1, 2, 3], [0, 3], [0, 1], [0, 1, 2, 3]]
+    run_dir = _run(tmp_path, schedule, "--max-cached", "2", "--op", "sum")
+    for rnd, group in enumerate(schedule):
+        _check_round(run_dir, rnd, group, 4, op="sum")
+    infos = [json.loads((run_dir / f"cache_rank{r}.json").read_text()) for r in range(4)]
+    assert max(infos[0]["sizes"]) == 2
+    assert infos[0]["uncached_calls"] == 4 and infos[0]["built"] == 2 + 4
+    for rank in range(4):  # all members agree on what is not cached
+        assert sorted(map(tuple, infos[rank]["uncached_groups"])) == sorted(
+            g for g in [(0, 3), (0, 1, 2, 3)] if rank in g)
+    assert infos[3]["uncached_calls"] == 4 and max(infos[3]["sizes"], default=0) == 0
+
+
+async def test_bad_calls_are_refused_in_one_line() -> None:
+    hosted = host_store("127.0.0.1")
+    try:
+        coll = TorchCollective(0, 4, connect_store(hosted.endpoint, 10))
+        x = torch.ones(4)
+        with pytest.raises(ConfigError, match="not a member"):
+            await coll.allreduce([1, 2], x, tag="t")
+        with pytest.raises(ConfigError, match="reduce op"):
+            await coll.allreduce([0, 1], x, "max", tag="t")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="names a rank twice"):
+            await coll.allreduce([0, 0], x, tag="t")
+        assert torch.equal(await coll.allreduce([0], x, tag="solo"), torch.ones(4))  # a group of one
+        with pytest.raises(ConfigError, match="max_cached"):
+            TorchCollective(0, 4, coll.store, max_cached=0)
+        await coll.close()
+    finally:
+        hosted.close()
+
+
+async def test_a_member_that_never_comes_is_named_after_the_timeout() -> None:
+    from hopnet.errors import WaitTimeout
+
+    hosted = host_store("127.0.0.1")
+    try:
+        coll = TorchCollective(0, 3, connect_store(hosted.endpoint, 10), timeout_s=2.0)
+        x = torch.ones(8)
+        with pytest.raises(WaitTimeout, match=r"group \[0, 2\].*missing ranks \[2\]") as info:
+            await coll.allreduce([0, 2], x, tag="lonely")
+        assert info.value.peer == 2
+        assert torch.equal(x, torch.ones(8))  # nothing was reduced
+        await coll.close()
+    finally:
+        hosted.close()
