@@ -52,6 +52,12 @@ def launcher_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("hopnet launch: ")]
 
 
+def summary_line(stderr: str) -> str:
+    """The launcher's line naming what went wrong (before its per-rank table and closing line)."""
+    closing = ("hopnet launch: per-rank summary", "hopnet launch: failed in ", "hopnet launch: finished in ")
+    return [line for line in launcher_lines(stderr) if not line.startswith(closing)][-1]
+
+
 def result_of(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "launch.json").read_text())["result"]
 
@@ -144,7 +150,7 @@ def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) ->
                   "--exit-rank", "1", "--exit-code", "3", "--fail-at", "5")
     assert proc.returncode == 1
     assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr and "SIGSEGV" not in proc.stderr
-    assert "hopnet launch: worker 1 failed (exit code 3)" in launcher_lines(proc.stderr)[-2], proc.stderr
+    assert "hopnet launch: worker 1 failed (exit code 3)" in summary_line(proc.stderr), proc.stderr
     result = result_of(run_dir)
     assert result["failed_rank"] == 1 and result["worker_returncodes"]["1"] == 3
     (err,) = [r for r in records(run_dir, 1) if r["event"] == "error"]
@@ -158,7 +164,7 @@ def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path, attempt: int
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
                   "--raise-rank", "1", "--fail-at", "5")
     assert proc.returncode == 1
-    summary = launcher_lines(proc.stderr)[-2]
+    summary = summary_line(proc.stderr)
     assert summary.startswith("hopnet launch: worker 1 failed in iteration 5 (exit code 1): "
                               "RuntimeError: rank 1 broke in iteration 5"), proc.stderr
     assert "[rank 1] RuntimeError: rank 1 broke in iteration 5" in proc.stderr  # its traceback, as Python prints it
@@ -178,7 +184,7 @@ def test_a_stalled_rank_is_named(tmp_path: Path) -> None:
     proc = launch("--nproc", "4", "--timeout", "5", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
                   "--iterations", "40", "--stall-rank", "2", "--fail-at", "10")
     assert proc.returncode == 1
-    summary = launcher_lines(proc.stderr)[-2]
+    summary = summary_line(proc.stderr)
     assert summary.startswith("hopnet launch: rank 2 stalled in iteration 10: "), proc.stderr
     assert "timed out waiting for its updates" in summary
     assert "ranks 1, 3" in summary or "rank 1" in summary or "rank 3" in summary
@@ -190,7 +196,7 @@ def test_a_rank_that_stops_early_is_named(tmp_path: Path) -> None:
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
                   "--iterations", "50", "--stop-rank", "0", "--stop-at", "20")
     assert proc.returncode == 1
-    summary = launcher_lines(proc.stderr)[-2]
+    summary = summary_line(proc.stderr)
     assert summary.startswith("hopnet launch: rank 0 left after iteration 19 while its neighbours ran on to "
                               "iteration "), proc.stderr
     assert "could not go on without it" in summary
@@ -212,7 +218,8 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
     assert out == ""
     lines = err.splitlines()
     assert lines[0].startswith("hopnet launch: 4 workers")
-    rest = [line for line in lines[1:] if not line.startswith("hopnet launch: running ")]
+    before = ("hopnet launch: running ", "hopnet launch: OMP_NUM_THREADS")  # lines printed before the signal
+    rest = [line for line in lines[1:] if not line.startswith(before)]
     assert rest == [f"hopnet launch: received {signal.Signals(signum).name}, stopping 4 workers; run dir {run_dir}"]
     assert result_of(run_dir)["worker_returncodes"] == {str(r): 143 for r in range(4)}  # all left on SIGTERM
     for rank in range(4):
@@ -254,8 +261,8 @@ def test_code_cannot_change_an_explicit_flag(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "[rank 0] hopnet: error: --max-ig 3 on the command line, max_ig=4 in hopnet.init()" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert launcher_lines(proc.stderr)[-2].startswith("hopnet launch: worker ")
-    assert "(exit code 2): ConfigError: --max-ig 3 on the command line" in launcher_lines(proc.stderr)[-2]
+    assert summary_line(proc.stderr).startswith("hopnet launch: worker ")
+    assert "(exit code 2): ConfigError: --max-ig 3 on the command line" in summary_line(proc.stderr)
 
 
 def test_options_set_in_code_are_what_runs_and_what_is_recorded(tmp_path: Path) -> None:
@@ -286,7 +293,7 @@ def test_ranks_that_disagree_on_options_all_fail_at_the_rendezvous(tmp_path: Pat
     for rank in range(3):  # every rank fails at once, with one line and no traceback
         assert f"[rank {rank}] {message}" in proc.stderr.splitlines(), proc.stderr
     assert "Traceback" not in proc.stderr
-    assert launcher_lines(proc.stderr)[-2].endswith(message.removeprefix("hopnet: error: "))
+    assert summary_line(proc.stderr).endswith(message.removeprefix("hopnet: error: "))
 
 
 # ------------------------------------------------------------------------ max failures
@@ -309,7 +316,7 @@ def test_more_failures_than_allowed_fail_the_run(tmp_path: Path) -> None:
     assert proc.returncode == 1  # without backup workers rank 1's neighbours cannot go on
     # the first to exit is lost and tolerated (it may be a neighbour that exits before rank 1 has)
     assert any(line.endswith("the others go on (1 of --max-failures 1)") for line in launcher_lines(proc.stderr))
-    assert launcher_lines(proc.stderr)[-2].startswith("hopnet launch: worker 1 failed in iteration 5")
+    assert summary_line(proc.stderr).startswith("hopnet launch: worker 1 failed in iteration 5")
 
 
 @pytest.mark.parametrize("victim", [0, 1, 2, 3, 4, 5, 6, 7, 3, 6])
