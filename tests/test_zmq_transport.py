@@ -234,20 +234,20 @@ async def test_send_to_a_missing_peer_times_out(tmp_path):
     await a.connect({1: f"ipc://{tmp_path}/nobody.sock"})
     t0 = time.monotonic()
     await a.send(Message("update", 0, 1, 0, tensors=[torch.ones((STAGE_BYTES // 4) + 1)]))
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # gave up: no hang
     assert a.stats.dropped["send_timeout"] == 1 and a.stats.sent_messages == 0
     # staged sends return at once while at most STAGE_INFLIGHT of them wait in libzmq
     for i in range(STAGE_INFLIGHT):
         await asyncio.wait_for(a.send(Message("update", 0, 1, 1 + i, tensors=[torch.ones(1 << 18)])), 1.0)
     t0 = time.monotonic()
     await a.send(Message("update", 0, 1, 9, tensors=[torch.ones(1 << 18)]))
-    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert 0.15 < time.monotonic() - t0 < 10.0  # waited for the send timeout, then gave up
     assert a.stats.dropped["send_timeout"] == 2
     assert a._peers[1].staged == 0  # the reset released the staged buffers
     await a.send(Message("hello", 0, 1, 1))  # the reset connection still accepts sends
     t0 = time.monotonic()
     await a.close()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # gave up: no hang
 
 
 async def test_forget_peer_releases_pending_sends(tmp_path):
