@@ -401,7 +401,7 @@ def test_simulated_solo_beats_allreduce_under_a_random_straggler() -> None:
                          "solo": eager("solo", slowdown=["random:4:0.125"]),
                          "majority": eager("majority", slowdown=["random:4:0.125"])}.items():
         spec = SimSpec(graph=Graph.ring(n), config=config, iterations=iterations,
-                       link=LinkModel(1e-4, 1e9), model_bytes=400_000)
+                       link=LinkModel(1e-4, 1e9), model_bytes=40_000)
         spec.compute = spec.compute.parse("40")
         result = simulate(spec)
         assert result.iterations == [iterations] * n, (name, result.iterations)

@@ -360,8 +360,13 @@ class EagerProtocol(Protocol):
             self.node.post(Message(ACTIVATION_KIND, self.rank, peer, self.executed, None, {"fin": 1}))
         done = torch.zeros(1, dtype=torch.float64)
         await self.node.collective.allreduce(self.everyone, done, "sum", tag=f"{TAG_PREFIX}/done")
+        # No round starts after the barrier, but this rank's part of the last one may still be
+        # receiving (the others' parts of it finished, so they could pass the barrier).
+        if self._engine is not None:
+            await self._engine
         for task in list(self._tasks):
             await task
+        self._raise_failure()
         for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
             await self.node.connect_to([peer])
             self.node.post(Message("bye", self.rank, peer, self.iteration))
