@@ -105,7 +105,7 @@ class EagerProtocol(Protocol):
         self.contributed: torch.Tensor | None = None  # sum of what this rank put into rounds
         self.computed: torch.Tensor | None = None     # sum of every gradient the trainer deposited
         # Reporting.
-        self.active_per_round: dict[int, int] = {}
+        self.active_per_round: list[int] = []  # fresh gradients in round r, at index r
         self.last_round: int | None = None
         self.last_lag = 0
         self.stale_calls = 0
@@ -285,7 +285,7 @@ class EagerProtocol(Protocol):
                              collective.allreduce(self.everyone, active, "sum", tag=f"{tag}/active"))
         contribution.div_(self.world_size)  # always P, however many were fresh
         self._spare, self.recv = self.recv, contribution
-        self.active_per_round[round_id] = int(round(active.item()))
+        self.active_per_round.append(int(round(active.item())))
         self.executed = round_id + 1
         self._seen = {key for key in self._seen if key[0] > round_id}
         done = self._round_done.pop(round_id, None)
@@ -379,11 +379,11 @@ class EagerProtocol(Protocol):
     def snapshot(self) -> dict[str, Any]:
         round_id = self.last_round
         return {"round": round_id,
-                "active": self.active_per_round.get(round_id) if round_id is not None else None,
+                "active": self.active_per_round[round_id] if round_id is not None else None,
                 "lag": self.last_lag}
 
     def summary(self) -> dict[str, Any]:
-        counts = list(self.active_per_round.values())
+        counts = self.active_per_round
         histogram: dict[str, int] = {}
         for c in counts:
             histogram[str(c)] = histogram.get(str(c), 0) + 1
