@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import EXAMPLES
+from hopnet import Graph, ProtocolConfig
+from test_dead_peers import Cluster
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -63,3 +66,19 @@ def test_eager_flags_are_refused_with_other_protocols_in_one_line(launch, tmp_pa
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "hopnet launch: error: --eager-mode: eager-SGD option(s) that --protocol allreduce does not take")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_the_round_naming_it_dead(tmp_path: Path) -> None:
+    config = ProtocolConfig(protocol="eager-sgd", timeout_s=60.0)  # the default --peer-timeout
+    with Cluster(Graph.ring(4), config, tmp_path / "run",
+                 ["--gradients", "--iterations", "100000", "--compute-ms", "5"]) as c:
+        c.wait_for_iteration(2, 30)
+        c.signal(2, signal.SIGKILL)
+        # Its ring neighbours watch it: they name it dead (rank 0 then fails on one of them).
+        assert c.wait([1, 3], timeout_s=55.0) == {1: 1, 3: 1}
+        for rank in (1, 3):
+            failure = c.failure(rank)
+            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
+            assert "rank 2" in failure["message"], failure
+        assert c.wait([0], timeout_s=55.0) == {0: 1}

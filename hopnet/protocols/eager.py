@@ -343,17 +343,28 @@ class EagerProtocol(Protocol):
         if self._round_done:
             waiting = min(self._round_done)
             self._fail(PeerFailure(f"rank {self.rank}: eager-SGD round {waiting} cannot finish: rank {peer} {why}",
-                                   peer=peer, peer_state=state))
+                                   peer=peer, peer_state=state, iteration=self.iteration))
 
     async def stop(self) -> None:
         """Keep serving the others' rounds until every rank has finished, then say goodbye.
 
         A rank that finished its iterations still contributes (its pending buffer) to rounds
         the slower ranks start; the closing all-reduce is the barrier after which no rank
-        starts one. Its waits run under the configured timeout like every other."""
+        starts one. Its waits run under the configured timeout like every other. A rank whose
+        run failed, or whose peers are leaving early, skips the barrier and only says goodbye,
+        so the others' waits on it fail at once instead of timing out."""
         n = self.world_size
-        if n < 2 or self.left_early or self._failure is not None:
+        if n < 2:
             return
+        if not self.left_early and self._failure is None:
+            await self._finish_with_everyone()
+        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
+            await self.node.connect_to([peer])
+            if peer not in self.left_early:  # one that left already needs no goodbye
+                self.node.post(Message("bye", self.rank, peer, self.iteration))
+        await self.node.flush()
+
+    async def _finish_with_everyone(self) -> None:
         others = [r for r in self.everyone if r != self.rank]
         await self.node.connect_to(others)
         for peer in others:
@@ -367,10 +378,6 @@ class EagerProtocol(Protocol):
         for task in list(self._tasks):
             await task
         self._raise_failure()
-        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
-            await self.node.connect_to([peer])
-            self.node.post(Message("bye", self.rank, peer, self.iteration))
-        await self.node.flush()
 
     def buffers_for(self, header: Header) -> Any:
         return None
