@@ -16,15 +16,16 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce")
-GRADIENT_PROTOCOLS = ("allreduce",)
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd")
+GRADIENT_PROTOCOLS = ("allreduce", "eager-sgd")
 """Protocols that average gradients (they need the flat gradient buffer)."""
-GRAPH_FREE_PROTOCOLS = ("allreduce",)
+GRAPH_FREE_PROTOCOLS = ("allreduce", "eager-sgd")
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
 BULK_PLANES = ("zmq", "torch", "auto")
+EAGER_MODES = ("solo", "majority")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -78,6 +79,8 @@ class ProtocolConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
     bulk: str = "auto"
+    eager_mode: str = "solo"
+    full_sync_every: int | None = None
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -116,6 +119,21 @@ class ProtocolConfig:
             raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
         for spec in self.slowdown:
             parse_slowdown(spec)
+        self._validate_eager()
+
+    def _validate_eager(self) -> None:
+        if self.eager_mode not in EAGER_MODES:
+            raise ConfigError(f"--eager-mode must be one of {', '.join(EAGER_MODES)} (got {self.eager_mode!r})")
+        if self.full_sync_every is not None and (isinstance(self.full_sync_every, bool)
+                                                 or not isinstance(self.full_sync_every, int)
+                                                 or self.full_sync_every < 1):
+            raise ConfigError(f"--full-sync-every must be an integer >= 1 (got {self.full_sync_every!r})")
+        if self.protocol != "eager-sgd":
+            flags = (["--eager-mode"] if self.eager_mode != "solo" else []) + \
+                    (["--full-sync-every"] if self.full_sync_every is not None else [])
+            if flags:
+                raise ConfigError(f"{', '.join(flags)}: eager-SGD option(s) that --protocol {self.protocol} "
+                                  "does not take")
 
     def hop_options_set(self) -> list[str]:
         """The Hop-only flags this configuration sets away from their defaults."""
@@ -192,7 +210,8 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
                        help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
                             "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
-                            "and it takes none of the Hop options below")
+                            "and it takes none of the Hop options below. eager-sgd is eager-SGD's partial "
+                            "all-reduce (see --eager-mode)")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
@@ -207,6 +226,12 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        help="skip iterations when more than T behind every out-neighbour")
     group.add_argument("--max-jump", type=_positive_int, default=None, metavar="J",
                        help="at most J iterations per skip")
+    group.add_argument("--eager-mode", default="solo", choices=EAGER_MODES,
+                       help="eager-sgd: solo (whoever arrives first starts the round; never waits for another's "
+                            "compute) or majority (a seeded random rank starts each round; earlier arrivals wait "
+                            "for it). Default: solo")
+    group.add_argument("--full-sync-every", type=_positive_int, default=None, metavar="N",
+                       help="eager-sgd: average the models with a blocking all-reduce every N iterations")
     group.add_argument("--slowdown", action="append", default=[], metavar="SPEC",
                        help="random:FACTOR:PROB or rank=R:FACTOR (repeatable)")
     group.add_argument("--seed", type=int, default=0, help="seed for slowdowns and sampling (default: 0)")
@@ -236,4 +261,6 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         timeout_s=args.timeout_s,
         peer_timeout_s=args.peer_timeout_s,
         bulk=getattr(args, "bulk", "auto"),
+        eager_mode=args.eager_mode,
+        full_sync_every=args.full_sync_every,
     )

@@ -216,6 +216,10 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
             settings.append(f"staleness={config['staleness']}")
         if config["skip_threshold"] is not None:
             settings.append(f"skip_threshold={config['skip_threshold']} max_jump={config['max_jump']}")
+    if config["protocol"] == "eager-sgd":
+        settings.append(f"mode {config.get('eager_mode', 'solo')}")
+        if config.get("full_sync_every") is not None:
+            settings.append(f"full sync every {config['full_sync_every']}")
     done = [len(times) for times in result.finish_times]  # iterations each worker completed
     lines = [
         f"graph:             {inputs['graph']} ({n} worker{'' if n == 1 else 's'})",

@@ -8,6 +8,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.params import FlatGradients
 from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
+from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
 
 
@@ -21,7 +22,9 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return HopProtocol(config, params)
     if config.protocol == "allreduce":
         return AllReduceProtocol(config, grads)
+    if config.protocol == "eager-sgd":
+        return EagerProtocol(config, params, grads)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AllReduceProtocol", "HopProtocol", "Protocol", "make_protocol"]
+__all__ = ["AllReduceProtocol", "EagerProtocol", "HopProtocol", "Protocol", "make_protocol"]

@@ -11,6 +11,7 @@ bandwidth, with a FIFO per directed link so messages on one link keep their orde
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class InprocNetwork:
         self.byte_scale = byte_scale or {}
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
+        self._in_flight: dict[tuple[int, int], deque[tuple[Message, int]]] = {}
 
     def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
         return InprocTransport(self, rank, allowed_senders)
@@ -82,11 +84,21 @@ class InprocNetwork:
         delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
         if target.loop is sender_loop:
             if delay > 0:
-                sender_loop.call_later(delay, target._on_message, msg, nbytes)
+                # Timers due at the same instant fire in no fixed order: each one delivers the
+                # link's oldest message, so a link stays FIFO (as TCP and ZeroMQ are).
+                link = self._in_flight.setdefault((msg.src, msg.dst), deque())
+                link.append((msg, nbytes))
+                sender_loop.call_later(delay, self._deliver_oldest, target, link)
             else:
                 sender_loop.call_soon(target._on_message, msg, nbytes)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
+
+
+    @staticmethod
+    def _deliver_oldest(target: InprocTransport, link: deque[tuple[Message, int]]) -> None:
+        msg, nbytes = link.popleft()
+        target._on_message(msg, nbytes)
 
 
 class InprocTransport(Transport):

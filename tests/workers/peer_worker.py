@@ -30,6 +30,8 @@ def main() -> None:
                         help="rank R runs N iterations instead (repeatable)")
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--dim", type=int, default=1000)
+    parser.add_argument("--gradients", action="store_true",
+                        help="start hopnet.init(model) with a linear model (for gradient protocols)")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
@@ -39,8 +41,12 @@ def main() -> None:
         r, n = item.split(":")
         if int(r) == rank:
             total = int(n)
-    params = torch.randn(args.dim, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    worker = hopnet.init(params=params)
+    if args.gradients:  # a gradient protocol reduces the model's flat gradient buffer
+        model = torch.nn.Linear(args.dim, 1, bias=False).double()
+        worker = hopnet.init(model)
+    else:
+        params = torch.randn(args.dim, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        worker = hopnet.init(params=params)
     try:
         for _ in worker.iterations(total):
             time.sleep(args.compute_ms / 1000.0)
