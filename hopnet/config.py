@@ -16,14 +16,16 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce")
-GRADIENT_PROTOCOLS = ("allreduce",)
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "pipe-sgd")
+GRADIENT_PROTOCOLS = ("allreduce", "pipe-sgd")
 """Protocols that average gradients (they need the flat gradient buffer)."""
-GRAPH_FREE_PROTOCOLS = ("allreduce",)
+GRAPH_FREE_PROTOCOLS = ("allreduce", "pipe-sgd")
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
+DEFAULT_PIPELINE_K = 2
+COMPRESSIONS = ("none", "trunc16", "int8")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -76,6 +78,8 @@ class ProtocolConfig:
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    pipeline_k: int = DEFAULT_PIPELINE_K
+    compress: str = "none"
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -112,6 +116,19 @@ class ProtocolConfig:
             raise ConfigError("notify-ack is a baseline: it takes no backup workers, staleness or skipping")
         for spec in self.slowdown:
             parse_slowdown(spec)
+        self._validate_pipe_sgd()
+
+    def _validate_pipe_sgd(self) -> None:
+        if isinstance(self.pipeline_k, bool) or not isinstance(self.pipeline_k, int) or self.pipeline_k < 1:
+            raise ConfigError(f"--pipeline-k must be an integer >= 1 (got {self.pipeline_k!r})")
+        if self.compress not in COMPRESSIONS:
+            raise ConfigError(f"unknown --compress {self.compress!r} (choose from {', '.join(COMPRESSIONS)})")
+        if self.protocol != "pipe-sgd":
+            flags = [flag for flag, set_ in (("--pipeline-k", self.pipeline_k != DEFAULT_PIPELINE_K),
+                                             ("--compress", self.compress != "none")) if set_]
+            if flags:
+                raise ConfigError(f"{', '.join(flags)}: Pipe-SGD option(s) that --protocol {self.protocol} "
+                                  "does not take")
 
     def hop_options_set(self) -> list[str]:
         """The Hop-only flags this configuration sets away from their defaults."""
@@ -188,7 +205,8 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
                        help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
                             "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
-                            "and it takes none of the Hop options below")
+                            "and it takes none of the Hop options below. pipe-sgd is Pipe-SGD: the same "
+                            "all-reduce, pipelined K deep behind the compute (--pipeline-k, --compress)")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
@@ -212,6 +230,12 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS",
                        help="declare a neighbour dead when nothing was heard from it for this long "
                             f"(default: {DEFAULT_PEER_TIMEOUT_S:g})")
+    group.add_argument("--pipeline-k", type=_positive_int, default=DEFAULT_PIPELINE_K, metavar="K",
+                       help="pipe-sgd: iteration t applies the averaged gradient of iteration t-K, so K-1 "
+                            f"all-reduces run behind the compute; 1 is synchronous (default: {DEFAULT_PIPELINE_K})")
+    group.add_argument("--compress", default="none", choices=COMPRESSIONS,
+                       help="pipe-sgd: compress every hop of the ring: trunc16 keeps the top 16 bits of each "
+                            "float32 (2x fewer bytes), int8 quantizes with scale max|block|/127 (4x) (default: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -228,4 +252,6 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         seed=args.seed,
         timeout_s=args.timeout_s,
         peer_timeout_s=args.peer_timeout_s,
+        pipeline_k=args.pipeline_k,
+        compress=args.compress,
     )

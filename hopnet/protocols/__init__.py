@@ -9,6 +9,7 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.hop import HopProtocol
+from hopnet.protocols.pipesgd import PipeSgdProtocol
 
 
 def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
@@ -21,7 +22,9 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return HopProtocol(config, params)
     if config.protocol == "allreduce":
         return AllReduceProtocol(config, grads)
+    if config.protocol == "pipe-sgd":
+        return PipeSgdProtocol(config, grads)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AllReduceProtocol", "HopProtocol", "Protocol", "make_protocol"]
+__all__ = ["AllReduceProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol", "make_protocol"]
