@@ -36,21 +36,26 @@ def expand16(bits: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_left_shift(bits.to(torch.int32), 16).view(torch.float32)
 
 
-def quantize8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize8(values: torch.Tensor, work: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: int8 levels in [-127, 127] and the one-element scale ``max|values| / 127``.
 
-    A block of zeros gets scale 0 and zero levels."""
-    scale = values.abs().max().reshape(1) / 127 if values.numel() else torch.zeros(1, dtype=values.dtype)
-    if not torch.isfinite(scale).all():
+    A block of zeros gets scale 0 and zero levels. ``work`` (like ``values``) holds the
+    scaled values on the way, saving an allocation per hop."""
+    if values.numel() == 0:
+        return torch.zeros(0, dtype=torch.int8), torch.zeros(1, dtype=values.dtype)
+    low, high = torch.aminmax(values)
+    scale = torch.maximum(-low, high) / 127  # 0-dim: broadcasting a 0-dim tensor is the fast path
+    if not torch.isfinite(scale):
         raise ValueError("int8 compression met a non-finite gradient value")
     if scale.item() == 0.0:
-        return torch.zeros(values.numel(), dtype=torch.int8), scale
-    levels = torch.round(values / scale).clamp_(-127, 127).to(torch.int8)
-    return levels, scale
+        return torch.zeros(values.numel(), dtype=torch.int8), scale.reshape(1)
+    scaled = torch.div(values, scale, out=work) if work is not None else values / scale
+    levels = scaled.round_().clamp_(-127, 127).to(torch.int8)
+    return levels, scale.reshape(1)
 
 
 def dequantize8(levels: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return levels.to(dtype) * scale
+    return levels.to(dtype).mul_(scale.reshape(()))
 
 
 class Trunc16Codec(Codec):
@@ -84,7 +89,7 @@ class Int8Codec(Codec):
         return (TensorSpec(torch.int8, (numel,)), TensorSpec(dtype, (1,)))
 
     def encode(self, chunk: torch.Tensor) -> list[torch.Tensor]:
-        levels, scale = quantize8(chunk)
+        levels, scale = quantize8(chunk, self._scratch(chunk))
         return [levels, scale.to(chunk.dtype)]
 
     def decode(self, payload: Sequence[torch.Tensor], out: torch.Tensor) -> None:
