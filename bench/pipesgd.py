@@ -1,6 +1,6 @@
 """Pipe-SGD benchmark: K = 1 vs K = 2 vs --protocol allreduce, and compressed bytes, same run.
 
-    python bench/pipesgd.py [--nproc 4] [--model-mb 4] [--iterations 40] [--warmup 8] [--accuracy]
+    python bench/pipesgd.py [--nproc 4] [--model-mb 4] [--iterations 40] [--warmup 8] [--repeat 3] [--accuracy]
 
 Real processes (``hopnet launch`` of bench/pipesgd_worker.py over ZeroMQ on 127.0.0.1):
 
@@ -10,7 +10,9 @@ Real processes (``hopnet launch`` of bench/pipesgd_worker.py over ZeroMQ on 127.
    and run allreduce, pipe-sgd K=1, K=2, K=2 trunc16 and K=2 int8. Report seconds per
    iteration (mean over ranks, after the warm-up), its ratio to max(C, M) (Eq. 4: 1.0 is
    perfect overlap), the speed-up over allreduce, and the bytes each worker sent per
-   iteration, as a ratio of the uncompressed bytes.
+   iteration, as a ratio of the uncompressed bytes. The settings take turns, ``--repeat``
+   rounds of all of them; the table shows medians over rounds (ratios are medians of
+   each round's ratio), so slow drift of the machine's load hits every setting alike.
 3. ``--accuracy``: the digits example (examples/train_digits.py, 300 iterations) with
    allreduce, pipe-sgd K=2 and K=2 int8: held-out accuracy, mean over ranks.
 
@@ -61,6 +63,7 @@ def main() -> int:
     parser.add_argument("--model-mb", type=float, default=4.0)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of all settings (default: 3)")
     parser.add_argument("--accuracy", action="store_true", help="also train digits and compare accuracy")
     args = parser.parse_args()
 
@@ -74,13 +77,20 @@ def main() -> int:
                 ("pipe-sgd K=2", ["--protocol", "pipe-sgd", "--pipeline-k", "2"]),
                 ("pipe-sgd K=2 trunc16", ["--protocol", "pipe-sgd", "--compress", "trunc16"]),
                 ("pipe-sgd K=2 int8", ["--protocol", "pipe-sgd", "--compress", "int8"])]
-    results = {name: timed(flags, args, compute_ms) for name, flags in settings}
-    base_s, base_bytes = results["allreduce"]
+    rounds = []
+    for _ in range(args.repeat):
+        rounds.append({name: timed(flags, args, compute_ms) for name, flags in settings})
+    med = statistics.median
     print("| setting | ms / iteration | / max(C, M) | speed-up vs allreduce | MB sent / iteration | bytes vs uncompressed |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, (s, sent) in results.items():
-        print(f"| {name} | {s * 1000:.1f} | {s / bound:.2f} | {base_s / s:.2f}x | {sent / 1e6:.3f} | "
-              f"{base_bytes / sent:.2f}x fewer |")
+    for name, _ in settings:
+        s = med(r[name][0] for r in rounds)
+        sent = med(r[name][1] for r in rounds)
+        speedup = med(r["allreduce"][0] / r[name][0] for r in rounds)
+        fewer = med(r["allreduce"][1] / r[name][1] for r in rounds)
+        print(f"| {name} | {s * 1000:.1f} | {s / bound:.2f} | {speedup:.2f}x | {sent / 1e6:.3f} | {fewer:.2f}x fewer |")
+    print("\nper round, ms / iteration: " + "; ".join(
+        ", ".join(f"{name} {r[name][0] * 1000:.0f}" for name, _ in settings) for r in rounds))
 
     if args.accuracy:
         print("\n| digits, 300 iterations | held-out accuracy (mean of ranks) |\n| --- | --- |")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from hopnet import Graph, ProtocolConfig
 
 from conftest import EXAMPLES
 
@@ -39,3 +43,23 @@ def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tm
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --pipeline-k: Pipe-SGD option(s) that --protocol allreduce does not take"]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_the_pending_allreduces_naming_it_dead(tmp_path: Path) -> None:
+    from test_dead_peers import Cluster
+
+    config = ProtocolConfig(protocol="pipe-sgd", timeout_s=60.0, peer_timeout_s=3.0)
+    with Cluster(Graph.ring(4), config, tmp_path / "run",
+                 ["--iterations", "100000", "--compute-ms", "5", "--model"]) as c:
+        c.wait_for_iteration(2, 20)
+        c.signal(2, signal.SIGKILL)
+        killed = time.monotonic()
+        # Nobody hangs: every survivor fails on its own, long before the 60 s wait timeout.
+        assert c.wait([0, 1, 3], timeout_s=55.0) == {0: 1, 1: 1, 3: 1}, c.report()
+        assert time.monotonic() - killed < config.timeout_s
+        failure = c.failure(3)  # in the ring, rank 3 receives from rank 2
+        assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
+        assert "pipe/" in failure["message"], failure
+        for rank in (0, 1):
+            assert c.failure(rank)["error"] == "PeerFailure", c.failure(rank)

@@ -30,6 +30,8 @@ def main() -> None:
                         help="rank R runs N iterations instead (repeatable)")
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--dim", type=int, default=1000)
+    parser.add_argument("--model", action="store_true",
+                        help="a linear model of --dim inputs with flat gradients (for gradient protocols)")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
@@ -40,7 +42,11 @@ def main() -> None:
         if int(r) == rank:
             total = int(n)
     params = torch.randn(args.dim, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    worker = hopnet.init(params=params)
+    if args.model:
+        torch.manual_seed(0)
+        worker = hopnet.init(torch.nn.Linear(args.dim, 1))
+    else:
+        worker = hopnet.init(params=params)
     try:
         for _ in worker.iterations(total):
             time.sleep(args.compute_ms / 1000.0)
