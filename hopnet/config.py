@@ -231,8 +231,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        help="declare a neighbour dead when nothing was heard from it for this long "
                             f"(default: {DEFAULT_PEER_TIMEOUT_S:g})")
     group.add_argument("--pipeline-k", type=_positive_int, default=DEFAULT_PIPELINE_K, metavar="K",
-                       help="pipe-sgd: iteration t applies the averaged gradient of iteration t-K, so K-1 "
-                            f"all-reduces run behind the compute; 1 is synchronous (default: {DEFAULT_PIPELINE_K})")
+                       help="pipe-sgd: each step applies the averaged gradient of K-1 iterations earlier while "
+                            "the newer all-reduces run behind the compute (Algorithm 1's g[t-K]); "
+                            f"1 is synchronous (default: {DEFAULT_PIPELINE_K})")
     group.add_argument("--compress", default="none", choices=COMPRESSIONS,
                        help="pipe-sgd: compress every hop of the ring: trunc16 keeps the top 16 bits of each "
                             "float32 (2x fewer bytes), int8 quantizes with scale max|block|/127 (4x) (default: none)")
