@@ -16,16 +16,18 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd")
-GRADIENT_PROTOCOLS = ("allreduce", "eager-sgd")
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd")
+GRADIENT_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that average gradients (they need the flat gradient buffer)."""
-GRAPH_FREE_PROTOCOLS = ("allreduce", "eager-sgd")
+GRAPH_FREE_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
 BULK_PLANES = ("zmq", "torch", "auto")
 EAGER_MODES = ("solo", "majority")
+DEFAULT_PIPELINE_K = 2
+COMPRESSIONS = ("none", "trunc16", "int8")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -81,6 +83,8 @@ class ProtocolConfig:
     bulk: str = "auto"
     eager_mode: str = "solo"
     full_sync_every: int | None = None
+    pipeline_k: int = DEFAULT_PIPELINE_K
+    compress: str = "none"
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -120,6 +124,7 @@ class ProtocolConfig:
         for spec in self.slowdown:
             parse_slowdown(spec)
         self._validate_eager()
+        self._validate_pipe_sgd()
 
     def _validate_eager(self) -> None:
         if self.eager_mode not in EAGER_MODES:
@@ -133,6 +138,18 @@ class ProtocolConfig:
                     (["--full-sync-every"] if self.full_sync_every is not None else [])
             if flags:
                 raise ConfigError(f"{', '.join(flags)}: eager-SGD option(s) that --protocol {self.protocol} "
+                                  "does not take")
+
+    def _validate_pipe_sgd(self) -> None:
+        if isinstance(self.pipeline_k, bool) or not isinstance(self.pipeline_k, int) or self.pipeline_k < 1:
+            raise ConfigError(f"--pipeline-k must be an integer >= 1 (got {self.pipeline_k!r})")
+        if self.compress not in COMPRESSIONS:
+            raise ConfigError(f"unknown --compress {self.compress!r} (choose from {', '.join(COMPRESSIONS)})")
+        if self.protocol != "pipe-sgd":
+            flags = [flag for flag, set_ in (("--pipeline-k", self.pipeline_k != DEFAULT_PIPELINE_K),
+                                             ("--compress", self.compress != "none")) if set_]
+            if flags:
+                raise ConfigError(f"{', '.join(flags)}: Pipe-SGD option(s) that --protocol {self.protocol} "
                                   "does not take")
 
     def hop_options_set(self) -> list[str]:
@@ -211,7 +228,8 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                        help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
                             "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
                             "and it takes none of the Hop options below. eager-sgd is eager-SGD's partial "
-                            "all-reduce (see --eager-mode)")
+                            "all-reduce (see --eager-mode); pipe-sgd is Pipe-SGD: the same all-reduce, "
+                            "pipelined K deep behind the compute (--pipeline-k, --compress)")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
@@ -244,6 +262,13 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bulk", default="auto", choices=BULK_PLANES,
                        help="what carries update tensors: zmq, torch (gloo on CPU, NCCL on CUDA) or auto "
                             "(torch for CUDA tensors, the faster one for CPU; default: auto)")
+    group.add_argument("--pipeline-k", type=_positive_int, default=DEFAULT_PIPELINE_K, metavar="K",
+                       help="pipe-sgd: each step applies the averaged gradient of K-1 iterations earlier while "
+                            "the newer all-reduces run behind the compute (Algorithm 1's g[t-K]); "
+                            f"1 is synchronous (default: {DEFAULT_PIPELINE_K})")
+    group.add_argument("--compress", default="none", choices=COMPRESSIONS,
+                       help="pipe-sgd: compress every hop of the ring: trunc16 keeps the top 16 bits of each "
+                            "float32 (2x fewer bytes), int8 quantizes with scale max|block|/127 (4x) (default: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -263,4 +288,6 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         bulk=getattr(args, "bulk", "auto"),
         eager_mode=args.eager_mode,
         full_sync_every=args.full_sync_every,
+        pipeline_k=args.pipeline_k,
+        compress=args.compress,
     )

@@ -10,6 +10,7 @@ from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
+from hopnet.protocols.pipesgd import PipeSgdProtocol
 
 
 def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
@@ -24,7 +25,9 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return AllReduceProtocol(config, grads)
     if config.protocol == "eager-sgd":
         return EagerProtocol(config, params, grads)
+    if config.protocol == "pipe-sgd":
+        return PipeSgdProtocol(config, grads)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AllReduceProtocol", "EagerProtocol", "HopProtocol", "Protocol", "make_protocol"]
+__all__ = ["AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol", "make_protocol"]

@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1000)
     parser.add_argument("--gradients", action="store_true",
                         help="start hopnet.init(model) with a linear model (for gradient protocols)")
+    parser.add_argument("--model", action="store_true",
+                        help="a linear model of --dim inputs with flat gradients (for gradient protocols)")
     args = parser.parse_args()
 
     rank = int(os.environ["HOPNET_RANK"])
@@ -44,6 +46,9 @@ def main() -> None:
     if args.gradients:  # a gradient protocol reduces the model's flat gradient buffer
         model = torch.nn.Linear(args.dim, 1, bias=False).double()
         worker = hopnet.init(model)
+    elif args.model:
+        torch.manual_seed(0)
+        worker = hopnet.init(torch.nn.Linear(args.dim, 1))
     else:
         params = torch.randn(args.dim, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
         worker = hopnet.init(params=params)

@@ -1,0 +1,199 @@
+"""Pipe-SGD (Li et al., NeurIPS'18, Algorithm 1): all-reduce pipelined K iterations deep.
+
+The compute thread and the comm thread of Algorithm 1 are the trainer's thread and the
+node's event loop. At the end of iteration ``t`` (numbered from 0, as ``worker.iterations``
+yields them) every worker:
+
+1. copies its local gradient into slot ``t mod K`` and launches the all-reduce (mean) of
+   that slot as a task on the loop, tagged ``pipe/{t}``, after the all-reduce of ``t-1``
+   (one at a time, in iteration order, as the paper's comm thread runs them);
+2. waits for the all-reduce of iteration ``t+1-K``, copies its result into the gradient
+   buffer (each ``.grad``) and calls ``apply`` (the optimizer step);
+3. returns to the trainer, which computes iteration ``t+1`` while the loop all-reduces the
+   gradients of iterations ``t+2-K .. t``.
+
+In the paper's numbering (iterations from 1, the update opening iteration ``t``) this is
+``w[t] = w[t-1] - lr * g[t-K]``: the gradient computed at the parameters of iteration ``s``
+is applied after iteration ``s+K-1``, a fixed staleness of ``K-1``, never a newer one even
+when it is already there. ``K = 1`` waits for the iteration's own all-reduce: the
+synchronous baseline, bit for bit ``--protocol allreduce``.
+
+Warm-up: Algorithm 1 starts from ``g[1-K..0] = 0``. Here the first ``K-1`` steps have no
+averaged gradient yet and call no ``apply`` at all: the same as a zero gradient for plain
+SGD, and no spurious momentum or weight-decay step for other optimizers.
+
+Drain: the last iteration applies the gradient of iteration ``T-K`` like any other, then
+waits for the ``K-1`` all-reduces still in flight to finish on every member (so no peer
+is left waiting on this one) and discards their results: every run makes ``T`` steps of
+which ``T-K+1`` apply a gradient, as Algorithm 1 does for the same ``T``.
+
+Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
+collective's codec hook; see :mod:`hopnet.collectives.compression`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from hopnet.collectives.base import Collective
+from hopnet.collectives.codec import IdentityCodec
+from hopnet.collectives.compression import make_codec
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.params import FlatGradients
+from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.wire import Header, Message
+
+TAG_PREFIX = "pipe"
+
+
+class PipeSgdProtocol(Protocol):
+    name = "pipe-sgd"
+
+    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None) -> None:
+        super().__init__()
+        if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
+            raise ConfigError("the pipe-sgd protocol reduces one flat, contiguous gradient buffer")
+        self.config = config
+        self.grads = grads
+        self.k = config.pipeline_k
+        self.codec = make_codec(config.compress)
+        self.everyone: tuple[int, ...] = ()
+        self.left_early: dict[int, int] = {}
+        self._slots: list[torch.Tensor] = []
+        self._reductions: dict[int, asyncio.Task[None]] = {}
+        self._collective: Collective | None = None
+        self.applied: list[int | None] = []
+        """For each finished iteration, the iteration whose averaged gradient its step applied
+        (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
+        self.discarded = 0
+
+    def bind(self, node: Any) -> None:
+        super().bind(node)
+        self.rank = node.rank
+        self.everyone = tuple(range(node.graph.n))
+
+    async def start(self) -> None:
+        self.node.entered(0, self)
+
+    # ------------------------------------------------------------------ Algorithm 1
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        t = self.iteration
+        grads = self._gradient_buffer()
+        self._launch_allreduce(t, grads)
+        due = t + 1 - self.k
+        if due >= 0:
+            await self._wait_for(due)
+            grads.copy_(self._slot(due))
+            if apply is not None:
+                apply()
+            self.applied.append(due)
+        else:
+            self.applied.append(None)  # warm-up: g[1-K..0] = 0, no step
+        self.node.iteration_done(t, self)
+        if last:
+            await self._drain()
+            return
+        self.iteration = t + 1
+        self.node.entered(t + 1, self)
+
+    def _launch_allreduce(self, t: int, grads: torch.Tensor) -> None:
+        """Copy iteration ``t``'s gradient into its slot and all-reduce it on the loop, after ``t-1``'s."""
+        slot = self._slot(t, like=grads)
+        slot.copy_(grads)
+        previous = self._reductions.get(t - 1)
+        task = asyncio.get_running_loop().create_task(self._allreduce(t, slot, previous),
+                                                      name=f"rank{self.rank}-pipe/{t}")
+        task.add_done_callback(_retrieve)
+        self._reductions[t] = task
+
+    async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            await asyncio.shield(previous)  # in iteration order; its failure is this one's too
+        await self.collective.allreduce(self.everyone, slot, "mean", tag=f"{TAG_PREFIX}/{t}")
+
+    async def _wait_for(self, t: int) -> None:
+        task = self._reductions[t]
+        began = self.node.timer()
+        try:
+            await self.node.clock.wait(asyncio.shield(task),
+                                       f"the all-reduce of iteration {t}'s gradients ({TAG_PREFIX}/{t}, "
+                                       f"rank {self.rank})", iteration=t)
+        finally:
+            self.node.waited("updates", self.node.timer() - began)
+        del self._reductions[t]
+
+    async def _drain(self) -> None:
+        """Finish the all-reduces still in flight (the peers need this rank's part); apply none."""
+        for t in sorted(self._reductions):
+            await self._wait_for(t)
+            self.discarded += 1
+
+    def _slot(self, t: int, *, like: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._slots:
+            assert like is not None
+            self._slots = [torch.empty_like(like) for _ in range(self.k)]
+        return self._slots[t % self.k]
+
+    @property
+    def collective(self) -> Collective:
+        if self._collective is None:
+            base = self.node.collective
+            if isinstance(self.codec, IdentityCodec):
+                self._collective = base
+            elif hasattr(base, "with_codec"):
+                self._collective = base.with_codec(self.codec)
+            else:
+                raise ConfigError(f"--compress {self.config.compress} needs a collective with a per-hop codec "
+                                  f"(the ring); {type(base).__name__} has none")
+        return self._collective
+
+    def _gradient_buffer(self) -> torch.Tensor:
+        if isinstance(self.grads, FlatGradients):
+            return self.grads.gather()
+        if self.grads is None:
+            raise ConfigError("--protocol pipe-sgd averages gradients: start the worker with "
+                              "hopnet.init(model), or give Worker a grads buffer")
+        return self.grads
+
+    # ------------------------------------------------------------------ leaving
+    async def stop(self) -> None:
+        """Abandon all-reduces left in flight (only on a failure path), then say goodbye to the
+        ring neighbours, the only ranks that wait on this one's messages."""
+        for task in self._reductions.values():
+            task.cancel()
+        if self._reductions:
+            await asyncio.wait(list(self._reductions.values()))
+            self._reductions.clear()
+        n = len(self.everyone)
+        if n < 2:
+            return
+        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
+            if peer not in self.left_early:
+                await self.node.connect_to([peer])
+                self.node.post(Message("bye", self.rank, peer, self.iteration))
+        await self.node.flush()
+
+    def on_peer_departed(self, peer: int, last_iteration: int) -> None:
+        self.left_early[peer] = last_iteration  # the collective fails the waits on it
+
+    def buffers_for(self, header: Header) -> Any:
+        return None
+
+    def on_message(self, msg: Message) -> None:
+        self.node.count_drop("unexpected_kind")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"grad_iter": self.applied[-1] if self.applied else None, "in_flight": len(self._reductions)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"rounds": self.iteration + 1, "pipeline_k": self.k, "compress": self.config.compress,
+                "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded}
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # surfaced by _wait_for; retrieved here so asyncio does not log it twice
