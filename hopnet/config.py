@@ -16,11 +16,13 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce")
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "ad-psgd")
 GRADIENT_PROTOCOLS = ("allreduce",)
 """Protocols that average gradients (they need the flat gradient buffer)."""
 GRAPH_FREE_PROTOCOLS = ("allreduce",)
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
+MODEL_AVERAGING_PROTOCOLS = ("ad-psgd",)
+"""Protocols that average models with their graph neighbours (not Hop: they take no Hop options)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
@@ -84,7 +86,7 @@ class ProtocolConfig:
     def validate(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {self.protocol!r} (choose from {', '.join(PROTOCOLS)})")
-        if self.protocol in GRAPH_FREE_PROTOCOLS:
+        if self.protocol in GRAPH_FREE_PROTOCOLS + MODEL_AVERAGING_PROTOCOLS:
             hop_only = self.hop_options_set()
             if hop_only:
                 raise ConfigError(f"{', '.join(hop_only)}: Hop option(s) that --protocol {self.protocol} does not take")
@@ -188,7 +190,9 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--protocol", default="hop", choices=PROTOCOLS,
                        help="training protocol (default: hop). allreduce is synchronous all-reduce of the "
                             "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
-                            "and it takes none of the Hop options below")
+                            "and it takes none of the Hop options below. ad-psgd is asynchronous pairwise model "
+                            "averaging (AD-PSGD) on a bipartite graph: active workers average with one random "
+                            "passive neighbour per iteration; it takes none of the Hop options either")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",

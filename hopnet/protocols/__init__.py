@@ -6,6 +6,7 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.params import FlatGradients
+from hopnet.protocols.adpsgd import AdPsgdProtocol
 from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.hop import HopProtocol
@@ -21,7 +22,9 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return HopProtocol(config, params)
     if config.protocol == "allreduce":
         return AllReduceProtocol(config, grads)
+    if config.protocol == "ad-psgd":
+        return AdPsgdProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AllReduceProtocol", "HopProtocol", "Protocol", "make_protocol"]
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "HopProtocol", "Protocol", "make_protocol"]
