@@ -34,9 +34,10 @@ takes the same lock and sees the model either before or after an averaging, neve
 half-way through.
 
 How a run ends: an active finishes its iterations and says ``bye`` to its passive
-neighbours. A passive that finished its own iterations keeps serving until every active
-neighbour said ``bye`` (or was declared dead), then stops; its wait fails after
-``--timeout`` seconds without a request or a goodbye, naming the actives still missing. A
+neighbours. A passive's last ``step()`` keeps serving until every active neighbour said
+``bye`` (or was declared dead), so the model its trainer holds after the loop is final;
+that wait fails after ``--timeout`` seconds without a request or a goodbye, naming the
+actives still missing. A
 worker that leaves early (Ctrl-C, a stop in the simulator) says ``bye`` at once; a passive
 replies to the request it is serving before that, and serves none after.
 
@@ -149,6 +150,8 @@ class AdPsgdProtocol(Protocol):
                 apply()
         if self.active:
             self.partners.append(await self._average_with_a_passive(k))
+        elif last:
+            await self._serve_until_actives_leave()
         self.node.iteration_done(k, self)
         self._served_this_iteration = 0
         if last:
@@ -216,23 +219,24 @@ class AdPsgdProtocol(Protocol):
 
     # ------------------------------------------------------------------ leaving
     async def stop(self) -> None:
-        finished = self.final_iteration is not None and self.iteration >= self.final_iteration
-        if self.active or not finished:
-            self._leaving = True
-            meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-            for peer in self.neighbours:
-                if peer not in self.gone:
-                    self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
-            await self.node.flush()
-            return
-        await self._serve_until_actives_leave()
+        """Say goodbye to the neighbours still here. A passive that finished its last step has
+        none left (it served until every active said goodbye); one leaving early serves no
+        more requests from here on."""
+        self._leaving = True
+        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
+        for peer in self.neighbours:
+            if peer not in self.gone:
+                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
         await self.node.flush()
 
     async def _serve_until_actives_leave(self) -> None:
-        """A passive that finished keeps serving until every active neighbour said goodbye.
-        The timeout counts silence: each request or goodbye restarts it."""
+        """A passive's last step returns once every active neighbour said goodbye, so the model
+        its trainer holds after the loop is final. The timeout counts silence: each request or
+        goodbye restarts it."""
         activity = self._activity
         assert activity is not None
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         while remaining := [p for p in self.neighbours if p not in self.gone]:
             activity.clear()
             try:
@@ -242,6 +246,7 @@ class AdPsgdProtocol(Protocol):
             except WaitTimeout as exc:
                 raise WaitTimeout(exc.what, peer=remaining[0], iteration=self.iteration, waited_s=exc.waited_s,
                                   peer_state=self.node.peer_state(remaining[0])) from None
+        self.node.waited("updates", loop.time() - began)
 
     # ------------------------------------------------------------------ peers leaving
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
