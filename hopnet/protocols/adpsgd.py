@@ -201,14 +201,15 @@ class AdPsgdProtocol(Protocol):
         """One averaging, start to finish, with no await in between: atomic on the event loop."""
         mean = msg.tensors[0]
         with self.model_lock:
-            if self.observer is not None:
+            observer = self.observer
+            if observer is not None:
                 before, active_model = self.params.clone(), mean.clone()
             mean.add_(self.params).mul_(0.5)
             self.params.copy_(mean)
+            if observer is not None:  # inside the lock: it sees the step as the readers will
+                observer(Averaging(msg.src, self.rank, msg.iter, self.iteration, active_model, before, mean))
         self.served += 1
         self._served_this_iteration += 1
-        if self.observer is not None:
-            self.observer(Averaging(msg.src, self.rank, msg.iter, self.iteration, active_model, before, mean))
         # ``mean`` is this active's request buffer: it is not written again before the active
         # has the reply, and so before this send is done.
         self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=[mean]))
