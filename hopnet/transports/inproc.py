@@ -11,6 +11,7 @@ bandwidth, with a FIFO per directed link so messages on one link keep their orde
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class InprocNetwork:
         self.byte_scale = byte_scale or {}
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
+        self._in_flight: dict[tuple[int, int], deque[tuple[InprocTransport, Message, int]]] = {}
 
     def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
         return InprocTransport(self, rank, allowed_senders)
@@ -74,6 +76,11 @@ class InprocNetwork:
         self._link_free_at[(src, dst)] = done
         return done + latency - now
 
+    @staticmethod
+    def _deliver_oldest(in_flight: deque[tuple[InprocTransport, Message, int]]) -> None:
+        target, msg, nbytes = in_flight.popleft()
+        target._on_message(msg, nbytes)
+
     def _route(self, msg: Message, nbytes: int) -> None:
         target = self._endpoints.get(msg.dst)
         if target is None or target.loop is None:
@@ -81,10 +88,18 @@ class InprocNetwork:
         sender_loop = asyncio.get_running_loop()
         delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
         if target.loop is sender_loop:
+            # Arrival times never decrease along a link, but timers due at the same instant may
+            # fire in any order (a bye of 0 bytes is due with the update before it). Each timer
+            # therefore delivers the oldest message in flight on its link: links stay FIFO.
+            link = (msg.src, msg.dst)
+            in_flight = self._in_flight.get(link)
+            if in_flight is None:
+                in_flight = self._in_flight[link] = deque()
+            in_flight.append((target, msg, nbytes))
             if delay > 0:
-                sender_loop.call_later(delay, target._on_message, msg, nbytes)
+                sender_loop.call_later(delay, self._deliver_oldest, in_flight)
             else:
-                sender_loop.call_soon(target._on_message, msg, nbytes)
+                sender_loop.call_soon(self._deliver_oldest, in_flight)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
 
