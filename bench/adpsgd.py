@@ -7,7 +7,8 @@ compute, homogeneous and with rank 1 (a passive) or rank 0 (an active) 5x slower
 processes: `hopnet launch` of examples/train_digits.py on ring:--procs, homogeneous and with
 rank 1 5x slower (`--slowdown rank=1:5`). Throughput is the sum over workers of
 iterations per second (each worker's iterations over the time from its first iteration's
-start to its last step's end, from the event logs); the ratio is AD-PSGD's over allreduce's
+start to the end of its second-to-last step, from the event logs: a passive's last step
+waits for its actives to finish, which is not training time); the ratio is AD-PSGD's over allreduce's
 in the same configuration. See bench/README.md ("AD-PSGD") for results.
 """
 
@@ -38,17 +39,23 @@ def simulated(workers: int, slowdown: list[str]) -> dict[str, float]:
     out = {}
     for protocol in PROTOCOLS:
         spec = SimSpec(graph=Graph.ring(workers), config=ProtocolConfig(protocol=protocol, slowdown=slowdown),
-                       iterations=100, compute=ComputeModel.parse("20"),
+                       iterations=60, compute=ComputeModel.parse("20"),
                        link=LinkModel(latency_s=0.0001, bytes_per_s=10e9 / 8), model_bytes=10_000_000)
-        out[protocol] = sum(simulate(spec).rates)
+        out[protocol] = training_rate(simulate(spec).finish_times)
     return out
+
+
+def training_rate(finish_times: list[list[float]]) -> float:
+    """Sum over workers of iterations per second up to each one's second-to-last step: a
+    passive's last step waits for its actives to finish, which is not training time."""
+    return sum((len(times) - 1) / times[-2] for times in finish_times)
 
 
 def throughput(run_dir: Path, n: int) -> float:
     total = 0.0
     for rank in range(n):
         records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines() if line]
-        steps = [r for r in records if r["event"] == "iteration"]
+        steps = [r for r in records if r["event"] == "iteration"][:-1]  # as training_rate()
         first = steps[0]["mono"] - steps[0]["compute_s"] - steps[0]["wait_updates_s"] - steps[0]["mix_s"]
         total += len(steps) / (steps[-1]["mono"] - first)
     return total

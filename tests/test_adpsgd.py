@@ -391,5 +391,7 @@ def test_with_one_worker_5x_slower_adpsgd_outruns_allreduce(slow_rank: int) -> N
         config = ProtocolConfig(protocol=protocol, slowdown=[f"rank={slow_rank}:5"])
         result = simulate(SimSpec(config=config, **common))
         assert result.iterations == [30] * 8
-        rates[protocol] = sum(result.rates)
+        # Up to each worker's second-to-last step: a passive's last step waits for its actives.
+        rates[protocol] = sum((len(t) - 1) / t[-2] for t in result.finish_times)
     assert rates["ad-psgd"] / rates["allreduce"] >= 1.5, rates
+    assert rates["allreduce"] < 8 * 10  # everyone at the straggler's pace: about 100 ms an iteration

@@ -293,6 +293,9 @@ class AdPsgdProtocol(Protocol):
 
     def on_message(self, msg: Message) -> None:
         if msg.kind == REQUEST and msg.tensors:
+            if msg.src in self.gone or self._leaving:
+                self.node.count_drop("unexpected_request")  # its active is gone, or this passive left
+                return
             self._serve(msg)
             self._note_activity()
         elif msg.kind == REPLY and msg.tensors and self._reply is not None and not self._reply.done() \
