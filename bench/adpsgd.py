@@ -51,17 +51,20 @@ def training_rate(finish_times: list[list[float]]) -> float:
     return sum((len(times) - 1) / times[-2] for times in finish_times)
 
 
-def throughput(run_dir: Path, n: int) -> float:
-    total = 0.0
+def throughput(run_dir: Path, n: int) -> tuple[float, float]:
+    """Sum of the workers' training rates (as :func:`training_rate`), and the run's length in
+    seconds: from the first iteration's start to the last step's end on any worker."""
+    total, began, ended = 0.0, float("inf"), 0.0
     for rank in range(n):
         records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines() if line]
-        steps = [r for r in records if r["event"] == "iteration"][:-1]  # as training_rate()
+        steps = [r for r in records if r["event"] == "iteration"]
         first = steps[0]["mono"] - steps[0]["compute_s"] - steps[0]["wait_updates_s"] - steps[0]["mix_s"]
-        total += len(steps) / (steps[-1]["mono"] - first)
-    return total
+        total += (len(steps) - 1) / (steps[-2]["mono"] - first)
+        began, ended = min(began, first), max(ended, steps[-1]["mono"])
+    return total, ended - began
 
 
-def real(procs: int, iterations: int, slowdown: list[str]) -> dict[str, tuple[float, float]]:
+def real(procs: int, iterations: int, slowdown: list[str]) -> dict[str, tuple[float, float, float]]:
     out = {}
     for protocol in PROTOCOLS:
         with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +77,7 @@ def real(procs: int, iterations: int, slowdown: list[str]) -> dict[str, tuple[fl
             if result.returncode != 0:
                 raise SystemExit(f"{protocol}: launch failed:\n{result.stderr}")
             accuracy = min(float(a) for _, a in ACCURACY.findall(result.stdout))
-            out[protocol] = (throughput(run_dir, procs), accuracy)
+            out[protocol] = (*throughput(run_dir, procs), accuracy)
     return out
 
 
@@ -84,22 +87,35 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--skip-sim", action="store_true")
     args = parser.parse_args()
-    print(f"simulator, ring:{args.sim_workers}, 10 MB model, 10 Gbit/s, 20 ms compute (sum of it/s)")
+    if not args.skip_sim:
+        simulator_table(args.sim_workers)
+    if args.skip_real:
+        return
+    real_table(args.procs, args.iterations)
+
+
+def simulator_table(workers: int) -> None:
+    print(f"simulator, ring:{workers}, 10 MB model, 10 Gbit/s, 20 ms compute (sum of it/s)")
     print(f"{'setting':<22}{'allreduce':>12}{'ad-psgd':>12}{'ratio':>8}")
     for label, slowdown in (("homogeneous", []), ("rank 1 (passive) 5x", ["rank=1:5"]),
                             ("rank 0 (active) 5x", ["rank=0:5"])):
-        rates = simulated(args.sim_workers, slowdown)
+        rates = simulated(workers, slowdown)
         print(f"{label:<22}{rates['allreduce']:>12.1f}{rates['ad-psgd']:>12.1f}"
               f"{rates['ad-psgd'] / rates['allreduce']:>8.2f}")
-    if args.skip_real:
-        return
-    print(f"\nreal processes, ring:{args.procs}, digits, {args.iterations} iterations (sum of it/s; lowest accuracy)")
-    print(f"{'setting':<22}{'allreduce':>18}{'ad-psgd':>18}{'ratio':>8}")
-    for label, slowdown in (("homogeneous", []), ("rank 1 (passive) 5x", ["rank=1:5"])):
-        results = real(args.procs, args.iterations, slowdown)
-        (ar, ar_acc), (ad, ad_acc) = results["allreduce"], results["ad-psgd"]
-        print(f"{label:<22}{ar:>10.1f} ({ar_acc:.3f}){ad:>10.1f} ({ad_acc:.3f}){ad / ar:>8.2f}")
+
+
+def real_table(procs: int, iterations: int) -> None:
+    print(f"\nreal processes, ring:{procs}, digits, {iterations} iterations "
+          "(sum of it/s, run seconds, lowest accuracy)")
+    print(f"{'setting':<22}{'allreduce':>24}{'ad-psgd':>24}{'ratio':>8}")
+    for label, slowdown in (("homogeneous", []), ("rank 1 (passive) 5x", ["rank=1:5"]),
+                            ("rank 0 (active) 5x", ["rank=0:5"])):
+        results = real(procs, iterations, slowdown)
+        cells = "".join(f"{rate:>9.1f} {seconds:>6.2f}s ({acc:.3f})" for rate, seconds, acc in results.values())
+        ratio = results["ad-psgd"][0] / results["allreduce"][0]
+        print(f"{label:<22}{cells}{ratio:>8.2f}")
 
 
 if __name__ == "__main__":
