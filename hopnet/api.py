@@ -19,6 +19,7 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -70,6 +71,7 @@ class Worker:
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
                          peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
         self._final_iteration: int | None = None
+        self._model_lock = threading.Lock()
         self._closed = False
         self.failure: BaseException | None = None
         """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
@@ -135,6 +137,14 @@ class Worker:
         """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
         thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
         return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
+
+    @property
+    def model_lock(self) -> threading.Lock:
+        """Hold it to read the parameters from another thread while nothing changes them: the
+        protocols that write the model on the event loop while the trainer computes (ad-psgd's
+        averagings) take it around each write, and around the optimizer step."""
+        lock = getattr(self.node.protocol, "model_lock", None)
+        return lock if lock is not None else self._model_lock
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""

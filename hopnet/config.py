@@ -16,11 +16,13 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd")
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd", "ad-psgd")
 GRADIENT_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that average gradients (they need the flat gradient buffer)."""
 GRAPH_FREE_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
+MODEL_AVERAGING_PROTOCOLS = ("ad-psgd",)
+"""Protocols that average models with their graph neighbours (not Hop: they take no Hop options)."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
@@ -93,7 +95,7 @@ class ProtocolConfig:
     def validate(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {self.protocol!r} (choose from {', '.join(PROTOCOLS)})")
-        if self.protocol in GRAPH_FREE_PROTOCOLS:
+        if self.protocol in GRAPH_FREE_PROTOCOLS + MODEL_AVERAGING_PROTOCOLS:
             hop_only = self.hop_options_set()
             if hop_only:
                 raise ConfigError(f"{', '.join(hop_only)}: Hop option(s) that --protocol {self.protocol} does not take")
@@ -229,7 +231,10 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                             "gradients among all ranks (what torch DDP does): the graph plays no part in it, "
                             "and it takes none of the Hop options below. eager-sgd is eager-SGD's partial "
                             "all-reduce (see --eager-mode); pipe-sgd is Pipe-SGD: the same all-reduce, "
-                            "pipelined K deep behind the compute (--pipeline-k, --compress)")
+                            "pipelined K deep behind the compute (--pipeline-k, --compress); ad-psgd is "
+                            "asynchronous pairwise model "
+                            "averaging (AD-PSGD) on a bipartite graph: active workers average with one random "
+                            "passive neighbour per iteration; it takes none of the Hop options either")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",

@@ -54,6 +54,8 @@ def check_config_for_graph(config: ProtocolConfig, graph: Graph) -> list[str]:
     config.validate()
     config.validate_ranks(graph.n)
     _check_backup_workers(config, graph)
+    if config.protocol == "ad-psgd":
+        check_bipartite(graph)
     notes: list[str] = []
     if config.protocol != "hop":
         return notes
@@ -63,6 +65,20 @@ def check_config_for_graph(config: ProtocolConfig, graph: Graph) -> list[str]:
     if config.staleness is not None and config.token_queues:
         notes.extend(_staleness_notes(config, graph, d))
     return notes
+
+
+def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """AD-PSGD's active and passive sets: the graph's two sides. A graph that has none (an odd
+    cycle, which would let averagings wait on each other in a circle) or whose edges go one way
+    only (a pair must talk both ways) is refused in one line."""
+    if not graph.is_undirected():
+        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {_graph_label(graph)} has "
+                          "one-way edges, and an averaging pair talks both ways")
+    sides = graph.two_colouring()
+    if isinstance(sides, list):
+        raise ConfigError(f"{_graph_label(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
+                          "(--protocol ad-psgd needs active and passive sides with every edge between them)")
+    return sides
 
 
 def _graph_label(graph: Graph) -> str:

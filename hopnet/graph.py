@@ -338,6 +338,53 @@ class Graph:
         ins = self._in_set
         return all(j in ins[i] for i, j in self._edges)
 
+    def two_colouring(self) -> tuple[tuple[int, ...], tuple[int, ...]] | list[int]:
+        """Split the nodes into two sides with every edge between them (edge directions ignored).
+
+        Returns ``(side_a, side_b)``, each sorted, with node 0 in ``side_a`` (breadth-first from
+        the lowest node of each component, so the split is deterministic); or, when the graph
+        is not bipartite, an odd cycle as a closed node list ``[v0, v1, ..., v0]``.
+        """
+        n = self._n
+        colour: list[int | None] = [None] * n
+        parent: list[int] = list(range(n))
+        depth = [0] * n
+        for root in range(n):
+            if colour[root] is not None:
+                continue
+            colour[root] = 0
+            queue = deque([root])
+            while queue:
+                u = queue.popleft()
+                for v in self._peers[u]:
+                    if colour[v] is None:
+                        colour[v], parent[v], depth[v] = 1 - colour[u], u, depth[u] + 1  # type: ignore[operator]
+                        queue.append(v)
+                    elif colour[v] == colour[u]:
+                        return self._odd_cycle(u, v, parent, depth)
+        side_a = tuple(v for v in range(n) if colour[v] == 0)
+        side_b = tuple(v for v in range(n) if colour[v] == 1)
+        return side_a, side_b
+
+    @staticmethod
+    def _odd_cycle(u: int, v: int, parent: list[int], depth: list[int]) -> list[int]:
+        """The cycle closed by edge u-v between two nodes of one BFS colour: both tree paths up
+        to their lowest common ancestor, joined by the edge (an odd number of edges)."""
+        up_u, up_v = [u], [v]
+        while depth[up_u[-1]] > depth[up_v[-1]]:
+            up_u.append(parent[up_u[-1]])
+        while depth[up_v[-1]] > depth[up_u[-1]]:
+            up_v.append(parent[up_v[-1]])
+        while up_u[-1] != up_v[-1]:
+            up_u.append(parent[up_u[-1]])
+            up_v.append(parent[up_v[-1]])
+        cycle = up_u[::-1] + up_v[:-1]  # ancestor .. u, v .. (child of ancestor)
+        start = cycle.index(min(cycle))
+        cycle = cycle[start:] + cycle[:start]
+        if len(cycle) > 2 and cycle[-1] < cycle[1]:
+            cycle = [cycle[0]] + cycle[1:][::-1]
+        return cycle + [cycle[0]]
+
     # ----------------------------------------------------------------- equality
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Graph):

@@ -6,6 +6,7 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.params import FlatGradients
+from hopnet.protocols.adpsgd import AdPsgdProtocol
 from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.eager import EagerProtocol
@@ -27,7 +28,10 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return EagerProtocol(config, params, grads)
     if config.protocol == "pipe-sgd":
         return PipeSgdProtocol(config, grads)
+    if config.protocol == "ad-psgd":
+        return AdPsgdProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol", "make_protocol"]
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol",
+           "make_protocol"]

@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from hopnet.analysis import GapTracker
-from hopnet.config import GRADIENT_PROTOCOLS, ProtocolConfig
+from hopnet.config import GRADIENT_PROTOCOLS, MODEL_AVERAGING_PROTOCOLS, ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.protocols import make_protocol
+from hopnet.protocols.adpsgd import REPLY as AVERAGING_REPLY
+from hopnet.protocols.adpsgd import REQUEST as AVERAGING_REQUEST
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
@@ -205,8 +207,9 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     graph, config = spec.graph, spec.config
     n = graph.n
     stand_in, scale = _stand_in_gradients(spec, n)
+    stand_in_kinds = (COLLECTIVE_KIND, AVERAGING_REQUEST, AVERAGING_REPLY)
     network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None,
-                            byte_scale=None if spec.param_dim else {COLLECTIVE_KIND: scale})
+                            byte_scale=None if spec.param_dim else {kind: scale for kind in stand_in_kinds})
     gaps = GapTracker(n)
     slowdown = config.make_slowdown()
     virtual_time = asyncio.get_running_loop().time
@@ -216,6 +219,10 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         if spec.param_dim:
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
+        elif config.protocol in MODEL_AVERAGING_PROTOCOLS:
+            # A model stand-in to average (there is no trainer); links are charged the model's bytes.
+            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
+            params = torch.randn(stand_in, generator=gen, dtype=torch.float32)
         protocol = make_protocol(config, params, _gradients(spec, rank, stand_in))
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))

@@ -51,7 +51,7 @@ class InprocNetwork:
         self.byte_scale = byte_scale or {}
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
-        self._in_flight: dict[tuple[int, int], deque[tuple[Message, int]]] = {}
+        self._in_flight: dict[tuple[int, int], deque[tuple[InprocTransport, Message, int]]] = {}
 
     def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
         return InprocTransport(self, rank, allowed_senders)
@@ -76,6 +76,11 @@ class InprocNetwork:
         self._link_free_at[(src, dst)] = done
         return done + latency - now
 
+    @staticmethod
+    def _deliver_oldest(in_flight: deque[tuple[InprocTransport, Message, int]]) -> None:
+        target, msg, nbytes = in_flight.popleft()
+        target._on_message(msg, nbytes)
+
     def _route(self, msg: Message, nbytes: int) -> None:
         target = self._endpoints.get(msg.dst)
         if target is None or target.loop is None:
@@ -83,22 +88,20 @@ class InprocNetwork:
         sender_loop = asyncio.get_running_loop()
         delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
         if target.loop is sender_loop:
+            # Arrival times never decrease along a link, but timers due at the same instant may
+            # fire in any order (a bye of 0 bytes is due with the update before it). Each timer
+            # therefore delivers the oldest message in flight on its link: links stay FIFO.
+            link = (msg.src, msg.dst)
+            in_flight = self._in_flight.get(link)
+            if in_flight is None:
+                in_flight = self._in_flight[link] = deque()
+            in_flight.append((target, msg, nbytes))
             if delay > 0:
-                # Timers due at the same instant fire in no fixed order: each one delivers the
-                # link's oldest message, so a link stays FIFO (as TCP and ZeroMQ are).
-                link = self._in_flight.setdefault((msg.src, msg.dst), deque())
-                link.append((msg, nbytes))
-                sender_loop.call_later(delay, self._deliver_oldest, target, link)
+                sender_loop.call_later(delay, self._deliver_oldest, in_flight)
             else:
-                sender_loop.call_soon(target._on_message, msg, nbytes)
+                sender_loop.call_soon(self._deliver_oldest, in_flight)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
-
-
-    @staticmethod
-    def _deliver_oldest(target: InprocTransport, link: deque[tuple[Message, int]]) -> None:
-        msg, nbytes = link.popleft()
-        target._on_message(msg, nbytes)
 
 
 class InprocTransport(Transport):
