@@ -23,8 +23,7 @@ The reduce itself is ``allreduce`` (sum) on the group's process group; ``mean``
 divides by the group size afterwards. gloo and NCCL reduce each element once and
 send the result to every member, so members end bit for bit equal (the tests check it).
 A cached group's call issues the reduce on the caller's event loop (gloo and NCCL only
-enqueue it); gloo's own thread wakes the loop when it completes (through the work's
-future), and for NCCL a thread per cached group waits for it; any other call (the first of a
+enqueue it) and a thread per cached group waits for it; any other call (the first of a
 group, or an uncached one, which talk to the store and construct process groups) runs
 in a thread of its own. Every wait (store, construction, reduce) has the collective's
 timeout and fails naming the group.
@@ -146,21 +145,12 @@ class TorchCollective(Collective):
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
                               f"{_one_line(exc)}") from None
-        settle = lambda err: done.done() or done.set_result(err)  # noqa: E731
-        if tensor.device.type == "cuda":
-            waiter = self._waiters.get(key)
-            if waiter is None:
-                waiter = self._waiters[key] = OpWaiter(
-                    f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}", loop, self.timeout_s)
-            waiter.add([work], tensor.device, settle)
-        else:
-            # gloo completes the work's future in its own thread: wake the loop from there,
-            # saving a hand-off to a waiter thread per call (bench/README.md, "Collectives").
-            work.get_future().add_done_callback(lambda fut: _wake(loop, settle, fut))
-        try:
-            error = await asyncio.wait_for(done, self.timeout_s)
-        except asyncio.TimeoutError:
-            error = TimeoutError()
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
+                                                  loop, self.timeout_s)
+        waiter.add([work], tensor.device, lambda err: done.done() or done.set_result(err))
+        error = await done
         if isinstance(error, TimeoutError):
             raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
                               peer_state="stalled")
@@ -266,19 +256,6 @@ class TorchCollective(Collective):
                 if pg is not None:
                     release_group(pg)
             self._cached.clear()
-
-
-def _wake(loop: asyncio.AbstractEventLoop, settle: Any, future: Any) -> None:
-    """In the thread that completed a torch future: hand its outcome to the event loop."""
-    error: BaseException | None = None
-    try:
-        future.wait()  # done already; raises the op's error, if any
-    except BaseException as exc:
-        error = exc
-    try:
-        loop.call_soon_threadsafe(settle, error)
-    except RuntimeError:  # the loop is closed: nobody waits any more
-        pass
 
 
 def _one_line(error: BaseException) -> str:
