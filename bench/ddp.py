@@ -3,6 +3,7 @@
     python bench/ddp.py --scenario none        # allreduce, Hop, Hop backup+skip and DDP, no slowdown
     python bench/ddp.py --scenario straggler   # the same with --slowdown rank=0:4 (DDP: the same stretch)
     python bench/ddp.py --scenario random      # the same with --slowdown random:6:0.125
+    python bench/ddp.py --runs ddp,allreduce-torch,allreduce   # the all-reduce over gloo and over the ring
 
 Every run trains examples/train_digits.py's MLP (64-64-10, SGD momentum 0.9, cosine
 learning rate, batches of 32 from the rank's shard, held-out accuracy on the shared test
@@ -261,6 +262,8 @@ def main() -> None:
             wall = run_ddp(slowdown, run_dir, args)
         elif name == "allreduce":
             wall = run_hopnet(name, ["--protocol", "allreduce"], slowdown, run_dir, args)
+        elif name == "allreduce-torch":  # the all-reduce over TorchCollective (gloo), not the ring
+            wall = run_hopnet(name, ["--protocol", "allreduce", "--bulk", "torch"], slowdown, run_dir, args)
         elif name == "hop":
             wall = run_hopnet(name, [], slowdown, run_dir, args)
         elif name == "hop-skip":
