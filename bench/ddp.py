@@ -188,7 +188,8 @@ def summarize(name: str, run_dir: Path, nproc: int, wall: float, args: argparse.
         reach_iters.append(hit[0][1] if hit else math.inf)
         final.append(data["evals"][-1][2])
     row = {"name": name, "ms_per_iter": 1e3 * statistics.mean(per_iter), "to_target_max": max(reach),
-           "to_target_median": statistics.median(reach), "iters_to_target_max": max(reach_iters), "final_acc_min": min(final),
+           "to_target_median": statistics.median(reach), "iters_to_target_max": max(reach_iters),
+           "final_acc_min": min(final),
            "final_acc_mean": statistics.mean(final), "train_s": max(d["ends"][-1][1] for d in ranks),
            "process_wall_s": wall}
     row["split_ms"] = split_ms(run_dir, ranks, warm)
@@ -220,7 +221,8 @@ def split_ms(run_dir: Path, ranks: list[dict], warm: int) -> dict[str, float]:
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     ddp = next(r for r in rows if r["name"] == "ddp")
     print(f"\n| run | ms / iteration | DDP / this (per iteration) | s to {args.target:.2f} (all workers) | "
-          f"median worker | DDP / this (to target) | iterations to target (max) | final acc (min) | split, ms / iteration |")
+          "median worker | DDP / this (to target) | iterations to target (max) | final acc (min) | "
+          "split, ms / iteration |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         ratio_target = ddp["to_target_max"] / r["to_target_max"] if math.isfinite(r["to_target_max"]) else 0.0
