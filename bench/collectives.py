@@ -1,19 +1,21 @@
-"""All-reduce benchmark: hopnet's ring over ZeroMQ against torch.distributed gloo, same run.
+"""All-reduce benchmark: hopnet over torch and over ZeroMQ against torch.distributed gloo, same run.
 
-    python bench/collectives.py [--sizes 0.0625,4,64] [--nprocs 2,4] [--repeat 5] [--total-mib 256]
+    python bench/collectives.py [--sizes 1,16,64] [--nprocs 2,4,8] [--repeat 5] [--total-mib 256]
 
 For each number of processes P, P worker processes are started on 127.0.0.1. The parent
 hosts a torch TCPStore; the workers join a gloo process group through it and also trade
 their hopnet addresses through it. Each worker runs a hopnet Node (ZmqTransport, ring
-collective) on an event-loop thread, as a trainer does, and gloo's ``all_reduce`` is
-called directly from the main thread.
+collective) on an event-loop thread, as a trainer does; ``TorchCollective`` (hopnet over
+torch.distributed, its groups built from the same store) runs on that loop too; gloo's
+``all_reduce`` is called directly from the main thread.
 
-For every size the two methods take turns, ``--repeat`` times, after one untimed warm-up
+For every size the three methods take turns, ``--repeat`` times, after one untimed warm-up
 each: a gloo barrier, then N back-to-back mean all-reduces of one float32 tensor (N is
 about --total-mib / size, at least 3), timed on rank 0 from the barrier to the end of the
 N-th (N at most --max-count). gloo's mean is ``all_reduce(SUM)`` then a division, as DDP does it. The table
 shows the median time per all-reduce, the bus bandwidth (``2 (P-1)/P * bytes / time``,
-what each link carries) and hopnet's throughput as a ratio of gloo's.
+what each link carries) and each hopnet collective's throughput as a ratio of gloo's.
+Point to point (1 to 64 MiB, torch plane against ZeroMQ) is bench/bulk.py's job.
 See bench/README.md ("Collectives") for results.
 """
 
@@ -35,7 +37,7 @@ if __package__ in (None, ""):
 from hopnet.collectives.ring import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MiB = 1 << 20
-METHODS = ("gloo", "hopnet-ring")
+METHODS = ("gloo", "hopnet-torch", "hopnet-ring")
 
 
 def free_port() -> int:
@@ -54,6 +56,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
     import torch.distributed as dist
 
     from hopnet.collectives.ring import RingCollective
+    from hopnet.collectives.torchdist import TorchCollective
     from hopnet.config import ProtocolConfig
     from hopnet.graph import Graph
     from hopnet.protocols import make_protocol
@@ -85,11 +88,17 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
         rounds[0] += 1
         thread.run(node.collective.allreduce(everyone, t, "mean", tag=f"b/{rounds[0]}"))
 
+    torch_collective = TorchCollective(rank, world, store, timeout_s=120)
+
+    def hopnet_torch_allreduce(t: torch.Tensor) -> None:
+        rounds[0] += 1
+        thread.run(torch_collective.allreduce(everyone, t, "mean", tag=f"t/{rounds[0]}"))
+
     def gloo_allreduce(t: torch.Tensor) -> None:
         dist.all_reduce(t)
         t.div_(world)
 
-    run = {"gloo": gloo_allreduce, "hopnet-ring": hopnet_allreduce}
+    run = {"gloo": gloo_allreduce, "hopnet-torch": hopnet_torch_allreduce, "hopnet-ring": hopnet_allreduce}
     try:
         for size in sizes:
             tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -113,6 +122,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
                 results.put({"world": world, "size": size, "count": count, "times": times})
         dist.barrier()
     finally:
+        thread.run(torch_collective.close())
         thread.run(node.close(leave=False))
         thread.stop()
         dist.destroy_process_group()
@@ -158,22 +168,24 @@ def fmt_size(size: int) -> str:
 
 
 def table(rows: list[dict], header: bool = True) -> str:
-    lines = ["| P | size | N | gloo ms | hopnet ring ms | gloo bus GB/s | ring bus GB/s | ring / gloo throughput |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
+    lines = ["| P | size | N | gloo ms | hopnet torch ms | hopnet ring ms | gloo bus GB/s | torch / gloo | "
+             "ring / gloo | ring / torch |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
     for row in rows:
         world, size = row["world"], row["size"]
         med = {m: statistics.median(row["times"][m]) for m in METHODS}
         bus = {m: 2 * (world - 1) / world * size / med[m] / 1e9 for m in METHODS}
         lines.append(f"| {world} | {fmt_size(size)} | {row['count']} | {med['gloo'] * 1e3:.3f} | "
-                     f"{med['hopnet-ring'] * 1e3:.3f} | {bus['gloo']:.2f} | {bus['hopnet-ring']:.2f} | "
-                     f"{med['gloo'] / med['hopnet-ring']:.2f}x |")
+                     f"{med['hopnet-torch'] * 1e3:.3f} | {med['hopnet-ring'] * 1e3:.3f} | {bus['gloo']:.2f} | "
+                     f"{med['gloo'] / med['hopnet-torch']:.3f}x | {med['gloo'] / med['hopnet-ring']:.2f}x | "
+                     f"{med['hopnet-torch'] / med['hopnet-ring']:.2f}x |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="0.0625,4,64", help="tensor sizes in MiB (default: 0.0625,4,64)")
-    parser.add_argument("--nprocs", default="2,4", help="numbers of processes (default: 2,4)")
+    parser.add_argument("--sizes", default="1,16,64", help="tensor sizes in MiB (default: 1,16,64)")
+    parser.add_argument("--nprocs", default="2,4,8", help="numbers of processes (default: 2,4,8)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--total-mib", type=float, default=256, help="about this much data per timed block")
     parser.add_argument("--max-count", type=int, default=200, help="at most this many all-reduces per timed block")
