@@ -44,25 +44,19 @@ from hopnet.collectives.compression import make_codec
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.params import FlatGradients
-from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.wire import Header, Message
+from hopnet.protocols.base import ApplyFn
+from hopnet.protocols.gradient import AllRanksGradientProtocol
 
 TAG_PREFIX = "pipe"
 
 
-class PipeSgdProtocol(Protocol):
+class PipeSgdProtocol(AllRanksGradientProtocol):
     name = "pipe-sgd"
 
     def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None) -> None:
-        super().__init__()
-        if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
-            raise ConfigError("the pipe-sgd protocol reduces one flat, contiguous gradient buffer")
-        self.config = config
-        self.grads = grads
+        super().__init__(config, grads)
         self.k = config.pipeline_k
         self.codec = make_codec(config.compress)
-        self.everyone: tuple[int, ...] = ()
-        self.left_early: dict[int, int] = {}
         self._slots: list[torch.Tensor] = []
         self._reductions: dict[int, asyncio.Task[None]] = {}
         self._collective: Collective | None = None
@@ -70,14 +64,6 @@ class PipeSgdProtocol(Protocol):
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
         self.discarded = 0
-
-    def bind(self, node: Any) -> None:
-        super().bind(node)
-        self.rank = node.rank
-        self.everyone = tuple(range(node.graph.n))
-
-    async def start(self) -> None:
-        self.node.entered(0, self)
 
     # ------------------------------------------------------------------ Algorithm 1
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -151,14 +137,6 @@ class PipeSgdProtocol(Protocol):
                                   f"(the ring); {type(base).__name__} has none")
         return self._collective
 
-    def _gradient_buffer(self) -> torch.Tensor:
-        if isinstance(self.grads, FlatGradients):
-            return self.grads.gather()
-        if self.grads is None:
-            raise ConfigError("--protocol pipe-sgd averages gradients: start the worker with "
-                              "hopnet.init(model), or give Worker a grads buffer")
-        return self.grads
-
     # ------------------------------------------------------------------ leaving
     async def stop(self) -> None:
         """Abandon all-reduces left in flight (only on a failure path), then say goodbye to the
@@ -168,23 +146,7 @@ class PipeSgdProtocol(Protocol):
         if self._reductions:
             await asyncio.wait(list(self._reductions.values()))
             self._reductions.clear()
-        n = len(self.everyone)
-        if n < 2:
-            return
-        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
-            if peer not in self.left_early:
-                await self.node.connect_to([peer])
-                self.node.post(Message("bye", self.rank, peer, self.iteration))
-        await self.node.flush()
-
-    def on_peer_departed(self, peer: int, last_iteration: int) -> None:
-        self.left_early[peer] = last_iteration  # the collective fails the waits on it
-
-    def buffers_for(self, header: Header) -> Any:
-        return None
-
-    def on_message(self, msg: Message) -> None:
-        self.node.count_drop("unexpected_kind")
+        await self._say_goodbye()
 
     def snapshot(self) -> dict[str, Any]:
         return {"grad_iter": self.applied[-1] if self.applied else None, "in_flight": len(self._reductions)}

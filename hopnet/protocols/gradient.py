@@ -1,0 +1,71 @@
+"""What the protocols that all-reduce one flat gradient buffer among all ranks share.
+
+``allreduce`` and ``pipe-sgd`` differ only in when a reduced gradient is applied; the
+buffer they reduce, how they leave (a goodbye to the ring neighbours, the only ranks
+that wait on this one's messages) and the messages they take (none of their own: the
+collective's go through the node's mailbox) are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.params import FlatGradients
+from hopnet.protocols.base import Protocol
+from hopnet.wire import Header, Message
+
+
+class AllRanksGradientProtocol(Protocol):
+    """Base of the protocols that average ``grads`` among every rank of the run."""
+
+    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None) -> None:
+        super().__init__()
+        if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
+            raise ConfigError(f"the {self.name} protocol reduces one flat, contiguous gradient buffer")
+        self.config = config
+        self.grads = grads
+        self.everyone: tuple[int, ...] = ()
+        self.left_early: dict[int, int] = {}
+
+    def bind(self, node: Any) -> None:
+        super().bind(node)
+        self.rank = node.rank
+        self.everyone = tuple(range(node.graph.n))
+
+    async def start(self) -> None:
+        self.node.entered(0, self)
+
+    def _gradient_buffer(self) -> torch.Tensor:
+        if isinstance(self.grads, FlatGradients):
+            return self.grads.gather()
+        if self.grads is None:
+            raise ConfigError(f"--protocol {self.name} averages gradients: start the worker with "
+                              "hopnet.init(model), or give Worker a grads buffer")
+        return self.grads
+
+    async def _say_goodbye(self) -> None:
+        """Tell the ring neighbours, the only ranks that wait on this one's messages."""
+        n = len(self.everyone)
+        if n < 2:
+            return
+        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
+            if peer not in self.left_early:
+                await self.node.connect_to([peer])
+                self.node.post(Message("bye", self.rank, peer, self.iteration))
+        await self.node.flush()
+
+    async def stop(self) -> None:
+        await self._say_goodbye()
+
+    def on_peer_departed(self, peer: int, last_iteration: int) -> None:
+        self.left_early[peer] = last_iteration  # the collective fails the waits on it
+
+    def buffers_for(self, header: Header) -> Any:
+        return None
+
+    def on_message(self, msg: Message) -> None:
+        self.node.count_drop("unexpected_kind")
