@@ -10,8 +10,11 @@ before its opening fence (blank lines between are allowed), invisible on GitHub:
     under `hopnet launch` with 2 workers. Add ``nproc=N`` to change the count.
 ``<!-- readme-test: invalid -->``
     JSON that must be *rejected* by ``hopnet graph validate`` (an example of an error).
-``<!-- readme-test: skip REASON -->``
-    Not run; the reason is required and shown in the test id.
+``<!-- readme-test: fragment REASON -->``
+    Python lines taken out of a larger program (protocol code with a top-level
+    ``await``, a run directory that must exist): not run, but compiled, and every
+    ``import`` / ``from ... import`` in it must resolve, so a renamed API breaks the
+    test. The reason (where the same calls run for real) is required.
 
 Without a comment a ``python`` block runs stand-alone in an empty directory, and a
 ``json`` block must parse; one that has ``nodes`` and ``edges`` must be a valid graph.
@@ -80,12 +83,12 @@ def _apply_mark(block: Block, lines: list[str], fence_index: int) -> None:
         return
     mode, rest = mark.group(1), mark.group(2)
     where = f"{block.path}:{j + 1}"
-    if mode not in ("launch", "invalid", "skip"):
-        raise ValueError(f"{where}: unknown readme-test mode {mode!r} (launch, invalid, skip)")
-    if mode == "skip" and not rest:
-        raise ValueError(f"{where}: readme-test: skip needs a reason")
+    if mode not in ("launch", "invalid", "fragment"):
+        raise ValueError(f"{where}: unknown readme-test mode {mode!r} (launch, invalid, fragment)")
+    if mode == "fragment" and not rest:
+        raise ValueError(f"{where}: readme-test: fragment needs a reason")
     block.mode = mode
-    if mode == "skip":
+    if mode == "fragment":
         block.reason = rest
     else:
         for item in rest.split():

@@ -12,6 +12,8 @@ New blocks are picked up automatically; one that cannot run stand-alone needs a 
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -60,6 +62,19 @@ def check_json_block(block: Block, tmp_path: Path) -> None:
     Graph.from_json(data)
 
 
+def check_fragment_block(block: Block) -> None:
+    """Compile the fragment (top-level ``await`` allowed) and resolve every import in it."""
+    tree = compile(block.text, block.id, "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{block.id}: {node.module} has no {alias.name}"
+
+
 def check_python_block(block: Block, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=300)
@@ -90,8 +105,6 @@ def _params(lang: str, slow_modes: tuple[str, ...] = ()) -> list:
         if b.lang != lang:
             continue
         marks = [pytest.mark.slow] if b.mode in slow_modes else []
-        if b.mode == "skip":
-            marks.append(pytest.mark.skip(reason=b.reason))
         params.append(pytest.param(b, id=b.id, marks=marks))
     return params
 
@@ -105,6 +118,8 @@ def test_json_example(block: Block, tmp_path: Path) -> None:
 def test_python_example(block: Block, tmp_path: Path) -> None:
     if block.mode == "launch":
         check_launch_block(block, tmp_path)
+    elif block.mode == "fragment":
+        check_fragment_block(block)
     else:
         check_python_block(block, tmp_path)
 
@@ -147,3 +162,13 @@ def test_a_broken_example_fails_its_check(tmp_path: Path) -> None:
         check_json_block(graph_block, tmp_path)  # the README's old graph example
     with pytest.raises(AssertionError, match=r"failed \(exit 3\)"):
         check_python_block(python_block, tmp_path)
+
+
+def test_a_fragment_naming_an_api_that_is_gone_fails() -> None:
+    good = Block(Path("doc.md"), 1, "python", "from hopnet.report.rundir import load_run_dir\n"
+                 "await node.collective.allreduce((0, 1), t, 'mean', tag='x')\n", mode="fragment")
+    check_fragment_block(good)
+    gone = Block(Path("doc.md"), 1, "python", "from hopnet.report.rundir import load_a_run_that_is_gone\n",
+                 mode="fragment")
+    with pytest.raises(AssertionError, match="has no load_a_run_that_is_gone"):
+        check_fragment_block(gone)
