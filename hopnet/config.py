@@ -16,13 +16,15 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.slowdown import Slowdown, parse_slowdown
 
-PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd", "ad-psgd")
+PROTOCOLS = ("hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd", "ad-psgd", "prague", "partial-reduce")
 GRADIENT_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that average gradients (they need the flat gradient buffer)."""
 GRAPH_FREE_PROTOCOLS = ("allreduce", "eager-sgd", "pipe-sgd")
 """Protocols that ignore the communication graph (they reduce among all ranks)."""
-MODEL_AVERAGING_PROTOCOLS = ("ad-psgd",)
-"""Protocols that average models with their graph neighbours (not Hop: they take no Hop options)."""
+MODEL_AVERAGING_PROTOCOLS = ("ad-psgd", "prague", "partial-reduce")
+"""Protocols that average models (not Hop: they take no Hop options)."""
+GROUP_PROTOCOLS = ("prague", "partial-reduce")
+"""Protocols that average models within groups a coordinator (or a static schedule) forms."""
 DEFAULT_MAX_IG = 2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
@@ -30,6 +32,12 @@ BULK_PLANES = ("zmq", "torch", "auto")
 EAGER_MODES = ("solo", "majority")
 DEFAULT_PIPELINE_K = 2
 COMPRESSIONS = ("none", "trunc16", "int8")
+GROUP_GENERATORS = ("random", "smart", "static")
+DEFAULT_GROUP_SIZE = 3
+DEFAULT_SLOW_FILTER = 4
+GROUP_WEIGHTS = ("const", "dynamic")
+DEFAULT_EMA_DECAY = 0.9
+MISSING_LEVEL_POLICIES = ("oldest", "nearest", "renormalize")
 
 
 def parse_backup_workers(text: str | int | dict[int, int] | None) -> int | dict[int, int]:
@@ -87,6 +95,16 @@ class ProtocolConfig:
     full_sync_every: int | None = None
     pipeline_k: int = DEFAULT_PIPELINE_K
     compress: str = "none"
+    group_generator: str = "smart"
+    group_size: int = DEFAULT_GROUP_SIZE
+    group_buffer: bool = True
+    global_division: bool = True
+    inter_intra: bool = True
+    slow_filter: int = DEFAULT_SLOW_FILTER
+    weights: str = "const"
+    ema_decay: float = DEFAULT_EMA_DECAY
+    missing_policy: str = "oldest"
+    frozen_window: int | None = None
 
     def __post_init__(self) -> None:
         self.backup_workers = parse_backup_workers(self.backup_workers)
@@ -127,6 +145,46 @@ class ProtocolConfig:
             parse_slowdown(spec)
         self._validate_eager()
         self._validate_pipe_sgd()
+        self._validate_groups()
+
+    def _validate_groups(self) -> None:
+        if self.group_generator not in GROUP_GENERATORS:
+            raise ConfigError(f"--group-generator must be one of {', '.join(GROUP_GENERATORS)} "
+                              f"(got {self.group_generator!r})")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ConfigError(f"--group-size must be an integer >= 2 (got {self.group_size!r})")
+        if isinstance(self.slow_filter, bool) or not isinstance(self.slow_filter, int) or self.slow_filter < 0:
+            raise ConfigError(f"--slow-filter must be an integer >= 0, 0 turning it off (got {self.slow_filter!r})")
+        if self.weights not in GROUP_WEIGHTS:
+            raise ConfigError(f"--weights must be one of {', '.join(GROUP_WEIGHTS)} (got {self.weights!r})")
+        if (isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float))
+                or not 0 <= self.ema_decay < 1):
+            raise ConfigError(f"--ema-decay must be in [0, 1) (got {self.ema_decay!r})")
+        if self.missing_policy not in MISSING_LEVEL_POLICIES:
+            raise ConfigError(f"--missing-policy must be one of {', '.join(MISSING_LEVEL_POLICIES)} "
+                              f"(got {self.missing_policy!r})")
+        if self.frozen_window is not None and (isinstance(self.frozen_window, bool)
+                                               or not isinstance(self.frozen_window, int) or self.frozen_window < 0):
+            raise ConfigError(f"--frozen-window must be an integer >= 0, 0 turning the filter off "
+                              f"(got {self.frozen_window!r})")
+        prague_flags = [flag for flag, set_ in (
+            ("--group-generator", self.group_generator != "smart"),
+            ("--no-group-buffer", not self.group_buffer),
+            ("--no-global-division", not self.global_division),
+            ("--no-inter-intra", not self.inter_intra),
+            ("--slow-filter", self.slow_filter != DEFAULT_SLOW_FILTER)) if set_]
+        partial_flags = [flag for flag, set_ in (
+            ("--weights", self.weights != "const"),
+            ("--ema-decay", self.ema_decay != DEFAULT_EMA_DECAY),
+            ("--missing-policy", self.missing_policy != "oldest"),
+            ("--frozen-window", self.frozen_window is not None)) if set_]
+        group_flags = ["--group-size"] if self.group_size != DEFAULT_GROUP_SIZE else []
+        misplaced = (prague_flags if self.protocol != "prague" else []) + \
+                    (partial_flags if self.protocol != "partial-reduce" else []) + \
+                    (group_flags if self.protocol not in GROUP_PROTOCOLS else [])
+        if misplaced:
+            raise ConfigError(f"{', '.join(misplaced)}: group option(s) that --protocol {self.protocol} "
+                              "does not take")
 
     def _validate_eager(self) -> None:
         if self.eager_mode not in EAGER_MODES:
@@ -234,7 +292,10 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                             "pipelined K deep behind the compute (--pipeline-k, --compress); ad-psgd is "
                             "asynchronous pairwise model "
                             "averaging (AD-PSGD) on a bipartite graph: active workers average with one random "
-                            "passive neighbour per iteration; it takes none of the Hop options either")
+                            "passive neighbour per iteration; prague averages models in groups a Group "
+                            "Generator forms (--group-generator); partial-reduce averages models in groups of the "
+                            "first --group-size ready workers a controller forms (--weights). None of these "
+                            "model-averaging protocols takes the Hop options")
     group.add_argument("--max-ig", type=_positive_int, default=DEFAULT_MAX_IG, metavar="N",
                        help=f"maximum iteration gap between neighbours, via token queues (default: {DEFAULT_MAX_IG})")
     group.add_argument("--no-token-queues", dest="token_queues", action="store_false",
@@ -274,6 +335,38 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compress", default="none", choices=COMPRESSIONS,
                        help="pipe-sgd: compress every hop of the ring: trunc16 keeps the top 16 bits of each "
                             "float32 (2x fewer bytes), int8 quantizes with scale max|block|/127 (4x) (default: none)")
+    add_group_arguments(parser)
+
+
+def add_group_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the group protocols (prague, partial-reduce)."""
+    group = parser.add_argument_group("group protocols (prague, partial-reduce)")
+    group.add_argument("--group-size", type=_positive_int, default=DEFAULT_GROUP_SIZE, metavar="N",
+                       help=f"workers per group (default: {DEFAULT_GROUP_SIZE})")
+    group.add_argument("--group-generator", default="smart", choices=GROUP_GENERATORS,
+                       help="prague: random (a central Group Generator with a lock vector and FIFO queue), smart "
+                            "(Group Buffer, Global Division, Inter-Intra and the slow-worker filter) or static "
+                            "(a conflict-free schedule each worker computes alone). Default: smart")
+    group.add_argument("--no-group-buffer", dest="group_buffer", action="store_false",
+                       help="prague smart: switch the Group Buffer off")
+    group.add_argument("--no-global-division", dest="global_division", action="store_false",
+                       help="prague smart: switch Global Division off")
+    group.add_argument("--no-inter-intra", dest="inter_intra", action="store_false",
+                       help="prague smart: switch the Inter-Intra phases (by the graph's machine field) off")
+    group.add_argument("--slow-filter", type=_positive_int, default=DEFAULT_SLOW_FILTER, metavar="C",
+                       help="prague smart: leave out of a Global Division the workers C or more requests behind "
+                            f"its initiator; 0 switches the filter off (default: {DEFAULT_SLOW_FILTER})")
+    group.add_argument("--weights", default="const", choices=GROUP_WEIGHTS,
+                       help="partial-reduce: const (1/P, keeps the mean) or dynamic (staleness-aware EMA "
+                            "weights, Eq. 9). Default: const")
+    group.add_argument("--ema-decay", type=float, default=DEFAULT_EMA_DECAY, metavar="ALPHA",
+                       help=f"partial-reduce dynamic weights: the EMA decay (default: {DEFAULT_EMA_DECAY:g})")
+    group.add_argument("--missing-policy", default="oldest", choices=MISSING_LEVEL_POLICIES,
+                       help="partial-reduce dynamic weights: who gets the weight of staleness levels no member "
+                            "holds (default: oldest, the paper's reading)")
+    group.add_argument("--frozen-window", type=int, default=None, metavar="T",
+                       help="partial-reduce: keep the sync graph of the last T groups connected (default: "
+                            "derived from the world and group sizes; 0 switches group-frozen avoidance off)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
@@ -295,4 +388,14 @@ def config_from_args(args: argparse.Namespace) -> ProtocolConfig:
         full_sync_every=args.full_sync_every,
         pipeline_k=args.pipeline_k,
         compress=args.compress,
+        group_generator=getattr(args, "group_generator", "smart"),
+        group_size=getattr(args, "group_size", DEFAULT_GROUP_SIZE),
+        group_buffer=getattr(args, "group_buffer", True),
+        global_division=getattr(args, "global_division", True),
+        inter_intra=getattr(args, "inter_intra", True),
+        slow_filter=getattr(args, "slow_filter", DEFAULT_SLOW_FILTER),
+        weights=getattr(args, "weights", "const"),
+        ema_decay=getattr(args, "ema_decay", DEFAULT_EMA_DECAY),
+        missing_policy=getattr(args, "missing_policy", "oldest"),
+        frozen_window=getattr(args, "frozen_window", None),
     )

@@ -29,6 +29,9 @@ FLAGS = {
     "seed": "--seed",
     "timeout_s": "--timeout",
     "peer_timeout_s": "--peer-timeout",
+    "group_buffer": "--no-group-buffer",
+    "global_division": "--no-global-division",
+    "inter_intra": "--no-inter-intra",
 }
 """The command-line flag of every :class:`ProtocolConfig` field (others: ``--field-name``)."""
 
@@ -57,6 +60,8 @@ def flag_text(name: str, value: Any) -> str:
         return flag if not value else "token queues on"
     if name == "serial":
         return flag if value else "no --serial"
+    if name in ("group_buffer", "global_division", "inter_intra"):
+        return flag if not value else f"{flag.removeprefix('--no-').replace('-', ' ')} on"
     if name == "slowdown":
         return " ".join(f"{flag} {spec}" for spec in value) or f"no {flag}"
     if value is None:
