@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,8 +39,10 @@ from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_grou
 from hopnet.collectives.codec import Codec, IdentityCodec
 from hopnet.errors import ConfigError, ProtocolError
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
-from hopnet.runtime.node import Node
 from hopnet.wire import Message, TensorSpec
+
+if TYPE_CHECKING:  # the node imports the protocols, which import this module
+    from hopnet.runtime.node import Node
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Largest chunk on one hop (before encoding). Smaller chunks pipeline the hops more finely
