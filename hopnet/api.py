@@ -316,12 +316,14 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.options import check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
+    from hopnet.security import keys_from_environ
     from hopnet.transports.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
     if env is None:
         raise ConfigError("hopnet.init() reads its rank, graph and peers from `hopnet launch`: run the "
                           "script with `hopnet launch --graph G.json SCRIPT`, or build a hopnet.Worker")
+    curve = keys_from_environ()  # the run key when the launcher secured the run, else None
     graph = Graph.from_json(env.graph_path)
     if graph.n != env.world_size:
         raise ConfigError(f"the graph has {graph.n} nodes but the launcher started {env.world_size} workers")
@@ -341,7 +343,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     device = flat.device if flat is not None else torch.device("cpu")
     transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
                                bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
-                               message_bytes=None if flat is None else flat.numel() * flat.element_size())
+                               message_bytes=None if flat is None else flat.numel() * flat.element_size(),
+                               curve=curve)
 
     factory = collective_factory(rank=env.rank, world_size=env.world_size, bulk=cfg.bulk, device=device,
                                  store_endpoint=env.store, timeout_s=cfg.timeout_s, bind_host=env.bind_host,
@@ -350,7 +353,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
-                                              cfg.timeout_s, config=announced)
+                                              cfg.timeout_s, config=announced, curve=curve)
 
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,

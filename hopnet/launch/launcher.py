@@ -18,7 +18,10 @@ The launcher
 * stops every worker when more than ``max_failures`` fail or when the launcher is
   signalled (SIGTERM, then SIGKILL after a grace period), names the rank at the root of
   a failure (:mod:`hopnet.launch.blame`), and leaves no process behind;
-* prints and records the protocol options that run, once the rendezvous has them.
+* prints and records the protocol options that run, once the rendezvous has them;
+* secures the run's ZeroMQ sockets with CurveZMQ when they leave loopback (or with
+  ``secure``/``key_file``): it makes or reads the run key (:mod:`hopnet.security`),
+  serves the rendezvous with it and hands it to the workers in ``HOPNET_CURVE_KEY``.
 
 Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
 machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
@@ -59,6 +62,7 @@ from hopnet.report.live import LaunchProgress  # [report]
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads
 from hopnet.launch.store import HostedStore, host_store
+from hopnet.security import KEY_ENV, is_loopback, resolve_run_key
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -398,6 +402,9 @@ def launch(
     explicit_options: Collection[str] = (),
     settle_s: float = DEFAULT_SETTLE_S,
     progress: bool = True,  # [report] live status line on a terminal
+    insecure: bool = False,
+    secure: bool = False,
+    key_file: str | os.PathLike[str] | None = None,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -414,6 +421,9 @@ def launch(
     ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
     A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
     that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
+    Sockets bound to anything but loopback use CurveZMQ with a key made for the run, or
+    read from ``key_file``; ``secure`` uses it on loopback too; ``insecure`` turns it off
+    (with a warning when ``bind`` is not loopback).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -448,11 +458,17 @@ def launch(
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
     plan = NodePlan(world_size=world_size, nproc=world_size)
+    security = resolve_run_key(bind, insecure=insecure, secure=secure, key_file=key_file)
 
     cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
     if cleared:
         _log(err_stream, cleared)
+    if security.warning:
+        _log(err_stream, f"warning: {security.warning}")
+    if security.keys is not None and not is_loopback(bind) and config.bulk != "zmq":
+        _log(err_stream, f"note: CurveZMQ covers the ZeroMQ sockets; the c10d store and the --bulk {config.bulk} "
+                         "torch plane (gloo/NCCL) are not encrypted (use --bulk zmq on untrusted networks)")
     for note in notes:
         _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
@@ -475,6 +491,8 @@ def launch(
         "nproc": plan.nproc,
         "node_rank": plan.node_rank,
         "bind": bind,
+        "security": "curve" if security.keys is not None else "plain",
+        "security_source": security.source,
         "start_time": started_at.isoformat(timespec="seconds"),
         "python": sys.executable,
         "hostname": socket.gethostname(),
@@ -510,7 +528,10 @@ def launch(
     stopped: set[int] = set()
     exit_order: list[int] = []
     trap = _SignalTrap()
-    server = RendezvousServer(world_size, host=rdzv_host).start()
+    base_env.pop(KEY_ENV, None)
+    if security.keys is not None:
+        base_env[KEY_ENV] = security.keys.to_text()
+    server = RendezvousServer(world_size, host=rdzv_host, curve=security.keys).start()
     store: HostedStore | None = None
     try:
         store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
