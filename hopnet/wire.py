@@ -13,6 +13,7 @@ Header keys on the wire are single letters to keep control messages small:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,13 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 MAX_TENSORS_PER_MESSAGE = 64
 MAX_DIMS = 8
+MAX_TENSOR_BYTES = 1 << 46
+"""No tensor on the wire is larger (64 TiB): a bound that keeps sizes computed from a
+header far inside what torch and numpy can represent."""
+MAX_RANK = (1 << 31) - 1
+_INT64 = 1 << 63
+MAX_CONTROL_BYTES = 64 << 10
+"""Largest control message (:func:`decode_control`): a coordinator's dicts are a few dozen bytes."""
 
 
 class DecodeError(HopnetError):
@@ -168,10 +176,20 @@ def decode_header(data: bytes | memoryview) -> Header:
     src, dst, it = head.get("s"), head.get("d"), head.get("i")
     if not (isinstance(src, int) and isinstance(dst, int) and isinstance(it, int)):
         raise DecodeError("bad_header", "src/dst/iter must be integers")
+    if not (0 <= src <= MAX_RANK and 0 <= dst <= MAX_RANK and -_INT64 <= it < _INT64):
+        raise DecodeError("bad_header", "src/dst/iter out of range")
+    tag = head.get("t")
+    if tag is not None and not isinstance(tag, (str, int)):
+        raise DecodeError("bad_header", "tag must be a string or an integer")  # it keys dicts downstream
     meta = head.get("m")
     if meta is not None and not isinstance(meta, dict):
         raise DecodeError("bad_header", "meta must be a map")
-    raw_specs = head.get("x", [])
+    return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])))
+
+
+def decode_specs(raw_specs: Any) -> tuple[TensorSpec, ...]:
+    """Tensor specs from the wire: a list of ``[dtype_name, [dims...]]``, each tensor at most
+    :data:`MAX_TENSOR_BYTES`. Raises :class:`DecodeError`."""
     if not isinstance(raw_specs, list) or len(raw_specs) > MAX_TENSORS_PER_MESSAGE:
         raise DecodeError("bad_header", "bad tensor list")
     specs = []
@@ -183,7 +201,39 @@ def decode_header(data: bytes | memoryview) -> Header:
         if dtype is None:
             raise DecodeError("bad_dtype", repr(name)[:40])
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and d >= 0 for d in shape)):
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_BYTES
+                           for d in shape)):
             raise DecodeError("bad_shape", repr(shape)[:60])
+        extent = _ITEMSIZE[dtype]
+        for d in shape:
+            extent *= max(d, 1)  # zero dims too: torch sizes the others before it multiplies by 0
+        if extent > MAX_TENSOR_BYTES:
+            raise DecodeError("bad_shape", f"{repr(shape)[:60]} exceeds {MAX_TENSOR_BYTES} bytes")
         specs.append(TensorSpec(dtype, tuple(shape)))
-    return Header(kind, src, dst, it, head.get("t"), meta, tuple(specs))
+    return tuple(specs)
+
+
+def encode_control(message: Mapping[str, Any]) -> bytes:
+    """Serialise a control message: a small map of plain values whose ``"t"`` names its kind
+    (the coordinator's messages, see hopnet/coordinator/base.py)."""
+    return msgpack.packb(dict(message), use_bin_type=True)
+
+
+def decode_control(data: bytes | memoryview) -> dict[str, Any]:
+    """Parse a control message. Raises :class:`DecodeError` unless it is a msgpack map with
+    string keys, at most :data:`MAX_CONTROL_BYTES` long, whose ``"t"`` is a string.
+    What the fields mean is for the receiver to check (a coordinator raises
+    ``BadCoordinatorMessage``)."""
+    if len(data) > MAX_CONTROL_BYTES:
+        raise DecodeError("too_large", f"{len(data)} bytes")
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError("bad_message", f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(message, dict):
+        raise DecodeError("bad_message", "not a map")
+    if not all(isinstance(k, str) for k in message):
+        raise DecodeError("bad_message", "keys must be strings")
+    if not isinstance(message.get("t"), str):
+        raise DecodeError("bad_message", "missing kind 't'")
+    return message
