@@ -21,6 +21,10 @@ For a socket, one call each::
     make_curve_server(router, keys)   # before bind()
     make_curve_client(dealer, keys)   # before connect()
     watch = HandshakeWatch(router)    # optional: count refused handshakes
+
+or, for a process that may or may not have a run key (``keys_from_environ()`` is
+``None`` on plain runs), :func:`secure_server` / :func:`secure_client`, which do nothing
+without one.
 """
 
 from __future__ import annotations
@@ -334,6 +338,21 @@ def make_curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
 
 
+def secure_server(sock: zmq.Socket, keys: CurveKeys | None) -> HandshakeWatch | None:
+    """With ``keys``: :func:`make_curve_server` and a :class:`HandshakeWatch` on ``sock``
+    (before bind; close the watch before the socket's context). Without: nothing, ``None``."""
+    if keys is None:
+        return None
+    make_curve_server(sock, keys)
+    return HandshakeWatch(sock)
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    """With ``keys``: :func:`make_curve_client` (before connect). Without: nothing."""
+    if keys is not None:
+        make_curve_client(sock, keys)
+
+
 _watch_ids = itertools.count()
 
 
@@ -410,5 +429,7 @@ __all__ = [
     "make_curve_server",
     "require_curve",
     "resolve_run_key",
+    "secure_client",
+    "secure_server",
     "write_key_file",
 ]

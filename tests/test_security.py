@@ -27,6 +27,8 @@ from hopnet.security import (
     load_key_file,
     make_curve_client,
     resolve_run_key,
+    secure_client,
+    secure_server,
     write_key_file,
 )
 from hopnet.transports.zmq import ZmqTransport
@@ -214,6 +216,39 @@ def test_the_rendezvous_answers_only_holders_of_the_run_key() -> None:
         assert server.refused_handshakes >= 2
         table = exchange_addresses(server.endpoint, 0, 1, "tcp://127.0.0.1:7", timeout_s=10.0, curve=keys)
         assert table == {0: "tcp://127.0.0.1:7"}
+
+
+def test_the_one_line_helpers_secure_a_service_socket_only_when_there_is_a_key() -> None:
+    """What the coordinator service calls: a REQ with the key is answered, one without is not."""
+    keys = CurveKeys.generate()
+    ctx = zmq.Context()
+    service = ctx.socket(zmq.ROUTER)
+    assert secure_server(ctx.socket(zmq.ROUTER), None) is None  # plain run: nothing to do
+    watch = secure_server(service, keys)
+    port = service.bind_to_random_port("tcp://127.0.0.1")
+    clients = []
+    try:
+        for client_keys in (keys, None):
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            secure_client(req, client_keys)
+            req.connect(f"tcp://127.0.0.1:{port}")
+            req.send(b"ping")
+            clients.append(req)
+        assert service.poll(5000, zmq.POLLIN)
+        identity, empty, body = service.recv_multipart()
+        service.send_multipart([identity, empty, b"pong"])
+        assert clients[0].poll(5000, zmq.POLLIN) and clients[0].recv() == b"pong"
+        deadline = time.monotonic() + 10.0
+        while watch.poll() == 0 and watch.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watch.refused >= 1
+        assert service.poll(300, zmq.POLLIN) == 0  # the keyless request never arrived
+    finally:
+        for sock in clients:
+            sock.close(0)
+        watch.close()
+        ctx.destroy(0)
 
 
 # --------------------------------------------------------------------- real processes
