@@ -342,8 +342,8 @@ class ZmqTransport(Transport):
         if self._curve is not None:
             make_curve_server(sock, self._curve)
             self._handshakes = HandshakeWatch(sock)
-        elif not is_loopback(self.bind):
-            log.warning("rank %d: %s is not loopback and the transport has no CURVE keys: "
+        elif not is_loopback(self.bind):  # info: `hopnet launch --insecure` already warned, once
+            log.info("rank %d: %s is not loopback and the transport has no CURVE keys: "
                         "anyone who can reach it can send to this rank", self.rank, self.bind)
         try:
             sock.bind(self.bind)
