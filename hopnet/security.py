@@ -56,10 +56,11 @@ _Z85_KEY_LENGTH = 40
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
 
-HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-"""Monitor events of a connection that did not pass the handshake: no CURVE, a wrong
-server key (protocol) or a client key the ZAP handler refused (auth)."""
+HANDSHAKE_FAILED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+"""Monitor events of a connection refused at the handshake: no CURVE or a wrong server
+key (protocol), or a client key the ZAP handler refused (auth). Not counted: a
+connection dropped mid-handshake (``HANDSHAKE_FAILED_NO_DETAIL``: a peer that died, a
+port scan), which is not evidence of a missing key."""
 
 
 # ------------------------------------------------------------------------------ keys

@@ -95,6 +95,14 @@ def test_curve_is_on_off_loopback_and_where_asked() -> None:
         resolve_run_key("0.0.0.0", insecure=True, secure=True)
 
 
+def test_a_libzmq_without_curve_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
+    with pytest.raises(ConfigError, match="built without CURVE.*--insecure"):
+        resolve_run_key("0.0.0.0")
+    assert resolve_run_key("127.0.0.1").keys is None  # plain runs do not need it
+    assert resolve_run_key("0.0.0.0", insecure=True).keys is None
+
+
 def test_the_run_key_travels_in_one_variable_and_never_shows_its_secret() -> None:
     keys = CurveKeys.generate()
     assert keys_from_environ({KEY_ENV: keys.to_text()}) == keys
