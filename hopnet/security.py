@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 KEY_ENV = "HOPNET_CURVE_KEY"
 """The run key for a worker: ``"PUBLIC SECRET"``, both Z85 (40 characters). Unset: plain sockets."""
+KEY_FILE_ENV = "HOPNET_KEY_FILE"
+"""A key file for workers started by another launcher (torchrun, srun): read when
+:data:`KEY_ENV` is unset."""
 
 ZAP_DOMAIN = "hopnet"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
@@ -119,9 +122,19 @@ class CurveKeys:
 
 
 def keys_from_environ(environ: Mapping[str, str] | None = None) -> CurveKeys | None:
-    """The run key the launcher gave this worker, or ``None`` (plain sockets)."""
-    text = (os.environ if environ is None else environ).get(KEY_ENV, "").strip()
-    return CurveKeys.from_text(text) if text else None
+    """The run key the launcher gave this worker (:data:`KEY_ENV`), else the one in the file
+    :data:`KEY_FILE_ENV` names (other launchers), else ``None`` (plain sockets)."""
+    env = os.environ if environ is None else environ
+    text = env.get(KEY_ENV, "").strip()
+    if text:
+        return CurveKeys.from_text(text)
+    path = env.get(KEY_FILE_ENV, "").strip()
+    if path:
+        try:
+            return load_key_file(path)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("--key-file", KEY_FILE_ENV, 1)) from None
+    return None
 
 
 KEY_FILE_FORMAT = """\
@@ -420,6 +433,7 @@ class HandshakeWatch:
 __all__ = [
     "HANDSHAKE_FAILED_EVENTS",
     "KEY_ENV",
+    "KEY_FILE_ENV",
     "CurveKeys",
     "HandshakeWatch",
     "RunSecurity",

@@ -21,6 +21,7 @@ from hopnet.errors import ConfigError, WaitTimeout
 from hopnet.launch.rendezvous import RendezvousServer, exchange_addresses
 from hopnet.security import (
     KEY_ENV,
+    KEY_FILE_ENV,
     CurveKeys,
     is_loopback,
     keys_from_environ,
@@ -108,6 +109,14 @@ def test_the_run_key_travels_in_one_variable_and_never_shows_its_secret() -> Non
     assert keys_from_environ({KEY_ENV: keys.to_text()}) == keys
     assert keys_from_environ({}) is None
     assert keys.secret.decode() not in repr(keys)
+
+
+def test_workers_of_other_launchers_read_the_key_file_their_environment_names(tmp_path: Path) -> None:
+    keys = CurveKeys.generate()
+    write_key_file(tmp_path / "run.key", keys)
+    assert keys_from_environ({KEY_FILE_ENV: str(tmp_path / "run.key")}) == keys
+    with pytest.raises(ConfigError, match=f"^{KEY_FILE_ENV} .*missing.key"):
+        keys_from_environ({KEY_FILE_ENV: str(tmp_path / "missing.key")})
     with pytest.raises(ConfigError, match=KEY_ENV):
         keys_from_environ({KEY_ENV: "not a key"})
 
