@@ -128,3 +128,30 @@ def test_prague_with_a_generator_needs_a_coordinator() -> None:
     transport = InprocNetwork().transport(0, frozenset({1}))
     with pytest.raises(ConfigError, match="needs its Group Generator"):
         Node(0, Graph.ring(3), transport, protocol, clock=Clock(1.0))
+
+
+class DeadMember(Coordinator):
+    """GOs {0, 2, 4} for rank 0's request to 0 and 4 only, and when rank 2 leaves reports it
+    dead to them, as the host does for a worker gone silent."""
+
+    name = "dead member"
+
+    def on_message(self, sender: int, message: Mapping[str, Any]) -> list[Send]:
+        if message["t"] == "req" and sender == 0 and message["iter"] == 0:
+            return [Send(w, {"t": "go", "gid": 0, "members": [0, 2, 4], "reply": w == 0}) for w in (0, 4)]
+        return []
+
+    def on_worker_gone(self, rank: int) -> list[Send]:
+        return [Send(w, {"t": "peer_dead", "rank": rank, "silent_s": 5.0}) for w in (0, 4)]
+
+
+def test_a_member_reported_dead_fails_the_p_reduce_waiting_on_it_naming_it(monkeypatch) -> None:
+    from hopnet.errors import PeerFailure
+
+    monkeypatch.setattr(engine, "make_coordinator", lambda config, graph: DeadMember(graph.n))
+    spec = SimSpec(Graph.ring(5), RANDOM, 3, ComputeModel.parse("1"), param_dim=DIM, stop_at={2: 0},
+                   link=LinkModel(latency_s=1e-3))
+    with pytest.raises(PeerFailure) as failure:
+        simulate(spec)
+    assert (failure.value.peer, failure.value.peer_state) == (2, "dead")
+    assert "prague/0" in str(failure.value)
