@@ -2,10 +2,10 @@
 
 Four components, each switchable on its own (``ProtocolConfig`` fields):
 
-* **Group Buffer** (``group_buffer``): an ordered list per worker of the unfinished groups
-  that contain it. Groups are appended to every member's list when they are made, so any two
-  workers see the groups they share in the same (creation) order. A request is answered by
-  the head of the requester's buffer; a new group is made only when it is empty.
+* **Group Buffer** (``group_buffer``): an ordered list per worker of the groups made for it
+  that it has not asked for yet. Groups are appended to every member's list when they are
+  made, so any two workers see the groups they share in the same (creation) order. A request
+  takes the head of the requester's buffer; a new group is made only when it is empty.
 * **Global Division** (``global_division``): a new group is made by randomly partitioning
   every *idle* worker (empty buffer; the initiator always counts) into disjoint groups of
   ``group_size``, the leftovers merged into the last group. Only the initiator left: a
@@ -19,32 +19,42 @@ Four components, each switchable on its own (``ProtocolConfig`` fields):
 * **Slow-worker filter** (``slow_filter`` = C, 0 = off): ``c_w`` counts the requests of
   ``w``; in a division started by ``i``, ``w`` takes part only if ``c_i - c_w < C``.
 
-When a group starts (the lock vector)
--------------------------------------
-Every worker has one queue of its unfinished groups, in creation order (the Group Buffer;
-with the buffer off it is the same queue, used only as the lock vector's order). A group is
-GO'd, to all its members at once, when it is the **head of every member's queue** and
-**every member has a request outstanding**. ``lock[w] = 1`` exactly while ``w``'s head has
-been GO'd and ``w`` has not ACKed it; its ACK pops the head and may start the next one.
+Buffers, queues and when a group starts (the lock vector)
+---------------------------------------------------------
+``GB_w`` holds the groups made for ``w`` that it has not asked for yet, in creation order.
+A request *takes* the head of the requester's buffer (Sec. 5.1: "the first existing group
+in the worker's GB will serve as the selected group"); so a worker is idle, and can be put
+into the next division, from the moment its request took its last buffered group, while it
+still computes and runs that group. (Were a group to stay in the buffer until ACKed, the
+first worker to finish its group would find nobody idle and divide alone: in random runs of
+16 workers three requests in four became a "no sync".)
 
-* No worker is ever in two concurrent groups: a group is GO'd to ``w`` only as ``w``'s head,
-  and the head changes only on ``w``'s ACK.
-* Overlapping groups run in creation order: every queue is in creation order.
-* Nothing deadlocks: the unfinished group with the smallest id heads all its members'
-  queues; every member with a request outstanding is at (or on its way to) its sync point,
-  where it runs its GO'd groups, and a live member without one sends its next request when
-  its current iteration ends (one that leaves is dropped from the group instead). So the
-  oldest group always starts and finishes, and by induction every group and every request.
+Each worker also has a *lock queue*: the groups it took (or, with the buffer off, was put
+into) and has not finished, in creation order. A group is GO'd, to all its members at once,
+when it is the **head of every member's lock queue** and **every member has a request
+outstanding** (with the buffer on, every member has taken it by a request). ``lock[w] = 1``
+exactly while ``w``'s head has been GO'd and ``w`` has not ACKed it; its ACK pops the head.
+
+* No worker is ever in two concurrent groups: a group is GO'd to ``w`` only as the head of
+  ``w``'s lock queue, and the head changes only on ``w``'s ACK.
+* Overlapping groups run in creation order: buffers and lock queues are in creation order,
+  and a worker takes its buffered groups in order.
+* Nothing deadlocks: the unfinished group with the smallest id heads the lock queue of every
+  member that took it and the buffer of every member that did not. A member that took it is
+  at (or on its way to) its sync point, where it runs its GO'd groups; one that did not is
+  computing, or between an ACK and its next request, and its next request takes it (one that
+  leaves is dropped from it instead). So the oldest group always starts and finishes, and by
+  induction every group, and every request.
 * Waiting for every member's request (rather than GO'ing a member as soon as it asks) means
-  nobody enters a P-Reduce with a worker that may never come: a worker that finishes its last
-  iteration with groups still in its buffer never asked for them, so on its ``bye`` they go
-  on without it (see below) instead of stranding the members already waiting inside them.
+  nobody enters a P-Reduce with a worker that may never come: a worker that leaves with
+  groups still in its buffer never asked for them, so on its ``bye`` they go on without it
+  (see below) instead of stranding the members already inside them.
 
 With the Group Buffer on, each group answers one request of *every* member (``reply`` is
-True for all): a worker runs exactly one group per iteration, the head of its buffer. With it
-off, every request makes new groups as the random GG does; a group answers only its
-initiator's request, and its other members run it at their sync point (``reply`` False)
-before their own.
+True for all): a worker runs exactly one group per iteration. With it off, every request
+makes new groups as the random GG does: they go straight into their members' lock queues, a
+group answers only its initiator's request, and its other members run it at their sync point
+(``reply`` False) before their own; idle then means in no unfinished group.
 
 A worker that leaves
 --------------------
@@ -131,6 +141,7 @@ class SmartGroupGenerator(Coordinator):
         self.inter_intra = self._machine_ranks is not None
         self._head_turn: dict[int, int] = {}
 
+        self._buffer: list[deque[int]] = [deque() for _ in range(world_size)]
         self._queue: list[deque[int]] = [deque() for _ in range(world_size)]
         self._groups: dict[int, _Group] = {}
         self._waiting = [False] * world_size
@@ -222,12 +233,12 @@ class SmartGroupGenerator(Coordinator):
         self._counters["workers_gone"] += 1
         self._waiting[rank] = False
         touched: set[int] = set()
-        for gid in list(self._queue[rank]):
+        for gid in list(self._queue[rank]) + list(self._buffer[rank]):
             group = self._groups[gid]
             if group.started:
                 self._release(rank, group)
                 continue
-            self._queue[rank].remove(gid)
+            self._forget(rank, gid)
             group.members.remove(rank)
             group.answers.discard(rank)
             touched.update(group.members)
@@ -252,9 +263,15 @@ class SmartGroupGenerator(Coordinator):
         if not group.unacked:
             del self._groups[group.gid]
 
+    def _forget(self, worker: int, gid: int) -> None:
+        if gid in self._queue[worker]:
+            self._queue[worker].remove(gid)
+        else:
+            self._buffer[worker].remove(gid)
+
     def _cancel(self, group: _Group) -> None:
         for member in group.members:
-            self._queue[member].remove(group.gid)
+            self._forget(member, group.gid)
         del self._groups[group.gid]
         self._counters["groups_cancelled"] += 1
 
@@ -268,7 +285,7 @@ class SmartGroupGenerator(Coordinator):
         if group.started:
             return
         for member in group.members:
-            if self._queue[member][0] != gid or not self._waiting[member]:
+            if not self._queue[member] or self._queue[member][0] != gid or not self._waiting[member]:
                 return
         group.started = True
         group.unacked = set(group.members)
@@ -283,22 +300,24 @@ class SmartGroupGenerator(Coordinator):
 
     def _serve(self, worker: int, sends: list[Send]) -> None:
         """Find or make the group that answers ``worker``'s outstanding request, and start what can."""
-        if self.group_buffer and self._is_answered(worker):
+        if self.group_buffer and self._buffer[worker]:
             self._counters["buffer_hits"] += 1
+        else:
+            made = self._divide(worker) if self.global_division else [self._random_group(worker)]
+            answered = False
+            for members, kind in made:
+                if self.group_buffer:
+                    answers = set(members)
+                elif worker in members and not answered:
+                    answers, answered = {worker}, True
+                else:
+                    answers = set()
+                self._add_group(members, kind, answers, worker)
+        if self.group_buffer:
+            self._queue[worker].append(self._buffer[worker].popleft())
             self._try_start(self._queue[worker][0], sends)
-            return
-        made = self._divide(worker) if self.global_division else [self._random_group(worker)]
-        answered = False
-        for members, kind in made:
-            if self.group_buffer:
-                answers = set(members)
-            elif worker in members and not answered:
-                answers, answered = {worker}, True
-            else:
-                answers = set()
-            self._add_group(members, kind, answers, worker)
-        for members, _ in made:
-            for member in members:
+        else:
+            for member in {m for members, _ in made for m in members}:
                 self._try_start(self._queue[member][0], sends)
 
     def _add_group(self, members: list[int], kind: str, answers: set[int], initiator: int) -> None:
@@ -307,8 +326,9 @@ class SmartGroupGenerator(Coordinator):
         members = sorted(members)
         self._groups[gid] = _Group(gid, members, kind, answers)
         for member in members:
-            self._queue[member].append(gid)
-            self._counters["max_buffer"] = max(self._counters["max_buffer"], len(self._queue[member]))
+            line = self._buffer[member] if self.group_buffer else self._queue[member]
+            line.append(gid)
+            self._counters["max_buffer"] = max(self._counters["max_buffer"], len(line))
         self._counters["groups_formed"] += 1
         if len(members) == 1:
             self._counters["no_syncs"] += 1
@@ -332,7 +352,7 @@ class SmartGroupGenerator(Coordinator):
         self._counters["global_divisions"] += 1
         eligible = [initiator]
         for w in self._live_others(initiator):
-            if self._queue[w]:
+            if self._buffer[w] if self.group_buffer else self._queue[w]:
                 continue
             if self.slow_filter and self._requests[initiator] - self._requests[w] >= self.slow_filter:
                 self._counters["filtered_out"] += 1
@@ -390,7 +410,11 @@ class SmartGroupGenerator(Coordinator):
     # -- inspection ---------------------------------------------------------------------
 
     def buffer(self, worker: int) -> tuple[tuple[int, ...], ...]:
-        """The member lists of ``worker``'s unfinished groups, head first (its Group Buffer)."""
+        """The member lists of the groups in ``worker``'s Group Buffer (not yet asked for), head first."""
+        return tuple(tuple(self._groups[gid].members) for gid in self._buffer[worker])
+
+    def lock_queue(self, worker: int) -> tuple[tuple[int, ...], ...]:
+        """The member lists of the groups ``worker`` took or was put into and has not finished, head first."""
         return tuple(tuple(self._groups[gid].members) for gid in self._queue[worker])
 
     def locked(self) -> frozenset[int]:
