@@ -222,3 +222,13 @@ def test_routing_ids_name_worker_ranks_only() -> None:
     for bad in (b"w4", b"w-1", b"w01", b"x1", b"", b"w" + b"9" * 20):
         with pytest.raises(BadFrame):
             rank_of(bad, 4)
+
+
+def test_a_worker_that_leaves_failing_is_reported_to_the_others_and_a_clean_one_is_not() -> None:
+    host = CoordinatorHost(RandomGroupGenerator(4, 3, 0), now=0.0, peer_timeout_s=5.0)
+    for w in range(4):
+        host.handle(w, {"t": "hello"}, 0.0)
+    assert host.handle(3, {"t": "bye"}, 0.1) == [Send(3, {"t": "bye_ok"})]
+    sends = host.handle(1, {"t": "bye", "failed": True}, 0.2)
+    assert sends == [Send(0, {"t": "peer_failed", "rank": 1}), Send(2, {"t": "peer_failed", "rank": 1}),
+                     Send(1, {"t": "bye_ok"})]
