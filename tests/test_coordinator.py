@@ -207,6 +207,9 @@ def test_host_declares_a_silent_worker_dead_and_tells_the_others() -> None:
     assert sends == [Send(0, {"t": "peer_dead", "rank": 2, "silent_s": 2.0}),
                      Send(1, {"t": "peer_dead", "rank": 2, "silent_s": 2.0})]
     assert host.summary()["workers_dead"] == [2] and not host.machine.locked[2]
+    # 2 was only blocked: whatever it says next is answered by "you are out", not ignored
+    assert host.handle(2, {"t": "ping"}, 2.5) == [
+        Send(2, {"t": "expelled", "why": "it was silent for 2.0s and was declared dead"})]
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa1x\x01", b"\x81\xa1t\x05",

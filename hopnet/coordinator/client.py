@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from hopnet.coordinator.wire import (BEAT, HELLO, PEER_DEAD, PEER_FAILED, PING, PONG, BadFrame, decode, encode,
-                                     routing_id)
+from hopnet.coordinator.wire import (BEAT, EXPELLED, HELLO, PEER_DEAD, PEER_FAILED, PING, PONG, BadFrame, decode,
+                                     encode, routing_id)
 from hopnet.errors import HopnetError, PeerFailure, WaitTimeout
 from hopnet.runtime.liveness import beat_interval_for
 
@@ -93,7 +93,7 @@ class CoordinatorClient:
         self._wait_began = 0.0
         self._last_heard = 0.0
         self._last_sent = 0.0
-        self._lost: CoordinatorLost | None = None
+        self._lost: HopnetError | None = None  # every receive raises it (CoordinatorLost, or expelled)
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -174,6 +174,12 @@ class CoordinatorClient:
                     and 0 <= rank < self.node.graph.n):
                 self.node.peer_dead(rank, float(silent_s) if isinstance(silent_s, (int, float)) else 0.0)
             return
+        if kind == EXPELLED:
+            why = message.get("why") if isinstance(message.get("why"), str) else ""
+            self._fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
+                                   f"{why[:200] or 'declared dead'} (was it blocked for --peer-timeout "
+                                   f"{self.peer_timeout_s}s?)"))
+            return
         if kind == PEER_FAILED:
             rank = message.get("rank")
             node = self.node
@@ -218,10 +224,17 @@ class CoordinatorClient:
             self.node.record("coordinator_lost", address=self.link.address, silent_s=round(silent_s, 3),
                              iter=iteration)
             self.node.events.flush()
+        self._fail(self._lost)
+
+    def _fail(self, error: HopnetError) -> None:
+        """Every receive from now on raises ``error`` (the one waiting now included)."""
+        if self._lost is None or isinstance(error, CoordinatorLost):
+            self._lost = error
+        self._inbox.clear()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             self._waiter = None
-            waiter.set_exception(self._lost)
+            waiter.set_exception(error)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:

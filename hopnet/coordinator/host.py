@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.wire import BYE, BYE_OK, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG
+from hopnet.coordinator.wire import BYE, BYE_OK, EXPELLED, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG
 from hopnet.runtime.liveness import Liveness
 
 Recorder = Callable[..., None]
@@ -55,6 +55,7 @@ class CoordinatorHost:
         self.messages_out = 0
         self.groups_logged = 0
         self._logged_gids: set[Any] = set()
+        self._dead_why: dict[int, str] = {}
         self.liveness = (Liveness((), timeout_s=peer_timeout_s, now=now)
                          if peer_timeout_s is not None else None)
 
@@ -67,6 +68,9 @@ class CoordinatorHost:
         self.messages_in += 1
         if sender in self.left or sender in self.dead:
             self.drop("from_gone_worker")
+            if sender in self.dead and message.get("t") != BYE:  # it was silent, not gone: say so
+                self.messages_out += 1
+                return [Send(sender, {"t": EXPELLED, "why": self._dead_why.get(sender, "")})]
             return []
         if self.liveness is not None:
             self.liveness.heard(sender, now)
@@ -118,6 +122,7 @@ class CoordinatorHost:
             self.record("worker_left", worker=rank, failed=how == "failed")
         else:
             self.dead.add(rank)
+            self._dead_why[rank] = f"it was silent for {silent_s or 0.0:.1f}s and was declared dead"
             self.record("worker_dead", worker=rank, silent_s=round(silent_s or 0.0, 3))
         sends = list(self.machine.on_worker_gone(rank))
         # A worker that left cleanly is waited on by no one (it ran its groups before its bye);

@@ -22,6 +22,8 @@ kind        direction           meaning
 ``bye_ok``  host -> worker      the last message a leaving worker gets
 ``peer_dead`` host -> workers   ``rank`` went silent (``silent_s``): fail what waits on it
 ``peer_failed`` host -> workers ``rank`` left failing: fail what waits on it
+``expelled`` host -> worker     answer to any message of a worker declared dead: it is
+                                in no group any more (``why``)
 ==========  ==================  ===================================================
 """
 
@@ -45,6 +47,7 @@ BYE = "bye"
 BYE_OK = "bye_ok"
 PEER_DEAD = "peer_dead"
 PEER_FAILED = "peer_failed"
+EXPELLED = "expelled"
 HOST_KINDS = frozenset({HELLO, PING, BEAT, BYE})
 """Worker -> host kinds the host handles itself."""
 
