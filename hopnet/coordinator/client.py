@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,8 +35,6 @@ from hopnet.runtime.liveness import beat_interval_for
 
 if TYPE_CHECKING:
     from hopnet.runtime.node import Node
-
-log = logging.getLogger(__name__)
 
 COORDINATOR_ENV = "HOPNET_COORDINATOR"
 """``tcp://HOST:PORT`` of the run's coordinator, set by `hopnet launch` when the protocol needs one."""
