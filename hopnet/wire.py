@@ -13,7 +13,6 @@ Header keys on the wire are single letters to keep control messages small:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +52,6 @@ MAX_TENSOR_BYTES = 1 << 46
 header far inside what torch and numpy can represent."""
 MAX_RANK = (1 << 31) - 1
 _INT64 = 1 << 63
-MAX_CONTROL_BYTES = 64 << 10
-"""Largest control message (:func:`decode_control`): a coordinator's dicts are a few dozen bytes."""
 
 
 class DecodeError(HopnetError):
@@ -212,28 +209,3 @@ def decode_specs(raw_specs: Any) -> tuple[TensorSpec, ...]:
         specs.append(TensorSpec(dtype, tuple(shape)))
     return tuple(specs)
 
-
-def encode_control(message: Mapping[str, Any]) -> bytes:
-    """Serialise a control message: a small map of plain values whose ``"t"`` names its kind
-    (the coordinator's messages, see hopnet/coordinator/base.py)."""
-    return msgpack.packb(dict(message), use_bin_type=True)
-
-
-def decode_control(data: bytes | memoryview) -> dict[str, Any]:
-    """Parse a control message. Raises :class:`DecodeError` unless it is a msgpack map with
-    string keys, at most :data:`MAX_CONTROL_BYTES` long, whose ``"t"`` is a string.
-    What the fields mean is for the receiver to check (a coordinator raises
-    ``BadCoordinatorMessage``)."""
-    if len(data) > MAX_CONTROL_BYTES:
-        raise DecodeError("too_large", f"{len(data)} bytes")
-    try:
-        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError("bad_message", f"not msgpack ({type(exc).__name__})") from None
-    if not isinstance(message, dict):
-        raise DecodeError("bad_message", "not a map")
-    if not all(isinstance(k, str) for k in message):
-        raise DecodeError("bad_message", "keys must be strings")
-    if not isinstance(message.get("t"), str):
-        raise DecodeError("bad_message", "missing kind 't'")
-    return message

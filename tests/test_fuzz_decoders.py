@@ -6,7 +6,8 @@ wrong type or out of range, bytes flipped, cut or inserted, tensor frames droppe
 or resized), so many frames are decoded for the price of a few hundred examples:
 :data:`TOTAL` (100,000) whole messages through a worker's real receive path (the
 network surface every peer reaches), and :data:`SIDE_TOTAL` each through the decoders
-behind it (the torch plane's bulk entry, coordinator messages, rendezvous requests).
+behind it (the torch plane's bulk entry, coordinator messages through the coordinator
+host and Prague's Group Generator, rendezvous requests).
 Each decoder either returns a value that obeys its contract or raises its own error
 type; nothing malformed reaches the code behind it.
 """
@@ -27,6 +28,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hopnet import Graph, ProtocolConfig
+from hopnet.coordinator import make_coordinator
+from hopnet.coordinator import wire as coordinator_wire
+from hopnet.coordinator.host import CoordinatorHost
 from hopnet.launch.rendezvous import RendezvousError, RendezvousServer, _unpack_reply
 from hopnet.transports.torchdist import decode_bulk
 from hopnet.transports.zmq import ZmqTransport
@@ -36,9 +41,7 @@ from hopnet.wire import (
     DecodeError,
     Header,
     Message,
-    decode_control,
     decode_header,
-    encode_control,
     encode_header,
     known_kinds,
 )
@@ -314,19 +317,24 @@ def test_bulk_headers_survive_fuzzed_values() -> None:
     assert count >= SIDE_TOTAL
 
 
-# -------------------------------------------------------------------- control messages
+# -------------------------------------------------------------------- coordinator messages
 controls = st.fixed_dictionaries({
-    "t": st.sampled_from(["req", "go", "ack", "ready", "group", "bye"]),
+    "t": st.sampled_from(["req", "ack", "ready", "hello", "ping", "beat", "bye"]),
     "iter": st.integers(0, 1000),
     "gid": st.integers(0, 1000),
-    "members": st.lists(st.integers(0, 7), max_size=4),
-    "weights": st.lists(st.floats(0, 1), max_size=4),
-    "reply": st.booleans(),
 })
 
 
-def test_control_messages_survive_fuzzed_frames() -> None:
-    """The coordinator's messages: a map with string keys and a string kind, or DecodeError."""
+def _prague_host() -> CoordinatorHost:
+    machine = make_coordinator(ProtocolConfig(protocol="prague", group_generator="random"), Graph.ring(4))
+    assert machine is not None
+    return CoordinatorHost(machine, now=0.0, peer_timeout_s=None)
+
+
+def test_coordinator_messages_survive_fuzzed_frames() -> None:
+    """The coordinator's decoder returns a map of plain values or raises BadFrame; what it
+    returns goes through the coordinator host and Prague's random Group Generator, which
+    drop what they cannot act on (counted) and never raise."""
     count = rejected = 0
 
     @SIDE_FUZZ
@@ -334,24 +342,28 @@ def test_control_messages_survive_fuzzed_frames() -> None:
     def run(message: dict[str, Any], seed: int) -> None:
         nonlocal count, rejected
         rng = random.Random(seed)
-        for _ in range(SIDE_PER_EXAMPLE):
+        host = _prague_host()
+        for step in range(SIDE_PER_EXAMPLE):
             mutated = dict(message)
-            if rng.random() < 0.5:
-                mutated[rng.choice(list(mutated) + ["zz"])] = _odd(rng)
+            if rng.random() < 0.7:
+                mutated[rng.choice(list(mutated) + ["members", "failed", "zz"])] = _odd(rng)
             try:
-                data = encode_control(mutated)
+                data = coordinator_wire.encode(mutated)
             except (OverflowError, ValueError, TypeError):
                 data = b"\x81"
-            if rng.random() < 0.5:
+            if rng.random() < 0.4:
                 data = _mutate_bytes(rng, data)
             count += 1
             try:
-                decoded = decode_control(data)
-            except DecodeError:
+                decoded = coordinator_wire.decode(data)
+            except coordinator_wire.BadFrame:
                 rejected += 1
                 continue
-            assert isinstance(decoded, dict) and isinstance(decoded["t"], str)
-            assert all(isinstance(k, str) for k in decoded)
+            assert isinstance(decoded, dict) and isinstance(decoded["t"], str) and decoded["t"]
+            sends = host.handle(rng.randrange(4), decoded, float(step))  # raises nothing
+            assert all(0 <= send.to < 4 and isinstance(send.message.get("t"), str) for send in sends)
+            for send in sends:
+                coordinator_wire.decode(coordinator_wire.encode(send.message))  # what it sends is well-formed
 
     run()
     assert count >= SIDE_TOTAL and 0 < rejected < count

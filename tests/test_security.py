@@ -284,6 +284,54 @@ def test_the_one_line_helpers_secure_a_service_socket_only_when_there_is_a_key()
         ctx.destroy(0)
 
 
+def test_the_coordinator_answers_only_holders_of_the_run_key() -> None:
+    """The coordinator service with the run key: a worker's link with the key gets its pong,
+    a rogue DEALER presenting a worker's routing id gets nothing, and the summary counts it."""
+    import threading
+
+    from hopnet import Graph, ProtocolConfig
+    from hopnet.coordinator import make_coordinator
+    from hopnet.coordinator import wire as coordinator_wire
+    from hopnet.coordinator.client import COORDINATOR_ENV, client_from_environ
+    from hopnet.coordinator.server import CoordinatorServer
+
+    keys = CurveKeys.generate()
+    machine = make_coordinator(ProtocolConfig(protocol="prague", group_generator="random"), Graph.ring(2))
+    server = CoordinatorServer(machine, curve=keys)
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    summary: dict = {}
+    try:
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.ROUTING_ID, coordinator_wire.routing_id(1))
+        rogue.connect(server.address)
+        rogue.send(coordinator_wire.encode({"t": "ping"}))
+
+        async def member() -> dict:
+            client = client_from_environ(0, 5.0, {COORDINATOR_ENV: server.address, KEY_ENV: keys.to_text()})
+            assert client is not None and client.link.curve == keys
+            got: asyncio.Queue = asyncio.Queue()
+            client.link.start(got.put_nowait)
+            try:
+                client.link.send({"t": "ping"})
+                return await asyncio.wait_for(got.get(), 20.0)
+            finally:
+                client.link.close()
+
+        assert asyncio.run(member())["t"] == "pong"
+        assert rogue.poll(500, zmq.POLLIN) == 0
+    finally:
+        server.stop()
+        serving.join(10.0)
+        rogue.close(0)
+        ctx.term()
+    summary = server.summary()
+    assert summary["refused_handshakes"] >= 1
+    assert server.host.joined == {0}  # the rogue never counted as a worker
+
+
 # --------------------------------------------------------------------- real processes
 @pytest.mark.slow
 def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp_path: Path) -> None:

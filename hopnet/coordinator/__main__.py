@@ -23,6 +23,7 @@ from hopnet.coordinator.server import ADDRESS_PREFIX, CoordinatorServer
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch import parent_watch
+from hopnet.security import keys_from_environ
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         if machine is None:
             raise ConfigError(f"--protocol {config.protocol} needs no coordinator")
         server = CoordinatorServer(machine, bind_host=args.bind, peer_timeout_s=config.peer_timeout_s,
-                                   run_dir=args.run_dir)
+                                   run_dir=args.run_dir, curve=keys_from_environ())
     except (ConfigError, OSError, ValueError) as exc:
         print(f"hopnet coordinator: error: {exc}", file=sys.stderr, flush=True)
         return 2

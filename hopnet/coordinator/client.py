@@ -35,6 +35,7 @@ from hopnet.runtime.liveness import beat_interval_for
 
 if TYPE_CHECKING:
     from hopnet.runtime.node import Node
+    from hopnet.security import CurveKeys
 
 COORDINATOR_ENV = "HOPNET_COORDINATOR"
 """``tcp://HOST:PORT`` of the run's coordinator, set by `hopnet launch` when the protocol needs one."""
@@ -250,9 +251,10 @@ class ZmqLink(CoordinatorLink):
 
     can_die = True
 
-    def __init__(self, address: str, rank: int) -> None:
+    def __init__(self, address: str, rank: int, curve: CurveKeys | None = None) -> None:
         self.address = address
         self.rank = rank
+        self.curve = curve
         self._sock: Any = None
         self._ctx: Any = None
         self._fd: int | None = None
@@ -271,6 +273,9 @@ class ZmqLink(CoordinatorLink):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        from hopnet.security import secure_client
+
+        secure_client(sock, self.curve)  # the run's CurveZMQ key, when the launcher secured the run
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
@@ -356,7 +361,10 @@ def client_from_environ(rank: int, peer_timeout_s: float, environ: Mapping[str, 
         from hopnet.errors import ConfigError
         raise ConfigError(f"{COORDINATOR_ENV}={address!r} is not a ZeroMQ endpoint (expected tcp://HOST:PORT)")
     name = environ.get(COORDINATOR_NAME_ENV, "").strip() or "coordinator"
-    return CoordinatorClient(ZmqLink(address, rank), name=name, peer_timeout_s=peer_timeout_s)
+    from hopnet.security import keys_from_environ
+
+    link = ZmqLink(address, rank, curve=keys_from_environ(environ))
+    return CoordinatorClient(link, name=name, peer_timeout_s=peer_timeout_s)
 
 
 __all__ = ["COORDINATOR_ENV", "CoordinatorClient", "CoordinatorLink", "CoordinatorLost", "WaitTimeout",

@@ -7,6 +7,10 @@ and what it returns is sent at once. A frame that is not a coordinator message i
 and counted, never fatal. A message for a worker whose connection the ROUTER does not
 know yet waits in a backlog until it shows up (a group can name a worker that has not
 said ``hello`` yet), in the order it was sent.
+
+With the run's CurveZMQ key (``curve=``, see :mod:`hopnet.security`) only holders of the
+key can connect; refused connection attempts are counted in the summary
+(``refused_handshakes``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from hopnet.coordinator.base import Coordinator, Send
 from hopnet.coordinator.host import CoordinatorHost
 from hopnet.coordinator.wire import MAX_MESSAGE_BYTES, BadFrame, decode, encode, rank_of, routing_id
 from hopnet.runtime.events import JsonlEventLog
+from hopnet.security import CurveKeys, secure_server
 
 LOG_NAME = "coordinator.jsonl"
 POLL_S = 0.2
@@ -34,7 +39,8 @@ class CoordinatorServer:
     """A bound ROUTER serving one :class:`Coordinator`; :meth:`run` until :meth:`stop`."""
 
     def __init__(self, machine: Coordinator, *, bind_host: str = "127.0.0.1", port: int = 0,
-                 peer_timeout_s: float | None = None, run_dir: str | Path | None = None) -> None:
+                 peer_timeout_s: float | None = None, run_dir: str | Path | None = None,
+                 curve: CurveKeys | None = None) -> None:
         self.machine = machine
         self._t0 = time.monotonic()
         self.events = JsonlEventLog(Path(run_dir) / LOG_NAME) if run_dir is not None else None
@@ -44,9 +50,12 @@ class CoordinatorServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to an unknown worker raises: keep it for later
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 64)
+        self._handshakes = secure_server(sock, curve)
         try:
             sock.bind(f"tcp://{bind_host}:{port or '*'}")
         except zmq.ZMQError as exc:
+            if self._handshakes is not None:
+                self._handshakes.close()
             sock.close(0)
             self._ctx.term()
             raise OSError(f"the coordinator cannot bind tcp://{bind_host}:{port or '*'}: {exc}") from None
@@ -68,6 +77,8 @@ class CoordinatorServer:
         """Serve until :meth:`stop`; write the ``stop`` record and return the summary."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self._handshakes is not None:
+            poller.register(self._handshakes.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -78,6 +89,8 @@ class CoordinatorServer:
                     if exc.errno == zmq.EINTR:
                         continue
                     raise
+                if self._handshakes is not None:
+                    self._handshakes.poll()
                 if ready:
                     self._drain()
                 self._send(self.host.check(time.monotonic()))
@@ -142,10 +155,15 @@ class CoordinatorServer:
     def summary(self) -> dict[str, Any]:
         summary = self.host.summary()
         summary["backlogged"] = sum(len(q) for q in self._backlog.values())
+        if self._handshakes is not None:
+            self._handshakes.poll()
+            summary["refused_handshakes"] = self._handshakes.refused
         return summary
 
     def close(self) -> None:
         if not self.sock.closed:
+            if self._handshakes is not None:
+                self._handshakes.close()
             self.sock.close(0)
             self._ctx.term()
         if self.events is not None:
