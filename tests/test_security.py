@@ -302,12 +302,13 @@ def test_the_coordinator_answers_only_holders_of_the_run_key() -> None:
     serving.start()
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
-    summary: dict = {}
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.ROUTING_ID, coordinator_wire.routing_id(1))
+    refused = rogue.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
     try:
-        rogue.setsockopt(zmq.LINGER, 0)
-        rogue.setsockopt(zmq.ROUTING_ID, coordinator_wire.routing_id(1))
         rogue.connect(server.address)
         rogue.send(coordinator_wire.encode({"t": "ping"}))
+        assert refused.poll(20_000, zmq.POLLIN), "the rogue's handshake never failed"  # then the server saw it too
 
         async def member() -> dict:
             client = client_from_environ(0, 5.0, {COORDINATOR_ENV: server.address, KEY_ENV: keys.to_text()})
@@ -324,9 +325,12 @@ def test_the_coordinator_answers_only_holders_of_the_run_key() -> None:
         assert rogue.poll(500, zmq.POLLIN) == 0
     finally:
         server.stop()
-        serving.join(10.0)
+        serving.join(20.0)
+        rogue.disable_monitor()
+        refused.close(0)
         rogue.close(0)
         ctx.term()
+    assert not serving.is_alive()
     summary = server.summary()
     assert summary["refused_handshakes"] >= 1
     assert server.host.joined == {0}  # the rogue never counted as a worker
