@@ -30,6 +30,7 @@ import torch
 from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
+from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.params import FlatGradients, flatten_parameters
@@ -55,7 +56,10 @@ class Worker:
                  params: torch.Tensor | None, transport: Transport,
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
-                 collective_factory: CollectiveFactory | None = None) -> None:
+                 collective_factory: CollectiveFactory | None = None,
+                 coordinator: CoordinatorClient | None = None) -> None:
+        """``coordinator``: the client of the run's coordinator (``hopnet.init`` builds it from
+        ``HOPNET_COORDINATOR``; group protocols reach it as ``node.coordinator``)."""
         if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
             raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
                               "(--bulk torch or auto), not ZeroMQ")
@@ -69,7 +73,8 @@ class Worker:
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
         protocol = make_protocol(config, params, grads)
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
+                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
+                         coordinator=coordinator)
         self._final_iteration: int | None = None
         self._model_lock = threading.Lock()
         self._closed = False
@@ -230,10 +235,12 @@ class AsyncWorker:
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None,
                     grads: FlatGradients | torch.Tensor | None = None,
-                    collective_factory: CollectiveFactory | None = None) -> AsyncWorker:
+                    collective_factory: CollectiveFactory | None = None,
+                    coordinator: CoordinatorClient | None = None) -> AsyncWorker:
         protocol = make_protocol(config, params, grads)
         node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
+                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
+                    coordinator=coordinator)
         try:
             await node.start(exchange)
         except BaseException:
@@ -316,12 +323,14 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.options import check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
+    from hopnet.security import keys_from_environ
     from hopnet.transports.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
     if env is None:
         raise ConfigError("hopnet.init() reads its rank, graph and peers from `hopnet launch`: run the "
                           "script with `hopnet launch --graph G.json SCRIPT`, or build a hopnet.Worker")
+    curve = keys_from_environ()  # the run key when the launcher secured the run, else None
     graph = Graph.from_json(env.graph_path)
     if graph.n != env.world_size:
         raise ConfigError(f"the graph has {graph.n} nodes but the launcher started {env.world_size} workers")
@@ -341,7 +350,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     device = flat.device if flat is not None else torch.device("cpu")
     transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
                                bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
-                               message_bytes=None if flat is None else flat.numel() * flat.element_size())
+                               message_bytes=None if flat is None else flat.numel() * flat.element_size(),
+                               curve=curve)
 
     factory = collective_factory(rank=env.rank, world_size=env.world_size, bulk=cfg.bulk, device=device,
                                  store_endpoint=env.store, timeout_s=cfg.timeout_s, bind_host=env.bind_host,
@@ -350,8 +360,10 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
 
     async def exchange(address: str) -> dict[int, str]:
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
-                                              cfg.timeout_s, config=announced)
+                                              cfg.timeout_s, config=announced, curve=curve)
 
+    coordinator = client_from_environ(env.rank, cfg.peer_timeout_s)
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events, grads=grads, collective_factory=factory)
+                  exchange=exchange, events=events, grads=grads, collective_factory=factory,
+                  coordinator=coordinator)

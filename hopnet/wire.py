@@ -47,6 +47,11 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 MAX_TENSORS_PER_MESSAGE = 64
 MAX_DIMS = 8
+MAX_TENSOR_BYTES = 1 << 46
+"""No tensor on the wire is larger (64 TiB): a bound that keeps sizes computed from a
+header far inside what torch and numpy can represent."""
+MAX_RANK = (1 << 31) - 1
+_INT64 = 1 << 63
 
 
 class DecodeError(HopnetError):
@@ -168,10 +173,20 @@ def decode_header(data: bytes | memoryview) -> Header:
     src, dst, it = head.get("s"), head.get("d"), head.get("i")
     if not (isinstance(src, int) and isinstance(dst, int) and isinstance(it, int)):
         raise DecodeError("bad_header", "src/dst/iter must be integers")
+    if not (0 <= src <= MAX_RANK and 0 <= dst <= MAX_RANK and -_INT64 <= it < _INT64):
+        raise DecodeError("bad_header", "src/dst/iter out of range")
+    tag = head.get("t")
+    if tag is not None and not isinstance(tag, (str, int)):
+        raise DecodeError("bad_header", "tag must be a string or an integer")  # it keys dicts downstream
     meta = head.get("m")
     if meta is not None and not isinstance(meta, dict):
         raise DecodeError("bad_header", "meta must be a map")
-    raw_specs = head.get("x", [])
+    return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])))
+
+
+def decode_specs(raw_specs: Any) -> tuple[TensorSpec, ...]:
+    """Tensor specs from the wire: a list of ``[dtype_name, [dims...]]``, each tensor at most
+    :data:`MAX_TENSOR_BYTES`. Raises :class:`DecodeError`."""
     if not isinstance(raw_specs, list) or len(raw_specs) > MAX_TENSORS_PER_MESSAGE:
         raise DecodeError("bad_header", "bad tensor list")
     specs = []
@@ -183,7 +198,14 @@ def decode_header(data: bytes | memoryview) -> Header:
         if dtype is None:
             raise DecodeError("bad_dtype", repr(name)[:40])
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and d >= 0 for d in shape)):
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_BYTES
+                           for d in shape)):
             raise DecodeError("bad_shape", repr(shape)[:60])
+        extent = _ITEMSIZE[dtype]
+        for d in shape:
+            extent *= max(d, 1)  # zero dims too: torch sizes the others before it multiplies by 0
+        if extent > MAX_TENSOR_BYTES:
+            raise DecodeError("bad_shape", f"{repr(shape)[:60]} exceeds {MAX_TENSOR_BYTES} bytes")
         specs.append(TensorSpec(dtype, tuple(shape)))
-    return Header(kind, src, dst, it, head.get("t"), meta, tuple(specs))
+    return tuple(specs)
+

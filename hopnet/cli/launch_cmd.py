@@ -23,6 +23,10 @@ leading "--" write `hopnet launch [options] -- SCRIPT -- ARGS`.
 """
 
 EPILOG = """\
+Sockets bound to anything but loopback (--bind 0.0.0.0, a LAN address) use CurveZMQ:
+only processes holding the run key (made per run, or --key-file) can connect to a
+worker, the rendezvous or the coordinator; --insecure turns that off.
+
 When a run fails, a closing line names the rank that caused it (the first to fail,
 or the peer it blames: stalled, left early, died) and what it did to the others.
 Protocol options given on the command line cannot be changed in code
@@ -31,7 +35,7 @@ line "running ..." shows the options that run, once every worker has started.
 
 exit status: 0 when every worker exits 0, or with --max-failures K when at most K
 workers failed and every other worker finished; 1 when a worker fails (more than
-K with --max-failures); 2 for bad arguments; 128+N when the launcher is stopped by
+K with --max-failures); 2 for bad arguments (an unreadable or ill-formed --key-file too); 128+N when the launcher is stopped by
 signal N (130 for Ctrl-C, 143 for SIGTERM).
 """
 
@@ -112,6 +116,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
+    security = parser.add_argument_group("security")
+    security.add_argument("--key-file", default=None, metavar="PATH",
+                          help="CurveZMQ run key: a ZeroMQ certificate with public-key and secret-key "
+                               "(made by `hopnet keygen PATH`); turns CURVE on, on loopback too. "
+                               "Default: a fresh key per run when --bind is not loopback")
+    security.add_argument("--secure", action="store_true",
+                          help="use CurveZMQ even on loopback (other users of this machine can reach "
+                               "loopback ports)")
+    security.add_argument("--insecure", action="store_true",
+                          help="plain ZeroMQ sockets even off loopback: no authentication, no encryption")
     add_protocol_arguments(parser)
     _track_explicit(parser, option_names())
     parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
@@ -140,5 +154,8 @@ def run(args: argparse.Namespace) -> int:
         explicit_options=sorted(getattr(args, EXPLICIT_DEST, None) or ()),
         progress=args.progress,
         overwrite=args.overwrite,
+        insecure=args.insecure,
+        secure=args.secure,
+        key_file=args.key_file,
     )
     return result.returncode

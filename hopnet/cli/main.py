@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hopnet.errors import ConfigError
 
-SUBCOMMAND_MODULES = ("graph_cmd", "launch_cmd", "simulate_cmd", "report_cmd")
+SUBCOMMAND_MODULES = ("graph_cmd", "launch_cmd", "simulate_cmd", "report_cmd", "keygen_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

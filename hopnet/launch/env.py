@@ -24,7 +24,9 @@ the same script can also run stand-alone.
 =====================  ==============================================================
 
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
-launcher watch (:mod:`hopnet.launch.parent_watch`).
+launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
+CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured
+(:mod:`hopnet.security`).
 """
 
 from __future__ import annotations

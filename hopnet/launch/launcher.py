@@ -18,7 +18,10 @@ The launcher
 * stops every worker when more than ``max_failures`` fail or when the launcher is
   signalled (SIGTERM, then SIGKILL after a grace period), names the rank at the root of
   a failure (:mod:`hopnet.launch.blame`), and leaves no process behind;
-* prints and records the protocol options that run, once the rendezvous has them.
+* prints and records the protocol options that run, once the rendezvous has them;
+* secures the run's ZeroMQ sockets with CurveZMQ when they leave loopback (or with
+  ``secure``/``key_file``): it makes or reads the run key (:mod:`hopnet.security`),
+  serves the rendezvous with it and hands it to the workers in ``HOPNET_CURVE_KEY``.
 
 Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
 machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
@@ -49,7 +52,9 @@ from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.coordinator import make_coordinator
 from hopnet.launch import parent_watch
+from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.blame import describe_exit as _describe_exit
 from hopnet.launch.env import DEFAULT_BIND, STORE, WorkerEnv
@@ -59,6 +64,7 @@ from hopnet.report.live import LaunchProgress  # [report]
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads
 from hopnet.launch.store import HostedStore, host_store
+from hopnet.security import KEY_ENV, is_loopback, resolve_run_key
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -398,6 +404,9 @@ def launch(
     explicit_options: Collection[str] = (),
     settle_s: float = DEFAULT_SETTLE_S,
     progress: bool = True,  # [report] live status line on a terminal
+    insecure: bool = False,
+    secure: bool = False,
+    key_file: str | os.PathLike[str] | None = None,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -414,6 +423,9 @@ def launch(
     ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
     A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
     that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
+    Sockets bound to anything but loopback use CurveZMQ with a key made for the run, or
+    read from ``key_file``; ``secure`` uses it on loopback too; ``insecure`` turns it off
+    (with a warning when ``bind`` is not loopback).
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -444,15 +456,23 @@ def launch(
 
     g, world_size = resolve_graph(graph, nproc)
     notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
+    machine = make_coordinator(config, g)  # the protocol's coordinator, if it needs one (refusals first too)
+    coordinator_name = machine.name if machine is not None else None
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
     plan = NodePlan(world_size=world_size, nproc=world_size)
+    security = resolve_run_key(bind, insecure=insecure, secure=secure, key_file=key_file)
 
     cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
     if cleared:
         _log(err_stream, cleared)
+    if security.warning:
+        _log(err_stream, f"warning: {security.warning}")
+    if security.keys is not None and not is_loopback(bind) and config.bulk != "zmq":
+        _log(err_stream, f"note: CurveZMQ covers the ZeroMQ sockets; the c10d store and the --bulk {config.bulk} "
+                         "torch plane (gloo/NCCL) are not encrypted (use --bulk zmq on untrusted networks)")
     for note in notes:
         _log(err_stream, f"note: {note}")
     graph_path = path / "graph.json"
@@ -475,6 +495,8 @@ def launch(
         "nproc": plan.nproc,
         "node_rank": plan.node_rank,
         "bind": bind,
+        "security": "curve" if security.keys is not None else "plain",
+        "security_source": security.source,
         "start_time": started_at.isoformat(timespec="seconds"),
         "python": sys.executable,
         "hostname": socket.gethostname(),
@@ -510,8 +532,13 @@ def launch(
     stopped: set[int] = set()
     exit_order: list[int] = []
     trap = _SignalTrap()
-    server = RendezvousServer(world_size, host=rdzv_host).start()
+    base_env.pop(KEY_ENV, None)
+    if security.keys is not None:
+        base_env[KEY_ENV] = security.keys.to_text()
+    server = RendezvousServer(world_size, host=rdzv_host, curve=security.keys).start()
     store: HostedStore | None = None
+    coordinator: CoordinatorProcess | None = None
+    coordinator_exit: int | None = None
     try:
         store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
         launch_info["rendezvous"] = server.endpoint
@@ -521,10 +548,23 @@ def launch(
                          f"run dir {path}")
         if threads_note:
             _log(err_stream, threads_note)
+        if coordinator_name is not None:
+            try:
+                coordinator = CoordinatorProcess.start(
+                    coordinator_name, graph_path=str(graph_path), config_json=config.to_json(), run_dir=str(path),
+                    bind_host=rdzv_host, env=base_env, pass_fds=(watch_read,),
+                    relay=err_out.write if prefix else None)
+            except CoordinatorStartError as exc:
+                failed_rank, reason, returncode, summary = None, "coordinator did not start", 1, str(exc)
+            else:
+                base_env.update(coordinator.worker_env())
+                launch_info["coordinator"] = {"name": coordinator.name, "address": coordinator.address}
+                _write_json(path / "launch.json", launch_info)
+                _log(err_stream, f"{coordinator.label} started")
         with trap:
             # --- start
             for rank in plan.ranks:
-                if trap.received:
+                if trap.received or summary is not None:
                     break
                 wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
                                        run_dir=str(path), config_json=config.to_json(), bind=bind,
@@ -545,7 +585,14 @@ def launch(
             pending = set(workers.procs)
             announced = False
             first_failure: int | None = None
-            while pending and first_failure is None and failed_rank is None and not trap.received:
+            while pending and first_failure is None and failed_rank is None and not trap.received \
+                    and summary is None:
+                if coordinator is not None and (code := coordinator.exited()) is not None:
+                    coordinator_exit = code
+                    summary = f"{coordinator.label} died ({_describe_exit(code)})"
+                    returncode, reason = 1, "coordinator died"
+                    _log(err_stream, f"{summary}; the workers waiting on it fail")
+                    break
                 if not announced and server.complete.is_set():
                     announced = True
                     _announce_options(server, launch_info, path, err_stream)
@@ -563,8 +610,10 @@ def launch(
                                          f"({len(lost)} of --max-failures {max_failures})")
 
             # --- after a failure, let the others end on their own for a moment: who blames whom
-            if first_failure is not None:
-                deadline = time.monotonic() + settle_s
+            if first_failure is not None or coordinator_exit is not None:
+                # workers notice a dead coordinator themselves within --peer-timeout
+                wait_s = settle_s if coordinator_exit is None else max(settle_s, config.peer_timeout_s + 2.0)
+                deadline = time.monotonic() + wait_s
                 while pending and time.monotonic() < deadline and not trap.received:
                     exited = _collect_exit(workers, pending)
                     if exited is not None:
@@ -587,6 +636,12 @@ def launch(
                 _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
     finally:
         # whatever happened (even an exception in here), leave nothing behind
+        if coordinator is not None:  # after the workers: those still running may need it to finish
+            if coordinator.exited() is None:
+                for proc in workers.procs.values():
+                    if proc.returncode is None:
+                        _killpg(proc.pid, signal.SIGKILL)
+            coordinator.stop(grace_s)
         for proc in workers.procs.values():
             if proc.returncode is None:
                 _killpg(proc.pid, signal.SIGKILL)
@@ -607,7 +662,11 @@ def launch(
             if fd >= 0:
                 os.close(fd)
 
-    if not trap.received and failed_rank is None:
+    if coordinator_exit is not None and not trap.received:
+        if lost:
+            summary += (f"; then {_plural_ranks(sorted(lost))} failed "
+                        f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))})")
+    elif not trap.received and failed_rank is None and summary is None:
         if len(lost) > max_failures:
             returncode = 1
             blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
@@ -618,6 +677,9 @@ def launch(
                        f"the other {world_size - len(lost)} workers finished")
     if summary is not None:
         _log(err_stream, summary)
+    if server.refused_handshakes:
+        _log(err_stream, f"the rendezvous refused {server.refused_handshakes} connection attempt(s) "
+                         "without the run key")
 
     wall_s = time.monotonic() - t0
     result = LaunchResult(returncode=returncode, run_dir=str(path), failed_rank=failed_rank, reason=reason,
@@ -631,6 +693,7 @@ def launch(
         "lost_ranks": sorted(lost),
         "worker_returncodes": {str(r): c for r, c in result.worker_returncodes.items()},
         "wall_s": round(wall_s, 3),
+        "rendezvous_refused_handshakes": server.refused_handshakes,
         "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:

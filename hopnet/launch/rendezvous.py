@@ -27,6 +27,12 @@ rendezvous, and every rank, waiting or still to come, gets the same error naming
 two ranks and the option they disagree on. :attr:`RendezvousServer.config` is the
 agreed configuration once the exchange is complete.
 
+With the run's CURVE keys (``curve=`` on the server and on every client call, see
+:mod:`hopnet.security`) the server admits only holders of the run key: a process
+without it never completes the handshake, so its requests are neither read nor
+answered (they time out on its side), and the refused attempts are counted in
+:attr:`RendezvousServer.refused_handshakes`.
+
 Every wait takes a timeout and raises :class:`~hopnet.errors.WaitTimeout` naming the
 rendezvous and, when the server can still tell, the ranks that never showed up.
 """
@@ -45,6 +51,7 @@ import zmq
 import zmq.asyncio
 
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
+from hopnet.security import CurveKeys, HandshakeWatch, make_curve_client, make_curve_server
 
 __all__ = [
     "RendezvousError",
@@ -96,13 +103,15 @@ class RendezvousServer:
     """
 
     def __init__(self, world_size: int, host: str = "127.0.0.1", port: int | None = None,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, curve: CurveKeys | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"rendezvous world size must be an integer >= 1 (got {world_size!r})")
         self.world_size = world_size
         self.host = host
         self.port = port
         self.advertise_host = advertise_host
+        self.curve = curve
+        self._handshakes: HandshakeWatch | None = None
         self._endpoint: str | None = None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -123,6 +132,8 @@ class RendezvousServer:
         self._config_error: str | None = None
         self.errors: list[str] = []
         """One line per refused request, for the launcher's log."""
+        self.bad_requests = 0
+        """Requests that could not be handled at all (a bug or a malformed request)."""
 
     # -- lifecycle
     @property
@@ -139,9 +150,14 @@ class RendezvousServer:
         sock.setsockopt(zmq.LINGER, 500)
         bind_host = "*" if self.host in _WILDCARD_HOSTS else self.host
         port = "*" if not self.port else str(self.port)
+        if self.curve is not None:
+            make_curve_server(sock, self.curve)
+            self._handshakes = HandshakeWatch(sock)
         try:
             sock.bind(f"tcp://{bind_host}:{port}")
         except zmq.ZMQError as exc:
+            if self._handshakes is not None:
+                self._handshakes.close()
             sock.close(0)
             self._ctx.term()
             raise ConfigError(f"rendezvous: cannot bind tcp://{bind_host}:{port}: {exc}") from None
@@ -174,6 +190,11 @@ class RendezvousServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def refused_handshakes(self) -> int:
+        """Connection attempts refused at the CURVE handshake (clients without the run key)."""
+        return self._handshakes.refused if self._handshakes is not None else 0
+
     # -- introspection (thread-safe)
     @property
     def addresses(self) -> dict[int, str]:
@@ -201,20 +222,34 @@ class RendezvousServer:
         assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        watch = self._handshakes
+        if watch is not None:
+            poller.register(watch.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if not poller.poll(100):
                     continue
+                if watch is not None:
+                    watch.poll()
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(sock, frames)
+                    try:
+                        self._handle(sock, frames)
+                    except zmq.ZMQError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - one bad request must not stop the rendezvous
+                        self.bad_requests += 1
+                        self.errors.append(f"rendezvous: could not handle a request ({type(exc).__name__})")
         except zmq.ZMQError:
             if not self._stop.is_set():
                 raise
         finally:
+            if watch is not None:
+                watch.poll()
+                watch.close()
             sock.close()
 
     @staticmethod
@@ -343,8 +378,10 @@ def _check_timeout(timeout_s: float) -> float:
     return float(timeout_s)
 
 
-def _connect(sock: zmq.Socket, endpoint: str) -> None:
+def _connect(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None = None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        make_curve_client(sock, curve)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as exc:
@@ -369,10 +406,11 @@ def _poll_ms(deadline: float) -> int:
     return max(1, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float) -> dict[str, Any] | None:
+def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float,
+                  curve: CurveKeys | None = None) -> dict[str, Any] | None:
     """Send one request; the reply, or ``None`` after ``timeout_s``."""
     sock = zmq.Context.instance().socket(zmq.REQ)
-    _connect(sock, endpoint)
+    _connect(sock, endpoint, curve)
     try:
         sock.send(_encode(request))
         deadline = time.monotonic() + timeout_s
@@ -384,9 +422,10 @@ def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float) -
         sock.close(0)
 
 
-async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: float) -> dict[str, Any] | None:
+async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: float,
+                         curve: CurveKeys | None = None) -> dict[str, Any] | None:
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
-    _connect(sock, endpoint)
+    _connect(sock, endpoint, curve)
     try:
         await sock.send(_encode(request))
         deadline = time.monotonic() + timeout_s
@@ -398,19 +437,21 @@ async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: f
         sock.close(0)
 
 
-def rendezvous_status(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S) -> dict[str, Any] | None:
+def rendezvous_status(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S,
+                      curve: CurveKeys | None = None) -> dict[str, Any] | None:
     """The server's view (registered and missing ranks, open barriers), or ``None`` if it does not answer."""
     _check_endpoint(endpoint)
     try:
-        reply = _request_sync(endpoint, {"status": True}, timeout_s)
+        reply = _request_sync(endpoint, {"status": True}, timeout_s, curve)
     except HopnetError:
         return None
     return None if reply is None else reply.get("status")
 
 
-async def _rendezvous_status_async(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S) -> dict[str, Any] | None:
+async def _rendezvous_status_async(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S,
+                                   curve: CurveKeys | None = None) -> dict[str, Any] | None:
     try:
-        reply = await _request_async(endpoint, {"status": True}, timeout_s)
+        reply = await _request_async(endpoint, {"status": True}, timeout_s, curve)
     except HopnetError:
         return None
     return None if reply is None else reply.get("status")
@@ -460,36 +501,39 @@ def _address_table(reply: dict[str, Any], endpoint: str, world_size: int) -> dic
 
 
 def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
-                       timeout_s: float, config: Mapping[str, Any] | None = None) -> dict[int, str]:
+                       timeout_s: float, config: Mapping[str, Any] | None = None,
+                       curve: CurveKeys | None = None) -> dict[int, str]:
     """Register ``address`` for ``rank``; block until every rank has; return ``{rank: address}``.
 
     Raises :class:`WaitTimeout` (naming the rendezvous and the missing ranks) after
     ``timeout_s``, and :class:`RendezvousError` when the server refuses the request
     (also when ``config``, the protocol configuration this rank runs, differs from another
-    rank's).
+    rank's). ``curve``: the run key, when the server was started with one.
     """
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
     request = _exchange_request(rank, world_size, address, config)
     start = time.monotonic()
-    reply = _request_sync(endpoint, request, timeout_s)
+    reply = _request_sync(endpoint, request, timeout_s, curve)
     if reply is None:
         waited = time.monotonic() - start
-        raise WaitTimeout(_exchange_what(endpoint, world_size, rendezvous_status(endpoint)), waited_s=waited)
+        status = rendezvous_status(endpoint, curve=curve)
+        raise WaitTimeout(_exchange_what(endpoint, world_size, status), waited_s=waited)
     return _address_table(reply, endpoint, world_size)
 
 
 async def exchange_addresses_async(endpoint: str, rank: int, world_size: int, address: str,
-                                   timeout_s: float, config: Mapping[str, Any] | None = None) -> dict[int, str]:
+                                   timeout_s: float, config: Mapping[str, Any] | None = None,
+                                   curve: CurveKeys | None = None) -> dict[int, str]:
     """:func:`exchange_addresses` for an asyncio event loop (uses ``zmq.asyncio``)."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
     request = _exchange_request(rank, world_size, address, config)
     start = time.monotonic()
-    reply = await _request_async(endpoint, request, timeout_s)
+    reply = await _request_async(endpoint, request, timeout_s, curve)
     if reply is None:
         waited = time.monotonic() - start
-        status = await _rendezvous_status_async(endpoint)
+        status = await _rendezvous_status_async(endpoint, curve=curve)
         raise WaitTimeout(_exchange_what(endpoint, world_size, status), waited_s=waited)
     return _address_table(reply, endpoint, world_size)
 
@@ -502,28 +546,29 @@ def _barrier_request(rank: int, name: str) -> dict[str, Any]:
     return {"rank": rank, "barrier": name}
 
 
-def barrier(endpoint: str, rank: int, name: str, timeout_s: float) -> None:
+def barrier(endpoint: str, rank: int, name: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
     """Block until every rank has entered the barrier ``name`` (raises :class:`WaitTimeout`)."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
     start = time.monotonic()
-    reply = _request_sync(endpoint, _barrier_request(rank, name), timeout_s)
+    reply = _request_sync(endpoint, _barrier_request(rank, name), timeout_s, curve)
     if reply is None:
         waited = time.monotonic() - start
-        raise WaitTimeout(_barrier_what(endpoint, name, rendezvous_status(endpoint)), waited_s=waited)
+        raise WaitTimeout(_barrier_what(endpoint, name, rendezvous_status(endpoint, curve=curve)), waited_s=waited)
     if reply.get("barrier") != name:
         raise RendezvousError(f"rendezvous at {endpoint}: unexpected reply to barrier {name!r}")
 
 
-async def barrier_async(endpoint: str, rank: int, name: str, timeout_s: float) -> None:
+async def barrier_async(endpoint: str, rank: int, name: str, timeout_s: float,
+                        curve: CurveKeys | None = None) -> None:
     """:func:`barrier` for an asyncio event loop."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
     start = time.monotonic()
-    reply = await _request_async(endpoint, _barrier_request(rank, name), timeout_s)
+    reply = await _request_async(endpoint, _barrier_request(rank, name), timeout_s, curve)
     if reply is None:
         waited = time.monotonic() - start
-        status = await _rendezvous_status_async(endpoint)
+        status = await _rendezvous_status_async(endpoint, curve=curve)
         raise WaitTimeout(_barrier_what(endpoint, name, status), waited_s=waited)
     if reply.get("barrier") != name:
         raise RendezvousError(f"rendezvous at {endpoint}: unexpected reply to barrier {name!r}")

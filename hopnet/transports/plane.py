@@ -15,6 +15,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from hopnet.errors import ConfigError
+from hopnet.security import CurveKeys
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
 
@@ -38,13 +39,15 @@ def cpu_min_bytes(bulk: str) -> int | None:
 
 
 def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: str, device: torch.device,
-                   store_endpoint: str, timeout_s: float, message_bytes: int | None = None) -> Transport:
+                   store_endpoint: str, timeout_s: float, message_bytes: int | None = None,
+                   curve: CurveKeys | None = None) -> Transport:
     """The transport for a worker whose parameters live on ``device``.
 
     ``message_bytes``: the size of the worker's updates when known (the flat parameters);
     ``auto`` then skips the torch plane altogether for CPU updates below its threshold,
-    and also when no store is at hand (a launcher other than `hopnet launch`)."""
-    control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*")
+    and also when no store is at hand (a launcher other than `hopnet launch`).
+    ``curve``: the run key; the ZeroMQ sockets then use CurveZMQ (see :mod:`hopnet.security`)."""
+    control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*", curve=curve)
     if device.type == "cpu":
         min_bytes = cpu_min_bytes(bulk)
         if min_bytes is None:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
 from hopnet.transports.base import DISCARD, Receiver, Transport
 from hopnet.transports.zmq import ZmqTransport
-from hopnet.wire import DTYPE_NAMES, DTYPES, MAX_DIMS, MAX_TENSORS_PER_MESSAGE, Header, Message, TensorSpec
+from hopnet.wire import DTYPE_NAMES, DecodeError, Header, Message, TensorSpec, decode_specs
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +153,13 @@ def decode_bulk(value: Any) -> tuple[str, tuple[TensorSpec, ...]] | None:
     if not isinstance(value, dict) or value.get("b") not in BACKENDS:
         return None
     raw = value.get("x")
-    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TENSORS_PER_MESSAGE:
+    if not isinstance(raw, list) or not raw:
         return None
-    specs = []
-    for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 2):
-            return None
-        name, shape = entry
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
-        if (dtype is None or not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and d >= 0 for d in shape)):
-            return None
-        specs.append(TensorSpec(dtype, tuple(shape)))
-    return value["b"], tuple(specs)
+    try:
+        specs = decode_specs(raw)  # the header's own checks: dtype, rank, size bounds
+    except DecodeError:
+        return None
+    return value["b"], specs
 
 
 class OpWaiter:

@@ -16,7 +16,14 @@ many frames of which sizes to expect; anything else is dropped and counted.
 Identity: every DEALER's routing id is its rank (ASCII decimal), and the receiver drops
 a message whose header ``src`` differs from the connection's routing id
 (``spoofed_src``). The routing id is chosen by the connecting peer, so this catches
-confused or buggy peers, not an attacker (there is no authentication).
+confused or buggy peers among the run's members, not an attacker.
+
+Security: given the run's CURVE keys (``curve=``, see :mod:`hopnet.security`), the ROUTER
+is a CURVE server that admits only holders of the run key and every DEALER a CURVE
+client: traffic is encrypted, and a process without the key gets no message in. Its
+refused connection attempts are counted in ``stats.dropped`` as ``unauthenticated``
+(one per attempt; libzmq retries every 100 ms or so). Without keys the sockets are
+plain: fine on loopback, and what ``hopnet launch --insecure`` asks for elsewhere.
 
 Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensors):
 
@@ -62,6 +69,7 @@ import zmq
 import zmq.asyncio
 
 from hopnet.errors import ConfigError, HopnetError
+from hopnet.security import CurveKeys, HandshakeWatch, is_loopback, make_curve_client, make_curve_server
 from hopnet.transports.base import DISCARD, Receiver, Transport
 from hopnet.wire import DecodeError, Message, decode_header, encode_header
 
@@ -286,7 +294,8 @@ class ZmqTransport(Transport):
 
     def __init__(self, rank: int, allowed_senders: frozenset[int], *, bind: str = "tcp://127.0.0.1:*",
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
-                 context: zmq.asyncio.Context | None = None, tune_malloc: bool = True) -> None:
+                 context: zmq.asyncio.Context | None = None, tune_malloc: bool = True,
+                 curve: CurveKeys | None = None) -> None:
         super().__init__(rank, frozenset(allowed_senders))
         _check_address(bind, "bind address")
         if send_timeout <= 0:
@@ -306,6 +315,9 @@ class ZmqTransport(Transport):
         self._inflight: set[_SendDone] = set()
         self._stage_pool = _BufferPool(STAGE_POOL_BYTES)
         self._closed = False
+        self._curve = curve
+        self._handshakes: HandshakeWatch | None = None
+        self._handshakes_fd: int | None = None
         self.address: str | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -327,9 +339,18 @@ class ZmqTransport(Transport):
         # ROUTER_HANDOVER stays off: a second connection presenting a connected peer's
         # routing id is ignored rather than allowed to cut off the real peer's pipe.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer sending more is disconnected
+        if self._curve is not None:
+            make_curve_server(sock, self._curve)
+            self._handshakes = HandshakeWatch(sock)
+        elif not is_loopback(self.bind):  # info: `hopnet launch --insecure` already warned, once
+            log.info("rank %d: %s is not loopback and the transport has no CURVE keys: "
+                        "anyone who can reach it can send to this rank", self.rank, self.bind)
         try:
             sock.bind(self.bind)
         except zmq.ZMQError as exc:
+            if self._handshakes is not None:
+                self._handshakes.close()
+                self._handshakes = None
             sock.close(0)
             raise HopnetError(f"rank {self.rank} cannot bind {self.bind}: {exc}") from None
         self._router = sock
@@ -338,6 +359,10 @@ class ZmqTransport(Transport):
         self._router_fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._router_fd, self._on_readable)
         self._loop.call_soon(self._on_readable)  # the FD is edge-triggered: look once now
+        if self._handshakes is not None:
+            self._handshakes_fd = self._handshakes.fd
+            self._loop.add_reader(self._handshakes_fd, self._on_handshake_events)
+            self._loop.call_soon(self._on_handshake_events)
         return self.address
 
     async def connect(self, addresses: Mapping[int, str]) -> None:
@@ -362,6 +387,8 @@ class ZmqTransport(Transport):
         sock.setsockopt(zmq.SNDHWM, HWM)
         sock.setsockopt(zmq.IMMEDIATE, 0)  # queue until connected
         sock.copy_threshold = COPY_THRESHOLD
+        if self._curve is not None:
+            make_curve_client(sock, self._curve)
         sock.connect(address)
         return _Peer(rank, address, sock)
 
@@ -372,6 +399,12 @@ class ZmqTransport(Transport):
         if self._router_fd is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._router_fd)
         self._router_fd = None
+        if self._handshakes is not None:
+            self._on_handshake_events()  # count what is pending before it goes
+            if self._handshakes_fd is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._handshakes_fd)
+            self._handshakes.close()
+            self._handshakes = self._handshakes_fd = None
         for peer in self._peers.values():
             peer.sock.close(LINGER_MS)
         self._peers.clear()
@@ -615,6 +648,16 @@ class ZmqTransport(Transport):
         self._peers[peer.rank] = self._open_peer(peer.rank, peer.address)
 
     # ---------------------------------------------------------------- receiving
+
+    def _on_handshake_events(self) -> None:
+        """Count connections refused at the CURVE handshake (a process without the run key)."""
+        watch = self._handshakes
+        if watch is None:
+            return
+        refused = watch.poll()
+        if refused:
+            self.stats.dropped["unauthenticated"] += refused
+            log.debug("rank %d: refused %d connection attempt(s) without the run key", self.rank, refused)
 
     def _on_readable(self) -> None:
         """Drain the ROUTER. Called by the loop when the socket's (edge-triggered) FD fires.
