@@ -12,7 +12,9 @@ before the forward pass). hopnet runs go through ``hopnet launch`` (this file is
 worker script, ``--role hopnet``); DDP runs through torchrun (``--role ddp``), with the
 slowdown applied the way hopnet's ``Worker.step`` does it: the time since the previous
 step ended is stretched by the rank's factor (hopnet.slowdown.Slowdown, the same seed, so
-both slow down exactly the same (rank, iteration) pairs).
+both slow down exactly the same (rank, iteration) pairs). ``--straggler-ms X`` adds X ms of
+compute, each iteration, to exactly one rank, ``straggler(seed, iteration)``, in either role
+(bench/eager.py's setting).
 
 Each worker writes ``bench_rank{R}.json`` into its run directory: when each iteration
 ended (its monotonic clock, from the start of its first iteration), the held-out accuracy

@@ -43,10 +43,12 @@ RUNS = {
     "allreduce": ["--protocol", "allreduce"],
     "solo": ["--protocol", "eager-sgd", "--eager-mode", "solo"],
     "majority": ["--protocol", "eager-sgd", "--eager-mode", "majority"],
-    "solo-sync": ["--protocol", "eager-sgd", "--eager-mode", "solo", "--full-sync-every", "50"],
+    "solo-sync": ["--protocol", "eager-sgd", "--eager-mode", "solo", "--full-sync-every", "30"],
+    "majority-sync": ["--protocol", "eager-sgd", "--eager-mode", "majority", "--full-sync-every", "30"],
 }
 LABELS = {"ddp": "DDP (gloo)", "allreduce": "hopnet allreduce", "solo": "eager-SGD solo",
-          "majority": "eager-SGD majority", "solo-sync": "eager-SGD solo, --full-sync-every 50"}
+          "majority": "eager-SGD majority", "solo-sync": "eager-SGD solo, --full-sync-every 30",
+          "majority-sync": "eager-SGD majority, --full-sync-every 30"}
 
 
 def load() -> str:

@@ -1,18 +1,24 @@
-"""Pipe-SGD benchmark: K = 1 vs K = 2 vs --protocol allreduce, and compressed bytes, same run.
+"""Pipe-SGD benchmark: K = 1 vs K = 2 (+ compression) vs --protocol allreduce and torch DDP, same run.
 
-    python bench/pipesgd.py [--nproc 4] [--model-mb 4] [--iterations 40] [--warmup 8] [--repeat 3] [--accuracy]
+    python bench/pipesgd.py [--nproc 4] [--model-mb 4] [--iterations 40] [--warmup 8] [--repeat 3]
+                            [--compute-ms C] [--only NAME,NAME] [--json FILE] [--accuracy]
 
-Real processes (``hopnet launch`` of bench/pipesgd_worker.py over ZeroMQ on 127.0.0.1):
+Real processes: ``hopnet launch`` of bench/pipesgd_worker.py over ZeroMQ on 127.0.0.1
+(``--bulk zmq``: the ring, which carries the compression), and the same worker under
+torchrun with torch DDP (gloo):
 
-1. Calibrate: ``--protocol allreduce`` with no compute; its time per iteration is the
-   all-reduce time M of a ``--model-mb`` gradient among ``--nproc`` workers.
+1. Calibrate: ``--protocol allreduce`` with no compute; M is its all-reduce time, from
+   the last rank's arrival to the last rank's end (the ranks' timelines lined up on the
+   machine's shared monotonic clock).
 2. Set the compute C = M (a sleep, so the workers' CPUs stay free for the all-reduce)
-   and run allreduce, pipe-sgd K=1, K=2, K=2 trunc16 and K=2 int8. Report seconds per
-   iteration (mean over ranks, after the warm-up), its ratio to max(C, M) (Eq. 4: 1.0 is
-   perfect overlap), the speed-up over allreduce, and the bytes each worker sent per
-   iteration, as a ratio of the uncompressed bytes. The settings take turns, ``--repeat``
-   rounds of all of them; the table shows medians over rounds (ratios are medians of
-   each round's ratio), so slow drift of the machine's load hits every setting alike.
+   and run DDP, allreduce, pipe-sgd K=1, K=2, K=2 trunc16 and K=2 int8, ``--repeat``
+   rounds of all of them; the table shows medians over rounds (ratios are medians of each
+   round's ratio), so slow drift of the machine's load hits every setting alike. Per
+   setting: seconds per iteration, its ratio to max(C, M) (Eq. 4: 1.0 is perfect
+   overlap) with the calibration's M and with the M of the round's allreduce run, the
+   speed-ups, and where the iteration went (compute, time in step(), the all-reduce once
+   all ranks arrived, the ranks' arrival skew, CPU per worker-iteration, cores busy), and
+   the bytes each worker sent per iteration.
 3. ``--accuracy``: the digits example (examples/train_digits.py, 300 iterations) with
    allreduce, pipe-sgd K=2 and K=2 int8: held-out accuracy, mean over ranks.
 
