@@ -12,7 +12,9 @@ before the forward pass). hopnet runs go through ``hopnet launch`` (this file is
 worker script, ``--role hopnet``); DDP runs through torchrun (``--role ddp``), with the
 slowdown applied the way hopnet's ``Worker.step`` does it: the time since the previous
 step ended is stretched by the rank's factor (hopnet.slowdown.Slowdown, the same seed, so
-both slow down exactly the same (rank, iteration) pairs).
+both slow down exactly the same (rank, iteration) pairs). ``--straggler-ms X`` adds X ms of
+compute, each iteration, to exactly one rank, ``straggler(seed, iteration)``, in either role
+(bench/eager.py's setting).
 
 Each worker writes ``bench_rank{R}.json`` into its run directory: when each iteration
 ended (its monotonic clock, from the start of its first iteration), the held-out accuracy
@@ -26,6 +28,7 @@ all-reduce against DDP").
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -46,6 +49,13 @@ HOP_SKIP_FLAGS = ["--backup-workers", "1", "--skip-threshold", "2", "--max-jump"
 
 
 # ---------------------------------------------------------------------------- workers
+def straggler(seed: int, iteration: int, world_size: int) -> int:
+    """The one rank that gets ``--straggler-ms`` extra compute in ``iteration``: a pure function
+    of (seed, iteration), so every rank (and every run, hopnet or DDP) agrees with no messages."""
+    digest = hashlib.blake2b(f"straggler:{seed}:{iteration}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % world_size
+
+
 def train(role: str, args: argparse.Namespace) -> None:
     import torch
 
@@ -92,7 +102,8 @@ def train(role: str, args: argparse.Namespace) -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.iterations))
         previous_end = step_ended
-        time.sleep(compute_s)
+        slow = args.straggler_ms / 1000.0 if args.straggler_ms and straggler(args.seed, step, world) == rank else 0.0
+        time.sleep(compute_s + slow)
         batch = torch.randint(len(x_train), (args.batch_size,), generator=generator)
         optimizer.zero_grad()
         loss = loss_fn(forward_model(x_train[batch]), y_train[batch])
@@ -135,7 +146,8 @@ def free_port() -> int:
 
 def worker_args(args: argparse.Namespace) -> list[str]:
     return ["--iterations", str(args.iterations), "--compute-ms", str(args.compute_ms),
-            "--eval-every", str(args.eval_every), "--lr", str(args.lr), "--seed", str(args.seed)]
+            "--eval-every", str(args.eval_every), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--straggler-ms", str(getattr(args, "straggler_ms", 0.0))]
 
 
 def run_hopnet(name: str, flags: list[str], slowdown: list[str], run_dir: Path, args: argparse.Namespace) -> float:
@@ -249,6 +261,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--slowdown", action="append", default=[], help="(ddp workers) as hopnet's --slowdown")
+    parser.add_argument("--straggler-ms", type=float, default=0.0,
+                        help="each iteration exactly one rank, straggler(seed, iteration), computes this much longer")
     parser.add_argument("--out", default="runs/bench-ddp", help="where the runs go")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()

@@ -98,6 +98,26 @@ class FlatGradients:
         for p, view in zip(self.params, self.views):
             p.grad = view
 
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` (same size, dtype and device) the flat gradient buffer: every ``.grad``
+        becomes a view into it. Pipe-SGD rotates its all-reduce buffers through here instead of
+        copying the gradients out and the averaged ones back in."""
+        if buffer.shape != self.buffer.shape or buffer.dtype != self.buffer.dtype \
+                or buffer.device != self.buffer.device or not buffer.is_contiguous():
+            raise ConfigError(f"rebind needs a contiguous {self.buffer.dtype} tensor of shape "
+                              f"{tuple(self.buffer.shape)} on {self.buffer.device}")
+        if buffer.data_ptr() == self.buffer.data_ptr():
+            return
+        self.buffer = buffer
+        views = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            views.append(buffer[offset:offset + n].view_as(p))
+            offset += n
+        self.views = views
+        self._attach()
+
     def aliased(self) -> bool:
         """Whether every parameter's ``.grad`` is still its view into :attr:`buffer`."""
         return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()

@@ -317,3 +317,18 @@ def test_pipe_sgd_without_gradients_says_what_it_needs() -> None:
                 worker.step()
     finally:
         worker.close()
+
+
+def test_rebinding_flat_gradients_moves_every_grad_view_and_checks_the_buffer() -> None:
+    # Pipe-SGD rotates its all-reduce buffers this way instead of copying the gradients.
+    model = make_model()
+    grads = FlatGradients(model)
+    n = grads.buffer.numel()
+    other = torch.arange(n, dtype=grads.buffer.dtype)
+    grads.rebind(other)
+    assert grads.buffer is other and grads.aliased()
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), other)
+    grads.zero()
+    assert not other.any()
+    with pytest.raises(ConfigError, match="rebind needs"):
+        grads.rebind(torch.zeros(n + 1))

@@ -4,11 +4,11 @@ The compute thread and the comm thread of Algorithm 1 are the trainer's thread a
 node's event loop. At the end of iteration ``t`` (numbered from 0, as ``worker.iterations``
 yields them) every worker:
 
-1. copies its local gradient into slot ``t mod K`` and launches the all-reduce (mean) of
-   that slot as a task on the loop, tagged ``pipe/{t}``, after the all-reduce of ``t-1``
-   (one at a time, in iteration order, as the paper's comm thread runs them);
-2. waits for the all-reduce of iteration ``t+1-K``, copies its result into the gradient
-   buffer (each ``.grad``) and calls ``apply`` (the optimizer step);
+1. launches the all-reduce (mean) of its local gradient as a task on the loop, tagged
+   ``pipe/{t}``, after the all-reduce of ``t-1`` (one at a time, in iteration order, as the
+   paper's comm thread runs them);
+2. waits for the all-reduce of iteration ``t+1-K``, makes its result the gradients the
+   optimizer reads (each ``.grad``) and calls ``apply`` (the optimizer step);
 3. returns to the trainer, which computes iteration ``t+1`` while the loop all-reduces the
    gradients of iterations ``t+2-K .. t``.
 
@@ -26,6 +26,15 @@ Drain: the last iteration applies the gradient of iteration ``T-K`` like any oth
 waits for the ``K-1`` all-reduces still in flight to finish on every member (so no peer
 is left waiting on this one) and discards their results: every run makes ``T`` steps of
 which ``T-K+1`` apply a gradient, as Algorithm 1 does for the same ``T``.
+
+Buffers: with the model's flat gradients (``hopnet.init(model)``) the all-reduce of
+iteration ``t`` runs in place on the buffer the trainer's backward filled, and step 2
+rebinds every ``.grad`` to the buffer of ``t+1-K``'s result (:meth:`FlatGradients.rebind`),
+which the next ``zero_grad``/``backward`` reuses: ``K`` buffers take turns and no gradient
+is copied (two fewer model-sized copies per iteration than copying into a slot and back,
+which on a busy CPU cost as much as a good part of the all-reduce; bench/README.md,
+"Pipe-SGD"). So a reference to a ``.grad`` tensor is good for one iteration only. A bare
+gradient tensor (``Worker(grads=tensor)``) cannot move: it is copied into a slot and back.
 
 Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
 collective's codec hook; see :mod:`hopnet.collectives.compression`.
@@ -58,12 +67,19 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self.k = config.pipeline_k
         self.codec = make_codec(config.compress)
         self._slots: list[torch.Tensor] = []
+        self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
+        self._pool: list[torch.Tensor] = []  # flat-gradient buffers beyond the model's own
         self._reductions: dict[int, asyncio.Task[None]] = {}
         self._collective: Collective | None = None
         self.applied: list[int | None] = []
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
         self.discarded = 0
+        self.comm_times: list[tuple[int, float, float, float]] = []
+        """Per all-reduce ``(t, launched, began, ended)`` on ``node.timer`` (the system's monotonic
+        clock in real runs, shared by the ranks of one machine): launched by the trainer's step,
+        began once its predecessor finished, ended. bench/pipesgd.py splits the comm thread's
+        time with it into waiting for the last member and the ring itself."""
 
     # ------------------------------------------------------------------ Algorithm 1
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -73,12 +89,13 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         due = t + 1 - self.k
         if due >= 0:
             await self._wait_for(due)
-            grads.copy_(self._slot(due))
+            self._take_result(due, grads)
             if apply is not None:
                 apply()
             self.applied.append(due)
         else:
             self.applied.append(None)  # warm-up: g[1-K..0] = 0, no step
+            self._take_result(None, grads)
         self.node.iteration_done(t, self)
         if last:
             await self._drain()
@@ -87,19 +104,53 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self.node.entered(t + 1, self)
 
     def _launch_allreduce(self, t: int, grads: torch.Tensor) -> None:
-        """Copy iteration ``t``'s gradient into its slot and all-reduce it on the loop, after ``t-1``'s."""
-        slot = self._slot(t, like=grads)
-        slot.copy_(grads)
+        """All-reduce iteration ``t``'s gradient on the loop, after ``t-1``'s.
+
+        With the model's flat gradients (:class:`FlatGradients`) the buffer the trainer filled
+        is reduced in place and the ``.grad`` views move to another one (:meth:`_take_result`):
+        no copy. A bare tensor is copied into a slot of its own first."""
+        if isinstance(self.grads, FlatGradients):
+            reduced = grads
+        else:
+            reduced = self._slot(t, like=grads)
+            reduced.copy_(grads)
+        self._buffers[t] = reduced
         previous = self._reductions.get(t - 1)
-        task = asyncio.get_running_loop().create_task(self._allreduce(t, slot, previous),
+        task = asyncio.get_running_loop().create_task(self._allreduce(t, reduced, previous, self.node.timer()),
                                                       name=f"rank{self.rank}-pipe/{t}")
         task.add_done_callback(_retrieve)
         self._reductions[t] = task
 
-    async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None) -> None:
+    def _take_result(self, due: int | None, grads: torch.Tensor) -> None:
+        """Put the averaged gradient of ``due`` where the optimizer reads it (None: warm-up).
+
+        Flat gradients: rebind the ``.grad`` views to the result's buffer, which the trainer's
+        next ``zero_grad``/``backward`` then reuses (its all-reduce is over); in the warm-up, to
+        a fresh buffer, as the trainer's one is still in flight. At most ``K`` buffers exist."""
+        result = self._buffers.pop(due) if due is not None else None
+        if isinstance(self.grads, FlatGradients):
+            if result is None:
+                result = self._spare(grads)
+            self.grads.rebind(result)
+        elif result is not None:
+            grads.copy_(result)
+
+    def _spare(self, like: torch.Tensor) -> torch.Tensor:
+        in_use = {b.data_ptr() for b in self._buffers.values()}
+        for buffer in self._pool:
+            if buffer.data_ptr() not in in_use:
+                return buffer.zero_()
+        buffer = torch.zeros_like(like)
+        self._pool.append(buffer)
+        return buffer
+
+    async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None,
+                         launched: float) -> None:
         if previous is not None:
             await asyncio.shield(previous)  # in iteration order; its failure is this one's too
+        began = self.node.timer()
         await self.collective.allreduce(self.everyone, slot, "mean", tag=f"{TAG_PREFIX}/{t}")
+        self.comm_times.append((t, launched, began, self.node.timer()))
 
     async def _wait_for(self, t: int) -> None:
         task = self._reductions[t]
@@ -116,6 +167,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         """Finish the all-reduces still in flight (the peers need this rank's part); apply none."""
         for t in sorted(self._reductions):
             await self._wait_for(t)
+            self._buffers.pop(t, None)
             self.discarded += 1
 
     def _slot(self, t: int, *, like: torch.Tensor | None = None) -> torch.Tensor:
