@@ -32,6 +32,7 @@ other machines to learn the rendezvous endpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -61,7 +62,8 @@ from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.report.live import LaunchProgress  # [report]
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads
-from hopnet.launch.store import HostedStore, host_store
+from hopnet.launch.nodes import LaunchGroup, place_ranks
+from hopnet.launch.store import HostedStore, host_store, parse_endpoint
 from hopnet.security import KEY_ENV, is_loopback, resolve_run_key
 
 DEFAULT_NPROC = 4
@@ -73,6 +75,12 @@ WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
 RUNS_DIR = "runs"
 _POLL_S = 0.05
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+JOIN_TIMEOUT_S = 300.0
+"""How long a launcher of node R > 0 waits for node 0's launcher."""
+ABORT_POLL_S = 0.25
+"""How often a launcher of a multi-machine run looks for another machine's abort."""
+FINISH_WAIT_S = 30.0
+"""How long node 0's launcher keeps the launchers' store up for the others' end."""
 
 
 @dataclass
@@ -180,24 +188,27 @@ def _worker_pythonpath(environ: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class NodePlan:
-    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``.
+    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``,
+    or the ranks ``placed`` on this machine (see :func:`hopnet.launch.nodes.place_ranks`).
 
-    With one machine ``rank_offset`` is 0 and ``nproc == world_size``; a launcher per machine
-    would use ``rank_offset = node_rank * nproc_per_node``.
+    With one machine ``rank_offset`` is 0 and ``nproc == world_size``.
     """
 
     world_size: int
     nproc: int
     node_rank: int = 0
     rank_offset: int = 0
+    placed: tuple[int, ...] | None = None
 
     @property
-    def ranks(self) -> range:
+    def ranks(self) -> Sequence[int]:
+        if self.placed is not None:
+            return self.placed
         return range(self.rank_offset, self.rank_offset + self.nproc)
 
     def worker_env(self, rank: int, *, graph_path: str, rendezvous: str, run_dir: str,
                    config_json: str, bind: str, explicit_options: tuple[str, ...] = ()) -> WorkerEnv:
-        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=rank - self.rank_offset,
+        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=list(self.ranks).index(rank),
                          graph_path=graph_path, rendezvous=rendezvous, run_dir=run_dir,
                          config_json=config_json, bind_host=bind, node_rank=self.node_rank,
                          explicit_options=explicit_options)
@@ -405,6 +416,9 @@ def launch(
     insecure: bool = False,
     secure: bool = False,
     key_file: str | os.PathLike[str] | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -424,6 +438,10 @@ def launch(
     Sockets bound to anything but loopback use CurveZMQ with a key made for the run, or
     read from ``key_file``; ``secure`` uses it on loopback too; ``insecure`` turns it off
     (with a warning when ``bind`` is not loopback).
+    With ``nnodes > 1`` this is one of ``nnodes`` launchers, one per machine: it runs the
+    ranks placed on machine ``node_rank`` (:mod:`hopnet.launch.nodes`); node 0's launcher
+    hosts the launchers' store at ``rdzv_endpoint`` (``HOST:PORT``, reachable from every
+    machine) and the rendezvous; a failure anywhere stops every machine's workers.
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -457,8 +475,34 @@ def launch(
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
-    plan = NodePlan(world_size=world_size, nproc=world_size)
+    group: LaunchGroup | None = None
+    published: dict[str, Any] = {}
+    if nnodes == 1 and node_rank == 0 and rdzv_endpoint is None:
+        plan = NodePlan(world_size=world_size, nproc=world_size)
+    else:
+        if rdzv_endpoint is None:
+            raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (node 0's address, "
+                              "reachable from every machine)")
+        placed = tuple(place_ranks(g, nnodes, node_rank))
+        plan = NodePlan(world_size=world_size, nproc=len(placed), node_rank=node_rank, placed=placed)
+        group = LaunchGroup(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint)
+        if node_rank > 0:
+            try:
+                published = group.await_run(JOIN_TIMEOUT_S)
+            except BaseException:
+                group.finish(0.0)
+                raise
+            if published["world_size"] != world_size or published["config"] != json.loads(config.to_json()):
+                group.finish(0.0)
+                raise ConfigError(f"node {node_rank}'s graph or options differ from node 0's "
+                                  f"(node 0 runs {published['describe']} on {published['world_size']} workers)")
+            if key_file is None and published.get("key"):
+                from hopnet.security import CurveKeys
+
+                published_keys = CurveKeys.from_text(published["key"], where="node 0's run key")
     security = resolve_run_key(bind, insecure=insecure, secure=secure, key_file=key_file)
+    if group is not None and node_rank > 0 and key_file is None:
+        security = dataclasses.replace(security, keys=published_keys if published.get("key") else None)
 
     cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
@@ -490,6 +534,8 @@ def launch(
         "world_size": world_size,
         "nproc": plan.nproc,
         "node_rank": plan.node_rank,
+        "nnodes": nnodes,
+        "ranks": list(plan.ranks),
         "bind": bind,
         "security": "curve" if security.keys is not None else "plain",
         "security_source": security.source,
@@ -508,6 +554,8 @@ def launch(
     err_out = _Output(err_stream)
     workers = _Workers(_Output(out_stream) if prefix else None, err_out if prefix else None)
     rdzv_host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
+    if group is not None:  # the other machines reach node 0 at the address they were given
+        rdzv_host = parse_endpoint(group.endpoint)[0] if bind in _WILDCARD_HOSTS else bind
     base_env = dict(os.environ)
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
@@ -531,12 +579,27 @@ def launch(
     base_env.pop(KEY_ENV, None)
     if security.keys is not None:
         base_env[KEY_ENV] = security.keys.to_text()
-    server = RendezvousServer(world_size, host=rdzv_host, curve=security.keys).start()
+    server: RendezvousServer | None = None
     store: HostedStore | None = None
     try:
-        store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
-        launch_info["rendezvous"] = server.endpoint
-        launch_info["store"] = store.endpoint
+        if group is not None and node_rank > 0:
+            rendezvous_endpoint = str(published["rendezvous"])
+        else:
+            server = RendezvousServer(world_size, host=bind if group is not None else rdzv_host,
+                                      advertise_host=rdzv_host, curve=security.keys).start()
+            rendezvous_endpoint = server.endpoint
+        if group is not None:
+            store_endpoint = group.endpoint  # node 0's launchers' store is the run's store too
+        else:
+            store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
+            store_endpoint = store.endpoint
+        if group is not None and node_rank == 0:
+            group.publish_run({"rendezvous": rendezvous_endpoint, "world_size": world_size,
+                               "config": json.loads(config.to_json()), "describe": describe(config),
+                               "run_dir": path.name,
+                               "key": security.keys.to_text() if security.keys is not None else None})
+        launch_info["rendezvous"] = rendezvous_endpoint
+        launch_info["store"] = store_endpoint
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
@@ -547,12 +610,12 @@ def launch(
             for rank in plan.ranks:
                 if trap.received:
                     break
-                wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
+                wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=rendezvous_endpoint,
                                        run_dir=str(path), config_json=config.to_json(), bind=bind,
                                        explicit_options=tuple(sorted(explicit_options)))
                 env = dict(base_env)
                 env.update(wenv.to_environ())
-                env[STORE] = store.endpoint
+                env[STORE] = store_endpoint
                 try:
                     workers.spawn(rank, command, env, pass_fds=(watch_read,))
                 except OSError as exc:
@@ -566,10 +629,19 @@ def launch(
             pending = set(workers.procs)
             announced = False
             first_failure: int | None = None
+            next_abort_check = time.monotonic() + ABORT_POLL_S
             while pending and first_failure is None and failed_rank is None and not trap.received:
-                if not announced and server.complete.is_set():
+                if not announced and server is not None and server.complete.is_set():
                     announced = True
                     _announce_options(server, launch_info, path, err_stream)
+                if group is not None and time.monotonic() >= next_abort_check:
+                    next_abort_check = time.monotonic() + ABORT_POLL_S
+                    remote = group.aborted()
+                    if remote is not None and remote.get("node") != node_rank:
+                        failed_rank, reason, returncode = remote.get("rank"), "stopped by another machine", 1
+                        summary = f"stopping: {remote['summary']} (node {remote.get('node')})"
+                        _log(err_stream, summary)
+                        break
                 exited = _collect_exit(workers, pending)
                 if exited is None:
                     continue
@@ -577,8 +649,20 @@ def launch(
                 exit_order.append(rank)
                 if code != 0:
                     lost[rank] = code
-                    if len(lost) > max_failures:
+                    total_lost = group.lose() if group is not None else len(lost)
+                    if total_lost > max_failures:
                         first_failure = rank
+                        if group is not None:
+                            host = socket.gethostname() if bind in _WILDCARD_HOSTS else bind
+                            held = group.abort({"rank": rank, "host": host, "node": node_rank,
+                                                "summary": f"worker {rank} on {host} failed "
+                                                           f"({_describe_exit(code)})"})
+                            if held.get("node") != node_rank:  # another machine failed first
+                                first_failure = None
+                                failed_rank, reason, returncode = held.get("rank"), "stopped by another machine", 1
+                                summary = f"stopping: {held['summary']} (node {held.get('node')})"
+                                _log(err_stream, summary)
+                                break
                     else:
                         _log(err_stream, f"worker {rank} lost ({_describe_exit(code)}); the others go on "
                                          f"({len(lost)} of --max-failures {max_failures})")
@@ -620,19 +704,25 @@ def launch(
                 workers.returncodes[rank] = code
         workers.sweep()
         workers.drain(2.0)
-        server.close()
+        if server is not None:
+            server.close()
         if store is not None:
             store.close()
+        if group is not None:
+            group.finish(FINISH_WAIT_S)
         view.close()  # [report]
         for fd in (watch_read, watch_write):
             if fd >= 0:
                 os.close(fd)
 
     if not trap.received and failed_rank is None:
-        if len(lost) > max_failures:
+        if len(lost) > max_failures or (first_failure is not None and group is not None):
             returncode = 1
             blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
             failed_rank, reason, summary = blame.rank, blame.reason, blame.summary
+            if group is not None:
+                host = socket.gethostname() if bind in _WILDCARD_HOSTS else bind
+                summary = f"{summary} on {host} (node {node_rank})"
         elif lost:
             summary = (f"lost {_plural_ranks(sorted(lost))} "
                        f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))}); "
