@@ -81,6 +81,9 @@ ABORT_POLL_S = 0.25
 """How often a launcher of a multi-machine run looks for another machine's abort."""
 FINISH_WAIT_S = 30.0
 """How long node 0's launcher keeps the launchers' store up for the others' end."""
+REMOTE_BLAME_WAIT_S = 3.0
+"""How long a launcher whose workers failed because of a peer on another machine waits
+for that machine's launcher to name the root cause before naming its own."""
 
 
 @dataclass
@@ -639,8 +642,9 @@ def launch(
                     remote = group.aborted()
                     if remote is not None and remote.get("node") != node_rank:
                         failed_rank, reason, returncode = remote.get("rank"), "stopped by another machine", 1
-                        summary = f"stopping: {remote['summary']} (node {remote.get('node')})"
-                        _log(err_stream, summary)
+                        summary = f"stopping: {remote['summary']}" + (
+                            f" [rank {remote['rank']} runs on {remote.get('host')}, node {remote.get('node')}]"
+                            if remote.get("rank") is not None else "")
                         break
                 exited = _collect_exit(workers, pending)
                 if exited is None:
@@ -652,17 +656,6 @@ def launch(
                     total_lost = group.lose() if group is not None else len(lost)
                     if total_lost > max_failures:
                         first_failure = rank
-                        if group is not None:
-                            host = socket.gethostname() if bind in _WILDCARD_HOSTS else bind
-                            held = group.abort({"rank": rank, "host": host, "node": node_rank,
-                                                "summary": f"worker {rank} on {host} failed "
-                                                           f"({_describe_exit(code)})"})
-                            if held.get("node") != node_rank:  # another machine failed first
-                                first_failure = None
-                                failed_rank, reason, returncode = held.get("rank"), "stopped by another machine", 1
-                                summary = f"stopping: {held['summary']} (node {held.get('node')})"
-                                _log(err_stream, summary)
-                                break
                     else:
                         _log(err_stream, f"worker {rank} lost ({_describe_exit(code)}); the others go on "
                                          f"({len(lost)} of --max-failures {max_failures})")
@@ -679,6 +672,25 @@ def launch(
 
             # --- stop the rest
             stopped = set(workers.running())
+            if group is not None and first_failure is not None and not trap.received:
+                # every machine stops on this record; the first launcher to write one is believed
+                blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
+                facts = read_log_facts(path / f"rank{blame.rank}.jsonl")
+                blamed_peer = facts.error.get("peer") if facts.error else None
+                held = None
+                if isinstance(blamed_peer, int) and blamed_peer not in plan.ranks:
+                    # the root is on another machine: give its launcher a moment to say so
+                    deadline = time.monotonic() + REMOTE_BLAME_WAIT_S
+                    while held is None and time.monotonic() < deadline:
+                        held = group.aborted()
+                        time.sleep(ABORT_POLL_S)
+                held = held or group.abort({"rank": blame.rank, "host": _host_name(bind), "node": node_rank,
+                                    "summary": blame.summary})
+                if held.get("node") != node_rank:  # another machine failed first
+                    first_failure = None
+                    failed_rank, reason, returncode = held.get("rank"), "stopped by another machine", 1
+                    summary = f"stopping: {held['summary']} [rank {held.get('rank')} runs on {held.get('host')}, " \
+                              f"node {held.get('node')}]"
             if trap.received:
                 signum = trap.received[0]
                 reason = f"interrupted by {_signal_name(signum)}"
@@ -721,8 +733,7 @@ def launch(
             blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
             failed_rank, reason, summary = blame.rank, blame.reason, blame.summary
             if group is not None:
-                host = socket.gethostname() if bind in _WILDCARD_HOSTS else bind
-                summary = f"{summary} on {host} (node {node_rank})"
+                summary = f"{summary} [rank {failed_rank} runs on {_host_name(bind)}, node {node_rank}]"
         elif lost:
             summary = (f"lost {_plural_ranks(sorted(lost))} "
                        f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))}); "
@@ -753,6 +764,11 @@ def launch(
         status = "finished" if returncode == 0 else "failed"
         _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result
+
+
+def _host_name(bind: str) -> str:
+    """How the summary names this machine: its --bind address, else its host name."""
+    return socket.gethostname() if bind in _WILDCARD_HOSTS or is_loopback(bind) and bind != "127.0.0.1" else bind
 
 
 def _plural_ranks(ranks: Sequence[int]) -> str:
