@@ -33,6 +33,13 @@ def hosts():
         yield made
 
 
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hopnet.security import CurveKeys, write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("key") / "run.key", CurveKeys.generate())
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOPNET_", "SLURM_"))}
     env["PYTHONPATH"] = str(REPO)
@@ -56,17 +63,19 @@ def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
     return [(p.returncode, o) for p, o in zip(procs, outs)]
 
 
-def _launch(hosts: NamespacedHosts, node: int, port: int, run_dir: Path, flags: list[str], script: list[str]) -> list[str]:
+def _launch(hosts: NamespacedHosts, node: int, port: int, run_dir: Path, flags: list[str], script: list[str],
+            key_file: Path) -> list[str]:
     return hosts.command(node, [sys.executable, "-m", "hopnet.cli.main", "launch", "--nnodes", "2",
+                                "--key-file", str(key_file),
                                 "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
                                 "--bind", hosts.addresses[node], "--no-progress", "--run-dir", str(run_dir),
                                 *flags, *script])
 
 
-def test_digits_on_two_hosts_under_hopnet_launch(hosts: NamespacedHosts, tmp_path: Path) -> None:
+def test_digits_on_two_hosts_under_hopnet_launch(hosts: NamespacedHosts, key_file: Path, tmp_path: Path) -> None:
     script = [DIGITS, "--iterations", "200", "--eval-every", "1000"]
-    results = _run_all([_launch(hosts, n, 29811, tmp_path / f"node{n}", ["--graph", "ring:4"], script)
-                        for n in (0, 1)], tmp_path)
+    results = _run_all([_launch(hosts, n, 29811, tmp_path / f"node{n}", ["--graph", "ring:4"], script,
+                                key_file) for n in (0, 1)], tmp_path)
     assert [rc for rc, _ in results] == [0, 0], "\n".join(o[-2000:] for _, o in results)
     accuracies = [float(a) for _, out in results for a in ACCURACY.findall(out)]
     assert len(accuracies) == 4 and min(accuracies) >= 0.95, accuracies
@@ -104,7 +113,8 @@ def _pids_of(run_dir: Path, ranks: set[int]) -> list[int]:
     return found
 
 
-def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedHosts, tmp_path: Path) -> None:
+def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedHosts, key_file: Path,
+                                                             tmp_path: Path) -> None:
     flags = ["--graph", "complete:4", "--backup-workers", "2", "--max-failures", "2"]
     script = [HOP_WORKER, "--iterations", "150", "--compute-ms", "20"]
     victim_dir = tmp_path / "node1"
@@ -120,7 +130,7 @@ def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedH
         for pid in _pids_of(victim_dir, {2, 3}):
             os.kill(pid, signal.SIGKILL)
 
-    results = _run_all([_launch(hosts, n, 29813, tmp_path / f"node{n}", flags, script) for n in (0, 1)],
+    results = _run_all([_launch(hosts, n, 29813, tmp_path / f"node{n}", flags, script, key_file) for n in (0, 1)],
                        tmp_path, during=kill_host_1)
     (rc0, out0), (rc1, out1) = results
     assert rc0 == 0, out0[-3000:]

@@ -32,7 +32,6 @@ other machines to learn the rendezvous endpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
@@ -499,13 +498,12 @@ def launch(
                 group.finish(0.0)
                 raise ConfigError(f"node {node_rank}'s graph or options differ from node 0's "
                                   f"(node 0 runs {published['describe']} on {published['world_size']} workers)")
-            if key_file is None and published.get("key"):
-                from hopnet.security import CurveKeys
-
-                published_keys = CurveKeys.from_text(published["key"], where="node 0's run key")
     security = resolve_run_key(bind, insecure=insecure, secure=secure, key_file=key_file)
-    if group is not None and node_rank > 0 and key_file is None:
-        security = dataclasses.replace(security, keys=published_keys if published.get("key") else None)
+    if group is not None and security.keys is not None and key_file is None:
+        # the launchers' store is not encrypted: the run key never travels through it
+        group.finish(0.0)
+        raise ConfigError("several machines with CurveZMQ need the same --key-file on every machine "
+                          "(make one with `hopnet keygen PATH`), or --insecure on a trusted network")
 
     cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
@@ -599,8 +597,7 @@ def launch(
         if group is not None and node_rank == 0:
             group.publish_run({"rendezvous": rendezvous_endpoint, "world_size": world_size,
                                "config": json.loads(config.to_json()), "describe": describe(config),
-                               "run_dir": path.name,
-                               "key": security.keys.to_text() if security.keys is not None else None})
+                               "run_dir": path.name})
         launch_info["rendezvous"] = rendezvous_endpoint
         launch_info["store"] = store_endpoint
         _write_json(path / "launch.json", launch_info)
