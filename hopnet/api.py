@@ -372,6 +372,9 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     check_config_for_graph(cfg, g)  # the launcher's own check, for options given in code
     if attached is not None:
         run_dir = attached.open_run_dir(cfg.protocol, cfg.timeout_s)
+        # Hook for the coordinator of group protocols: pass a function that starts it on rank 0
+        # and returns its HOPNET_COORDINATOR* variables (see AttachedRun.share_coordinator).
+        os.environ.update(attached.share_coordinator(None, cfg.timeout_s))
     else:
         assert env is not None
         run_dir = env.run_dir

@@ -12,8 +12,9 @@ else a fresh ``runs/...`` that rank 0 names and shares through the store).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,16 @@ class AttachedRun:
         self.run_dir = self.rendezvous.share("run_dir", chosen, timeout_s)
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)  # another machine: its own copy
         return self.run_dir
+
+    def share_coordinator(self, start: Callable[[], Mapping[str, str]] | None, timeout_s: float) -> dict[str, str]:
+        """Rank 0 starts the run's coordinator with ``start`` (which returns the
+        ``HOPNET_COORDINATOR*`` variables naming it; ``None``: the protocol has none) and
+        shares them; every rank returns them, to set before its node starts.
+
+        Under torchrun or srun there is no launcher process of hopnet's own: rank 0's process
+        hosts the coordinator, as node 0's launcher does under `hopnet launch`."""
+        chosen = json.dumps(dict(start()) if start is not None else {}) if self.rank == 0 else None
+        return {str(k): str(v) for k, v in json.loads(self.rendezvous.share("coordinator", chosen, timeout_s)).items()}
 
     async def exchange(self, address: str, config: dict[str, Any], timeout_s: float) -> dict[int, str]:
         return await asyncio.to_thread(self.rendezvous.exchange, address, config, timeout_s)

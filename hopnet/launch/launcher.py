@@ -23,11 +23,12 @@ The launcher
   ``secure``/``key_file``): it makes or reads the run key (:mod:`hopnet.security`),
   serves the rendezvous with it and hands it to the workers in ``HOPNET_CURVE_KEY``.
 
-Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
-machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
-only machine 0 runs the rendezvous server. A launcher per machine (torchrun-style
-``--nnodes/--node-rank/--rdzv-endpoint`` flags) needs only the flags and a way for the
-other machines to learn the rendezvous endpoint.
+Multi-host runs (``nnodes``/``node_rank``/``rdzv_endpoint``): one launcher per machine
+runs the ranks :func:`hopnet.launch.nodes.place_ranks` gives its machine (:class:`NodePlan`);
+node 0's launcher hosts the launchers' store at ``rdzv_endpoint`` (also the run's c10d
+store) and the rendezvous server, and publishes the run there; a failure beyond
+``max_failures`` anywhere is written to the store and every launcher stops its workers
+(:mod:`hopnet.launch.nodes`).
 """
 
 from __future__ import annotations
@@ -595,9 +596,14 @@ def launch(
             store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
             store_endpoint = store.endpoint
         if group is not None and node_rank == 0:
+            # HOPNET_COORDINATOR*: the coordinator node 0 hosts (when the protocol has one) reaches
+            # the other machines' workers through the published run
             group.publish_run({"rendezvous": rendezvous_endpoint, "world_size": world_size,
                                "config": json.loads(config.to_json()), "describe": describe(config),
-                               "run_dir": path.name})
+                               "run_dir": path.name,
+                               "env": {k: v for k, v in base_env.items() if k.startswith("HOPNET_COORDINATOR")}})
+        elif group is not None:
+            base_env.update({str(k): str(v) for k, v in published.get("env", {}).items()})
         launch_info["rendezvous"] = rendezvous_endpoint
         launch_info["store"] = store_endpoint
         _write_json(path / "launch.json", launch_info)

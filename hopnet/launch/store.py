@@ -4,7 +4,10 @@ The launcher hosts the store (:func:`host_store`) next to its rendezvous server 
 its endpoint to every worker as ``HOPNET_STORE=HOST:PORT``. Workers open it as clients
 when they need it (:func:`connect_store`): the torch bulk plane and the torch collective
 build their process groups from prefixed keys of it, so process groups are formed by
-their members alone. Under torchrun the same role is played by torchrun's own store.
+their members alone. With several machines node 0's launcher hosts it at
+``--rdzv-endpoint`` (:mod:`hopnet.launch.nodes`); under torchrun's c10d rendezvous the
+same role is played by torchrun's own agent store, under srun by a store rank 0 hosts
+(:mod:`hopnet.launch.external`).
 """
 
 from __future__ import annotations
