@@ -771,7 +771,7 @@ def launch(
 
 def _host_name(bind: str) -> str:
     """How the summary names this machine: its --bind address, else its host name."""
-    return socket.gethostname() if bind in _WILDCARD_HOSTS or is_loopback(bind) and bind != "127.0.0.1" else bind
+    return socket.gethostname() if bind in _WILDCARD_HOSTS else bind
 
 
 def _plural_ranks(ranks: Sequence[int]) -> str:
