@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
@@ -71,27 +70,21 @@ def _two_launchers(tmp_path: Path, graph: str, extra: list[str], worker_args: li
 
 
 @pytest.mark.slow
-def test_two_launchers_run_one_ring_placed_by_machine_labels(tmp_path: Path) -> None:
+def test_two_launchers_place_by_machine_labels_and_a_failure_stops_both(tmp_path: Path) -> None:
+    """One run serves both: the ranks meet across the launchers (they train until rank 3 leaves
+    in iteration 5), and rank 3's failure on node 1 stops node 0's workers too."""
     graph = tmp_path / "g.json"
     Graph(4, Graph.ring(4).edges, machines=["a", "b", "a", "b"]).to_json(graph)
-    (rc0, out0, err0), (rc1, out1, err1) = _two_launchers(tmp_path, str(graph), [], ["--iterations", "30"])
-    assert (rc0, rc1) == (0, 0), err0[-2000:] + err1[-2000:]
-    assert sorted(map(int, re.findall(r"^\[rank (\d+)\] done", out0, re.M))) == [0, 2]
-    assert sorted(map(int, re.findall(r"^\[rank (\d+)\] done", out1, re.M))) == [1, 3]
-    # gossip averaging across both launchers: every rank moved towards the others
-    initial = torch.stack([torch.load(tmp_path / f"node{r % 2}" / f"initial_rank{r}.pt") for r in range(4)])
-    final = torch.stack([torch.load(tmp_path / f"node{r % 2}" / f"final_rank{r}.pt") for r in range(4)])
-    assert (final - final.mean(0)).norm() < 0.5 * (initial - initial.mean(0)).norm()
-    info = json.loads((tmp_path / "node1" / "launch.json").read_text())
-    assert info["ranks"] == [1, 3] and info["nnodes"] == 2
-    assert info["store"].startswith("127.0.0.1:") and info["rendezvous"].startswith("tcp://127.0.0.1:")
-
-
-@pytest.mark.slow
-def test_a_failure_on_one_machine_stops_the_other_and_names_rank_and_host(tmp_path: Path) -> None:
-    (rc0, _, err0), (rc1, _, err1) = _two_launchers(
-        tmp_path, "ring:4", [], ["--iterations", "100000", "--compute-ms", "20", "--exit-rank", "3", "--fail-at", "5"])
+    (rc0, out0, err0), (rc1, _, err1) = _two_launchers(
+        tmp_path, str(graph), [], ["--iterations", "100000", "--compute-ms", "20", "--exit-rank", "3", "--fail-at", "5"])
     assert rc0 == 1 and rc1 == 1, err0[-2000:] + err1[-2000:]
+    info = [json.loads((tmp_path / f"node{n}" / "launch.json").read_text()) for n in (0, 1)]
+    assert [i["ranks"] for i in info] == [[0, 2], [1, 3]] and info[1]["nnodes"] == 2
+    assert info[1]["store"] == info[0]["store"] and info[1]["store"].startswith("127.0.0.1:")
+    for rank in (0, 1, 2):  # every rank got through iterations 0-4 with its neighbours on the other launcher
+        log = (tmp_path / f"node{rank % 2}" / f"rank{rank}.jsonl").read_text()
+        assert max(json.loads(line).get("iter", -1) for line in log.splitlines()
+                   if '"iteration"' in line) >= 4, rank
     root = r"worker 3 failed \(exit code 3\).*\[rank 3 runs on 127\.0\.0\.1, node 1\]"
     assert re.search("stopping: " + root, err0), err0[-2000:]  # node 0 names the other machine's rank
     assert re.search(root, err1), err1[-2000:]
