@@ -19,11 +19,13 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +43,9 @@ from hopnet.runtime import shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
+
+if TYPE_CHECKING:
+    from hopnet.launch.coordinator_proc import CoordinatorProcess
 
 CLOSE_TIMEOUT_S = 120.0
 """Longest a close may take before the loop thread is abandoned (sends have their own timeout)."""
@@ -81,6 +86,8 @@ class Worker:
         self.failure: BaseException | None = None
         """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
         self.steps = 0
+        self.after_close: list[Callable[[bool], None]] = []
+        """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
         try:
             self._thread.run(self.node.start(exchange))
         except BaseException:
@@ -178,6 +185,11 @@ class Worker:
             self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
+            self._run_after_close(aborted=False)
+
+    def _run_after_close(self, aborted: bool) -> None:
+        for hook in self.after_close:
+            hook(aborted)
 
     def abort(self, error: BaseException | None = None, exit_code: int = 1) -> None:
         """Leave promptly because the process is failing with ``error`` / ``exit_code``.
@@ -199,6 +211,7 @@ class Worker:
                 self._thread.run(self._abort(fields, iteration), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
+            self._run_after_close(aborted=True)
 
     async def _abort(self, fields: dict[str, Any], iteration: int | None) -> None:
         self.node.record_error(fields, iteration)
@@ -306,8 +319,15 @@ class DistributedOptimizer:
 
 
 def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = None,
-         config: ProtocolConfig | None = None, **options: Any) -> Worker:
-    """Start this process's worker as `hopnet launch` configured it.
+         config: ProtocolConfig | None = None, graph: Graph | str | os.PathLike[str] | None = None,
+         **options: Any) -> Worker:
+    """Start this process's worker as its launcher configured it.
+
+    Under `hopnet launch` the rank, graph, peers and protocol come from the launcher. Under
+    torchrun or srun (see :mod:`hopnet.launch.external`) the rank and world size come from
+    their variables, the graph from ``graph`` (a :class:`Graph`, a JSON path or a spec such
+    as ``"ring:4"``), else ``HOPNET_GRAPH``, else a ring, the protocol from ``HOPNET_*``
+    variables, and the workers meet through the run's TCPStore.
 
     ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`),
     and its gradients into another (see :class:`hopnet.params.FlatGradients`): each
@@ -321,49 +341,122 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     whose options differ from another's.
     """
     from hopnet.launch.env import WorkerEnv
+    from hopnet.launch.external import detect
     from hopnet.launch.options import check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
     from hopnet.security import keys_from_environ
     from hopnet.transports.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
+    attached = None
+    hosted_coordinator: list[CoordinatorProcess] = []  # rank 0's, under torchrun or srun
     if env is None:
-        raise ConfigError("hopnet.init() reads its rank, graph and peers from `hopnet launch`: run the "
-                          "script with `hopnet launch --graph G.json SCRIPT`, or build a hopnet.Worker")
+        external = detect(os.environ)
+        if external is None:
+            raise ConfigError("hopnet.init() reads its rank, graph and peers from a launcher: run the script "
+                              "with `hopnet launch --graph G.json SCRIPT`, torchrun or srun, or build a "
+                              "hopnet.Worker")
+        from hopnet.launch.attach import attach
+
+        attached = attach(external, graph, os.environ)
+        rank, world_size, g = attached.rank, attached.world_size, attached.graph
+        flags, explicit = attached.flags, attached.explicit
+        bind_host, store_endpoint = attached.bind_host, attached.store_endpoint
+    else:
+        rank, world_size = env.rank, env.world_size
+        g = Graph.from_json(env.graph_path)
+        if graph is not None:
+            _check_same_graph(g, graph)
+        flags, explicit = env.config(), env.explicit_options
+        bind_host, store_endpoint = env.bind_host, env.store
     curve = keys_from_environ()  # the run key when the launcher secured the run, else None
-    graph = Graph.from_json(env.graph_path)
-    if graph.n != env.world_size:
-        raise ConfigError(f"the graph has {graph.n} nodes but the launcher started {env.world_size} workers")
-    flags = env.config()
+    if g.n != world_size:
+        raise ConfigError(f"the graph has {g.n} nodes but the launcher started {world_size} workers")
     cfg = config if config is not None else flags
     if options:
         cfg = cfg.replace(**options)
         cfg.validate()
     where = "hopnet.init()" if config is None else "the config passed to hopnet.init()"
-    check_explicit(flags, cfg, env.explicit_options, where)
+    check_explicit(flags, cfg, explicit, where)
     announced = json.loads(cfg.to_json())
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")
-    check_config_for_graph(cfg, graph)  # the launcher's own check, for options given in code
+    check_config_for_graph(cfg, g)  # the launcher's own check, for options given in code
+    if attached is not None:
+        run_dir = attached.open_run_dir(cfg.protocol, cfg.timeout_s)
+        # no launcher process of hopnet's own: rank 0's process hosts the group protocols' coordinator
+        os.environ.update(attached.share_coordinator(
+            lambda: _host_coordinator(cfg, run_dir, bind_host, hosted_coordinator), cfg.timeout_s))
+    else:
+        assert env is not None
+        run_dir = env.run_dir
     flat = flatten_parameters(model) if model is not None else params
     grads = FlatGradients(model) if model is not None else None
     device = flat.device if flat is not None else torch.device("cpu")
-    transport = make_transport(rank=env.rank, peers=frozenset(graph.peers(env.rank)), bind_host=env.bind_host,
-                               bulk=cfg.bulk, device=device, store_endpoint=env.store, timeout_s=cfg.timeout_s,
+    transport = make_transport(rank=rank, peers=frozenset(g.peers(rank)), bind_host=bind_host,
+                               bulk=cfg.bulk, device=device, store_endpoint=store_endpoint, timeout_s=cfg.timeout_s,
                                message_bytes=None if flat is None else flat.numel() * flat.element_size(),
                                curve=curve)
 
-    factory = collective_factory(rank=env.rank, world_size=env.world_size, bulk=cfg.bulk, device=device,
-                                 store_endpoint=env.store, timeout_s=cfg.timeout_s, bind_host=env.bind_host,
+    factory = collective_factory(rank=rank, world_size=world_size, bulk=cfg.bulk, device=device,
+                                 store_endpoint=store_endpoint, timeout_s=cfg.timeout_s, bind_host=bind_host,
                                  tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
                                  if grads is not None else None)
 
     async def exchange(address: str) -> dict[int, str]:
+        if attached is not None:
+            return await attached.exchange(address, announced, cfg.timeout_s)
+        assert env is not None
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
                                               cfg.timeout_s, config=announced, curve=curve)
 
-    coordinator = client_from_environ(env.rank, cfg.peer_timeout_s)
-    events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
-    return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events, grads=grads, collective_factory=factory,
-                  coordinator=coordinator)
+    coordinator = client_from_environ(rank, cfg.peer_timeout_s)
+    events = JsonlEventLog(Path(run_dir) / f"rank{rank}.jsonl")
+    try:
+        worker = Worker(rank=rank, graph=g, config=cfg, params=flat, transport=transport,
+                        exchange=exchange, events=events, grads=grads, collective_factory=factory,
+                        coordinator=coordinator)
+    except BaseException:
+        if attached is not None:
+            attached.finish(aborted=True)
+        if hosted_coordinator:
+            hosted_coordinator[0].stop(COORDINATOR_STOP_GRACE_S)
+        raise
+    if attached is not None:
+        worker.after_close.append(attached.finish)
+    if hosted_coordinator:  # after the store: every rank has left, so no group waits on it any more
+        worker.after_close.append(lambda aborted: hosted_coordinator[0].stop(COORDINATOR_STOP_GRACE_S))
+    return worker
+
+
+def _check_same_graph(launched: Graph, given: Graph | str | os.PathLike[str]) -> None:
+    """``graph=`` under `hopnet launch` must be the graph the launcher runs."""
+    g = given if isinstance(given, Graph) else Graph.load(os.fspath(given))
+    same = g.n == launched.n and all(sorted(g.peers(r)) == sorted(launched.peers(r)) for r in range(g.n))
+    if not same:
+        raise ConfigError(f"graph= {g.name or 'given to hopnet.init()'} differs from the graph `hopnet launch` "
+                          "runs (drop graph= or pass the same graph to --graph)")
+
+
+COORDINATOR_STOP_GRACE_S = 5.0
+
+
+def _host_coordinator(config: ProtocolConfig, run_dir: str, bind_host: str,
+                      hosted: list[CoordinatorProcess]) -> dict[str, str]:
+    """Start the coordinator the protocol needs (none: ``{}``) as rank 0's child process; the
+    ``HOPNET_COORDINATOR*`` variables every rank sets."""
+    from hopnet.coordinator import make_coordinator
+    from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+
+    graph_path = Path(run_dir) / "graph.json"  # rank 0 wrote it when it named the run directory
+    machine = make_coordinator(config, Graph.from_json(graph_path))
+    if machine is None:
+        return {}
+    try:
+        process = CoordinatorProcess.start(machine.name, graph_path=str(graph_path), config_json=config.to_json(),
+                                           run_dir=run_dir, bind_host=bind_host, env=os.environ, pass_fds=(),
+                                           relay=sys.stderr.buffer.write)
+    except CoordinatorStartError as exc:
+        raise ConfigError(str(exc)) from None
+    hosted.append(process)
+    return process.worker_env()

@@ -116,6 +116,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
+    machines = parser.add_argument_group("several machines (one launcher per machine)")
+    machines.add_argument("--nnodes", type=_nproc, default=1, metavar="N",
+                          help="number of machines, each running its own `hopnet launch` (default: 1)")
+    machines.add_argument("--node-rank", type=_count, default=0, metavar="R",
+                          help="this machine's index, 0 to N-1; node 0 hosts the rendezvous (default: 0)")
+    machines.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                          help="node 0's address and a free port on it, the same on every machine; "
+                               "node 0's launcher listens there")
     security = parser.add_argument_group("security")
     security.add_argument("--key-file", default=None, metavar="PATH",
                           help="CurveZMQ run key: a ZeroMQ certificate with public-key and secret-key "
@@ -157,5 +165,8 @@ def run(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         secure=args.secure,
         key_file=args.key_file,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
     )
     return result.returncode

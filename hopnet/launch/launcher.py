@@ -23,11 +23,12 @@ The launcher
   ``secure``/``key_file``): it makes or reads the run key (:mod:`hopnet.security`),
   serves the rendezvous with it and hands it to the workers in ``HOPNET_CURVE_KEY``.
 
-Multi-host runs: the spawning is written per machine (:class:`NodePlan`): a launcher on
-machine ``node_rank`` runs the global ranks ``node_rank * nproc_per_node ...``, and
-only machine 0 runs the rendezvous server. A launcher per machine (torchrun-style
-``--nnodes/--node-rank/--rdzv-endpoint`` flags) needs only the flags and a way for the
-other machines to learn the rendezvous endpoint.
+Multi-host runs (``nnodes``/``node_rank``/``rdzv_endpoint``): one launcher per machine
+runs the ranks :func:`hopnet.launch.nodes.place_ranks` gives its machine (:class:`NodePlan`);
+node 0's launcher hosts the launchers' store at ``rdzv_endpoint`` (also the run's c10d
+store) and the rendezvous server, and publishes the run there; a failure beyond
+``max_failures`` anywhere is written to the store and every launcher stops its workers
+(:mod:`hopnet.launch.nodes`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.report.live import LaunchProgress  # [report]
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads
-from hopnet.launch.store import HostedStore, host_store
+from hopnet.launch.nodes import LaunchGroup, place_ranks
+from hopnet.launch.store import HostedStore, host_store, parse_endpoint
 from hopnet.security import KEY_ENV, is_loopback, resolve_run_key
 
 DEFAULT_NPROC = 4
@@ -75,6 +77,15 @@ WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
 RUNS_DIR = "runs"
 _POLL_S = 0.05
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+JOIN_TIMEOUT_S = 300.0
+"""How long a launcher of node R > 0 waits for node 0's launcher."""
+ABORT_POLL_S = 0.25
+"""How often a launcher of a multi-machine run looks for another machine's abort."""
+FINISH_WAIT_S = 30.0
+"""How long node 0's launcher keeps the launchers' store up for the others' end."""
+REMOTE_BLAME_WAIT_S = 3.0
+"""How long a launcher whose workers failed because of a peer on another machine waits
+for that machine's launcher to name the root cause before naming its own."""
 
 
 @dataclass
@@ -182,24 +193,27 @@ def _worker_pythonpath(environ: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class NodePlan:
-    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``.
+    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``,
+    or the ranks ``placed`` on this machine (see :func:`hopnet.launch.nodes.place_ranks`).
 
-    With one machine ``rank_offset`` is 0 and ``nproc == world_size``; a launcher per machine
-    would use ``rank_offset = node_rank * nproc_per_node``.
+    With one machine ``rank_offset`` is 0 and ``nproc == world_size``.
     """
 
     world_size: int
     nproc: int
     node_rank: int = 0
     rank_offset: int = 0
+    placed: tuple[int, ...] | None = None
 
     @property
-    def ranks(self) -> range:
+    def ranks(self) -> Sequence[int]:
+        if self.placed is not None:
+            return self.placed
         return range(self.rank_offset, self.rank_offset + self.nproc)
 
     def worker_env(self, rank: int, *, graph_path: str, rendezvous: str, run_dir: str,
                    config_json: str, bind: str, explicit_options: tuple[str, ...] = ()) -> WorkerEnv:
-        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=rank - self.rank_offset,
+        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=list(self.ranks).index(rank),
                          graph_path=graph_path, rendezvous=rendezvous, run_dir=run_dir,
                          config_json=config_json, bind_host=bind, node_rank=self.node_rank,
                          explicit_options=explicit_options)
@@ -407,6 +421,9 @@ def launch(
     insecure: bool = False,
     secure: bool = False,
     key_file: str | os.PathLike[str] | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -426,6 +443,10 @@ def launch(
     Sockets bound to anything but loopback use CurveZMQ with a key made for the run, or
     read from ``key_file``; ``secure`` uses it on loopback too; ``insecure`` turns it off
     (with a warning when ``bind`` is not loopback).
+    With ``nnodes > 1`` this is one of ``nnodes`` launchers, one per machine: it runs the
+    ranks placed on machine ``node_rank`` (:mod:`hopnet.launch.nodes`); node 0's launcher
+    hosts the launchers' store at ``rdzv_endpoint`` (``HOST:PORT``, reachable from every
+    machine) and the rendezvous; a failure anywhere stops every machine's workers.
     """
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
@@ -461,8 +482,33 @@ def launch(
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
-    plan = NodePlan(world_size=world_size, nproc=world_size)
+    group: LaunchGroup | None = None
+    published: dict[str, Any] = {}
+    if nnodes == 1 and node_rank == 0 and rdzv_endpoint is None:
+        plan = NodePlan(world_size=world_size, nproc=world_size)
+    else:
+        if rdzv_endpoint is None:
+            raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (node 0's address, "
+                              "reachable from every machine)")
+        placed = tuple(place_ranks(g, nnodes, node_rank))
+        plan = NodePlan(world_size=world_size, nproc=len(placed), node_rank=node_rank, placed=placed)
+        group = LaunchGroup(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint)
+        if node_rank > 0:
+            try:
+                published = group.await_run(JOIN_TIMEOUT_S)
+            except BaseException:
+                group.finish(0.0)
+                raise
+            if published["world_size"] != world_size or published["config"] != json.loads(config.to_json()):
+                group.finish(0.0)
+                raise ConfigError(f"node {node_rank}'s graph or options differ from node 0's "
+                                  f"(node 0 runs {published['describe']} on {published['world_size']} workers)")
     security = resolve_run_key(bind, insecure=insecure, secure=secure, key_file=key_file)
+    if group is not None and security.keys is not None and key_file is None:
+        # the launchers' store is not encrypted: the run key never travels through it
+        group.finish(0.0)
+        raise ConfigError("several machines with CurveZMQ need the same --key-file on every machine "
+                          "(make one with `hopnet keygen PATH`), or --insecure on a trusted network")
 
     cleared = clear_previous_run(run_dir, overwrite) if run_dir is not None else None
     path = make_run_dir(run_dir, config.protocol, graph_label(g, graph))
@@ -494,6 +540,8 @@ def launch(
         "world_size": world_size,
         "nproc": plan.nproc,
         "node_rank": plan.node_rank,
+        "nnodes": nnodes,
+        "ranks": list(plan.ranks),
         "bind": bind,
         "security": "curve" if security.keys is not None else "plain",
         "security_source": security.source,
@@ -512,6 +560,8 @@ def launch(
     err_out = _Output(err_stream)
     workers = _Workers(_Output(out_stream) if prefix else None, err_out if prefix else None)
     rdzv_host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
+    if group is not None:  # the other machines reach node 0 at the address they were given
+        rdzv_host = parse_endpoint(group.endpoint)[0] if bind in _WILDCARD_HOSTS else bind
     base_env = dict(os.environ)
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PYTHONPATH"] = _worker_pythonpath(base_env)
@@ -535,20 +585,30 @@ def launch(
     base_env.pop(KEY_ENV, None)
     if security.keys is not None:
         base_env[KEY_ENV] = security.keys.to_text()
-    server = RendezvousServer(world_size, host=rdzv_host, curve=security.keys).start()
+    server: RendezvousServer | None = None
     store: HostedStore | None = None
     coordinator: CoordinatorProcess | None = None
     coordinator_exit: int | None = None
     try:
-        store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
-        launch_info["rendezvous"] = server.endpoint
-        launch_info["store"] = store.endpoint
+        if group is not None and node_rank > 0:
+            rendezvous_endpoint = str(published["rendezvous"])
+        else:
+            server = RendezvousServer(world_size, host=bind if group is not None else rdzv_host,
+                                      advertise_host=rdzv_host, curve=security.keys).start()
+            rendezvous_endpoint = server.endpoint
+        if group is not None:
+            store_endpoint = group.endpoint  # node 0's launchers' store is the run's store too
+        else:
+            store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
+            store_endpoint = store.endpoint
+        launch_info["rendezvous"] = rendezvous_endpoint
+        launch_info["store"] = store_endpoint
         _write_json(path / "launch.json", launch_info)
         _log(err_stream, f"{world_size} workers, graph {g.name or graph_path}, protocol {config.protocol}, "
                          f"run dir {path}")
         if threads_note:
             _log(err_stream, threads_note)
-        if coordinator_name is not None:
+        if coordinator_name is not None and (group is None or node_rank == 0):  # node 0 hosts it for all
             try:
                 coordinator = CoordinatorProcess.start(
                     coordinator_name, graph_path=str(graph_path), config_json=config.to_json(), run_dir=str(path),
@@ -561,17 +621,26 @@ def launch(
                 launch_info["coordinator"] = {"name": coordinator.name, "address": coordinator.address}
                 _write_json(path / "launch.json", launch_info)
                 _log(err_stream, f"{coordinator.label} started")
+        if group is not None and node_rank == 0:
+            # HOPNET_COORDINATOR*: the coordinator node 0 hosts (when the protocol has one) reaches
+            # the other machines' workers through the published run
+            group.publish_run({"rendezvous": rendezvous_endpoint, "world_size": world_size,
+                               "config": json.loads(config.to_json()), "describe": describe(config),
+                               "run_dir": path.name,
+                               "env": {k: v for k, v in base_env.items() if k.startswith("HOPNET_COORDINATOR")}})
+        elif group is not None:
+            base_env.update({str(k): str(v) for k, v in published.get("env", {}).items()})
         with trap:
             # --- start
             for rank in plan.ranks:
                 if trap.received or summary is not None:
                     break
-                wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
+                wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=rendezvous_endpoint,
                                        run_dir=str(path), config_json=config.to_json(), bind=bind,
                                        explicit_options=tuple(sorted(explicit_options)))
                 env = dict(base_env)
                 env.update(wenv.to_environ())
-                env[STORE] = store.endpoint
+                env[STORE] = store_endpoint
                 try:
                     workers.spawn(rank, command, env, pass_fds=(watch_read,))
                 except OSError as exc:
@@ -585,6 +654,7 @@ def launch(
             pending = set(workers.procs)
             announced = False
             first_failure: int | None = None
+            next_abort_check = time.monotonic() + ABORT_POLL_S
             while pending and first_failure is None and failed_rank is None and not trap.received \
                     and summary is None:
                 if coordinator is not None and (code := coordinator.exited()) is not None:
@@ -593,9 +663,18 @@ def launch(
                     returncode, reason = 1, "coordinator died"
                     _log(err_stream, f"{summary}; the workers waiting on it fail")
                     break
-                if not announced and server.complete.is_set():
+                if not announced and server is not None and server.complete.is_set():
                     announced = True
                     _announce_options(server, launch_info, path, err_stream)
+                if group is not None and time.monotonic() >= next_abort_check:
+                    next_abort_check = time.monotonic() + ABORT_POLL_S
+                    remote = group.aborted()
+                    if remote is not None and remote.get("node") != node_rank:
+                        failed_rank, reason, returncode = remote.get("rank"), "stopped by another machine", 1
+                        summary = f"stopping: {remote['summary']}" + (
+                            f" [rank {remote['rank']} runs on {remote.get('host')}, node {remote.get('node')}]"
+                            if remote.get("rank") is not None else "")
+                        break
                 exited = _collect_exit(workers, pending)
                 if exited is None:
                     continue
@@ -603,7 +682,8 @@ def launch(
                 exit_order.append(rank)
                 if code != 0:
                     lost[rank] = code
-                    if len(lost) > max_failures:
+                    total_lost = group.lose() if group is not None else len(lost)
+                    if total_lost > max_failures:
                         first_failure = rank
                     else:
                         _log(err_stream, f"worker {rank} lost ({_describe_exit(code)}); the others go on "
@@ -623,6 +703,25 @@ def launch(
 
             # --- stop the rest
             stopped = set(workers.running())
+            if group is not None and first_failure is not None and not trap.received:
+                # every machine stops on this record; the first launcher to write one is believed
+                blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
+                facts = read_log_facts(path / f"rank{blame.rank}.jsonl")
+                blamed_peer = facts.error.get("peer") if facts.error else None
+                held = None
+                if isinstance(blamed_peer, int) and blamed_peer not in plan.ranks:
+                    # the root is on another machine: give its launcher a moment to say so
+                    deadline = time.monotonic() + REMOTE_BLAME_WAIT_S
+                    while held is None and time.monotonic() < deadline:
+                        held = group.aborted()
+                        time.sleep(ABORT_POLL_S)
+                held = held or group.abort({"rank": blame.rank, "host": _host_name(bind), "node": node_rank,
+                                    "summary": blame.summary})
+                if held.get("node") != node_rank:  # another machine failed first
+                    first_failure = None
+                    failed_rank, reason, returncode = held.get("rank"), "stopped by another machine", 1
+                    summary = f"stopping: {held['summary']} [rank {held.get('rank')} runs on {held.get('host')}, " \
+                              f"node {held.get('node')}]"
             if trap.received:
                 signum = trap.received[0]
                 reason = f"interrupted by {_signal_name(signum)}"
@@ -654,9 +753,12 @@ def launch(
                 workers.returncodes[rank] = code
         workers.sweep()
         workers.drain(2.0)
-        server.close()
+        if server is not None:
+            server.close()
         if store is not None:
             store.close()
+        if group is not None:
+            group.finish(FINISH_WAIT_S)
         view.close()  # [report]
         for fd in (watch_read, watch_write):
             if fd >= 0:
@@ -667,10 +769,12 @@ def launch(
             summary += (f"; then {_plural_ranks(sorted(lost))} failed "
                         f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))})")
     elif not trap.received and failed_rank is None and summary is None:
-        if len(lost) > max_failures:
+        if len(lost) > max_failures or (first_failure is not None and group is not None):
             returncode = 1
             blame = _blame(path, workers.returncodes, stopped, exit_order, lost)
             failed_rank, reason, summary = blame.rank, blame.reason, blame.summary
+            if group is not None:
+                summary = f"{summary} [rank {failed_rank} runs on {_host_name(bind)}, node {node_rank}]"
         elif lost:
             summary = (f"lost {_plural_ranks(sorted(lost))} "
                        f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))}); "
@@ -705,6 +809,11 @@ def launch(
         status = "finished" if returncode == 0 else "failed"
         _log(err_stream, f"{status} in {wall_s:.1f}s; run dir {path}")
     return result
+
+
+def _host_name(bind: str) -> str:
+    """How the summary names this machine: its --bind address, else its host name."""
+    return socket.gethostname() if bind in _WILDCARD_HOSTS else bind
 
 
 def _plural_ranks(ranks: Sequence[int]) -> str:

@@ -4,7 +4,10 @@ The launcher hosts the store (:func:`host_store`) next to its rendezvous server 
 its endpoint to every worker as ``HOPNET_STORE=HOST:PORT``. Workers open it as clients
 when they need it (:func:`connect_store`): the torch bulk plane and the torch collective
 build their process groups from prefixed keys of it, so process groups are formed by
-their members alone. Under torchrun the same role is played by torchrun's own store.
+their members alone. With several machines node 0's launcher hosts it at
+``--rdzv-endpoint`` (:mod:`hopnet.launch.nodes`); under torchrun's c10d rendezvous the
+same role is played by torchrun's own agent store, under srun by a store rank 0 hosts
+(:mod:`hopnet.launch.external`).
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ def format_endpoint(host: str, port: int) -> str:
 class HostedStore:
     """The master side of the run's TCPStore; :meth:`close` shuts its server down."""
 
-    def __init__(self, host: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, host: str, timeout_s: float = 300.0, port: int = 0) -> None:
         try:
             self.store: dist.TCPStore | None = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+                host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         except Exception as exc:  # torch raises RuntimeError / DistNetworkError
-            raise HopnetError(f"cannot host the run's c10d store on {host}: {exc}") from None
+            where = format_endpoint(host, port) if port else host
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HopnetError(f"cannot host the run's c10d store on {where}: {first}") from None
         self.host = host
         self.port = int(self.store.port)
 
@@ -61,9 +66,12 @@ class HostedStore:
         self.store = None
 
 
-def host_store(host: str = "127.0.0.1") -> HostedStore:
-    """Host a TCPStore on ``host`` at a free port (no waiting for clients)."""
-    return HostedStore(host)
+def host_store(host: str = "127.0.0.1", port: int = 0) -> HostedStore:
+    """Host a TCPStore for ``host`` at ``port`` (0: a free one), without waiting for clients.
+
+    The server listens on every interface whatever ``host`` says; ``host`` is the name
+    the :attr:`HostedStore.endpoint` gives the clients."""
+    return HostedStore(host, port=port)
 
 
 def _wait_until_reachable(host: str, port: int, timeout_s: float) -> None:

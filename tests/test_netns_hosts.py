@@ -1,0 +1,138 @@
+"""Two emulated hosts (network namespaces on a bridge, each its own IP and its own launcher).
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from netns_hosts import NamespacedHosts, unavailable_reason  # noqa: E402
+
+DIGITS = str(REPO / "examples" / "train_digits.py")
+HOP_WORKER = str(REPO / "tests" / "workers" / "hop_worker.py")
+ACCURACY = re.compile(r"final held-out accuracy ([0-9.]+)")
+WHY_NOT = unavailable_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated hosts: {WHY_NOT}")]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with NamespacedHosts(2) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hopnet.security import CurveKeys, write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("key") / "run.key", CurveKeys.generate())
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOPNET_", "SLURM_"))}
+    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
+             during=None) -> list[tuple[int, str]]:
+    procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in cmds]
+    try:
+        if during is not None:
+            during()
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+def _launch(hosts: NamespacedHosts, node: int, port: int, run_dir: Path, flags: list[str], script: list[str],
+            key_file: Path) -> list[str]:
+    return hosts.command(node, [sys.executable, "-m", "hopnet.cli.main", "launch", "--nnodes", "2",
+                                "--key-file", str(key_file),
+                                "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
+                                "--bind", hosts.addresses[node], "--no-progress", "--run-dir", str(run_dir),
+                                *flags, *script])
+
+
+def test_digits_on_two_hosts_under_hopnet_launch(hosts: NamespacedHosts, key_file: Path, tmp_path: Path) -> None:
+    script = [DIGITS, "--iterations", "200", "--eval-every", "1000"]
+    results = _run_all([_launch(hosts, n, 29811, tmp_path / f"node{n}", ["--graph", "ring:4"], script,
+                                key_file) for n in (0, 1)], tmp_path)
+    assert [rc for rc, _ in results] == [0, 0], "\n".join(o[-2000:] for _, o in results)
+    accuracies = [float(a) for _, out in results for a in ACCURACY.findall(out)]
+    assert len(accuracies) == 4 and min(accuracies) >= 0.95, accuracies
+    info = json.loads((tmp_path / "node1" / "launch.json").read_text())
+    assert info["store"] == f"{hosts.addresses[0]}:29811" and info["security"] == "curve"
+
+
+def test_digits_on_two_hosts_under_torchrun(hosts: NamespacedHosts, tmp_path: Path) -> None:
+    endpoint = f"{hosts.addresses[0]}:29812"
+    cmds = []
+    for node in (0, 1):
+        cmds.append(hosts.command(node, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--local-addr", hosts.addresses[node],  # both namespaces share one host name
+            "--rdzv-conf", f"is_host={int(node == 0)}",  # torchrun cannot tell the address is its own
+            DIGITS, "--iterations", "200", "--eval-every", "1000"]))
+    results = _run_all(cmds, tmp_path)
+    assert [rc for rc, _ in results] == [0, 0], "\n".join(o[-2000:] for _, o in results)
+    accuracies = [float(a) for _, out in results for a in ACCURACY.findall(out)]
+    assert len(accuracies) == 4 and min(accuracies) >= 0.95, accuracies
+
+
+def _pids_of(run_dir: Path, ranks: set[int]) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            items = (entry / "environ").read_bytes().split(b"\0")
+            environ = dict(item.split(b"=", 1) for item in items if b"=" in item)
+        except OSError:
+            continue
+        if environ.get(b"HOPNET_RUN_DIR") == str(run_dir).encode() and int(environ.get(b"HOPNET_RANK", -1)) in ranks:
+            found.append(int(entry.name))
+    return found
+
+
+def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedHosts, key_file: Path,
+                                                             tmp_path: Path) -> None:
+    flags = ["--graph", "complete:4", "--backup-workers", "2", "--max-failures", "2"]
+    script = [HOP_WORKER, "--iterations", "150", "--compute-ms", "20"]
+    victim_dir = tmp_path / "node1"
+
+    def kill_host_1() -> None:
+        deadline = time.monotonic() + 120
+        log = victim_dir / "rank2.jsonl"
+        while time.monotonic() < deadline:
+            if log.exists() and len(re.findall(r'"event": ?"iteration"', log.read_text())) >= 10:
+                break
+            time.sleep(0.2)
+        for pid in _pids_of(victim_dir, {2, 3}):
+            os.kill(pid, signal.SIGKILL)
+
+    results = _run_all([_launch(hosts, n, 29813, tmp_path / f"node{n}", flags, script, key_file) for n in (0, 1)],
+                       tmp_path, during=kill_host_1)
+    (rc0, out0), (rc1, out1) = results
+    assert rc0 == 0, out0[-3000:]
+    assert sorted(re.findall(r"^\[rank (\d)\] done at iteration 149", out0, re.M)) == ["0", "1"], out0[-3000:]
+    assert "lost ranks 2, 3" in out1, out1[-3000:]
