@@ -157,14 +157,16 @@ def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     """Three plain processes with the variables srun sets: the store on the first host of the
-    nodelist, the graph and one option from HOPNET_* variables, the default run directory."""
+    nodelist, the graph and the options from HOPNET_* variables, the default run directory, and
+    the coordinator of a group protocol hosted by rank 0."""
     port = _free_port()
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(3):
             env = {**_clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank),
                    "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,node[2-3]",
-                   "MASTER_PORT": str(port), "HOPNET_GRAPH": "complete:3", "HOPNET_MAX_IG": "3",
+                   "MASTER_PORT": str(port), "HOPNET_GRAPH": "complete:3", "HOPNET_PROTOCOL": "prague",
+                   "HOPNET_GROUP_GENERATOR": "random", "HOPNET_GROUP_SIZE": "2",
                    "OMP_NUM_THREADS": "1"}
             procs.append(subprocess.Popen([sys.executable, DIGITS, "--iterations", "50", "--eval-every", "1000"],
                                           env=env, cwd=tmp_path, stdout=subprocess.PIPE,
@@ -181,4 +183,7 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     logs = sorted(p.name for p in run_dirs[0].glob("rank*.jsonl"))
     assert logs == ["rank0.jsonl", "rank1.jsonl", "rank2.jsonl"]
     start = json.loads((run_dirs[0] / "rank2.jsonl").open().readline())
-    assert start["config"]["max_ig"] == 3
+    assert start["config"]["group_size"] == 2 and start["config"]["protocol"] == "prague"
+    coordinator = [json.loads(line) for line in (run_dirs[0] / "coordinator.jsonl").open()]
+    stop = coordinator[-1]
+    assert stop["event"] == "stop" and stop["groups_formed"] > 0 and stop["workers_left"] == [0, 1, 2]
