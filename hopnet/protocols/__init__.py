@@ -11,6 +11,7 @@ from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
+from hopnet.protocols.partial_reduce import PartialReduceProtocol
 from hopnet.protocols.pipesgd import PipeSgdProtocol
 
 
@@ -30,8 +31,10 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return PipeSgdProtocol(config, grads)
     if config.protocol == "ad-psgd":
         return AdPsgdProtocol(config, params)
+    if config.protocol == "partial-reduce":
+        return PartialReduceProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol",
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PartialReduceProtocol", "PipeSgdProtocol", "Protocol",
            "make_protocol"]

@@ -1,0 +1,177 @@
+"""Partial Reduce: average models in groups of the first P ready workers (Miao et al.,
+SIGMOD'21, Alg. 2).
+
+Every worker, every iteration:
+
+1. computes its gradients and applies its own step (the trainer, then ``apply``);
+2. sends ``{"t": "ready", "iter": k}`` to the controller (:mod:`hopnet.coordinator.partial_reduce`),
+   where ``k`` is its model's iteration counter: one more than after its last group;
+3. blocks until the controller answers with its group
+   ``{"t": "group", "gid": g, "members": [...], "weights": [...], "iter": max_k}``;
+4. replaces its model with the group's weighted sum ``sum_j beta_j x_j``: it scales its
+   flat model by its own ``beta`` and sum-all-reduces it among the members over the
+   collective layer, tagged ``preduce/<gid>`` so back-to-back or concurrent groups never
+   mix (with constant weights, a plain mean all-reduce: the same result, one rounding less).
+   Every member ends with bit-identical parameters, and sets its counter to ``max_k``.
+
+A group of one (the last worker left) is a no-op with weight 1. The trainer's model cannot
+change while it computes a gradient: averaging happens only inside ``step()``, between two
+computes, which is the consistency the paper finds AD-PSGD lacks.
+
+Leaving: ``stop()`` says ``bye`` to the controller and, until the controller's ``bye_ok``,
+still averages in any group formed before the goodbye reached it (a worker stopped by
+Ctrl-C while waiting may already have been grouped: the others count on it). It says
+``bye`` to its graph neighbours too, so their heartbeat watch records a departure, not a
+death.
+
+Failures: a member that dies during a group is declared dead (by the coordinator, which
+watches every worker, or by this node's own heartbeats); the all-reduce waiting on it fails
+at once and this worker fails with :class:`PeerFailure` naming it. Its model may be
+half-way through the weighted sum, so carrying on would silently break the average.
+The controller's death is the coordinator client's to report (``CoordinatorLost``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.coordinator.mixing import GROUP_RECORD
+from hopnet.errors import ConfigError, PeerFailure, ProtocolError
+from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.wire import BYE_FINAL_ITER, Header, Message
+
+TAG_PREFIX = "preduce"
+READY = "ready"
+GROUP = "group"
+BYE = "bye"
+BYE_OK = "bye_ok"
+
+
+class PartialReduceProtocol(Protocol):
+    name = "partial-reduce"
+
+    def __init__(self, config: ProtocolConfig, params: torch.Tensor | None) -> None:
+        super().__init__()
+        if params is None:
+            raise ConfigError("--protocol partial-reduce averages models: start the worker with hopnet.init(model), "
+                              "or give Worker a params buffer")
+        if params.dim() != 1 or not params.is_contiguous() or not params.is_floating_point():
+            raise ConfigError("the partial-reduce protocol averages one flat, contiguous floating-point "
+                              "parameter buffer")
+        self.config = config
+        self.params = params
+        self.counter = 0  # the model's iteration counter k (sent with ready; a group sets it to max k)
+        self.groups = 0
+        self.groups_alone = 0
+        self.groups_while_leaving = 0
+        self.last_group: list[int] = []
+        self._leaving = False
+
+    def bind(self, node: Any) -> None:
+        super().bind(node)
+        self.rank = node.rank
+
+    def _client(self) -> Any:
+        client = getattr(self.node, "coordinator", None)
+        if client is None:
+            raise ConfigError("--protocol partial-reduce needs its controller: run it under hopnet launch or "
+                              "hopnet simulate, which start one")
+        return client
+
+    async def start(self) -> None:
+        self._client()
+        self.node.entered(0, self)
+
+    # ------------------------------------------------------------------ one iteration
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        k = self.iteration
+        if apply is not None:
+            apply()
+        self.counter += 1
+        client = self._client()
+        client.send({"t": READY, "iter": self.counter})
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        message = await client.receive(f"the group of rank {self.rank}'s ready signal of iteration {k}")
+        self.node.waited("updates", loop.time() - began)
+        if message.get("t") != GROUP:
+            raise ProtocolError(f"rank {self.rank}: expected its group from the controller in iteration {k}, "
+                                f"got a {message.get('t')!r} message")
+        await self._average(message, k)
+        self.node.iteration_done(k, self)
+        if last:
+            return
+        self.iteration = k + 1
+        self.node.entered(k + 1, self)
+
+    async def _average(self, message: Mapping[str, Any], k: int) -> None:
+        members, weights, gid, newest = self._check_group(message, k)
+        beta = weights[members.index(self.rank)]
+        if len(members) == 1:
+            self.groups_alone += 1
+        else:
+            tag = f"{TAG_PREFIX}/{gid}"
+            try:
+                if self.config.weights == "const":
+                    await self.node.collective.allreduce(members, self.params, "mean", tag=tag)
+                else:
+                    self.params.mul_(beta)
+                    await self.node.collective.allreduce(members, self.params, "sum", tag=tag)
+            except PeerFailure as exc:
+                raise PeerFailure(f"rank {self.rank}: group {gid} {list(members)} of iteration {k} failed: {exc}",
+                                  peer=exc.peer, peer_state=exc.peer_state, iteration=k) from None
+        self.groups += 1
+        self.counter = max(self.counter, newest)
+        self.last_group = list(members)
+        self.node.record(GROUP_RECORD, iter=k, gid=gid, members=list(members), weights=list(weights),
+                         counter=self.counter)
+
+    def _check_group(self, message: Mapping[str, Any], k: int) -> tuple[tuple[int, ...], list[float], int, int]:
+        members, weights = message.get("members"), message.get("weights")
+        gid, newest = message.get("gid"), message.get("iter")
+        if (not isinstance(members, list) or not isinstance(weights, list) or len(members) != len(weights)
+                or self.rank not in members or not isinstance(gid, int) or not isinstance(newest, int)
+                or not all(isinstance(w, (int, float)) for w in weights)):
+            raise ProtocolError(f"rank {self.rank}: malformed group message from the controller in iteration "
+                                f"{k}: {dict(message)!r}")
+        return tuple(int(m) for m in members), [float(w) for w in weights], gid, newest
+
+    # ------------------------------------------------------------------ leaving
+    async def stop(self) -> None:
+        self._leaving = True
+        client = getattr(self.node, "coordinator", None)
+        if client is not None:
+            client.send({"t": BYE})
+            while True:
+                message = await client.receive(f"the controller's answer to rank {self.rank}'s goodbye")
+                kind = message.get("t")
+                if kind == BYE_OK:
+                    break
+                if kind == GROUP:  # formed before the goodbye arrived: the other members count on this one
+                    self.groups_while_leaving += 1
+                    await self._average(message, self.iteration)
+        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
+        for peer in self.node.graph.peers(self.rank):
+            if peer not in self.node.departed and peer not in self.node.dead:
+                self.node.post(Message(BYE, self.rank, peer, self.iteration, meta=meta))
+        await self.node.flush()
+
+    # ------------------------------------------------------------------ messages (none of its own)
+    def buffers_for(self, header: Header) -> Any:
+        return None
+
+    def on_message(self, msg: Message) -> None:
+        self.node.count_drop("unexpected_kind")
+
+    # ------------------------------------------------------------------ records
+    def snapshot(self) -> dict[str, Any]:
+        return {"group": self.last_group, "counter": self.counter}
+
+    def summary(self) -> dict[str, Any]:
+        return {"groups": self.groups, "groups_alone": self.groups_alone,
+                "groups_while_leaving": self.groups_while_leaving}
