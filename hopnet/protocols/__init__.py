@@ -13,6 +13,7 @@ from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
 from hopnet.protocols.partial_reduce import PartialReduceProtocol
 from hopnet.protocols.pipesgd import PipeSgdProtocol
+from hopnet.protocols.prague import PragueProtocol
 
 
 def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
@@ -31,10 +32,13 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return PipeSgdProtocol(config, grads)
     if config.protocol == "ad-psgd":
         return AdPsgdProtocol(config, params)
+    if config.protocol == "prague":
+        return PragueProtocol(config, params)
     if config.protocol == "partial-reduce":
         return PartialReduceProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PartialReduceProtocol", "PipeSgdProtocol", "Protocol",
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PartialReduceProtocol",
+           "PipeSgdProtocol", "PragueProtocol", "Protocol",
            "make_protocol"]
