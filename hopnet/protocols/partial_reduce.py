@@ -28,7 +28,12 @@ Failures: a member that dies during a group is declared dead (by the coordinator
 watches every worker, or by this node's own heartbeats); the all-reduce waiting on it fails
 at once and this worker fails with :class:`PeerFailure` naming it. Its model may be
 half-way through the weighted sum, so carrying on would silently break the average.
-The controller's death is the coordinator client's to report (``CoordinatorLost``).
+Only the member whose ring predecessor died sees the death in its all-reduce; the others
+wait on members that are alive but will send nothing more. So a member whose group fails
+(or that is stopped in the middle of one) tells the other members with a small
+``preduce_abort`` message naming the culprit, and they fail at once naming it too, instead
+of waiting out ``--timeout``. The controller's death is the coordinator client's to report
+(``CoordinatorLost``).
 """
 
 from __future__ import annotations
@@ -43,13 +48,20 @@ from hopnet.config import ProtocolConfig
 from hopnet.coordinator.mixing import GROUP_RECORD
 from hopnet.errors import ConfigError, PeerFailure, ProtocolError
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.wire import BYE_FINAL_ITER, Header, Message
+from hopnet.wire import BYE_FINAL_ITER, Header, Message, register_kind
 
 TAG_PREFIX = "preduce"
 READY = "ready"
 GROUP = "group"
 BYE = "bye"
 BYE_OK = "bye_ok"
+ABORT = "preduce_abort"
+"""Member -> the other members of a group: the group failed; ``meta``: ``gid``, and the
+``peer`` to blame with its ``state`` ("dead" or "departed")."""
+register_kind(ABORT, any_rank=True)
+ABORTS_REMEMBERED = 64
+"""Aborts of groups this worker has not reached yet that it keeps (a member may fail
+before this worker even got its group message)."""
 
 
 class PartialReduceProtocol(Protocol):
@@ -71,6 +83,11 @@ class PartialReduceProtocol(Protocol):
         self.groups_while_leaving = 0
         self.last_group: list[int] = []
         self._leaving = False
+        self._broken = False  # a group failed or was cut short here: this model is no longer averaged
+        self._current: tuple[int, tuple[int, ...], int] | None = None  # (gid, members, iteration) running
+        self._abort: asyncio.Future[PeerFailure] | None = None
+        self._aborted: dict[int, tuple[int, int, str]] = {}  # gid -> (reporter, peer, state)
+        self._last_gid = -1
 
     def bind(self, node: Any) -> None:
         super().bind(node)
@@ -115,21 +132,71 @@ class PartialReduceProtocol(Protocol):
         if len(members) == 1:
             self.groups_alone += 1
         else:
-            tag = f"{TAG_PREFIX}/{gid}"
-            try:
-                if self.config.weights == "const":
-                    await self.node.collective.allreduce(members, self.params, "mean", tag=tag)
-                else:
-                    self.params.mul_(beta)
-                    await self.node.collective.allreduce(members, self.params, "sum", tag=tag)
-            except PeerFailure as exc:
-                raise PeerFailure(f"rank {self.rank}: group {gid} {list(members)} of iteration {k} failed: {exc}",
-                                  peer=exc.peer, peer_state=exc.peer_state, iteration=k) from None
+            await self._reduce(members, gid, beta, k)
         self.groups += 1
+        self._last_gid = max(self._last_gid, gid)
         self.counter = max(self.counter, newest)
         self.last_group = list(members)
         self.node.record(GROUP_RECORD, iter=k, gid=gid, members=list(members), weights=list(weights),
                          counter=self.counter)
+
+    async def _reduce(self, members: tuple[int, ...], gid: int, beta: float, k: int) -> None:
+        """The group's weighted sum into ``params``; fails naming the member to blame, and
+        then tells the other members so that none of them waits out ``--timeout``."""
+        where = f"rank {self.rank}: group {gid} {list(members)} of iteration {k} failed"
+        reported = self._aborted.pop(gid, None)
+        if reported is not None:
+            self._broken = True
+            raise self._reported_failure(where, *reported, k)
+        loop = asyncio.get_running_loop()
+        tag = f"{TAG_PREFIX}/{gid}"
+        if self.config.weights == "const":
+            reduction = self.node.collective.allreduce(members, self.params, "mean", tag=tag)
+        else:
+            self.params.mul_(beta)
+            reduction = self.node.collective.allreduce(members, self.params, "sum", tag=tag)
+        task = loop.create_task(reduction)
+        abort: asyncio.Future[PeerFailure] = loop.create_future()
+        self._current, self._abort = (gid, members, k), abort
+        try:
+            await asyncio.wait((task, abort), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (Ctrl-C, the worker stopping) in the middle of the group
+            await _cancel(task)
+            self._broken = True
+            await self._tell_members(gid, members, self.rank, "departed")
+            raise
+        finally:
+            self._current, self._abort = None, None
+        if abort.done():
+            await _cancel(task)
+            self._broken = True
+            raise abort.result()
+        try:
+            task.result()
+        except PeerFailure as exc:
+            self._broken = True
+            await self._tell_members(gid, members, exc.peer, exc.peer_state or "dead")
+            raise PeerFailure(f"{where}: {exc}", peer=exc.peer, peer_state=exc.peer_state, iteration=k) from None
+        except BaseException:
+            self._broken = True
+            await self._tell_members(gid, members, self.rank, "departed")
+            raise
+
+    async def _tell_members(self, gid: int, members: tuple[int, ...], peer: int | None, state: str) -> None:
+        others = [m for m in members if m != self.rank and m not in self.node.dead and m not in self.node.departed]
+        try:
+            await self.node.connect_to(others)
+        except Exception:  # noqa: BLE001 - best effort: the members still fail, later, on --timeout
+            return
+        meta = {"gid": gid, "peer": peer if peer is not None else self.rank, "state": state}
+        for member in others:
+            self.node.post(Message(ABORT, self.rank, member, self.iteration, meta=meta))
+
+    def _reported_failure(self, where: str, reporter: int, peer: int, state: str, k: int) -> PeerFailure:
+        blame = "it" if peer == reporter else f"rank {peer} {state}"
+        return PeerFailure(f"{where}: rank {reporter} reported {blame}"
+                           + (" (it left in the middle of the group)" if peer == reporter else ""),
+                           peer=peer, peer_state=state, iteration=k)
 
     def _check_group(self, message: Mapping[str, Any], k: int) -> tuple[tuple[int, ...], list[float], int, int]:
         members, weights = message.get("members"), message.get("weights")
@@ -152,8 +219,14 @@ class PartialReduceProtocol(Protocol):
                 kind = message.get("t")
                 if kind == BYE_OK:
                     break
-                if kind == GROUP:  # formed before the goodbye arrived: the other members count on this one
-                    self.groups_while_leaving += 1
+                if kind != GROUP:
+                    continue
+                # formed before the goodbye arrived: the other members count on this worker
+                self.groups_while_leaving += 1
+                if self._broken:  # its model is not fit to average: tell them instead
+                    members, _, gid, _ = self._check_group(message, self.iteration)
+                    await self._tell_members(gid, members, self.rank, "departed")
+                else:
                     await self._average(message, self.iteration)
         meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
         for peer in self.node.graph.peers(self.rank):
@@ -163,10 +236,31 @@ class PartialReduceProtocol(Protocol):
 
     # ------------------------------------------------------------------ messages (none of its own)
     def buffers_for(self, header: Header) -> Any:
-        return None
+        return None  # the only kind of its own (abort) carries no tensor; the collective's go to the mailbox
 
     def on_message(self, msg: Message) -> None:
-        self.node.count_drop("unexpected_kind")
+        meta = msg.meta or {}
+        gid, peer, state = meta.get("gid"), meta.get("peer"), meta.get("state")
+        if (msg.kind != ABORT or not isinstance(gid, int) or not isinstance(peer, int)
+                or state not in ("dead", "departed")):
+            self.node.count_drop("unexpected_kind")
+            return
+        current, abort = self._current, self._abort
+        if current is not None and current[0] == gid and abort is not None and not abort.done():
+            if msg.src not in current[1]:
+                self.node.count_drop("abort_from_non_member")
+                return
+            where = f"rank {self.rank}: group {gid} {list(current[1])} of iteration {current[2]} failed"
+            abort.set_result(self._reported_failure(where, msg.src, peer, state, current[2]))
+            return
+        if gid >= self._next_gid_floor():
+            self._aborted[gid] = (msg.src, peer, state)
+            while len(self._aborted) > ABORTS_REMEMBERED:
+                del self._aborted[min(self._aborted)]
+
+    def _next_gid_floor(self) -> int:
+        """Group ids are increasing: an abort for a group older than the last one run is stale."""
+        return self._last_gid + 1
 
     # ------------------------------------------------------------------ records
     def snapshot(self) -> dict[str, Any]:
@@ -175,3 +269,13 @@ class PartialReduceProtocol(Protocol):
     def summary(self) -> dict[str, Any]:
         return {"groups": self.groups, "groups_alone": self.groups_alone,
                 "groups_while_leaving": self.groups_while_leaving}
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait for it to finish (its own cleanup: the collective drops the round)."""
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - its outcome is superseded by the caller's
+        pass
