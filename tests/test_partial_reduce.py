@@ -233,10 +233,10 @@ def test_constant_weights_preserve_the_sum_of_the_models() -> None:
         assert group.weights == tuple(constant_weights(3))
         idx = list(group.members)
         models[idx] = sum(beta * models[i] for beta, i in zip(group.weights, idx))
-    torch.testing.assert_close(models.sum(0), total, rtol=0, atol=1e-10)
+    assert (models.sum(0) - total).abs().max() < 1e-10
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.floats(0.0, 0.99),
        st.sampled_from(["oldest", "nearest", "renormalize"]))
 def test_dynamic_weights_are_a_distribution(counters: list[int], alpha: float, policy: str) -> None:

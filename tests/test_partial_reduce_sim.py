@@ -178,6 +178,49 @@ def test_a_member_dead_during_its_group_fails_the_others_naming_it() -> None:
     assert ended[0] < 6.0  # virtual seconds: nobody waited out the 60 s --timeout
 
 
+def test_a_worker_stopped_while_waiting_still_averages_in_the_group_formed_for_it() -> None:
+    """Rank 0 is stopped (its step cancelled, as Ctrl-C does) while waiting for its group; rank 1's
+    ready reaches the controller just before rank 0's goodbye, so the controller pairs them. Rank 0
+    averages in that group while leaving, and rank 1 is not left waiting."""
+    n = 3
+    graph = Graph.ring(n)
+    config = ProtocolConfig(protocol="partial-reduce", group_size=2, timeout_s=60)
+    loop = VirtualTimeLoop()
+    network = InprocNetwork(LinkModel(latency_s=0.001))
+    machine = make_coordinator(config, graph)
+    assert machine is not None
+    host = SimCoordinator(machine, LinkModel(latency_s=0.001))
+    params = [torch.full((8,), float(rank), dtype=torch.float64) for rank in range(n)]
+    nodes: list[Node] = []
+
+    async def main() -> None:
+        for rank in range(n):
+            nodes.append(Node(rank, graph, network.transport(rank, frozenset(graph.peers(rank))),
+                              make_protocol(config, params[rank]), clock=Clock(config.timeout_s),
+                              events=EventLog(keep=True), coordinator=host.client(rank)))
+        for node in nodes:
+            await node.open()
+        for node in nodes[:2]:
+            await node.protocol.start()
+        waiting = asyncio.get_running_loop().create_task(nodes[0].run_step(None, last=True))
+        await asyncio.sleep(0.9995)
+        partner = asyncio.get_running_loop().create_task(nodes[1].run_step(None, last=True))
+        await asyncio.sleep(0.0005)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await nodes[0].close()  # says bye, and averages in the group formed before the bye arrived
+        await partner
+        await nodes[1].close()
+        await nodes[2].close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert nodes[0].protocol.summary()["groups_while_leaving"] == 1
+    assert torch.equal(params[0], params[1]) and params[0][0].item() == 0.5
+
+
 # ---------------------------------------------------------------------------- real processes
 
 
