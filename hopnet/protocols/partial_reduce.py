@@ -161,14 +161,14 @@ class PartialReduceProtocol(Protocol):
         try:
             await asyncio.wait((task, abort), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (Ctrl-C, the worker stopping) in the middle of the group
-            await _cancel(task)
+            await _cancel(task, self.config.peer_timeout_s)
             self._broken = True
             await self._tell_members(gid, members, self.rank, "departed")
             raise
         finally:
             self._current, self._abort = None, None
         if abort.done():
-            await _cancel(task)
+            await _cancel(task, self.config.peer_timeout_s)
             self._broken = True
             raise abort.result()
         try:
@@ -193,10 +193,9 @@ class PartialReduceProtocol(Protocol):
             self.node.post(Message(ABORT, self.rank, member, self.iteration, meta=meta))
 
     def _reported_failure(self, where: str, reporter: int, peer: int, state: str, k: int) -> PeerFailure:
-        blame = "it" if peer == reporter else f"rank {peer} {state}"
-        return PeerFailure(f"{where}: rank {reporter} reported {blame}"
-                           + (" (it left in the middle of the group)" if peer == reporter else ""),
-                           peer=peer, peer_state=state, iteration=k)
+        why = (f"rank {reporter} left in the middle of it" if peer == reporter
+               else f"rank {reporter} reported rank {peer} {state}")
+        return PeerFailure(f"{where}: {why}", peer=peer, peer_state=state, iteration=k)
 
     def _check_group(self, message: Mapping[str, Any], k: int) -> tuple[tuple[int, ...], list[float], int, int]:
         members, weights = message.get("members"), message.get("weights")
@@ -271,11 +270,11 @@ class PartialReduceProtocol(Protocol):
                 "groups_while_leaving": self.groups_while_leaving}
 
 
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait for it to finish (its own cleanup: the collective drops the round)."""
+async def _cancel(task: asyncio.Task[Any], within_s: float) -> None:
+    """Cancel ``task`` and give it ``within_s`` to clean up (the collective drops the round and
+    waits for its sends; one to a dead member may never finish, so the wait is bounded)."""
     if not task.done():
         task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - its outcome is superseded by the caller's
-        pass
+    await asyncio.wait((task,), timeout=within_s)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: superseded by the caller's own outcome
