@@ -15,6 +15,7 @@ from hopnet import ConfigError, Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.mixing import GROUP_RECORD, groups_from_records, mixing_matrix, spectral_rho
 from hopnet.coordinator.sim import SimCoordinator
+from hopnet.coordinator.weights import dynamic_weights
 from hopnet.errors import PeerFailure
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
@@ -117,6 +118,45 @@ def test_a_worker_that_leaves_early_is_grouped_no_more_and_nobody_waits() -> Non
 def test_group_size_larger_than_the_run_is_refused() -> None:
     with pytest.raises(ConfigError, match="--group-size 5 is larger than the run's 4 workers"):
         make_coordinator(ProtocolConfig(protocol="partial-reduce", group_size=5), Graph.ring(4))
+
+
+def test_a_dynamic_group_leaves_members_identical_at_the_newest_counter_and_moves_the_mean() -> None:
+    n = 3
+    graph = Graph.ring(n)
+    config = ProtocolConfig(protocol="partial-reduce", group_size=3, weights="dynamic", timeout_s=60)
+    loop = VirtualTimeLoop()
+    network = InprocNetwork(LinkModel(latency_s=0.001))
+    machine = make_coordinator(config, graph)
+    assert machine is not None
+    host = SimCoordinator(machine, LinkModel(latency_s=0.001))
+    start = initial_params(n, 32, 7)
+    params = [start[r].clone() for r in range(n)]
+    nodes: list[Node] = []
+
+    async def main() -> None:
+        for rank in range(n):
+            protocol = make_protocol(config, params[rank])
+            protocol.counter = [9, 3, 0][rank]  # models of different ages: they send 10, 4 and 1
+            nodes.append(Node(rank, graph, network.transport(rank, frozenset(graph.peers(rank))), protocol,
+                              clock=Clock(config.timeout_s), events=EventLog(keep=True),
+                              coordinator=host.client(rank)))
+        for node in nodes:
+            await node.open()
+            await node.protocol.start()
+        await asyncio.gather(*(node.run_step(None, last=True) for node in nodes))
+        for node in nodes:
+            await node.close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    betas = dynamic_weights([10, 4, 1], 0.9, "oldest")
+    assert torch.equal(params[0], params[1]) and torch.equal(params[1], params[2])  # bit-identical
+    expected = sum(b * start[r] for r, b in enumerate(betas))
+    assert (params[0] - expected).abs().max() < 1e-12
+    assert [node.protocol.counter for node in nodes] == [10, 10, 10]
+    assert (torch.stack(params).mean(0) - start.mean(0)).abs().max() > 1e-3  # DYN moves the mean
 
 
 # ---------------------------------------------------------------------------- a member dies mid-group
