@@ -45,6 +45,7 @@ import math
 import numpy as np
 
 from hopnet.config import ProtocolConfig
+from hopnet.coordinator.static_schedule import check_static_schedule
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 
@@ -57,6 +58,8 @@ def check_config_for_graph(config: ProtocolConfig, graph: Graph) -> list[str]:
     if config.protocol == "ad-psgd":
         check_bipartite(graph)
     notes: list[str] = []
+    if config.protocol == "prague":
+        notes.extend(_check_prague(config, graph))
     if config.protocol != "hop":
         return notes
     d = graph.shortest_path_lengths()
@@ -79,6 +82,18 @@ def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise ConfigError(f"{_graph_label(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
                           "(--protocol ad-psgd needs active and passive sides with every edge between them)")
     return sides
+
+
+def _check_prague(config: ProtocolConfig, graph: Graph) -> list[str]:
+    """The static schedule refuses graphs it cannot serve; the smart GG notes an Inter-Intra that is off."""
+    if config.group_generator == "static":
+        check_static_schedule(graph.machines)
+        return []
+    if (config.group_generator == "smart" and config.inter_intra and config.global_division
+            and any(m is None for m in graph.machines)):
+        return [f"Inter-Intra is off: {_graph_label(graph)} has no machine labels (the graph's "
+                "\"machine\" field); groups are drawn over all workers"]
+    return []
 
 
 def _graph_label(graph: Graph) -> str:

@@ -30,12 +30,8 @@ def make_coordinator(config: ProtocolConfig, graph: Graph) -> Coordinator | None
             from hopnet.coordinator.random_gg import RandomGroupGenerator
             return RandomGroupGenerator(graph.n, config.group_size, config.seed)
         if config.group_generator == "smart":
-            try:
-                from hopnet.coordinator import smart_gg
-            except ImportError:
-                raise ConfigError("--group-generator smart is not available in this build "
-                                  "(use random or static)") from None
-            return smart_gg.make_smart_gg(config, graph)  # smartgg's module
+            from hopnet.coordinator.smart_gg import SmartGroupGenerator
+            return SmartGroupGenerator.from_config(config, graph)
         return None
     if config.protocol == "partial-reduce":
         try:

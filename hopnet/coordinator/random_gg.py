@@ -16,7 +16,8 @@ not every member has acknowledged yet).
   is done) and retries the queue; the group is over when every member acknowledged.
 * A worker that leaves or dies (``on_worker_gone``) is drawn no more. Its own pending
   request is dropped; a pending group it was drawn into is drawn again for the same
-  initiator, in the same place in the queue; its lock bit is released.
+  initiator, as a new group at the back of the queue (so that group ids, creation order
+  and queue order stay one order); its lock bit is released.
 
 A group of one (the initiator is the only worker left) still goes through the queue and
 is counted as a "no sync".
@@ -85,15 +86,19 @@ class RandomGroupGenerator(Coordinator):
         self.gone.add(rank)
         self.requested.discard(rank)
         kept: list[Group] = []
+        redrawn: list[Group] = []
         for group in self.pending:
             if group.initiator == rank:
                 self.counters["dropped_requests"] += 1
-                continue
-            if rank in group.members:
-                group.members = self._draw(group.initiator)
-                self.counters["redrawn"] += 1
-            kept.append(group)
+            elif rank in group.members:
+                redrawn.append(group)
+            else:
+                kept.append(group)
         self.pending = kept
+        for group in redrawn:  # a new group, made now: it goes to the back of the queue
+            self.counters["redrawn"] += 1
+            self.pending.append(Group(self.next_gid, group.initiator, self._draw(group.initiator), group.iteration))
+            self.next_gid += 1
         for group in list(self.active.values()):
             if rank in group.waiting:
                 self._release(group, rank)

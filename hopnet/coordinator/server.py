@@ -12,6 +12,7 @@ said ``hello`` yet), in the order it was sent.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -56,6 +57,7 @@ class CoordinatorServer:
         self._stop = threading.Event()
         self.bad_frames = 0
         self._record("start", coordinator=machine.name, address=self.address, world_size=machine.world_size,
+                     pid=os.getpid(),
                      peer_timeout_s=peer_timeout_s)
 
     # ------------------------------------------------------------------ running
