@@ -295,13 +295,13 @@ def test_the_controller_sends_dynamic_weights_and_the_newest_counter() -> None:
 
 def test_homogeneous_three_workers_in_pairs_give_rho_one_half() -> None:
     controller = PartialReduceController(3, 2, keep_log=True)
-    drive(controller, homogeneous(), 10_000, seed=42)
+    drive(controller, homogeneous(), 5_000, seed=42)
     assert controller.log is not None
     pairs = [g.members for g in controller.log]
     for pair in [(0, 1), (0, 2), (1, 2)]:
-        assert pairs.count(pair) / len(pairs) == pytest.approx(1 / 3, abs=0.02)
+        assert pairs.count(pair) / len(pairs) == pytest.approx(1 / 3, abs=0.025)
     rho = spectral_rho(mixing_matrix(((g.members, g.weights) for g in controller.log), 3))
-    assert rho == pytest.approx(0.5, abs=0.02)
+    assert rho == pytest.approx(0.5, abs=0.03)
 
 
 def test_rho_of_the_paper_pair_frequencies() -> None:

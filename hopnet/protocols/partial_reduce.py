@@ -20,9 +20,11 @@ computes, which is the consistency the paper finds AD-PSGD lacks.
 
 Leaving: ``stop()`` says ``bye`` to the controller and, until the controller's ``bye_ok``,
 still averages in any group formed before the goodbye reached it (a worker stopped by
-Ctrl-C while waiting may already have been grouped: the others count on it). It says
-``bye`` to its graph neighbours too, so their heartbeat watch records a departure, not a
-death.
+Ctrl-C while waiting may already have been grouped: the others count on it). A worker
+whose step failed says ``{"t": "bye", "failed": true}`` instead and does not wait: the
+coordinator tells the others (``peer_failed``), so a group waiting on it fails at once.
+It says ``bye`` to its graph neighbours too, so their heartbeat watch records a
+departure, not a death.
 
 Failures: a member that dies during a group is declared dead (by the coordinator, which
 watches every worker, or by this node's own heartbeats); the all-reduce waiting on it fails
@@ -46,7 +48,7 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.mixing import GROUP_RECORD
-from hopnet.errors import ConfigError, PeerFailure, ProtocolError
+from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.wire import BYE_FINAL_ITER, Header, Message, register_kind
 
@@ -84,6 +86,7 @@ class PartialReduceProtocol(Protocol):
         self.last_group: list[int] = []
         self._leaving = False
         self._broken = False  # a group failed or was cut short here: this model is no longer averaged
+        self._failed = False  # a step raised: leave without waiting for the controller, and say so
         self._current: tuple[int, tuple[int, ...], int] | None = None  # (gid, members, iteration) running
         self._abort: asyncio.Future[PeerFailure] | None = None
         self._aborted: dict[int, tuple[int, int, str]] = {}  # gid -> (reporter, peer, state)
@@ -106,6 +109,13 @@ class PartialReduceProtocol(Protocol):
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        try:
+            await self._finish_iteration(apply, last)
+        except Exception:
+            self._failed = True  # (a cancelled wait for the group is no failure: stop() still serves it)
+            raise
+
+    async def _finish_iteration(self, apply: ApplyFn | None, last: bool) -> None:
         k = self.iteration
         if apply is not None:
             apply()
@@ -210,28 +220,37 @@ class PartialReduceProtocol(Protocol):
     # ------------------------------------------------------------------ leaving
     async def stop(self) -> None:
         self._leaving = True
-        client = getattr(self.node, "coordinator", None)
-        if client is not None:
-            client.send({"t": BYE})
-            while True:
-                message = await client.receive(f"the controller's answer to rank {self.rank}'s goodbye")
-                kind = message.get("t")
-                if kind == BYE_OK:
-                    break
-                if kind != GROUP:
-                    continue
-                # formed before the goodbye arrived: the other members count on this worker
-                self.groups_while_leaving += 1
-                if self._broken:  # its model is not fit to average: tell them instead
-                    members, _, gid, _ = self._check_group(message, self.iteration)
-                    await self._tell_members(gid, members, self.rank, "departed")
-                else:
-                    await self._average(message, self.iteration)
+        try:
+            await self._leave_controller()
+        except HopnetError as exc:  # a worker failing anyway: leave without the controller's answer
+            self.node.record("leave_incomplete", why=" ".join(str(exc).split())[:300])
         meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
         for peer in self.node.graph.peers(self.rank):
             if peer not in self.node.departed and peer not in self.node.dead:
                 self.node.post(Message(BYE, self.rank, peer, self.iteration, meta=meta))
         await self.node.flush()
+
+    async def _leave_controller(self) -> None:
+        """Say bye; until the controller's ``bye_ok``, average in any group formed before the
+        goodbye reached it (the other members count on this worker). A failing worker says
+        so and does not wait: the coordinator tells the others (``peer_failed``)."""
+        client = getattr(self.node, "coordinator", None)
+        if client is None:
+            return
+        if self._failed or self._broken:
+            client.send({"t": BYE, "failed": True})
+            return
+        client.send({"t": BYE})
+        while True:
+            message = await client.receive(f"the controller's answer to rank {self.rank}'s goodbye")
+            kind = message.get("t")
+            if kind == BYE_OK:
+                return
+            if kind != GROUP:
+                self.node.count_drop("unexpected_coordinator_message")
+                continue
+            self.groups_while_leaving += 1
+            await self._average(message, self.iteration)
 
     # ------------------------------------------------------------------ messages (none of its own)
     def buffers_for(self, header: Header) -> Any:
