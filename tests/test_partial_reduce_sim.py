@@ -83,6 +83,8 @@ def test_group_records_agree_among_members(const_run: SimResult) -> None:
         assert sorted(r["rank"] for r in records) == members, gid  # every member, once
         assert all(r["members"] == members and r["weights"] == records[0]["weights"] for r in records)
         assert len({r["counter"] for r in records}) == 1  # k <- max k on every member
+    assert const_run.coordinator_events is not None  # the coordinator's log names the same groups
+    assert groups_from_records(const_run.coordinator_events) == groups_from_records(group_records(const_run))
 
 
 def test_dynamic_weights_reach_consensus_with_a_straggler() -> None:

@@ -16,6 +16,8 @@ import torch
 
 GROUP_RECORD = "p_reduce"
 """The event record a partial-reduce worker writes for each group it averaged in."""
+COORDINATOR_GROUP_RECORD = "group"
+"""The record the coordinator host writes for each group it sent out (``coordinator.jsonl``)."""
 
 
 def group_matrix(members: Sequence[int], weights: Sequence[float] | None, world_size: int) -> torch.Tensor:
@@ -47,11 +49,16 @@ def spectral_rho(matrix: torch.Tensor) -> float:
     return magnitudes[1] if len(magnitudes) > 1 else 0.0
 
 
-def groups_from_records(records: Iterable[Mapping[str, Any]]) -> list[tuple[list[int], list[float]]]:
-    """The groups of a run, once each and in the order formed, from its workers' event
-    records (the ``p_reduce`` records of any or all ranks; a group is named by its gid)."""
-    by_gid: dict[int, tuple[list[int], list[float]]] = {}
+def groups_from_records(records: Iterable[Mapping[str, Any]]) -> list[tuple[list[int], list[float] | None]]:
+    """The groups of a run, once each and in the order formed (by gid), from its event
+    records: the workers' ``p_reduce`` records (of any or all ranks) or the coordinator's
+    ``group`` records (``coordinator.jsonl``). Weights are None where a record has none (1/P)."""
+    by_gid: dict[int, tuple[list[int], list[float] | None]] = {}
     for record in records:
-        if record.get("event") == GROUP_RECORD and record["gid"] not in by_gid:
-            by_gid[record["gid"]] = (list(record["members"]), list(record["weights"]))
+        if record.get("event") not in (GROUP_RECORD, COORDINATOR_GROUP_RECORD) or "members" not in record:
+            continue
+        gid = record["gid"]
+        if gid not in by_gid:
+            weights = record.get("weights")
+            by_gid[gid] = (list(record["members"]), list(weights) if weights is not None else None)
     return [by_gid[gid] for gid in sorted(by_gid)]
