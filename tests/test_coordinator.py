@@ -235,3 +235,15 @@ def test_a_worker_that_leaves_failing_is_reported_to_the_others_and_a_clean_one_
     sends = host.handle(1, {"t": "bye", "failed": True}, 0.2)
     assert sends == [Send(0, {"t": "peer_failed", "rank": 1}), Send(2, {"t": "peer_failed", "rank": 1}),
                      Send(1, {"t": "bye_ok"})]
+
+
+def test_a_message_asking_for_sync_is_answered_after_what_the_machine_sent_for_it() -> None:
+    host = CoordinatorHost(RandomGroupGenerator(3, 2, 0), now=0.0)
+    host.machine._draw = lambda i: {0: (0, 1), 2: (1, 2)}[i]  # type: ignore[method-assign]
+    host.handle(0, {"t": "req", "iter": 0}, 0.0)
+    assert host.handle(2, {"t": "req", "iter": 0}, 0.0) == []  # waits for 1
+    host.handle(0, {"t": "ack", "gid": 0}, 0.1)
+    sends = host.handle(1, {"t": "ack", "gid": 0, "sync": 0}, 0.2)  # the GG never sees "sync"
+    assert sends == [Send(1, {"t": "go", "gid": 1, "members": [1, 2], "reply": False}),
+                     Send(2, {"t": "go", "gid": 1, "members": [1, 2], "reply": True}),
+                     Send(1, {"t": "synced", "id": 0})]

@@ -7,7 +7,9 @@ Around the :class:`~hopnet.coordinator.base.Coordinator` it
 * answers the host kinds (:data:`hopnet.coordinator.wire.HOST_KINDS`): ``ping`` with
   ``pong``; ``bye`` by calling ``on_worker_gone`` and then answering ``bye_ok``, so the
   leaving worker knows that every group it was put in has reached it (a ``bye`` marked
-  ``failed`` also sends every other worker ``peer_failed``);
+  ``failed`` also sends every other worker ``peer_failed``); a message carrying
+  ``"sync": ID`` is passed on without that key and answered, after everything the machine
+  sent in reply to it, by ``{"t": "synced", "id": ID}``;
 * drops and counts what it cannot act on: bad frames (counted by the caller),
   :class:`~hopnet.coordinator.base.BadCoordinatorMessage` from the machine, messages
   from workers that left or were declared dead;
@@ -28,7 +30,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.wire import BYE, BYE_OK, EXPELLED, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG
+from hopnet.coordinator.wire import (BYE, BYE_OK, EXPELLED, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG, SYNC,
+                                     SYNCED)
 from hopnet.runtime.liveness import Liveness
 
 Recorder = Callable[..., None]
@@ -89,6 +92,9 @@ class CoordinatorHost:
                 self.messages_out += 1
                 return sends + [Send(sender, {"t": BYE_OK})]  # after every group sent to it before
             return []  # hello, beat: signs of life only
+        synced = message.get(SYNC)
+        if synced is not None:  # the host's part: answer after what the machine sends for this message
+            message = {k: v for k, v in message.items() if k != SYNC}
         try:
             sends = self.machine.on_message(sender, message)
         except BadCoordinatorMessage as exc:
@@ -96,7 +102,11 @@ class CoordinatorHost:
             if self.dropped["bad_message"] <= 20:  # enough to debug, not a log flood
                 self.record("bad_message", worker=sender, kind=str(kind)[:40], why=str(exc)[:200])
             return []
-        return self._out(sends)
+        sends = self._out(sends)
+        if synced is not None:
+            self.messages_out += 1
+            sends.append(Send(sender, {"t": SYNCED, "id": synced}))
+        return sends
 
     # ------------------------------------------------------------------ liveness
     def check(self, now: float) -> list[Send]:

@@ -24,6 +24,9 @@ kind        direction           meaning
 ``peer_failed`` host -> workers ``rank`` left failing: fail what waits on it
 ``expelled`` host -> worker     answer to any message of a worker declared dead: it is
                                 in no group any more (``why``)
+``synced``  host -> worker      answer to a message that carried ``"sync": ID`` (the key is
+                                removed before the machine sees it), sent after every
+                                message the machine sent in reply: ``{"t", "id": ID}``
 ==========  ==================  ===================================================
 """
 
@@ -48,6 +51,9 @@ BYE_OK = "bye_ok"
 PEER_DEAD = "peer_dead"
 PEER_FAILED = "peer_failed"
 EXPELLED = "expelled"
+SYNC = "sync"
+"""A key any worker message may carry: the host answers ``synced`` after the machine's reply."""
+SYNCED = "synced"
 HOST_KINDS = frozenset({HELLO, PING, BEAT, BYE})
 """Worker -> host kinds the host handles itself."""
 

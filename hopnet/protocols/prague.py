@@ -15,8 +15,11 @@ Where groups come from (``--group-generator``):
   ``{"t": "go", "gid", "members", "reply"}`` to every member of a group when it may run.
   At its sync point the worker runs the groups GO'd to it, in arrival order, until it has
   run the one that answers its own request (``reply``), acknowledging each with
-  ``{"t": "ack", "gid"}`` once its part is done. A worker joins other workers' groups only
-  at its own sync point, so its model never changes while it computes a gradient.
+  ``{"t": "ack", "gid"}`` once its part is done. The ack of its own group asks the host
+  for a ``synced`` answer (``"sync": gid``), which comes after the GOs that ack let the GG
+  send, and the worker runs those too before computing again. A worker joins other
+  workers' groups only at its own sync point, so its model never changes while it
+  computes a gradient.
 * ``static``: the conflict-free schedule of Sec. 4.2
   (:func:`hopnet.coordinator.static_schedule.static_group`), computed locally from the
   rank, the iteration and the graph's ``machine`` labels; no coordinator.
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator.wire import BYE_OK
+from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, ProtocolError
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
@@ -137,16 +140,41 @@ class PragueProtocol(Protocol):
             if message.get("t") != "go":
                 self.node.count_drop("unexpected_coordinator_message")
                 continue
-            gid, members = await self._run(message)
-            if message.get("reply"):
+            own = bool(message.get("reply"))
+            gid, members = await self._run(message, sync=own)
+            if own:
                 self.groups.append(members)
                 self.gids.append(gid)
                 break
             self.served += 1
             self._served_this_iteration += 1
+        waited += await self._serve_until_synced(gid)
         self.node.waited("updates", waited)
 
-    async def _run(self, message: dict[str, Any]) -> tuple[int, list[int]]:
+    async def _serve_until_synced(self, gid: int) -> float:
+        """Run the groups this worker's last ack let start, before going back to compute.
+
+        The ack of its own group asked the host for a ``synced`` answer, which comes after
+        every GO the GG sent in reply to that ack: a group waiting only for this worker's
+        lock starts now instead of at its next sync point, one compute later."""
+        loop_time = self.node.clock.now
+        waited = 0.0
+        while True:
+            began = loop_time()
+            message = await self.node.coordinator.receive(
+                f"the coordinator's answer to rank {self.rank}'s ack of group {gid}")
+            waited += loop_time() - began
+            kind = message.get("t")
+            if kind == SYNCED and message.get("id") == gid:
+                return waited
+            if kind == "go":
+                await self._run(message)
+                self.served += 1
+                self._served_this_iteration += 1
+            else:
+                self.node.count_drop("unexpected_coordinator_message")
+
+    async def _run(self, message: dict[str, Any], *, sync: bool = False) -> tuple[int, list[int]]:
         gid, members = message.get("gid"), message.get("members")
         if not isinstance(gid, int) or not isinstance(members, list) or self.rank not in members \
                 or not all(isinstance(m, int) for m in members):
@@ -156,7 +184,7 @@ class PragueProtocol(Protocol):
         else:
             await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}/{gid}")
         self.groups_run += 1
-        self.node.coordinator.send({"t": "ack", "gid": gid})
+        self.node.coordinator.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
         return gid, members
 
     async def _static_sync(self, k: int) -> None:
