@@ -30,6 +30,7 @@ import torch
 from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
+from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.params import FlatGradients, flatten_parameters
@@ -55,7 +56,10 @@ class Worker:
                  params: torch.Tensor | None, transport: Transport,
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
-                 collective_factory: CollectiveFactory | None = None) -> None:
+                 collective_factory: CollectiveFactory | None = None,
+                 coordinator: CoordinatorClient | None = None) -> None:
+        """``coordinator``: the client of the run's coordinator (``hopnet.init`` builds it from
+        ``HOPNET_COORDINATOR``; group protocols reach it as ``node.coordinator``)."""
         if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
             raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
                               "(--bulk torch or auto), not ZeroMQ")
@@ -69,7 +73,8 @@ class Worker:
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
         protocol = make_protocol(config, params, grads)
         self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
+                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
+                         coordinator=coordinator)
         self._final_iteration: int | None = None
         self._model_lock = threading.Lock()
         self._closed = False
@@ -230,10 +235,12 @@ class AsyncWorker:
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None,
                     grads: FlatGradients | torch.Tensor | None = None,
-                    collective_factory: CollectiveFactory | None = None) -> AsyncWorker:
+                    collective_factory: CollectiveFactory | None = None,
+                    coordinator: CoordinatorClient | None = None) -> AsyncWorker:
         protocol = make_protocol(config, params, grads)
         node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory)
+                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
+                    coordinator=coordinator)
         try:
             await node.start(exchange)
         except BaseException:
@@ -352,6 +359,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
                                               cfg.timeout_s, config=announced)
 
+    coordinator = client_from_environ(env.rank, cfg.peer_timeout_s)
     events = JsonlEventLog(Path(env.run_dir) / f"rank{env.rank}.jsonl")
     return Worker(rank=env.rank, graph=graph, config=cfg, params=flat, transport=transport,
-                  exchange=exchange, events=events, grads=grads, collective_factory=factory)
+                  exchange=exchange, events=events, grads=grads, collective_factory=factory,
+                  coordinator=coordinator)

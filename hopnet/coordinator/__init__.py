@@ -3,8 +3,10 @@ Partial Reduce's controller).
 
 Each one is a sans-IO state machine (:class:`~hopnet.coordinator.base.Coordinator`): it
 takes a worker's message and returns the messages to send, and never sees a socket or a
-clock. The same object runs behind ZeroMQ under ``hopnet launch`` and on the simulator's
-virtual loop. Its messages are a few bytes; no tensor ever passes through it.
+clock. The same object runs behind ZeroMQ under ``hopnet launch`` (:mod:`.server`, a
+process of its own) and on the simulator's virtual loop (:mod:`.sim`); workers reach it
+through :class:`~hopnet.coordinator.client.CoordinatorClient` (``node.coordinator``). Its
+messages are a few bytes; no tensor ever passes through it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,32 @@ if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
     from hopnet.graph import Graph
 
-__all__ = ["BadCoordinatorMessage", "Coordinator", "Send", "make_coordinator"]
-
 
 def make_coordinator(config: ProtocolConfig, graph: Graph) -> Coordinator | None:
-    """The coordinator ``config``'s protocol needs on ``graph``, or None when it needs none."""
-    if config.protocol == "prague" and config.group_generator == "smart":
-        from hopnet.coordinator.smart_gg import SmartGroupGenerator
-        return SmartGroupGenerator.from_config(config, graph)
+    """The state machine ``config`` needs for a run on ``graph``, or ``None`` when it needs none
+    (every protocol but prague and partial-reduce, and prague's static schedule)."""
+    from hopnet.errors import ConfigError
+
+    if config.protocol == "prague":
+        if config.group_generator == "random":
+            from hopnet.coordinator.random_gg import RandomGroupGenerator
+            return RandomGroupGenerator(graph.n, config.group_size, config.seed)
+        if config.group_generator == "smart":
+            from hopnet.coordinator.smart_gg import SmartGroupGenerator
+            return SmartGroupGenerator.from_config(config, graph)
+        return None
+    if config.protocol == "partial-reduce":
+        try:
+            from hopnet.coordinator import partial_reduce
+        except ImportError:
+            raise ConfigError("--protocol partial-reduce is not available in this build") from None
+        return partial_reduce.make_controller(config, graph)  # preduce's module
     return None
+
+
+def coordinator_name(config: ProtocolConfig, graph: Graph) -> str | None:
+    machine = make_coordinator(config, graph)
+    return None if machine is None else machine.name
+
+
+__all__ = ["BadCoordinatorMessage", "Coordinator", "Send", "make_coordinator"]

@@ -49,7 +49,9 @@ from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.coordinator import make_coordinator
 from hopnet.launch import parent_watch
+from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.blame import describe_exit as _describe_exit
 from hopnet.launch.env import DEFAULT_BIND, STORE, WorkerEnv
@@ -444,6 +446,8 @@ def launch(
 
     g, world_size = resolve_graph(graph, nproc)
     notes = check_config_for_graph(config, g)  # before the run directory exists: a refusal leaves nothing
+    machine = make_coordinator(config, g)  # the protocol's coordinator, if it needs one (refusals first too)
+    coordinator_name = machine.name if machine is not None else None
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
         raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
                           f"(there are {world_size} workers; got {max_failures!r})")
@@ -512,6 +516,8 @@ def launch(
     trap = _SignalTrap()
     server = RendezvousServer(world_size, host=rdzv_host).start()
     store: HostedStore | None = None
+    coordinator: CoordinatorProcess | None = None
+    coordinator_exit: int | None = None
     try:
         store = host_store(rdzv_host)  # the run's c10d store, shut down with the launcher
         launch_info["rendezvous"] = server.endpoint
@@ -521,10 +527,23 @@ def launch(
                          f"run dir {path}")
         if threads_note:
             _log(err_stream, threads_note)
+        if coordinator_name is not None:
+            try:
+                coordinator = CoordinatorProcess.start(
+                    coordinator_name, graph_path=str(graph_path), config_json=config.to_json(), run_dir=str(path),
+                    bind_host=rdzv_host, env=base_env, pass_fds=(watch_read,),
+                    relay=err_out.write if prefix else None)
+            except CoordinatorStartError as exc:
+                failed_rank, reason, returncode, summary = None, "coordinator did not start", 1, str(exc)
+            else:
+                base_env.update(coordinator.worker_env())
+                launch_info["coordinator"] = {"name": coordinator.name, "address": coordinator.address}
+                _write_json(path / "launch.json", launch_info)
+                _log(err_stream, f"{coordinator.label} started")
         with trap:
             # --- start
             for rank in plan.ranks:
-                if trap.received:
+                if trap.received or summary is not None:
                     break
                 wenv = plan.worker_env(rank, graph_path=str(graph_path), rendezvous=server.endpoint,
                                        run_dir=str(path), config_json=config.to_json(), bind=bind,
@@ -545,7 +564,14 @@ def launch(
             pending = set(workers.procs)
             announced = False
             first_failure: int | None = None
-            while pending and first_failure is None and failed_rank is None and not trap.received:
+            while pending and first_failure is None and failed_rank is None and not trap.received \
+                    and summary is None:
+                if coordinator is not None and (code := coordinator.exited()) is not None:
+                    coordinator_exit = code
+                    summary = f"{coordinator.label} died ({_describe_exit(code)})"
+                    returncode, reason = 1, "coordinator died"
+                    _log(err_stream, f"{summary}; the workers waiting on it fail")
+                    break
                 if not announced and server.complete.is_set():
                     announced = True
                     _announce_options(server, launch_info, path, err_stream)
@@ -563,8 +589,10 @@ def launch(
                                          f"({len(lost)} of --max-failures {max_failures})")
 
             # --- after a failure, let the others end on their own for a moment: who blames whom
-            if first_failure is not None:
-                deadline = time.monotonic() + settle_s
+            if first_failure is not None or coordinator_exit is not None:
+                # workers notice a dead coordinator themselves within --peer-timeout
+                wait_s = settle_s if coordinator_exit is None else max(settle_s, config.peer_timeout_s + 2.0)
+                deadline = time.monotonic() + wait_s
                 while pending and time.monotonic() < deadline and not trap.received:
                     exited = _collect_exit(workers, pending)
                     if exited is not None:
@@ -587,6 +615,12 @@ def launch(
                 _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
     finally:
         # whatever happened (even an exception in here), leave nothing behind
+        if coordinator is not None:  # after the workers: those still running may need it to finish
+            if coordinator.exited() is None:
+                for proc in workers.procs.values():
+                    if proc.returncode is None:
+                        _killpg(proc.pid, signal.SIGKILL)
+            coordinator.stop(grace_s)
         for proc in workers.procs.values():
             if proc.returncode is None:
                 _killpg(proc.pid, signal.SIGKILL)
@@ -607,7 +641,11 @@ def launch(
             if fd >= 0:
                 os.close(fd)
 
-    if not trap.received and failed_rank is None:
+    if coordinator_exit is not None and not trap.received:
+        if lost:
+            summary += (f"; then {_plural_ranks(sorted(lost))} failed "
+                        f"({', '.join(f'{r}: {_describe_exit(c)}' for r, c in sorted(lost.items()))})")
+    elif not trap.received and failed_rank is None and summary is None:
         if len(lost) > max_failures:
             returncode = 1
             blame = _blame(path, workers.returncodes, stopped, exit_order, lost)

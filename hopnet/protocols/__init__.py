@@ -12,6 +12,7 @@ from hopnet.protocols.base import Protocol
 from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
 from hopnet.protocols.pipesgd import PipeSgdProtocol
+from hopnet.protocols.prague import PragueProtocol
 
 
 def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
@@ -30,8 +31,10 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return PipeSgdProtocol(config, grads)
     if config.protocol == "ad-psgd":
         return AdPsgdProtocol(config, params)
+    if config.protocol == "prague":
+        return PragueProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "Protocol",
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "PragueProtocol", "Protocol",
            "make_protocol"]

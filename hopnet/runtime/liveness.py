@@ -57,6 +57,16 @@ class Liveness:
         """Peers still watched (neither forgotten nor declared dead)."""
         return frozenset(self._last_heard)
 
+    def watch(self, peer: int, now: float) -> None:
+        """Start watching ``peer`` (a worker that just joined), as heard from and sent to ``now``."""
+        self._last_heard.setdefault(peer, now)
+        self._last_sent.setdefault(peer, now)
+
+    def next_silence(self, now: float) -> float:
+        """The earliest time a watched peer's silence reaches the limit (``inf``: none watched)."""
+        times = [last + self.timeout_s for last in self._last_heard.values()]
+        return max(now, min(times)) if times else math.inf
+
     def heard(self, peer: int, now: float) -> None:
         """A valid message from ``peer`` arrived: it is alive as of ``now``."""
         if peer in self._last_heard and now > self._last_heard[peer]:

@@ -34,6 +34,7 @@ from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 if TYPE_CHECKING:
     from hopnet.collectives.base import Collective
+    from hopnet.coordinator.client import CoordinatorClient
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
@@ -57,10 +58,11 @@ class Node:
                  clock: Clock, events: EventLog | None = None,
                  on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
                  collective_factory: CollectiveFactory | None = None,
-                 timer: Timer = time.monotonic) -> None:
+                 timer: Timer = time.monotonic, coordinator: CoordinatorClient | None = None) -> None:
         """``peer_timeout_s``: declare a neighbour dead after this long without a message from
         it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
-        ``None`` turns the watch off."""
+        ``None`` turns the watch off. ``coordinator``: the client of the run's coordinator
+        (group protocols), started with the node and closed with it."""
         if not 0 <= rank < graph.n:
             raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
         self.rank = rank
@@ -102,6 +104,9 @@ class Node:
         self._connected: set[int] = set()
         self._collective_factory = collective_factory
         self._collective: Collective | None = None
+        self.coordinator = coordinator
+        if coordinator is not None:
+            coordinator.bind(self)
         protocol.bind(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,6 +127,8 @@ class Node:
                 raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
             self.addresses = {int(r): a for r, a in addresses.items()}
             await self.connect_to(self.graph.peers(self.rank))
+        if self.coordinator is not None:
+            await self.coordinator.start()
         config = getattr(self.protocol, "config", None)
         to_json = getattr(config, "to_json", None)
         self.record("start", address=self.address, **({"config": json.loads(to_json())} if to_json else {}))
@@ -191,6 +198,8 @@ class Node:
                     task.cancel()
         finally:
             await self._stop_watch()
+            if self.coordinator is not None:
+                await self.coordinator.close()
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
                         **self.protocol.summary())
             if self._flush_timer is not None:

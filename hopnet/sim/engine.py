@@ -23,6 +23,8 @@ import torch
 
 from hopnet.analysis import GapTracker
 from hopnet.config import GRADIENT_PROTOCOLS, MODEL_AVERAGING_PROTOCOLS, ProtocolConfig
+from hopnet.coordinator import make_coordinator
+from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.protocols import make_protocol
@@ -139,6 +141,9 @@ class SimResult:
     updates_not_sent: int
     params: list[torch.Tensor] | None = None
     events: list[list[dict[str, Any]]] | None = None
+    coordinator: dict[str, Any] | None = None
+    """The coordinator's summary (group protocols), None when the run had none."""
+    coordinator_events: list[dict[str, Any]] | None = None
 
     def to_dict(self, include_wall: bool = False) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -155,6 +160,8 @@ class SimResult:
             "updates_not_sent": self.updates_not_sent,
             "finish_times": [[_round(t) for t in ts] for ts in self.finish_times],
         }
+        if self.coordinator is not None:
+            data["coordinator"] = self.coordinator
         if include_wall:
             data["wall_seconds"] = round(self.wall_seconds, 3)
         return data
@@ -213,6 +220,8 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     gaps = GapTracker(n)
     slowdown = config.make_slowdown()
     virtual_time = asyncio.get_running_loop().time
+    machine = make_coordinator(config, graph)
+    coordinator = SimCoordinator(machine, spec.link, keep_events=spec.keep_events) if machine is not None else None
     nodes: list[Node] = []
     for rank in range(n):
         params = None
@@ -227,7 +236,8 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))
         nodes.append(Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s),
-                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered, timer=virtual_time))
+                          events=EventLog(keep=spec.keep_events), on_enter=gaps.entered, timer=virtual_time,
+                          coordinator=coordinator.client(rank) if coordinator is not None else None))
     for node in nodes:
         await node.open()
     finish_times: list[list[float]] = [[] for _ in range(n)]
@@ -276,5 +286,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         updates_not_sent=sum(getattr(p, "updates_not_sent", 0) for p in protocols),
         params=[p.params for p in protocols] if spec.param_dim else None,
         events=[node.events.records for node in nodes] if spec.keep_events else None,
+        coordinator=coordinator.summary() if coordinator is not None else None,
+        coordinator_events=coordinator.records if coordinator is not None and spec.keep_events else None,
     )
 

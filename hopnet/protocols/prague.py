@@ -1,0 +1,211 @@
+"""Prague (ASPLOS'20): model averaging by Partial All-Reduce within groups.
+
+Every iteration each worker applies its own optimizer step, then averages its model with
+a group: P-Reduce, a mean all-reduce of the flat parameter buffer among the group's
+members over the node's collective (``node.collective``), tagged ``prague/<gid>`` so that
+groups running at the same time, or back to back, never mix. Models, not gradients;
+momentum and weight decay stay local.
+
+Where groups come from (``--group-generator``):
+
+* ``random`` and ``smart``: a Group Generator, a coordinator state machine
+  (:mod:`hopnet.coordinator.random_gg`, :mod:`hopnet.coordinator.smart_gg`) reached through
+  ``node.coordinator``. At the *start* of iteration ``k`` the worker sends
+  ``{"t": "req", "iter": k}``, so the round trip overlaps its compute. The GG sends
+  ``{"t": "go", "gid", "members", "reply"}`` to every member of a group when it may run.
+  At its sync point the worker runs the groups GO'd to it, in arrival order, until it has
+  run the one that answers its own request (``reply``), acknowledging each with
+  ``{"t": "ack", "gid"}`` once its part is done. A worker joins other workers' groups only
+  at its own sync point, so its model never changes while it computes a gradient.
+* ``static``: the conflict-free schedule of Sec. 4.2
+  (:func:`hopnet.coordinator.static_schedule.static_group`), computed locally from the
+  rank, the iteration and the graph's ``machine`` labels; no coordinator.
+
+A group of one member is a counted "no sync" (nothing to average).
+
+Leaving: after its last iteration a worker says ``{"t": "bye"}`` and keeps running the
+groups GO'd to it until the coordinator answers ``bye_ok``. The coordinator puts it in no
+group after the ``bye``, and everything it sent before reaches the worker first, so no
+other worker is left waiting on a group with it. A worker stopped early (Ctrl-C, a stop in
+the simulator) does the same when it closes.
+
+Failures: a member that dies during a P-Reduce fails the others' all-reduce with
+:class:`~hopnet.errors.PeerFailure` naming it (the node hears of the death from its own
+heartbeats or from the coordinator's ``peer_dead``); the GG draws it into no new group.
+A coordinator that stops answering fails the wait for a GO with
+:class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.coordinator.wire import BYE_OK
+from hopnet.errors import ConfigError, HopnetError, ProtocolError
+from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.wire import BYE_FINAL_ITER, Header, Message
+
+TAG_PREFIX = "prague"
+
+
+class PragueProtocol(Protocol):
+    name = "prague"
+
+    def __init__(self, config: ProtocolConfig, params: torch.Tensor | None) -> None:
+        super().__init__()
+        if params is None:
+            raise ConfigError("--protocol prague averages models: start the worker with hopnet.init(model), "
+                              "or give Worker a params buffer")
+        if params.dim() != 1 or not params.is_contiguous():
+            raise ConfigError("the prague protocol averages one flat, contiguous parameter buffer")
+        self.config = config
+        self.params = params
+        self.static = config.group_generator == "static"
+        self.groups: list[list[int]] = []  # per iteration: the group that answered this worker's request
+        self.gids: list[int | None] = []
+        self.groups_run = 0
+        self.served = 0  # groups run that others initiated
+        self.no_sync = 0
+        self._served_this_iteration = 0
+        self._said_bye = False
+
+    def bind(self, node: Any) -> None:
+        super().bind(node)
+        self.rank = node.rank
+        self.world_size = node.graph.n
+        if self.static:
+            try:
+                from hopnet.coordinator.static_schedule import static_group
+            except ImportError:
+                raise ConfigError("--group-generator static is not available in this build") from None
+            self._static_group = static_group
+            self.machines = tuple(node.graph.machine(r) for r in range(self.world_size))
+        elif node.coordinator is None:
+            raise ConfigError(f"--protocol prague --group-generator {self.config.group_generator} needs its Group "
+                              "Generator: run it under `hopnet launch` or `hopnet simulate`, which start one")
+
+    async def start(self) -> None:
+        self.node.entered(0, self)
+        self._request(0)
+
+    def _request(self, k: int) -> None:
+        if not self.static:
+            self.node.coordinator.send({"t": "req", "iter": k})
+
+    # ------------------------------------------------------------------ one iteration
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        k = self.iteration
+        if apply is not None:
+            apply()
+        self._served_this_iteration = 0
+        if self.static:
+            await self._static_sync(k)
+        else:
+            await self._sync(k)
+        self.node.iteration_done(k, self)
+        if last:
+            if not self.static:
+                await self._leave()
+            return
+        self.iteration = k + 1
+        self.node.entered(k + 1, self)
+        self._request(k + 1)
+
+    async def _sync(self, k: int) -> None:
+        """Run the groups GO'd to this worker, in arrival order, up to and including its own."""
+        loop_time = self.node.clock.now
+        waited = 0.0
+        while True:
+            began = loop_time()
+            message = await self.node.coordinator.receive(
+                f"the GO of rank {self.rank}'s group for iteration {k}")
+            waited += loop_time() - began
+            if message.get("t") != "go":
+                self.node.count_drop("unexpected_coordinator_message")
+                continue
+            gid, members = await self._run(message)
+            if message.get("reply"):
+                self.groups.append(members)
+                self.gids.append(gid)
+                break
+            self.served += 1
+            self._served_this_iteration += 1
+        self.node.waited("updates", waited)
+
+    async def _run(self, message: dict[str, Any]) -> tuple[int, list[int]]:
+        gid, members = message.get("gid"), message.get("members")
+        if not isinstance(gid, int) or not isinstance(members, list) or self.rank not in members \
+                or not all(isinstance(m, int) for m in members):
+            raise ProtocolError(f"rank {self.rank}: the coordinator sent a GO it cannot run: {message!r}")
+        if len(members) == 1:
+            self.no_sync += 1
+        else:
+            await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}/{gid}")
+        self.groups_run += 1
+        self.node.coordinator.send({"t": "ack", "gid": gid})
+        return gid, members
+
+    async def _static_sync(self, k: int) -> None:
+        group = self._static_group(self.rank, k, self.machines)
+        members = sorted(group) if group else [self.rank]
+        if len(members) == 1:
+            self.no_sync += 1
+        else:
+            await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}-static/{k}")
+        self.groups_run += 1
+        self.groups.append(members)
+        self.gids.append(None)
+
+    # ------------------------------------------------------------------ leaving
+    async def _leave(self) -> None:
+        """Say bye to the GG and run what it GO'd to this worker before it heard it."""
+        if self._said_bye or self.static or self.node.coordinator is None:
+            return
+        self._said_bye = True
+        coordinator = self.node.coordinator
+        coordinator.send({"t": "bye"})
+        while True:
+            message = await coordinator.receive(f"the coordinator's answer to rank {self.rank}'s goodbye")
+            kind = message.get("t")
+            if kind == BYE_OK:
+                return
+            if kind == "go":
+                await self._run(message)
+                self.served += 1
+            else:
+                self.node.count_drop("unexpected_coordinator_message")
+
+    async def stop(self) -> None:
+        """Leave the GG (if the last iteration did not already), then say goodbye to the graph
+        neighbours, whose heartbeats watch this worker."""
+        try:
+            await self._leave()
+        except HopnetError as exc:  # a worker failing anyway: leave without the GG's answer
+            self.node.record("leave_incomplete", why=" ".join(str(exc).split())[:300])
+        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
+        for peer in self.node.graph.peers(self.rank):
+            if peer not in self.node.departed and peer not in self.node.dead:
+                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
+        await self.node.flush()
+
+    # ------------------------------------------------------------------ messages (all go through the mailbox)
+    def buffers_for(self, header: Header) -> Any:
+        return None
+
+    def on_message(self, msg: Message) -> None:
+        self.node.count_drop("unexpected_kind")
+
+    # ------------------------------------------------------------------ records
+    def snapshot(self) -> dict[str, Any]:
+        if not self.groups:
+            return {}
+        return {"group": self.groups[-1], "gid": self.gids[-1], "served": self._served_this_iteration}
+
+    def summary(self) -> dict[str, Any]:
+        own = len(self.groups)
+        return {"groups_run": self.groups_run, "own_groups": own, "served_groups": self.served,
+                "no_sync": self.no_sync,
+                "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
