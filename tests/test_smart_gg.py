@@ -612,3 +612,51 @@ def test_make_coordinator_picks_the_smart_generator() -> None:
     assert (gg.world_size, gg.group_size, gg.slow_filter, gg.inter_intra) == (8, 4, 3, True)
     assert make_coordinator(ProtocolConfig(protocol="prague", group_generator="static"), graph) is None
     assert make_coordinator(ProtocolConfig(protocol="hop"), graph) is None
+
+
+# -- end to end, in the simulator -------------------------------------------------------------
+
+def test_prague_smart_and_static_run_sixteen_workers_on_four_machines_in_the_simulator() -> None:
+    """The protocol (coord's prague.py) with this generator and with the static schedule, on the
+    simulator's virtual loop; one smart worker leaves early. P-Reduce keeps the models' sum, and
+    what each worker ran is what the schedule, or the generator's rules, say."""
+    import torch
+
+    from hopnet.coordinator.static_schedule import static_group
+    from hopnet.sim.engine import ComputeModel, SimSpec, simulate
+    from hopnet.transports.inproc import LinkModel
+
+    graph = Graph.hierarchical([4, 4, 4, 4])
+    iterations, dim = 8, 16
+    for generator in ("smart", "static"):
+        config = ProtocolConfig(protocol="prague", group_generator=generator, seed=3)
+        stop_at = {5: 3} if generator == "smart" else {}
+        result = simulate(SimSpec(graph, config, iterations, ComputeModel.parse("uniform:5:15"), param_dim=dim,
+                                  link=LinkModel(latency_s=2e-4), stop_at=stop_at, keep_events=True))
+        before = [torch.randn(dim, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + r),
+                              dtype=torch.float64) for r in range(16)]
+        assert result.iterations == [stop_at.get(r, iterations) for r in range(16)]
+        assert result.params is not None
+        assert torch.allclose(sum(result.params), sum(before), rtol=0, atol=1e-9)
+        assert result.events is not None
+        for rank, records in enumerate(result.events):
+            groups = [r["group"] for r in records if r["event"] == "iteration"]
+            assert len(groups) == stop_at.get(rank, iterations)
+            for k, group in enumerate(groups):
+                assert rank in group and group == sorted(set(group))
+                if generator == "static":
+                    assert group == list(static_group(rank, k, graph.machines) or [rank])
+                else:  # a group that crosses machines holds one head per machine
+                    machines = [graph.machine(m) for m in group]
+                    assert len(set(machines)) in (1, len(group)), f"rank {rank} iteration {k}: {group}"
+        if generator == "smart":
+            summary = result.coordinator
+            assert summary is not None
+            assert summary["inter_intra"] == "on (4 machines)" and summary["max_buffer"] == 2
+            assert summary["unfinished_groups"] == 0 and summary["workers_gone"] == 16
+            # the early leaver asked for the iteration it then did not run
+            assert summary["requests"] == sum(result.iterations) + len(stop_at)
+            # it ran the group GO'd for that request while leaving; its ACK came after its bye
+            assert set(summary["dropped"]) <= {"from_gone_worker"}
+        else:
+            assert result.coordinator is None
