@@ -169,8 +169,10 @@ class Run:
 
     # the generator, and the checks on what it says
     def idle(self) -> set[int]:
-        busy = self.assigned if self.group_buffer else self.in_groups
-        return {r for r in range(self.world) if not busy[r] and r not in self.gone}
+        """Workers with no group waiting for them (with the buffer off: none made and not yet GO'd)."""
+        if self.group_buffer:
+            return {r for r in range(self.world) if not self.assigned[r] and r not in self.gone}
+        return {r for r in range(self.world) if r not in self.gone and self.in_groups[r] <= self.started}
 
     def take(self, worker: int) -> None:
         """With the Group Buffer, a request takes the oldest group made for the worker."""
