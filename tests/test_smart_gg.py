@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import BadCoordinatorMessage, make_coordinator
-from hopnet.coordinator.smart_gg import GroupFormed, SmartGroupGenerator
+from hopnet.coordinator.smart_gg import GROUP_KINDS, GroupFormed, SmartGroupGenerator
 from hopnet.graph import Graph
 
 
@@ -80,7 +80,6 @@ class Run:
         # the harness's own book
         self.requests = [0] * world
         self.members: dict[int, list[int]] = {}      # unfinished groups -> current members
-        self.kind: dict[int, str] = {}
         self.started: set[int] = set()
         self.in_groups: list[set[int]] = [set() for _ in range(world)]  # unfinished groups of each worker
         self.assigned: list[list[int]] = [[] for _ in range(world)]    # its Group Buffer: made, not yet taken
@@ -255,8 +254,8 @@ class Run:
             members = list(group.members)
             assert members == sorted(set(members)), f"members not distinct and sorted: {group}"
             assert not self.gone.intersection(members), f"a group with a worker that left: {group}"
+            assert group.kind in GROUP_KINDS
             self.members[group.gid] = members
-            self.kind[group.gid] = group.kind
             for member in members:
                 self.in_groups[member].add(group.gid)
                 if self.group_buffer:

@@ -51,7 +51,7 @@ def layouts(draw: st.DrawFn) -> list[str]:
     return labels
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(machines=layouts())
 def test_every_phase_is_conflict_free_and_a_period_is_connected(machines: list[str]) -> None:
     n = len(machines)
