@@ -207,6 +207,9 @@ def test_host_declares_a_silent_worker_dead_and_tells_the_others() -> None:
     assert sends == [Send(0, {"t": "peer_dead", "rank": 2, "silent_s": 2.0}),
                      Send(1, {"t": "peer_dead", "rank": 2, "silent_s": 2.0})]
     assert host.summary()["workers_dead"] == [2] and not host.machine.locked[2]
+    # 2 was only blocked: whatever it says next is answered by "you are out", not ignored
+    assert host.handle(2, {"t": "ping"}, 2.5) == [
+        Send(2, {"t": "expelled", "why": "it was silent for 2.0s and was declared dead"})]
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa1x\x01", b"\x81\xa1t\x05",
@@ -222,3 +225,13 @@ def test_routing_ids_name_worker_ranks_only() -> None:
     for bad in (b"w4", b"w-1", b"w01", b"x1", b"", b"w" + b"9" * 20):
         with pytest.raises(BadFrame):
             rank_of(bad, 4)
+
+
+def test_a_worker_that_leaves_failing_is_reported_to_the_others_and_a_clean_one_is_not() -> None:
+    host = CoordinatorHost(RandomGroupGenerator(4, 3, 0), now=0.0, peer_timeout_s=5.0)
+    for w in range(4):
+        host.handle(w, {"t": "hello"}, 0.0)
+    assert host.handle(3, {"t": "bye"}, 0.1) == [Send(3, {"t": "bye_ok"})]
+    sends = host.handle(1, {"t": "bye", "failed": True}, 0.2)
+    assert sends == [Send(0, {"t": "peer_failed", "rank": 1}), Send(2, {"t": "peer_failed", "rank": 1}),
+                     Send(1, {"t": "bye_ok"})]

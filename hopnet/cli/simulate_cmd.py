@@ -241,6 +241,10 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     if result.dropped_late_updates or result.updates_not_sent:
         lines.append(f"late updates:      {result.dropped_late_updates} dropped on arrival, "
                      f"{result.updates_not_sent} not sent")
+    if result.coordinator is not None:
+        c = result.coordinator
+        lines.append(f"coordinator:       {c.get('coordinator')}: {c.get('groups_formed', 0)} groups formed, "
+                     f"{c.get('messages_in', 0)} messages in, {c.get('messages_out', 0)} out")
     lines.append(f"wall clock:        {result.wall_seconds:.3f} s")
     return lines
 

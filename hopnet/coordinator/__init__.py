@@ -42,9 +42,4 @@ def make_coordinator(config: ProtocolConfig, graph: Graph) -> Coordinator | None
     return None
 
 
-def coordinator_name(config: ProtocolConfig, graph: Graph) -> str | None:
-    machine = make_coordinator(config, graph)
-    return None if machine is None else machine.name
-
-
 __all__ = ["BadCoordinatorMessage", "Coordinator", "Send", "make_coordinator"]

@@ -10,7 +10,7 @@ coordinator's ROUTER) or in process on the simulator's virtual loop
 What the client handles itself (see :mod:`hopnet.coordinator.wire`): it says ``hello``
 first; ``pong`` answers are only signs of life; ``peer_dead`` notices are passed to the
 node (``node.peer_dead``), so a collective waiting on a dead worker fails at once, naming
-it. Every other message, ``bye_ok`` included, is returned by :meth:`receive`.
+it; ``peer_failed`` notices (a worker that left failing) fail such waits too. Every other message, ``bye_ok`` included, is returned by :meth:`receive`.
 
 A dead coordinator: on a link whose far end can die (ZeroMQ), the client sends a ``beat``
 when nothing else went out for a beat interval, and while :meth:`receive` waits it
@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from hopnet.coordinator.wire import (BEAT, HELLO, PEER_DEAD, PING, PONG, BadFrame, decode, encode,
-                                     routing_id)
+from hopnet.coordinator.wire import (BEAT, EXPELLED, HELLO, PEER_DEAD, PEER_FAILED, PING, PONG, BadFrame, decode,
+                                     encode, routing_id)
 from hopnet.errors import HopnetError, PeerFailure, WaitTimeout
 from hopnet.runtime.liveness import beat_interval_for
 
 if TYPE_CHECKING:
     from hopnet.runtime.node import Node
-
-log = logging.getLogger(__name__)
 
 COORDINATOR_ENV = "HOPNET_COORDINATOR"
 """``tcp://HOST:PORT`` of the run's coordinator, set by `hopnet launch` when the protocol needs one."""
@@ -93,7 +90,7 @@ class CoordinatorClient:
         self._wait_began = 0.0
         self._last_heard = 0.0
         self._last_sent = 0.0
-        self._lost: CoordinatorLost | None = None
+        self._lost: HopnetError | None = None  # every receive raises it (CoordinatorLost, or expelled)
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -174,6 +171,20 @@ class CoordinatorClient:
                     and 0 <= rank < self.node.graph.n):
                 self.node.peer_dead(rank, float(silent_s) if isinstance(silent_s, (int, float)) else 0.0)
             return
+        if kind == EXPELLED:
+            why = message.get("why") if isinstance(message.get("why"), str) else ""
+            self._fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
+                                   f"{why[:200] or 'declared dead'} (was it blocked for --peer-timeout "
+                                   f"{self.peer_timeout_s}s?)"))
+            return
+        if kind == PEER_FAILED:
+            rank = message.get("rank")
+            node = self.node
+            if isinstance(rank, int) and rank != self.rank and node is not None and 0 <= rank < node.graph.n \
+                    and rank not in node.departed and rank not in node.dead:
+                node.record("peer_failed", peer=rank, iter=node.protocol.iteration)
+                node.mailbox.peer_departed(rank, "failed (it told the coordinator so)", "departed")
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             self._waiter = None
@@ -210,10 +221,17 @@ class CoordinatorClient:
             self.node.record("coordinator_lost", address=self.link.address, silent_s=round(silent_s, 3),
                              iter=iteration)
             self.node.events.flush()
+        self._fail(self._lost)
+
+    def _fail(self, error: HopnetError) -> None:
+        """Every receive from now on raises ``error`` (the one waiting now included)."""
+        if self._lost is None or isinstance(error, CoordinatorLost):
+            self._lost = error
+        self._inbox.clear()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             self._waiter = None
-            waiter.set_exception(self._lost)
+            waiter.set_exception(error)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:

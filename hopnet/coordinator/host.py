@@ -6,7 +6,8 @@ Around the :class:`~hopnet.coordinator.base.Coordinator` it
 
 * answers the host kinds (:data:`hopnet.coordinator.wire.HOST_KINDS`): ``ping`` with
   ``pong``; ``bye`` by calling ``on_worker_gone`` and then answering ``bye_ok``, so the
-  leaving worker knows that every group it was put in has reached it;
+  leaving worker knows that every group it was put in has reached it (a ``bye`` marked
+  ``failed`` also sends every other worker ``peer_failed``);
 * drops and counts what it cannot act on: bad frames (counted by the caller),
   :class:`~hopnet.coordinator.base.BadCoordinatorMessage` from the machine, messages
   from workers that left or were declared dead;
@@ -27,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.wire import BYE, BYE_OK, HOST_KINDS, PEER_DEAD, PING, PONG
+from hopnet.coordinator.wire import BYE, BYE_OK, EXPELLED, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG
 from hopnet.runtime.liveness import Liveness
 
 Recorder = Callable[..., None]
@@ -54,6 +55,7 @@ class CoordinatorHost:
         self.messages_out = 0
         self.groups_logged = 0
         self._logged_gids: set[Any] = set()
+        self._dead_why: dict[int, str] = {}
         self.liveness = (Liveness((), timeout_s=peer_timeout_s, now=now)
                          if peer_timeout_s is not None else None)
 
@@ -66,6 +68,9 @@ class CoordinatorHost:
         self.messages_in += 1
         if sender in self.left or sender in self.dead:
             self.drop("from_gone_worker")
+            if sender in self.dead and message.get("t") != BYE:  # it was silent, not gone: say so
+                self.messages_out += 1
+                return [Send(sender, {"t": EXPELLED, "why": self._dead_why.get(sender, "")})]
             return []
         if self.liveness is not None:
             self.liveness.heard(sender, now)
@@ -79,7 +84,8 @@ class CoordinatorHost:
             if kind == PING:
                 return self._out([Send(sender, {"t": PONG})])
             if kind == BYE:
-                sends = self._out(self._gone(sender, "left"))
+                how = "failed" if message.get("failed") is True else "left"
+                sends = self._out(self._gone(sender, how))
                 self.messages_out += 1
                 return sends + [Send(sender, {"t": BYE_OK})]  # after every group sent to it before
             return []  # hello, beat: signs of life only
@@ -111,15 +117,20 @@ class CoordinatorHost:
             return []
         if self.liveness is not None:
             self.liveness.forget(rank)
-        if how == "left":
+        if how in ("left", "failed"):
             self.left.add(rank)
-            self.record("worker_left", worker=rank)
+            self.record("worker_left", worker=rank, failed=how == "failed")
         else:
             self.dead.add(rank)
+            self._dead_why[rank] = f"it was silent for {silent_s or 0.0:.1f}s and was declared dead"
             self.record("worker_dead", worker=rank, silent_s=round(silent_s or 0.0, 3))
         sends = list(self.machine.on_worker_gone(rank))
-        if how == "dead":
-            notice = {"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3)}
+        # A worker that left cleanly is waited on by no one (it ran its groups before its bye);
+        # telling the others could overtake its last messages to them. One that died or is
+        # failing may be waited on: whatever waits on it must fail now, naming it.
+        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3)} if how == "dead"
+                  else {"t": PEER_FAILED, "rank": rank} if how == "failed" else None)
+        if notice is not None:
             sends += [Send(r, dict(notice)) for r in sorted(self.joined - self.left - self.dead)]
         return sends
 

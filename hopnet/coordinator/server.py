@@ -11,7 +11,6 @@ said ``hello`` yet), in the order it was sent.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -155,7 +154,3 @@ class CoordinatorServer:
 
 ADDRESS_PREFIX = "HOPNET_COORDINATOR="
 """The first line the coordinator process prints: its address, for the launcher."""
-
-
-def summary_json(summary: dict[str, Any]) -> str:
-    return json.dumps(summary, sort_keys=True)

@@ -15,10 +15,15 @@ kind        direction           meaning
 ``ping``    worker -> host      are you there? answered with ``pong``
 ``beat``    worker -> host      a sign of life, sent when nothing else went out lately
 ``bye``     worker -> host      leaving: the host calls ``on_worker_gone`` and answers
-                                ``bye_ok`` after every message it sent before
+                                ``bye_ok`` after every message it sent before; with
+                                ``"failed": true`` the worker is failing, and the others
+                                are told (``peer_failed``)
 ``pong``    host -> worker      answer to ``ping``
 ``bye_ok``  host -> worker      the last message a leaving worker gets
 ``peer_dead`` host -> workers   ``rank`` went silent (``silent_s``): fail what waits on it
+``peer_failed`` host -> workers ``rank`` left failing: fail what waits on it
+``expelled`` host -> worker     answer to any message of a worker declared dead: it is
+                                in no group any more (``why``)
 ==========  ==================  ===================================================
 """
 
@@ -41,6 +46,8 @@ BEAT = "beat"
 BYE = "bye"
 BYE_OK = "bye_ok"
 PEER_DEAD = "peer_dead"
+PEER_FAILED = "peer_failed"
+EXPELLED = "expelled"
 HOST_KINDS = frozenset({HELLO, PING, BEAT, BYE})
 """Worker -> host kinds the host handles itself."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hopnet.errors import ConfigError
 
-RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", "graph.json", "rank*.jsonl")
+RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", "graph.json", "rank*.jsonl", "coordinator.jsonl")
 """The files a launch writes into its run directory (scripts may add their own, which stay)."""
 
 

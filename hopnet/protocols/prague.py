@@ -32,6 +32,9 @@ the simulator) does the same when it closes.
 Failures: a member that dies during a P-Reduce fails the others' all-reduce with
 :class:`~hopnet.errors.PeerFailure` naming it (the node hears of the death from its own
 heartbeats or from the coordinator's ``peer_dead``); the GG draws it into no new group.
+A worker whose step failed says ``{"t": "bye", "failed": true}`` as it closes, without
+waiting: the coordinator tells the others (``peer_failed``), so a group waiting on it
+fails at once, naming it, instead of after ``--timeout``.
 A coordinator that stops answering fails the wait for a GO with
 :class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
 """
@@ -71,6 +74,7 @@ class PragueProtocol(Protocol):
         self.no_sync = 0
         self._served_this_iteration = 0
         self._said_bye = False
+        self._failed = False  # a step raised: leave without waiting for the GG, and say so
 
     def bind(self, node: Any) -> None:
         super().bind(node)
@@ -97,6 +101,13 @@ class PragueProtocol(Protocol):
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        try:
+            await self._finish_iteration(apply, last)
+        except BaseException:
+            self._failed = True
+            raise
+
+    async def _finish_iteration(self, apply: ApplyFn | None, last: bool) -> None:
         k = self.iteration
         if apply is not None:
             apply()
@@ -166,6 +177,9 @@ class PragueProtocol(Protocol):
             return
         self._said_bye = True
         coordinator = self.node.coordinator
+        if self._failed:  # the others must not wait on a group with this worker: the GG tells them
+            coordinator.send({"t": "bye", "failed": True})
+            return
         coordinator.send({"t": "bye"})
         while True:
             message = await coordinator.receive(f"the coordinator's answer to rank {self.rank}'s goodbye")
