@@ -317,10 +317,17 @@ class Run:
                     heads.setdefault(self.machines[member], []).append(member)
         assert all(len(h) == 1 for h in heads.values()), f"more than one head on a machine: {heads}"
         division = set().union(*(g.members for g in formed))
+        live = [w for w in range(self.world) if w not in self.gone]
+        filt = self.gg.slow_filter
+        lagging = bool(filt) and max(self.requests[w] for w in live) - self.requests[initiator] >= filt
+        if lagging and any(initiator in g.members and len(g.members) > 1 for g in inter):
+            assert initiator in heads.get(self.machines[initiator], [initiator]), "a lagging initiator heads"
         for group in intra:
             machines = {self.machines[m] for m in group.members}
             assert len(machines) == 1, f"an intra group across machines: {group}"
             on_machine = {w for w in division if self.machines[w] in machines}
+            if lagging:  # it stays out of its machine's Intra group
+                on_machine.discard(initiator)
             assert set(group.members) == on_machine or group.members == (initiator,), \
                 f"intra group {group.members} is not all of the division's workers on its machine {on_machine}"
 
@@ -454,11 +461,13 @@ class Driver:
         self.gg = gg
         self.waiting: set[int] = set()
         self.iteration = [0] * gg.world_size
+        self.asked = [0] * gg.world_size
         self.ran: list[list[int]] = []
 
     def ask(self, worker: int) -> None:
         assert worker not in self.waiting
         self.waiting.add(worker)
+        self.asked[worker] += 1
         self.run(self.gg.on_message(worker, req(self.iteration[worker])))
 
     def run(self, sends: list) -> None:
@@ -524,6 +533,34 @@ def test_inter_intra_on_sixteen_workers_of_four_machines() -> None:
         assert all(gg.buffer(w) == () for w in range(16))
     # head workers rotate round-robin: each GD moves every machine's head to its next local worker
     assert heads_seen == [[4 * m + k for m in range(4)] for k in range(4)]
+
+
+def test_a_slow_initiator_heads_its_machine_and_leaves_the_intra_group_to_its_mates() -> None:
+    """Rank 1 asks every 4th round, the others whenever they can. Once it is C = 2 requests
+    behind, its own divisions make it its machine's head and keep it out of the Intra group,
+    so its machine-mates keep pace with the other machine."""
+    formed: list[GroupFormed] = []
+    machines = [f"m{r // 4}" for r in range(8)]
+    gg = SmartGroupGenerator(8, machines=machines, slow_filter=2, seed=4, on_formed=formed.append)
+    driver = Driver(gg)
+    slow_divisions = 0
+    for round_ in range(40):
+        for w in [0, 2, 3, 4, 5, 6, 7]:
+            if w not in driver.waiting:
+                driver.ask(w)
+        if round_ % 4 == 3 and 1 not in driver.waiting:
+            formed.clear()
+            lagging = max(driver.asked) - (driver.asked[1] + 1) >= 2
+            driver.ask(1)
+            if formed and lagging:
+                slow_divisions += 1
+                intra = [g.members for g in formed if g.kind == "intra"]
+                assert all(1 not in g for g in intra if len(g) > 1), f"rank 1 in an intra group: {intra}"
+                crossing = [g.members for g in formed if g.kind == "inter" and len({m // 4 for m in g.members}) > 1]
+                assert all(1 in g for g in crossing if any(m < 4 for m in g)), "rank 1 is not machine 0's head"
+    assert slow_divisions >= 3
+    mates, others = driver.iteration[0] + driver.iteration[2] + driver.iteration[3], sum(driver.iteration[4:])
+    assert mates / 3 >= 0.7 * others / 4, (driver.iteration, "rank 1's mates kept at its pace")
 
 
 def test_inter_intra_is_off_without_machine_labels_and_says_so() -> None:

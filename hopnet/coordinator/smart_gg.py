@@ -14,7 +14,9 @@ Four components, each switchable on its own (``ProtocolConfig`` fields):
   division makes two groups per worker: an *Inter* group (one Head Worker per machine, heads
   rotated round-robin per division and split into groups of 2-3; the other workers in random
   groups with workers of their own machine) and then an *Intra* group (the division's workers
-  of one machine). Off, with a note in :meth:`SmartGroupGenerator.summary`, when the graph
+  of one machine). A slow initiator (see the filter) heads its machine in its own division
+  and stays out of that machine's Intra group, so its machine-mates never wait a whole slow
+  iteration for its next request. Off, with a note in :meth:`SmartGroupGenerator.summary`, when the graph
   has no machine labels or Global Division is off.
 * **Slow-worker filter** (``slow_filter`` = C, 0 = off): ``c_w`` counts the requests of
   ``w``; in a division started by ``i``, ``w`` takes part only if ``c_i - c_w < C``.
@@ -377,14 +379,17 @@ class SmartGroupGenerator(Coordinator):
         inter: list[list[int]] = []
         intra: list[list[int]] = []
         heads: list[int] = []
+        # A lagging initiator heads its machine and stays out of its machine's Intra group:
+        # that group would hold its machine-mates until its *next* request, a slow iteration on.
+        lagging = self._lagging(initiator)
         for index, ranks in enumerate(self._machine_ranks):
             local = [w for w in ranks if w in eligible]
             if not local:
                 continue
-            head = self._next_head(index, ranks, eligible)
+            head = initiator if lagging and initiator in local else self._next_head(index, ranks, eligible)
             heads.append(head)
             inter.extend(self._partition([w for w in local if w != head], self.group_size))
-            intra.append(local)
+            intra.append([w for w in local if not (lagging and w == initiator)])
         self._rng.shuffle(heads)
         count = (len(heads) + 2) // 3
         inter[:0] = [heads[k::count] for k in range(count)]
@@ -394,6 +399,14 @@ class SmartGroupGenerator(Coordinator):
         if not any(initiator in g for g, _ in made):
             made.append(([initiator], "intra"))
         return made
+
+    def _lagging(self, initiator: int) -> bool:
+        """Whether the slow-worker filter counts ``initiator`` as slow: C or more requests
+        behind the furthest worker still in the run."""
+        if not self.slow_filter:
+            return False
+        ahead = max(self._requests[w] for w in range(self.world_size) if w not in self._gone)
+        return ahead - self._requests[initiator] >= self.slow_filter
 
     def _next_head(self, machine: int, ranks: list[int], eligible: set[int]) -> int:
         """Round-robin over the machine's workers, one step per division; skips the ineligible."""
