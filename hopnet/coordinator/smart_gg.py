@@ -14,10 +14,11 @@ Four components, each switchable on its own (``ProtocolConfig`` fields):
   division makes two groups per worker: an *Inter* group (one Head Worker per machine, heads
   rotated round-robin per division and split into groups of 2-3; the other workers in random
   groups with workers of their own machine) and then an *Intra* group (the division's workers
-  of one machine). A slow initiator (see the filter) heads its machine in its own division
-  and stays out of that machine's Intra group, so its machine-mates never wait a whole slow
-  iteration for its next request. Off, with a note in :meth:`SmartGroupGenerator.summary`, when the graph
-  has no machine labels or Global Division is off.
+  of one machine). A slow initiator (C or more requests behind the furthest worker) heads
+  its machine in its own division and stays out of that machine's Intra group, so its
+  machine-mates never wait a whole slow iteration for its next request. Off, with a note in
+  :meth:`SmartGroupGenerator.summary`, when the graph has no machine labels or Global
+  Division is off.
 * **Slow-worker filter** (``slow_filter`` = C, 0 = off): ``c_w`` counts the requests of
   ``w``; in a division started by ``i``, ``w`` takes part only if ``c_i - c_w < C``.
 
