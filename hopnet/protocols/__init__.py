@@ -11,6 +11,7 @@ from hopnet.protocols.allreduce import AllReduceProtocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.eager import EagerProtocol
 from hopnet.protocols.hop import HopProtocol
+from hopnet.protocols.partial_reduce import PartialReduceProtocol
 from hopnet.protocols.pipesgd import PipeSgdProtocol
 from hopnet.protocols.prague import PragueProtocol
 
@@ -33,8 +34,11 @@ def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
         return AdPsgdProtocol(config, params)
     if config.protocol == "prague":
         return PragueProtocol(config, params)
+    if config.protocol == "partial-reduce":
+        return PartialReduceProtocol(config, params)
     raise ValueError(f"unknown protocol {config.protocol!r}")
 
 
-__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PipeSgdProtocol", "PragueProtocol", "Protocol",
+__all__ = ["AdPsgdProtocol", "AllReduceProtocol", "EagerProtocol", "HopProtocol", "PartialReduceProtocol",
+           "PipeSgdProtocol", "PragueProtocol", "Protocol",
            "make_protocol"]
