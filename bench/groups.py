@@ -203,7 +203,8 @@ def real_table(rows: list[dict[str, Any]], target: float | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", choices=["homogeneous", "straggler", "random"])
-    parser.add_argument("--protocols", default=",".join(PROTOCOLS), help="comma-separated, from: " + ",".join(PROTOCOLS))
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS),
+                        help="comma-separated, from: " + ",".join(PROTOCOLS))
     parser.add_argument("--sim-only", action="store_true")
     parser.add_argument("--real-only", action="store_true")
     parser.add_argument("--sim-workers", type=int, default=16)
@@ -212,10 +213,11 @@ def main() -> None:
     parser.add_argument("--sim-model-mb", type=float, default=1.0)
     parser.add_argument("--sim-gbps", type=float, default=1.0)
     parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=100, help="real runs' iterations")
+    parser.add_argument("--iterations", type=int, default=60,
+                        help="real runs' iterations (the cosine schedule's length)")
     parser.add_argument("--compute-ms", type=float, default=40.0, help="real runs' emulated compute")
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument("--target", type=float, default=0.85, help="held-out accuracy to reach (see bench/README.md)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--repeat", type=int, default=1, help="real-run rounds, protocols interleaved")
     parser.add_argument("--warmup", type=int, default=10)
