@@ -615,12 +615,6 @@ def launch(
                 _stop(workers, pending, signal.SIGTERM, grace_s, trap, err_stream)
     finally:
         # whatever happened (even an exception in here), leave nothing behind
-        if coordinator is not None:  # after the workers: those still running may need it to finish
-            if coordinator.exited() is None:
-                for proc in workers.procs.values():
-                    if proc.returncode is None:
-                        _killpg(proc.pid, signal.SIGKILL)
-            coordinator.stop(grace_s)
         for proc in workers.procs.values():
             if proc.returncode is None:
                 _killpg(proc.pid, signal.SIGKILL)
@@ -632,6 +626,8 @@ def launch(
             if workers.returncodes.get(rank) is None:
                 workers.returncodes[rank] = code
         workers.sweep()
+        if coordinator is not None:  # after the workers, which may need it until they end
+            coordinator.stop(grace_s)  # SIGTERM: it writes its summary
         workers.drain(2.0)
         server.close()
         if store is not None:
