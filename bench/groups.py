@@ -132,7 +132,7 @@ def sim_table(rows: list[dict[str, Any]], configs: list[str]) -> str:
     lines = ["| protocol | " + " | ".join(f"{c}: it/s | x allreduce" for c in configs) + " |",
              "| --- | " + " | ".join("---: | ---:" for _ in configs) + " |"]
     by = {(r["protocol"], r["config"]): r for r in rows}
-    for protocol in PROTOCOLS:
+    for protocol in [p for p in PROTOCOLS if any(r["protocol"] == p for r in rows)]:
         cells = []
         for c in configs:
             r, base = by.get((protocol, c)), by.get(("allreduce", c))
