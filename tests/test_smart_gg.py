@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import BadCoordinatorMessage, make_coordinator
-from hopnet.coordinator.smart_gg import GroupFormed, SmartGroupGenerator
+from hopnet.coordinator.smart_gg import GROUP_KINDS, GroupFormed, SmartGroupGenerator
 from hopnet.graph import Graph
 
 
@@ -80,7 +80,6 @@ class Run:
         # the harness's own book
         self.requests = [0] * world
         self.members: dict[int, list[int]] = {}      # unfinished groups -> current members
-        self.kind: dict[int, str] = {}
         self.started: set[int] = set()
         self.in_groups: list[set[int]] = [set() for _ in range(world)]  # unfinished groups of each worker
         self.assigned: list[list[int]] = [[] for _ in range(world)]    # its Group Buffer: made, not yet taken
@@ -169,8 +168,10 @@ class Run:
 
     # the generator, and the checks on what it says
     def idle(self) -> set[int]:
-        busy = self.assigned if self.group_buffer else self.in_groups
-        return {r for r in range(self.world) if not busy[r] and r not in self.gone}
+        """Workers with no group waiting for them (with the buffer off: none made and not yet GO'd)."""
+        if self.group_buffer:
+            return {r for r in range(self.world) if not self.assigned[r] and r not in self.gone}
+        return {r for r in range(self.world) if r not in self.gone and self.in_groups[r] <= self.started}
 
     def take(self, worker: int) -> None:
         """With the Group Buffer, a request takes the oldest group made for the worker."""
@@ -253,8 +254,8 @@ class Run:
             members = list(group.members)
             assert members == sorted(set(members)), f"members not distinct and sorted: {group}"
             assert not self.gone.intersection(members), f"a group with a worker that left: {group}"
+            assert group.kind in GROUP_KINDS
             self.members[group.gid] = members
-            self.kind[group.gid] = group.kind
             for member in members:
                 self.in_groups[member].add(group.gid)
                 if self.group_buffer:
@@ -316,10 +317,17 @@ class Run:
                     heads.setdefault(self.machines[member], []).append(member)
         assert all(len(h) == 1 for h in heads.values()), f"more than one head on a machine: {heads}"
         division = set().union(*(g.members for g in formed))
+        live = [w for w in range(self.world) if w not in self.gone]
+        filt = self.gg.slow_filter
+        lagging = bool(filt) and max(self.requests[w] for w in live) - self.requests[initiator] >= filt
+        if lagging and any(initiator in g.members and len(g.members) > 1 for g in inter):
+            assert initiator in heads.get(self.machines[initiator], [initiator]), "a lagging initiator heads"
         for group in intra:
             machines = {self.machines[m] for m in group.members}
             assert len(machines) == 1, f"an intra group across machines: {group}"
             on_machine = {w for w in division if self.machines[w] in machines}
+            if lagging:  # it stays out of its machine's Intra group
+                on_machine.discard(initiator)
             assert set(group.members) == on_machine or group.members == (initiator,), \
                 f"intra group {group.members} is not all of the division's workers on its machine {on_machine}"
 
@@ -453,11 +461,13 @@ class Driver:
         self.gg = gg
         self.waiting: set[int] = set()
         self.iteration = [0] * gg.world_size
+        self.asked = [0] * gg.world_size
         self.ran: list[list[int]] = []
 
     def ask(self, worker: int) -> None:
         assert worker not in self.waiting
         self.waiting.add(worker)
+        self.asked[worker] += 1
         self.run(self.gg.on_message(worker, req(self.iteration[worker])))
 
     def run(self, sends: list) -> None:
@@ -523,6 +533,34 @@ def test_inter_intra_on_sixteen_workers_of_four_machines() -> None:
         assert all(gg.buffer(w) == () for w in range(16))
     # head workers rotate round-robin: each GD moves every machine's head to its next local worker
     assert heads_seen == [[4 * m + k for m in range(4)] for k in range(4)]
+
+
+def test_a_slow_initiator_heads_its_machine_and_leaves_the_intra_group_to_its_mates() -> None:
+    """Rank 1 asks every 4th round, the others whenever they can. Once it is C = 2 requests
+    behind, its own divisions make it its machine's head and keep it out of the Intra group,
+    so its machine-mates keep pace with the other machine."""
+    formed: list[GroupFormed] = []
+    machines = [f"m{r // 4}" for r in range(8)]
+    gg = SmartGroupGenerator(8, machines=machines, slow_filter=2, seed=4, on_formed=formed.append)
+    driver = Driver(gg)
+    slow_divisions = 0
+    for round_ in range(40):
+        for w in [0, 2, 3, 4, 5, 6, 7]:
+            if w not in driver.waiting:
+                driver.ask(w)
+        if round_ % 4 == 3 and 1 not in driver.waiting:
+            formed.clear()
+            lagging = max(driver.asked) - (driver.asked[1] + 1) >= 2
+            driver.ask(1)
+            if formed and lagging:
+                slow_divisions += 1
+                intra = [g.members for g in formed if g.kind == "intra"]
+                assert all(1 not in g for g in intra if len(g) > 1), f"rank 1 in an intra group: {intra}"
+                crossing = [g.members for g in formed if g.kind == "inter" and len({m // 4 for m in g.members}) > 1]
+                assert all(1 in g for g in crossing if any(m < 4 for m in g)), "rank 1 is not machine 0's head"
+    assert slow_divisions >= 3
+    mates, others = driver.iteration[0] + driver.iteration[2] + driver.iteration[3], sum(driver.iteration[4:])
+    assert mates / 3 >= 0.7 * others / 4, (driver.iteration, "rank 1's mates kept at its pace")
 
 
 def test_inter_intra_is_off_without_machine_labels_and_says_so() -> None:
@@ -612,3 +650,51 @@ def test_make_coordinator_picks_the_smart_generator() -> None:
     assert (gg.world_size, gg.group_size, gg.slow_filter, gg.inter_intra) == (8, 4, 3, True)
     assert make_coordinator(ProtocolConfig(protocol="prague", group_generator="static"), graph) is None
     assert make_coordinator(ProtocolConfig(protocol="hop"), graph) is None
+
+
+# -- end to end, in the simulator -------------------------------------------------------------
+
+def test_prague_smart_and_static_run_sixteen_workers_on_four_machines_in_the_simulator() -> None:
+    """The protocol (coord's prague.py) with this generator and with the static schedule, on the
+    simulator's virtual loop; one smart worker leaves early. P-Reduce keeps the models' sum, and
+    what each worker ran is what the schedule, or the generator's rules, say."""
+    import torch
+
+    from hopnet.coordinator.static_schedule import static_group
+    from hopnet.sim.engine import ComputeModel, SimSpec, simulate
+    from hopnet.transports.inproc import LinkModel
+
+    graph = Graph.hierarchical([4, 4, 4, 4])
+    iterations, dim = 8, 16
+    for generator in ("smart", "static"):
+        config = ProtocolConfig(protocol="prague", group_generator=generator, seed=3)
+        stop_at = {5: 3} if generator == "smart" else {}
+        result = simulate(SimSpec(graph, config, iterations, ComputeModel.parse("uniform:5:15"), param_dim=dim,
+                                  link=LinkModel(latency_s=2e-4), stop_at=stop_at, keep_events=True))
+        before = [torch.randn(dim, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + r),
+                              dtype=torch.float64) for r in range(16)]
+        assert result.iterations == [stop_at.get(r, iterations) for r in range(16)]
+        assert result.params is not None
+        assert torch.allclose(sum(result.params), sum(before), rtol=0, atol=1e-9)
+        assert result.events is not None
+        for rank, records in enumerate(result.events):
+            groups = [r["group"] for r in records if r["event"] == "iteration"]
+            assert len(groups) == stop_at.get(rank, iterations)
+            for k, group in enumerate(groups):
+                assert rank in group and group == sorted(set(group))
+                if generator == "static":
+                    assert group == list(static_group(rank, k, graph.machines) or [rank])
+                else:  # a group that crosses machines holds one head per machine
+                    machines = [graph.machine(m) for m in group]
+                    assert len(set(machines)) in (1, len(group)), f"rank {rank} iteration {k}: {group}"
+        if generator == "smart":
+            summary = result.coordinator
+            assert summary is not None
+            assert summary["inter_intra"] == "on (4 machines)" and summary["max_buffer"] == 2
+            assert summary["unfinished_groups"] == 0 and summary["workers_gone"] == 16
+            # the early leaver asked for the iteration it then did not run
+            assert summary["requests"] == sum(result.iterations) + len(stop_at)
+            # it ran the group GO'd for that request while leaving; its ACK came after its bye
+            assert set(summary["dropped"]) <= {"from_gone_worker"}
+        else:
+            assert result.coordinator is None
