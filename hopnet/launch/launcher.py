@@ -777,9 +777,9 @@ def launch(
                        f"the other {world_size - len(lost)} workers finished")
     if summary is not None:
         _log(err_stream, summary)
-    if server.refused_handshakes:
-        _log(err_stream, f"the rendezvous refused {server.refused_handshakes} connection attempt(s) "
-                         "without the run key")
+    refused = server.refused_handshakes if server is not None else 0  # node 0's launcher hosts it
+    if refused:
+        _log(err_stream, f"the rendezvous refused {refused} connection attempt(s) without the run key")
 
     wall_s = time.monotonic() - t0
     result = LaunchResult(returncode=returncode, run_dir=str(path), failed_rank=failed_rank, reason=reason,
@@ -793,7 +793,7 @@ def launch(
         "lost_ranks": sorted(lost),
         "worker_returncodes": {str(r): c for r, c in result.worker_returncodes.items()},
         "wall_s": round(wall_s, 3),
-        "rendezvous_refused_handshakes": server.refused_handshakes,
+        "rendezvous_refused_handshakes": refused,
         "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:
