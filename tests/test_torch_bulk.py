@@ -133,6 +133,34 @@ async def test_a_dead_peer_is_a_named_failure_not_a_hang(store_endpoint) -> None
         await b.close()
 
 
+async def test_a_peer_still_starting_does_not_hold_up_the_channel_to_a_ready_one(store_endpoint) -> None:
+    """Each pair group forms in its own thread; they must not share one store connection,
+    whose lock a blocking wait holds (a ring of ranks deadlocked on it until the store timed out)."""
+    slow = 40.0
+    transports, receivers, addresses = [], [], {}
+    for rank in (0, 1, 2):
+        control = ZmqTransport(rank, frozenset({0, 1, 2} - {rank}))
+        t = TorchBulkTransport(control, connect_store(store_endpoint, slow), timeout_s=slow)
+        receivers.append(Recv())
+        addresses[rank] = await t.start(receivers[-1])
+        transports.append(t)
+    a, b, _never = transports
+    try:
+        await a.connect({2: addresses[2]})  # rank 2 never connects: rank 0's group with it waits in the store
+        await asyncio.sleep(0.5)
+        await a.connect({1: addresses[1]})
+        await b.connect({0: addresses[0]})
+        started = time.monotonic()
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.arange(100.0)]))
+        got = await asyncio.wait_for(receivers[1].queue.get(), 2 * slow)
+        # A loop blocked behind the shared connection cannot even time out: measure instead.
+        assert time.monotonic() - started < slow / 2, "the channel waited for the other peer's store timeout"
+        assert torch.equal(got.tensors[0], torch.arange(100.0))
+    finally:
+        for t in transports:
+            await t.close()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL refuses two ranks on one GPU)")
 async def test_cuda_tensors_travel_over_nccl_without_leaving_the_gpu(store_endpoint) -> None:
     transports, receivers = [], []

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
+from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, wait_work
 
 DEFAULT_MAX_CACHED = 16
@@ -66,6 +67,7 @@ class TorchCollective(Collective):
         self.rank = rank
         self.world_size = world_size
         self.store = store
+        self._stores = StoreClones(store)  # uncached calls meet through the store in threads of their own
         self.timeout_s = float(timeout_s)
         self.max_cached = max_cached
         self.host = host
@@ -163,29 +165,34 @@ class TorchCollective(Collective):
 
     # ------------------------------------------------------------------ in the call's thread
     def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
+        with self._stores.lease() as store:
+            self._reduce_with(store, members, tensor, op, tag, call)
+
+    def _reduce_with(self, store: dist.Store, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str,
+                     call: int) -> None:
         backend = self.backend or backend_for(tensor.device)
         key = (backend, members)
         base = f"{STORE_PREFIX}/{backend}/{'-'.join(map(str, members))}"
         index = members.index(self.rank)
         cached = self._decided.get(key)
         if cached is None:
-            cached = self._decide(key, base, index, members, tag)
+            cached = self._decide(store, key, base, index, members, tag)
         if cached:
             pg = self._cached.get(key)
             if pg is None:
-                pg = self._form(key[0], f"{base}/cached", index, members, tag)
+                pg = self._form(store, key[0], f"{base}/cached", index, members, tag)
                 with self._lock:
                     self._cached[key] = pg
             self._run(pg, tensor, members, tag)
         else:
             prefix = f"{base}/once/{tag}/{call}"
-            pg = self._form(key[0], prefix, index, members, tag)
+            pg = self._form(store, key[0], prefix, index, members, tag)
             try:
                 self._run(pg, tensor, members, tag)
                 # A member may still be reading our last bytes: close only once all are done.
                 done_keys = [f"{prefix}/done{i}" for i in range(len(members))]
-                self.store.set(done_keys[index], "1")
-                self.store.wait(done_keys, timedelta(seconds=self.timeout_s))
+                store.set(done_keys[index], "1")
+                store.wait(done_keys, timedelta(seconds=self.timeout_s))
             finally:
                 release_group(pg)
             with self._lock:
@@ -193,7 +200,7 @@ class TorchCollective(Collective):
         if op == "mean":
             tensor.div_(len(members))
 
-    def _decide(self, key: tuple[str, tuple[int, ...]], base: str, index: int, members: tuple[int, ...],
+    def _decide(self, store: dist.Store, key: tuple[str, tuple[int, ...]], base: str, index: int, members: tuple[int, ...],
                 tag: str) -> bool:
         """The group's first call: cache it only if every member has room (one vote, once)."""
         with self._lock:
@@ -202,8 +209,8 @@ class TorchCollective(Collective):
                 self._reserved += 1
         vote_keys = [f"{base}/decide/{i}" for i in range(len(members))]
         try:
-            self.store.set(vote_keys[index], "1" if room else "0")
-            votes = self.store.multi_get(vote_keys)  # blocks until every member voted, or the timeout
+            store.set(vote_keys[index], "1" if room else "0")
+            votes = store.multi_get(vote_keys)  # blocks until every member voted, or the timeout
         except Exception as exc:
             with self._lock:
                 self._reserved -= int(room)
@@ -219,9 +226,9 @@ class TorchCollective(Collective):
             self._decided[key] = cached
         return cached
 
-    def _form(self, backend: str, prefix: str, index: int, members: tuple[int, ...], tag: str) -> Any:
+    def _form(self, store: dist.Store, backend: str, prefix: str, index: int, members: tuple[int, ...], tag: str) -> Any:
         try:
-            pg = build_group(dist.PrefixStore(prefix, self.store), backend, index, len(members),
+            pg = build_group(dist.PrefixStore(prefix, store), backend, index, len(members),
                              timeout_s=self.timeout_s, host=self.host)
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: cannot form group {list(members)} for all-reduce "
@@ -239,7 +246,8 @@ class TorchCollective(Collective):
 
     def _has(self, key: str) -> bool:
         try:
-            return bool(self.store.check([key]))
+            with self._stores.lease() as store:  # not the connection whose wait just timed out
+                return bool(store.check([key]))
         except Exception:
             return False
 

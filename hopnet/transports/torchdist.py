@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
 from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import DTYPE_NAMES, DecodeError, Header, Message, TensorSpec, decode_specs
 
@@ -230,6 +231,7 @@ class TorchBulkTransport(Transport):
         self.control = control
         self.stats = control.stats  # one set of counters for both planes
         self.store = store
+        self._stores = StoreClones(store)  # the pair groups form in threads of their own
         self.min_bytes = min_bytes
         self.timeout_s = float(timeout_s)
         self.host = host
@@ -297,8 +299,9 @@ class TorchBulkTransport(Transport):
 
         def build() -> None:
             try:
-                pg: Any = build_pair_group(self.store, backend, self.rank, peer, timeout_s=self.timeout_s,
-                                           host=self.host, device=self.device)
+                with self._stores.lease() as store:
+                    pg: Any = build_pair_group(store, backend, self.rank, peer, timeout_s=self.timeout_s,
+                                               host=self.host, device=self.device)
                 result: tuple[Any, BaseException | None] = (pg, None)
             except BaseException as exc:  # torch raises several types
                 result = (None, exc)
