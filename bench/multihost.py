@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns_hosts import NamespacedHosts, unavailable_reason  # noqa: E402
 
+from hopnet.runtime.events import read_events  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = str(REPO / "examples" / "train_digits.py")
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([0-9.]+)\s", re.M)
@@ -57,8 +59,15 @@ def run(hosts: NamespacedHosts, nnodes: int, port: int, base: Path, name: str, f
     accuracy = {int(r): float(a) for out in outs for r, a in ACCURACY.findall(out)}
     if any(codes):
         print("\n".join(o[-1500:] for o in outs), file=sys.stderr)
+    stops = [_stop_record(log) for n in range(nnodes) for log in (base / f"{name}-node{n}").glob("rank*.jsonl")]
     return {"name": name, "codes": codes, "wall_s": wall, "rates": dict(sorted(rates.items())),
-            "accuracy": min(accuracy.values()) if accuracy else None}
+            "accuracy": min(accuracy.values()) if accuracy else None,
+            "superseded": sum(s.get("dropped", {}).get("superseded", 0) for s in stops),
+            "held": sum(s.get("updates_held", 0) or 0 for s in stops)}
+
+
+def _stop_record(log: Path) -> dict[str, object]:
+    return next((r for r in reversed(read_events(log)) if r.get("event") == "stop"), {})
 
 
 def show(result: dict[str, object]) -> None:
@@ -66,8 +75,9 @@ def show(result: dict[str, object]) -> None:
     assert isinstance(rates, dict)
     per_rank = " ".join(f"{r}:{v:.1f}" for r, v in rates.items())
     mean = statistics.fmean(rates.values()) if rates else float("nan")
-    print(f"{result['name']:<34} exit {result['codes']}  wall {result['wall_s']:6.1f}s  "
-          f"mean it/s {mean:6.1f}  per rank {per_rank}  min accuracy {result['accuracy']}", flush=True)
+    held = f"  held {result['held']} superseded {result['superseded']}" if result["held"] else ""
+    print(f"{result['name']:<40} exit {result['codes']}  wall {result['wall_s']:6.1f}s  "
+          f"mean it/s {mean:6.1f}  per rank {per_rank}  min accuracy {result['accuracy']}{held}", flush=True)
 
 
 def main() -> int:
@@ -76,6 +86,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512, help="hidden units (model size: ~74 x hidden floats)")
     parser.add_argument("--cap", default="10mbit", help="tbf rate of host 1's link in the capped runs")
     parser.add_argument("--capped-only", action="store_true", help="only the runs with the capped link")
+    parser.add_argument("--staleness", type=int, default=8, help="--staleness of the superseding Hop run")
     args = parser.parse_args()
     why = unavailable_reason()
     if why is not None:
@@ -91,6 +102,8 @@ def main() -> int:
             show(run(hosts, 2, 29902, base, "2 hosts x 2, allreduce", ["--protocol", "allreduce", "--nproc", "4"],
                      script))
         hosts.cap(1, args.cap)
+        show(run(hosts, 2, 29907, base, f"capped {args.cap}: hop ring bw=1 s={args.staleness} ig=16",
+                 [*ring, "--backup-workers", "1", "--staleness", str(args.staleness), "--max-ig", "16"], script))
         show(run(hosts, 2, 29906, base, f"capped {args.cap}: hop ring bw=1 ig=16",
                  [*ring, "--backup-workers", "1", "--max-ig", "16"], script))
         show(run(hosts, 2, 29903, base, f"capped {args.cap}: hop ring", ring, script))

@@ -228,6 +228,51 @@ async def test_queues_until_the_peer_is_up(tmp_path):
         await b.close()
 
 
+async def test_send_latest_keeps_only_the_newest_behind_a_busy_link(tmp_path):
+    """While the link is busy, send_latest holds one snapshot per peer (newer ones replace
+    it), control messages go ahead of it, and it leaves once the link frees."""
+    addr_b = f"ipc://{tmp_path}/slow.sock"
+    a = ZmqTransport(0, frozenset({1}))
+    await a.start(Recv())
+    await a.connect({1: addr_b})  # nobody listens yet: what goes into libzmq stays there
+    first = torch.full((1 << 16,), 0.0)  # 256 KiB: staged
+    await a.send_latest(Message("update", 0, 1, 0, tensors=[first]))  # link idle: sent at once
+    assert a.backlogged(1)
+    params = torch.empty(1 << 16)
+    for k in (1, 2, 3):
+        params.fill_(float(k))
+        await a.send_latest(Message("update", 0, 1, k, tensors=[params]))
+    params.fill_(-1.0)  # the held copy is a snapshot
+    await a.send(Message("token", 0, 1, 3, meta={"c": 1}))
+    assert a.stats.dropped["superseded"] == 2
+    b = ZmqTransport(1, frozenset({0}), bind=addr_b)
+    rb = Recv()
+    await b.start(rb)
+    try:
+        got = [await rb.get() for _ in range(3)]
+        assert [(m.kind, m.iter) for m in got] == [("update", 0), ("token", 3), ("update", 3)]
+        assert torch.equal(got[2].tensors[0], torch.full((1 << 16,), 3.0))
+        await asyncio.wait_for(a.drain(), TIMEOUT)
+        await wait_until(lambda: not a.backlogged(1))
+        await a.send_latest(Message("update", 0, 1, 4, tensors=[params]))  # idle link again: straight out
+        assert (await rb.get()).iter == 4
+        assert a.stats.dropped["superseded"] == 2 and rb.queue.empty()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_drain_gives_up_on_a_link_that_never_frees(tmp_path):
+    a = ZmqTransport(0, frozenset({1}), send_timeout=0.3)
+    await a.start(Recv())
+    await a.connect({1: f"ipc://{tmp_path}/never.sock"})
+    await a.send_latest(Message("update", 0, 1, 0, tensors=[torch.ones(1 << 16)]))
+    await a.send_latest(Message("update", 0, 1, 1, tensors=[torch.ones(1 << 16)]))
+    await asyncio.wait_for(a.drain(), TIMEOUT)  # bounded by the send timeout, not a hang
+    assert a.stats.dropped["send_timeout"] >= 1
+    await a.close()
+
+
 async def test_send_to_a_missing_peer_times_out(tmp_path):
     a = ZmqTransport(0, frozenset({1}), send_timeout=0.2)
     await a.start(Recv())

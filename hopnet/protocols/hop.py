@@ -12,6 +12,15 @@ One class covers the settings of Hop's Table 1, combined as the paper combines t
 * notify-ack (Sec. 3.3), the baseline Hop improves on: a worker enters iteration
   ``k`` only once every out-neighbour has acknowledged consuming its update ``k - 1``.
 
+With bounded staleness a receiver only ever uses the newest update of each in-neighbour,
+so an update that has not left this process when a newer one is ready is worthless. On a
+link slower than the worker (``node.backlogged``) the update goes by ``post_latest``: at
+most one waits per out-neighbour, the newest, and the credit it would have carried goes
+ahead as a token. A fast worker then runs at its own pace across a slow link instead of
+the link's (backup workers spare it the wait for the remote update; the gap bound still
+holds through the tokens). Without staleness every update of an iteration may be needed,
+so nothing is replaced.
+
 Tokens travel as credits. When a worker enters iteration ``k`` it grants its
 in-neighbours a token; where the in-neighbour is also an out-neighbour the credit
 rides on the update it sends anyway, so a symmetric graph pays no extra message.
@@ -53,6 +62,7 @@ class HopProtocol(Protocol):
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
         self.updates_not_sent = 0
+        self.updates_held = 0  # sent with post_latest: a newer one may replace it on a slow link
         self.skip_log: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ set-up
@@ -120,7 +130,8 @@ class HopProtocol(Protocol):
                 return
             if msg.iter > self.newest_received[msg.src]:
                 self.newest_received[msg.src] = msg.iter
-            if self._is_late(msg.iter, msg.src):
+            if self._is_late(msg.iter, msg.src) or (self.staleness is not None
+                                                    and msg.iter < self.queue.newest_iter(msg.src)):
                 self.late_updates_dropped += 1
                 self.pool.release(msg.src, msg.tensors if self.spec is not None else None)
                 return
@@ -267,11 +278,18 @@ class HopProtocol(Protocol):
         # without staleness); anything older would be dropped on arrival, so it is not sent.
         newest_useful = k + (self.staleness or 0)
         gone = self.departed_after
+        newest_only = self.staleness is not None
         for peer in self.peers:
             if peer in gone:
                 continue  # it left: nothing sent to it would be read
             meta = {CREDIT: credit} if credit and peer in self._in_peer_set else None
             if peer in self._out_peer_set and known[peer] <= newest_useful:
+                if newest_only and self.node.backlogged(peer):
+                    self.updates_held += 1
+                    self.node.post_latest(Message("update", self.rank, peer, k, tensors=payload))
+                    if meta is not None:
+                        self.node.post(Message("token", self.rank, peer, k, meta=meta))
+                    continue
                 self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))
             else:
                 if peer in self._out_peer_set:
@@ -411,6 +429,7 @@ class HopProtocol(Protocol):
                 "token_high_water": self.tokens.high_water if self.use_tokens else None,
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
+                "updates_held": self.updates_held,
                 "buffers_allocated": self.pool.allocated}
 
     def snapshot(self) -> dict[str, Any]:

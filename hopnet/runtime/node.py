@@ -186,6 +186,8 @@ class Node:
             # the watch still runs while flushing: a neighbour dying now releases its sends
             try:
                 async with asyncio.timeout(flush_timeout_s):
+                    await self.flush()
+                    await self.transport.drain()  # held updates leave before the bye
                     if leave:
                         await self.protocol.stop()
                     await self.flush()
@@ -326,6 +328,22 @@ class Node:
         task = asyncio.get_running_loop().create_task(self.transport.send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
+
+    def post_latest(self, msg: Message) -> None:
+        """Like :meth:`post`, for a message the receiver only uses the newest of: on a link
+        that is :meth:`backlogged`, a later one replaces it (:meth:`Transport.send_latest`)."""
+        if self._send_nowait is not None:
+            self.post(msg)
+            return
+        if self.liveness is not None:
+            self.liveness.sent(msg.dst, self.clock.now())
+        task = asyncio.get_running_loop().create_task(self.transport.send_latest(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+
+    def backlogged(self, peer: int) -> bool:
+        """Whether something with tensors to ``peer`` has not left this process yet."""
+        return self.transport.backlogged(peer)
 
     def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
         """Like :meth:`post`, and return what to await before ``msg.tensors`` may be

@@ -37,6 +37,13 @@ Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensor
 Messages to one peer leave in the order of the ``send`` calls, also when ``send`` is
 called from several tasks at once.
 
+Links slower than the sender (:meth:`ZmqTransport.send_latest`): while anything with
+tensors to a peer is still in libzmq, a ``send_latest`` message is not queued behind it
+but copied aside, one per peer, a newer one replacing it, and handed to libzmq when the
+earlier messages have left. A sender that outruns its link then keeps one update waiting
+instead of a growing backlog, and what it sends is its newest. Later ``send`` calls (a
+token, a beat) do not wait behind the held message.
+
 Receiving: the event loop watches the ROUTER's file descriptor and a reader callback
 drains it, validates each message, asks the receiver for buffers and copies the frames
 into them (or into new tensors), then calls ``deliver``. No exception escapes it.
@@ -273,7 +280,8 @@ class _BufferPool:
 
 
 class _Peer:
-    __slots__ = ("address", "busy", "rank", "raw", "sock", "stage_waiters", "staged")
+    __slots__ = ("address", "busy", "held", "rank", "raw", "sending_held", "sock", "stage_waiters", "staged",
+                 "zero_copy")
 
     def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket) -> None:
         self.rank = rank
@@ -284,7 +292,14 @@ class _Peer:
         self.raw.copy_threshold = COPY_THRESHOLD
         self.busy = 0  # sends waiting in zmq.asyncio's queue (keeps per-peer order)
         self.staged = 0  # staged messages libzmq still holds
+        self.zero_copy = 0  # zero-copy messages libzmq still holds
+        self.held: Message | None = None  # the newest send_latest message, waiting for a free link
+        self.sending_held = False  # it is on its way into libzmq: newer ones wait behind it
         self.stage_waiters: list[asyncio.Future] = []
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.busy or self.staged or self.zero_copy or self.held is not None or self.sending_held)
 
 
 class ZmqTransport(Transport):
@@ -313,6 +328,7 @@ class ZmqTransport(Transport):
         self._departed: set[int] = set()
         self._ids = {s: routing_id(s) for s in self.allowed_senders}
         self._inflight: set[_SendDone] = set()
+        self._held_sends: set[asyncio.Task[None]] = set()
         self._stage_pool = _BufferPool(STAGE_POOL_BYTES)
         self._closed = False
         self._curve = curve
@@ -406,8 +422,11 @@ class ZmqTransport(Transport):
             self._handshakes.close()
             self._handshakes = self._handshakes_fd = None
         for peer in self._peers.values():
+            self._drop_held(peer, "closed")
             peer.sock.close(LINGER_MS)
         self._peers.clear()
+        for task in list(self._held_sends):
+            task.cancel()
         if self._router is not None:
             self._router.close(0)
             self._router = None
@@ -424,9 +443,75 @@ class ZmqTransport(Transport):
         peer = self._peers.pop(rank, None)
         self._departed.add(rank)
         if peer is not None:
+            self._drop_held(peer, "peer_left")
             # Closing without linger discards what is queued for the departed peer, which
             # releases the tensor memory that zero-copy sends to it are waiting on.
             peer.sock.close(0)
+
+    def backlogged(self, rank: int) -> bool:
+        peer = self._peers.get(rank)
+        return peer is not None and peer.backlogged
+
+    async def send_latest(self, msg: Message) -> None:
+        """See :meth:`Transport.send_latest`. The held copy is a snapshot of the tensors taken
+        now; a message that replaces a held one is copied into the held one's tensors."""
+        peer = self._peers.get(msg.dst)
+        if peer is None or not msg.tensors or not peer.backlogged:
+            await self.send(msg)
+            return
+        held = peer.held
+        if held is not None and _same_layout(held.tensors, msg.tensors):
+            for mine, theirs in zip(held.tensors, msg.tensors):
+                mine.copy_(theirs)
+            snapshot = held.tensors
+        else:
+            snapshot = [t.detach().clone() for t in msg.tensors]
+        if held is not None:
+            self.stats.drop("superseded")
+        peer.held = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, msg.meta, snapshot)
+        self._send_held_if_free(peer)  # the link may have freed while we copied
+
+    async def drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.send_timeout
+        while not self._closed and (self._held_sends or any(p.held is not None for p in self._peers.values())):
+            if self._held_sends:
+                await asyncio.wait(list(self._held_sends), timeout=max(0.0, deadline - loop.time()))
+            else:
+                await asyncio.sleep(0.005)  # a held message leaves when its link frees (_send_held_if_free)
+            if loop.time() >= deadline:
+                for peer in self._peers.values():
+                    self._drop_held(peer, "send_timeout")
+                return
+
+    def _send_held_if_free(self, peer: _Peer) -> None:
+        """Send the peer's held message once nothing else to it is still in libzmq."""
+        held = peer.held
+        if held is None or peer.busy or peer.staged or peer.zero_copy or peer.sending_held or self._closed:
+            return
+        if self._peers.get(peer.rank) is not peer:
+            self._drop_held(peer, self._lost_reason(peer.rank))
+            return
+        peer.held = None
+        peer.sending_held = True
+        task = (self._loop or asyncio.get_running_loop()).create_task(self._send_held(peer, held))
+        self._held_sends.add(task)
+        task.add_done_callback(self._held_sends.discard)
+
+    async def _send_held(self, peer: _Peer, msg: Message) -> None:
+        try:
+            await self.send(msg)
+        except HopnetError as exc:  # closed or forgotten meanwhile: lost, as any queued message
+            self.stats.drop(self._lost_reason(msg.dst))
+            log.debug("rank %d: held message to rank %d not sent: %s", self.rank, msg.dst, exc)
+        finally:
+            peer.sending_held = False
+            self._send_held_if_free(peer)
+
+    def _drop_held(self, peer: _Peer, reason: str) -> None:
+        if peer.held is not None:
+            peer.held = None
+            self.stats.drop(reason)
 
     async def send(self, msg: Message) -> None:
         peer = self._peers.get(msg.dst)
@@ -530,6 +615,7 @@ class ZmqTransport(Transport):
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
+        self._send_held_if_free(peer)
 
     async def _wait_staged(self, peer: _Peer) -> None:
         """Wait until at most STAGE_INFLIGHT staged messages to ``peer`` are in libzmq."""
@@ -566,6 +652,7 @@ class ZmqTransport(Transport):
                 parts.append(chunk)
             del flat, chunk
         self._inflight.add(done)
+        peer.zero_copy += 1
         try:
             sent = False
             if not peer.busy:
@@ -589,6 +676,8 @@ class ZmqTransport(Transport):
                 self.stats.sent_bytes += total
         finally:
             self._inflight.discard(done)
+            peer.zero_copy -= 1
+            self._send_held_if_free(peer)
 
     async def _await_release(self, peer: _Peer, done: _SendDone) -> bool:
         """Wait until libzmq is done with the frames. False if that took too long."""
@@ -630,6 +719,7 @@ class ZmqTransport(Transport):
             fut.result()
         finally:
             peer.busy -= 1
+            self._send_held_if_free(peer)
         if count:
             self.stats.sent_messages += 1
             self.stats.sent_bytes += total
@@ -644,6 +734,7 @@ class ZmqTransport(Transport):
         """Replace a peer's DEALER, discarding what is queued on it (frees its buffers)."""
         if self._peers.get(peer.rank) is not peer or self._closed:
             return
+        self._drop_held(peer, "send_timeout")
         peer.sock.close(0)
         self._peers[peer.rank] = self._open_peer(peer.rank, peer.address)
 
@@ -787,6 +878,11 @@ class ZmqTransport(Transport):
         stats.received_bytes += sum(sizes)
         receiver.deliver(Message(header.kind, header.src, header.dst, header.iter,
                                  header.tag, header.meta, tensors))
+
+
+def _same_layout(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> bool:
+    return len(mine) == len(theirs) and all(
+        a.dtype == b.dtype and a.shape == b.shape for a, b in zip(mine, theirs))
 
 
 def _first_frames(sizes: list[int]) -> list[int]:
