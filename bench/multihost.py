@@ -8,7 +8,9 @@ Runs, each a fresh launch of ``examples/train_digits.py`` with 4 workers:
 2. ``2 hosts``: two launchers, 2 workers each, on two namespaces joined by a bridge;
 3. the same two hosts with host 1's link capped both ways with ``tc ... tbf`` (``--cap``),
    for Hop, Hop with backup workers (complete graph, each worker needs one update of
-   three, its own host's neighbour can give it) and the all-reduce baseline.
+   three, its own host's neighbour can give it; ring with one backup worker, with and
+   without bounded staleness, which lets a newer update replace one still waiting for
+   the link) and the all-reduce baseline.
 
 Reports, per run: the launch wall time (both launchers started to both finished), the
 iterations per second of each rank (the launcher's per-rank table, from the event logs),
@@ -63,7 +65,7 @@ def run(hosts: NamespacedHosts, nnodes: int, port: int, base: Path, name: str, f
     return {"name": name, "codes": codes, "wall_s": wall, "rates": dict(sorted(rates.items())),
             "accuracy": min(accuracy.values()) if accuracy else None,
             "superseded": sum(s.get("dropped", {}).get("superseded", 0) for s in stops),
-            "held": sum(s.get("updates_held", 0) or 0 for s in stops)}
+            "late": sum(s.get("late_updates_dropped", 0) or 0 for s in stops)}
 
 
 def _stop_record(log: Path) -> dict[str, object]:
@@ -75,7 +77,7 @@ def show(result: dict[str, object]) -> None:
     assert isinstance(rates, dict)
     per_rank = " ".join(f"{r}:{v:.1f}" for r, v in rates.items())
     mean = statistics.fmean(rates.values()) if rates else float("nan")
-    held = f"  held {result['held']} superseded {result['superseded']}" if result["held"] else ""
+    held = f"  superseded {result['superseded']} late {result['late']}" if result["superseded"] else ""
     print(f"{result['name']:<40} exit {result['codes']}  wall {result['wall_s']:6.1f}s  "
           f"mean it/s {mean:6.1f}  per rank {per_rank}  min accuracy {result['accuracy']}{held}", flush=True)
 
@@ -101,6 +103,8 @@ def main() -> int:
             show(run(hosts, 2, 29901, base, "2 hosts x 2, hop ring", ring, script))
             show(run(hosts, 2, 29902, base, "2 hosts x 2, allreduce", ["--protocol", "allreduce", "--nproc", "4"],
                      script))
+            show(run(hosts, 2, 29908, base, f"2 hosts x 2, hop ring bw=1 s={args.staleness} ig=16",
+                     [*ring, "--backup-workers", "1", "--staleness", str(args.staleness), "--max-ig", "16"], script))
         hosts.cap(1, args.cap)
         show(run(hosts, 2, 29907, base, f"capped {args.cap}: hop ring bw=1 s={args.staleness} ig=16",
                  [*ring, "--backup-workers", "1", "--staleness", str(args.staleness), "--max-ig", "16"], script))

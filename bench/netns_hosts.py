@@ -75,6 +75,13 @@ class NamespacedHosts:
                             "tbf", "rate", rate, "burst", burst, "latency", latency],
                            check=True, capture_output=True, text=True, timeout=30)
 
+    def uncap(self, host: int) -> None:
+        """Remove :meth:`cap`'s limit from host ``host``'s link."""
+        for args in ((self.outer[host],), ("-n", self.namespaces[host], self.inner[host])):
+            *prefix, dev = args
+            subprocess.run(["tc", *(["-n", prefix[1]] if prefix else []), "qdisc", "del", "dev", dev, "root"],
+                           check=False, capture_output=True, text=True, timeout=30)
+
     def close(self) -> None:
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)  # takes the host's end of the veth, and the pair, with it

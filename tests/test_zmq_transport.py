@@ -20,7 +20,7 @@ from hopnet.transports.zmq import (
     ZmqTransport,
     routing_id,
 )
-from hopnet.wire import Header, Message
+from hopnet.wire import Header, Message, decode_header
 
 TIMEOUT = 5.0
 
@@ -260,6 +260,45 @@ async def test_send_latest_keeps_only_the_newest_behind_a_busy_link(tmp_path):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_express_messages_overtake_a_backlog_of_tensors():
+    """A token sent with send_express reaches the peer ahead of updates still queued to it,
+    and the peer accepts it from the sender's second connection."""
+    ctx = zmq.asyncio.Context()
+    slow = ctx.socket(zmq.ROUTER)  # a peer that reads nothing until told: the updates back up
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.LINGER, 0)
+    port = slow.bind_to_random_port("tcp://127.0.0.1")
+    a = ZmqTransport(0, frozenset({1}))
+    await a.start(Recv())
+    await a.connect({1: f"tcp://127.0.0.1:{port}"})
+    try:
+        sends = [asyncio.create_task(a.send(Message("update", 0, 1, k, tensors=[torch.ones(1 << 20)])))
+                 for k in range(12)]  # 4 MiB each, zero-copy: far more than the socket buffers hold
+        await wait_until(lambda: a.backlogged(1))
+        await asyncio.sleep(0.2)
+        await a.send_express(Message("token", 0, 1, 99, meta={"c": 1}))
+        order = []
+        while len(order) < 13:
+            frames = await asyncio.wait_for(slow.recv_multipart(copy=False), TIMEOUT)
+            header = decode_header(frames[1].buffer)
+            order.append((header.kind, frames[0].bytes))
+        assert order.index(("token", b"x0")) < 4, order  # not behind the 12 updates
+        assert [k for k, _ in order].count("update") == 12
+        await asyncio.wait_for(asyncio.gather(*sends), TIMEOUT)
+    finally:
+        await a.close()
+        slow.close(0)
+        ctx.term()
+
+
+async def test_a_peer_accepts_express_messages_as_its_own(pair):
+    a, b, _ra, rb = pair
+    await a.send_express(Message("token", 0, 1, 5, meta={"c": 2}))
+    got = await rb.get()
+    assert (got.kind, got.src, got.iter, got.meta) == ("token", 0, 5, {"c": 2})
+    assert b.stats.dropped_total == 0
 
 
 async def test_drain_gives_up_on_a_link_that_never_frees(tmp_path):

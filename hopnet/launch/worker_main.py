@@ -26,6 +26,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from types import FrameType, TracebackType
 
@@ -107,12 +108,31 @@ def _record_without_worker(exc: BaseException | None, code: int) -> None:
         shutdown.write_error_record(run_dir, int(rank), exc, code)
 
 
+SIGNAL_GRACE_S = 0.5
+
+
+def _wait_for_a_stop_signal(exc: BaseException | None) -> BaseException | None:
+    """A neighbour that left mid-run was most often stopped by the launcher's SIGTERM,
+    which reaches every worker at about the same time: its goodbye can beat the signal
+    here. Give the signal a moment, so a stopped run ends as stopped (143), not as this
+    worker failing (1)."""
+    from hopnet.errors import PeerFailure
+
+    if not isinstance(exc, PeerFailure) or exc.peer_state != "departed":
+        return exc
+    try:
+        time.sleep(SIGNAL_GRACE_S)
+    except shutdown.Terminated as stopped:
+        return stopped
+    return exc
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     parent_watch.start()
     exc: BaseException | None = None
     try:
-        exc = run(list(sys.argv[1:] if argv is None else argv))
+        exc = _wait_for_a_stop_signal(run(list(sys.argv[1:] if argv is None else argv)))
         if exc is not None:
             _report(exc)
         had_workers = bool(shutdown.open_workers())

@@ -12,14 +12,14 @@ One class covers the settings of Hop's Table 1, combined as the paper combines t
 * notify-ack (Sec. 3.3), the baseline Hop improves on: a worker enters iteration
   ``k`` only once every out-neighbour has acknowledged consuming its update ``k - 1``.
 
-With bounded staleness a receiver only ever uses the newest update of each in-neighbour,
-so an update that has not left this process when a newer one is ready is worthless. On a
-link slower than the worker (``node.backlogged``) the update goes by ``post_latest``: at
-most one waits per out-neighbour, the newest, and the credit it would have carried goes
-ahead as a token. A fast worker then runs at its own pace across a slow link instead of
-the link's (backup workers spare it the wait for the remote update; the gap bound still
-holds through the tokens). Without staleness every update of an iteration may be needed,
-so nothing is replaced.
+Slow links. With bounded staleness a receiver only ever uses the newest update of each
+in-neighbour, so an update that has not left this process when a newer one is ready is
+worthless: updates go by ``post_latest`` (on a link slower than the worker, at most one
+waits per out-neighbour, the newest), and credits go as tokens on the transport's express
+lane, behind no update bytes. A fast worker then runs at its own pace across a slow link
+instead of the link's: backup workers spare it the wait for the remote update, and the
+tokens keep the gap bound. Without staleness every update of an iteration may be needed,
+so nothing is replaced and credits ride on the updates.
 
 Tokens travel as credits. When a worker enters iteration ``k`` it grants its
 in-neighbours a token; where the in-neighbour is also an out-neighbour the credit
@@ -62,7 +62,6 @@ class HopProtocol(Protocol):
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
         self.updates_not_sent = 0
-        self.updates_held = 0  # sent with post_latest: a newer one may replace it on a slow link
         self.skip_log: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ set-up
@@ -284,11 +283,10 @@ class HopProtocol(Protocol):
                 continue  # it left: nothing sent to it would be read
             meta = {CREDIT: credit} if credit and peer in self._in_peer_set else None
             if peer in self._out_peer_set and known[peer] <= newest_useful:
-                if newest_only and self.node.backlogged(peer):
-                    self.updates_held += 1
+                if newest_only:
                     self.node.post_latest(Message("update", self.rank, peer, k, tensors=payload))
                     if meta is not None:
-                        self.node.post(Message("token", self.rank, peer, k, meta=meta))
+                        self.node.post_express(Message("token", self.rank, peer, k, meta=meta))
                     continue
                 self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))
             else:
@@ -429,7 +427,6 @@ class HopProtocol(Protocol):
                 "token_high_water": self.tokens.high_water if self.use_tokens else None,
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
-                "updates_held": self.updates_held,
                 "buffers_allocated": self.pool.allocated}
 
     def snapshot(self) -> dict[str, Any]:

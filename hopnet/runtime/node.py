@@ -235,7 +235,8 @@ class Node:
         if self._send_nowait is not None:
             self._send_nowait(msg)
             return
-        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        # Express: on a saturated link a beat queued behind updates would arrive too late.
+        task = asyncio.get_running_loop().create_task(self.transport.send_express(msg))
         task.add_done_callback(_ignore_result)
 
     async def _stop_watch(self) -> None:
@@ -330,8 +331,8 @@ class Node:
         task.add_done_callback(self._sent)
 
     def post_latest(self, msg: Message) -> None:
-        """Like :meth:`post`, for a message the receiver only uses the newest of: on a link
-        that is :meth:`backlogged`, a later one replaces it (:meth:`Transport.send_latest`)."""
+        """Like :meth:`post`, for a message the receiver only uses the newest of: while the
+        link is busy, a later one replaces it (:meth:`Transport.send_latest`)."""
         if self._send_nowait is not None:
             self.post(msg)
             return
@@ -341,9 +342,17 @@ class Node:
         self._pending.add(task)
         task.add_done_callback(self._sent)
 
-    def backlogged(self, peer: int) -> bool:
-        """Whether something with tensors to ``peer`` has not left this process yet."""
-        return self.transport.backlogged(peer)
+    def post_express(self, msg: Message) -> None:
+        """Like :meth:`post`, for a control message that must not wait behind tensors sent to
+        the same peer (it may overtake them): :meth:`Transport.send_express`."""
+        if self._send_nowait is not None:
+            self.post(msg)
+            return
+        if self.liveness is not None:
+            self.liveness.sent(msg.dst, self.clock.now())
+        task = asyncio.get_running_loop().create_task(self.transport.send_express(msg))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
 
     def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
         """Like :meth:`post`, and return what to await before ``msg.tensors`` may be

@@ -92,20 +92,20 @@ class Transport(abc.ABC):
     async def send(self, msg: Message) -> None:
         """Send ``msg``. Returns once the caller may modify ``msg.tensors`` again."""
 
-    def backlogged(self, rank: int) -> bool:
-        """Whether a message with tensors to ``rank`` has not left this process yet (the link
-        to it is slower than this worker sends). Transports that cannot tell say False."""
-        return False
-
     async def send_latest(self, msg: Message) -> None:
         """Send ``msg``, or let a later ``send_latest`` to the same peer replace it.
 
         For messages a receiver only ever uses the newest of (Hop's bounded staleness): while
-        the link to ``msg.dst`` is :meth:`backlogged`, the transport keeps a copy of the
+        earlier tensors to ``msg.dst`` have not left this process, the transport keeps a copy of the
         newest such message and sends it once the link is free; one it replaces is dropped
         (``superseded`` in ``stats.dropped``). A held message may be overtaken by later
         :meth:`send` calls; :meth:`drain` waits until none is held. Returns once the caller
         may modify ``msg.tensors`` again. By default, the same as :meth:`send`."""
+        await self.send(msg)
+
+    async def send_express(self, msg: Message) -> None:
+        """Send a control message (no tensors) that must not wait behind tensors to the same
+        peer: it may overtake messages sent before it. By default, the same as :meth:`send`."""
         await self.send(msg)
 
     async def drain(self) -> None:
