@@ -321,36 +321,25 @@ class Node:
     # ------------------------------------------------------------------ what protocols call
     def post(self, msg: Message) -> None:
         """Send without waiting; :meth:`flush` waits until every posted send is done."""
-        if self.liveness is not None:
-            self.liveness.sent(msg.dst, self.clock.now())
-        if self._send_nowait is not None:
-            self._send_nowait(msg)
-            return
-        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
-        self._pending.add(task)
-        task.add_done_callback(self._sent)
+        self._post(msg, self.transport.send)
 
     def post_latest(self, msg: Message) -> None:
         """Like :meth:`post`, for a message the receiver only uses the newest of: while the
         link is busy, a later one replaces it (:meth:`Transport.send_latest`)."""
-        if self._send_nowait is not None:
-            self.post(msg)
-            return
-        if self.liveness is not None:
-            self.liveness.sent(msg.dst, self.clock.now())
-        task = asyncio.get_running_loop().create_task(self.transport.send_latest(msg))
-        self._pending.add(task)
-        task.add_done_callback(self._sent)
+        self._post(msg, self.transport.send_latest)
 
     def post_express(self, msg: Message) -> None:
         """Like :meth:`post`, for a control message that must not wait behind tensors sent to
         the same peer (it may overtake them): :meth:`Transport.send_express`."""
-        if self._send_nowait is not None:
-            self.post(msg)
-            return
+        self._post(msg, self.transport.send_express)
+
+    def _post(self, msg: Message, send: Callable[[Message], Awaitable[None]]) -> None:
         if self.liveness is not None:
             self.liveness.sent(msg.dst, self.clock.now())
-        task = asyncio.get_running_loop().create_task(self.transport.send_express(msg))
+        if self._send_nowait is not None:  # the simulator's transport: one way, in virtual time
+            self._send_nowait(msg)
+            return
+        task = asyncio.get_running_loop().create_task(send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
 
