@@ -22,8 +22,10 @@ def _tensors(run_dir: Path, prefix: str, n: int) -> list[torch.Tensor]:
     return [torch.load(run_dir / f"{prefix}_rank{r}.pt") for r in range(n)]
 
 
-@BULK
-@pytest.mark.parametrize("graph,n", [("ring:4", 4), ("ring_based:6", 6), ("torus:2x3", 6)])
+# Both planes on the ring and ring_based (whose 6 ranks once caught the pair groups deadlocking
+# in the store); the torus, whose links are the same kind, over ZeroMQ only (suite time).
+@pytest.mark.parametrize("graph,n,bulk", [("ring:4", 4, "zmq"), ("ring:4", 4, "torch"), ("ring_based:6", 6, "zmq"),
+                                          ("ring_based:6", 6, "torch"), ("torus:2x3", 6, "zmq")])
 def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int, bulk: str) -> None:
     """W is doubly stochastic on these graphs, so gossip alone reaches the initial average."""
     run_dir = tmp_path / "run"

@@ -319,7 +319,7 @@ def test_more_failures_than_allowed_fail_the_run(tmp_path: Path) -> None:
     assert summary_line(proc.stderr).startswith("hopnet launch: worker 1 failed in iteration 5")
 
 
-@pytest.mark.parametrize("victim", [0, 1, 6, 7])  # ends and middles of the ring; each run ~16 s
+@pytest.mark.parametrize("victim", [0, 6])  # an end and a middle of the ring; each run ~16 s
 def test_sigkill_one_of_8_workers_and_the_others_finish(tmp_path: Path, victim: int) -> None:
     """Needs the workers to notice a dead neighbour by themselves (heartbeats, the `peers` branch)."""
     proc, run_dir = _start(tmp_path, "--graph", "ring_based:8", "--backup-workers", "1", "--max-failures", "1",
