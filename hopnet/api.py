@@ -342,7 +342,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     """
     from hopnet.launch.env import WorkerEnv
     from hopnet.launch.external import detect
-    from hopnet.launch.options import check_explicit
+    from hopnet.launch.options import check_coordinator_options, check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
     from hopnet.security import keys_from_environ
     from hopnet.transports.plane import collective_factory, make_transport
@@ -378,6 +378,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         cfg.validate()
     where = "hopnet.init()" if config is None else "the config passed to hopnet.init()"
     check_explicit(flags, cfg, explicit, where)
+    if env is not None:  # under torchrun/srun rank 0 builds the coordinator from cfg itself
+        check_coordinator_options(flags, cfg, where)
     announced = json.loads(cfg.to_json())
     if model is not None and params is not None:
         raise ConfigError("pass either model or params, not both")

@@ -12,7 +12,7 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.launch.blame import RankEnd, explain, parse_log_tail, read_log_facts
-from hopnet.launch.options import check_explicit, describe, differences
+from hopnet.launch.options import check_coordinator_options, check_explicit, describe, differences
 from hopnet.runtime import shutdown
 
 
@@ -150,3 +150,16 @@ def test_exit_codes_and_error_fields() -> None:
     assert shutdown.iteration_of(PeerFailure("gone", peer=1, peer_state="departed", iteration=4)) == 4
     assert shutdown.error_fields(SystemExit(3), 3)["message"] == "sys.exit(3)"
     assert shutdown.error_fields(ValueError("two\nlines"), 1)["message"] == "two lines"
+
+
+def test_code_may_not_change_what_the_launchers_coordinator_was_built_from() -> None:
+    launched = ProtocolConfig(protocol="prague", group_generator="random")
+    with pytest.raises(ConfigError, match=r"group_size=4 in hopnet.init\(\): the run's coordinator was started "
+                                          r"by `hopnet launch` .* pass --group-size 4 to `hopnet launch` instead"):
+        check_coordinator_options(launched, launched.replace(group_size=4))
+    with pytest.raises(ConfigError, match="pass --protocol partial-reduce"):  # hop's launcher started none
+        check_coordinator_options(ProtocolConfig(), ProtocolConfig(protocol="partial-reduce"))
+    check_coordinator_options(launched, launched.replace(timeout_s=30.0))  # the workers' own option: fine
+    check_coordinator_options(ProtocolConfig(), ProtocolConfig(seed=5, backup_workers=1))  # no coordinator at all
+    static = ProtocolConfig(protocol="prague", group_generator="static")
+    check_coordinator_options(static, static.replace(group_size=2))  # the static schedule runs without one

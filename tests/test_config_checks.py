@@ -216,3 +216,29 @@ def test_init_refuses_options_from_code_with_the_same_line(tmp_path):
     refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
     assert refused and all(line.endswith("REFUSED " + expected) for line in refused), proc.stdout
     assert "ACCEPTED" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_init_refuses_coordinator_options_from_code(tmp_path):
+    """`hopnet launch` built the coordinator from its flags before the script ran: a group size
+    set in code would leave it forming groups of another size."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, hopnet\n"
+        "from hopnet.errors import ConfigError\n"
+        "try:\n"
+        "    hopnet.init(params=torch.zeros(4), group_size=2)\n"
+        "except ConfigError as exc:\n"
+        "    print('REFUSED', exc, flush=True)\n"
+        "    raise SystemExit(7)\n"
+        "print('ACCEPTED', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "3", "--timeout", "30",
+                           "--protocol", "prague", "--group-generator", "random",
+                           "--run-dir", str(tmp_path / "run"), str(script)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
+    assert refused and all(line.endswith(
+        "REFUSED group_size=2 in hopnet.init(): the run's coordinator was started by `hopnet launch` from its "
+        "flags before this worker ran; pass --group-size 2 to `hopnet launch` instead") for line in refused), proc.stdout
+    assert "ACCEPTED" not in proc.stdout

@@ -20,6 +20,18 @@ if TYPE_CHECKING:
     from hopnet.graph import Graph
 
 
+CONFIG_FIELDS = ("protocol", "group_generator", "group_size", "group_buffer", "global_division", "inter_intra",
+                 "slow_filter", "weights", "ema_decay", "missing_policy", "frozen_window", "seed", "peer_timeout_s")
+"""The options a coordinator is built from (:func:`make_coordinator`, and the liveness of the host)."""
+
+
+def needs_coordinator(config: ProtocolConfig) -> bool:
+    """Whether ``config``'s protocol runs with a coordinator (see :func:`make_coordinator`)."""
+    if config.protocol == "prague":
+        return config.group_generator != "static"
+    return config.protocol == "partial-reduce"
+
+
 def make_coordinator(config: ProtocolConfig, graph: Graph) -> Coordinator | None:
     """The state machine ``config`` needs for a run on ``graph``, or ``None`` when it needs none
     (every protocol but prague and partial-reduce, and prague's static schedule)."""
@@ -42,4 +54,4 @@ def make_coordinator(config: ProtocolConfig, graph: Graph) -> Coordinator | None
     return None
 
 
-__all__ = ["BadCoordinatorMessage", "Coordinator", "Send", "make_coordinator"]
+__all__ = ["CONFIG_FIELDS", "BadCoordinatorMessage", "Coordinator", "Send", "make_coordinator", "needs_coordinator"]

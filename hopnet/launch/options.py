@@ -93,6 +93,25 @@ def check_explicit(flags: ProtocolConfig, effective: ProtocolConfig, explicit: C
     raise ConfigError("; ".join(parts) + " (drop one of them)")
 
 
+def check_coordinator_options(launched: ProtocolConfig, effective: ProtocolConfig,
+                              where: str = "hopnet.init()") -> None:
+    """Raise :class:`ConfigError` when code changed an option the run's coordinator is built
+    from: `hopnet launch` starts the coordinator from its own flags before any worker runs,
+    so such options must be flags (with defaults taken for them, a change in code would
+    leave the coordinator and the workers disagreeing)."""
+    from hopnet.coordinator import CONFIG_FIELDS, needs_coordinator
+
+    if not (needs_coordinator(launched) or needs_coordinator(effective)):
+        return
+    changed = [name for name in differences(launched, effective) if name in CONFIG_FIELDS]
+    if not changed:
+        return
+    given = ", ".join(f"{name}={getattr(effective, name)!r}" for name in changed)
+    flags = " ".join(flag_text(name, getattr(effective, name)) for name in changed)
+    raise ConfigError(f"{given} in {where}: the run's coordinator was started by `hopnet launch` from its "
+                      f"flags before this worker ran; pass {flags} to `hopnet launch` instead")
+
+
 def describe(config: ProtocolConfig) -> str:
     """The options that differ from the defaults, as flags: ``hop --max-ig 4 --backup-workers 1``."""
     default = ProtocolConfig()
