@@ -375,8 +375,9 @@ class HandshakeWatch:
 
     A client without CURVE, with the wrong server key or with a key the ZAP handler
     refuses never gets a message through; this is where those attempts become visible.
-    libzmq retries a failed connection every 100 ms or so, so one rogue client counts
-    once per attempt. :attr:`fd` is edge-triggered like any ZeroMQ socket's: call
+    The count is a lower bound: a client refused for a protocol mismatch (no CURVE, a wrong
+    server key) does not retry, and when it hangs up before this side has read its greeting,
+    libzmq reports a plain disconnect here, not a failed handshake. :attr:`fd` is edge-triggered like any ZeroMQ socket's: call
     :meth:`poll` when it fires (it drains everything pending).
     """
 

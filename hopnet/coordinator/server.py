@@ -152,11 +152,6 @@ class CoordinatorServer:
         if event in ("worker_dead", "stop", "start"):
             self.events.flush()
 
-    @property
-    def refused_handshakes(self) -> int:
-        """Connections refused at the CURVE handshake so far, as the serving thread counted them."""
-        return self._handshakes.refused if self._handshakes is not None else 0
-
     def summary(self) -> dict[str, Any]:
         summary = self.host.summary()
         summary["backlogged"] = sum(len(q) for q in self._backlog.values())

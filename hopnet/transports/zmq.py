@@ -22,7 +22,7 @@ Security: given the run's CURVE keys (``curve=``, see :mod:`hopnet.security`), t
 is a CURVE server that admits only holders of the run key and every DEALER a CURVE
 client: traffic is encrypted, and a process without the key gets no message in. Its
 refused connection attempts are counted in ``stats.dropped`` as ``unauthenticated``
-(one per attempt; libzmq retries every 100 ms or so). Without keys the sockets are
+(a lower bound: see :class:`~hopnet.security.HandshakeWatch`). Without keys the sockets are
 plain: fine on loopback, and what ``hopnet launch --insecure`` asks for elsewhere.
 
 Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensors):
