@@ -3,7 +3,7 @@
 :class:`GapTracker` keeps the largest ``Iter(i) - Iter(j)`` seen while workers enter
 iterations; the simulator feeds it live, :func:`max_gap_from_run` replays the ``enter``
 events of a real run's logs (monotonic timestamps are shared by the processes of one
-machine). :func:`gap_bound` is Hop's Table 1 for a graph and a configuration.
+machine). :func:`gap_bound` is the protocol's proven bound (Hop's Table 1) for a graph and a configuration.
 """
 
 from __future__ import annotations
@@ -104,19 +104,9 @@ def max_gap_from_run(events: dict[int, list[dict[str, Any]]], n: int) -> np.ndar
     return tracker.max_gap
 
 
-def gap_bound(graph: Graph, config: ProtocolConfig) -> np.ndarray:
-    """Hop's Table 1: the upper bound on Iter(i) - Iter(j) as an N x N matrix (inf = unbounded)."""
-    d = graph.shortest_path_lengths().astype(float)
-    forward = d.T  # forward[i][j] = length(Path j -> i)
-    backward = d   # backward[i][j] = length(Path i -> j)
-    if config.protocol == "notify-ack":
-        return np.minimum(forward, 2 * backward)
-    if config.has_backup_workers:
-        base = np.full_like(forward, np.inf)
-    elif config.staleness is not None:
-        base = (config.staleness + 1) * forward
-    else:
-        base = forward
-    if config.token_queues:
-        return np.minimum(base, config.max_ig * backward)
-    return base
+def gap_bound(graph: Graph, config: ProtocolConfig) -> np.ndarray | None:
+    """The bound the protocol proves on Iter(i) - Iter(j), as an N x N matrix (inf = unbounded); for
+    Hop its Table 1. ``None`` for a protocol that proves none."""
+    bound = config.spec.gap_bound
+    return bound(config.options, graph) if bound is not None else None
+

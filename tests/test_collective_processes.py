@@ -63,7 +63,8 @@ def test_hop_options_with_allreduce_are_refused_in_one_line(launch, tmp_path: Pa
     result = launch(["--protocol", "allreduce", "--backup-workers", "1", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "hopnet launch: error: --backup-workers: Hop option(s) that --protocol allreduce does not take"]
+        "hopnet launch: error: --backup-workers: option(s) that --protocol allreduce does not take "
+        "(taken by hop)"]
 
 
 @pytest.mark.slow

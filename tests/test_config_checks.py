@@ -17,7 +17,8 @@ import pytest
 
 from hopnet import Graph, ProtocolConfig
 from hopnet.cli.main import main as cli
-from hopnet.config_checks import check_config_for_graph, largest_lead
+from hopnet.config_checks import check_config_for_graph
+from hopnet.protocols.hop import largest_lead
 from hopnet.errors import ConfigError
 from hopnet.launch.env import ENV_VARS
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
@@ -51,7 +52,7 @@ SKIP_CASES = [
 
 @pytest.mark.parametrize("graph,options,lead", [c[1:] for c in SKIP_CASES], ids=[c[0] for c in SKIP_CASES])
 def test_a_refused_skip_threshold_never_skips_and_the_one_below_does(graph, options, lead):
-    assert largest_lead(ProtocolConfig(**options), graph) == lead
+    assert largest_lead(ProtocolConfig(**options).options, graph) == lead
     refused = ProtocolConfig(**options, skip_threshold=lead, max_jump=2)
     assert f"--skip-threshold {lead} is never passed" in message(refused, graph)
     # run anyway, bypassing the check: nothing skips
@@ -137,8 +138,9 @@ def test_options_naming_ranks_that_do_not_exist():
 
 
 def test_notify_ack_takes_no_hop_options():
-    with pytest.raises(ConfigError, match="notify-ack is a baseline"):
-        ProtocolConfig(protocol="notify-ack", staleness=1)
+    for option in (dict(staleness=1), dict(backup_workers=1), dict(max_ig=4), dict(token_queues=False)):
+        with pytest.raises(ConfigError, match=r"option\(s\) that --protocol notify-ack does not take \(taken by hop\)"):
+            ProtocolConfig(protocol="notify-ack", **option)
     assert check_config_for_graph(ProtocolConfig(protocol="notify-ack", serial=True), directed_ring(4)) == []
 
 

@@ -65,7 +65,8 @@ def test_eager_flags_are_refused_with_other_protocols_in_one_line(launch, tmp_pa
     result = launch(["--protocol", "allreduce", "--eager-mode", "majority", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "hopnet launch: error: --eager-mode: eager-SGD option(s) that --protocol allreduce does not take")
+        "hopnet launch: error: --eager-mode: option(s) that --protocol allreduce does not take "
+        "(taken by eager-sgd)")
 
 
 @pytest.mark.slow

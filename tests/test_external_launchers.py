@@ -18,6 +18,7 @@ from conftest import EXAMPLES
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
+from hopnet.protocols.hop import HopOptions
 
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -94,7 +95,8 @@ def test_missing_or_inconsistent_variables_are_one_line_errors(environ: dict[str
 def test_protocol_options_from_variables_count_as_explicit() -> None:
     config, explicit = config_from_variables({"HOPNET_MAX_IG": "4", "HOPNET_BACKUP_WORKERS": "1",
                                               "HOPNET_STALENESS": "none", "HOPNET_SLOWDOWN": "rank=1:2"})
-    assert (config.max_ig, config.backup_workers, config.staleness, config.slowdown) == (4, 1, None, ["rank=1:2"])
+    options = config.options_as(HopOptions)
+    assert (options.max_ig, options.backup_workers, options.staleness, config.slowdown) == (4, 1, None, ["rank=1:2"])
     assert set(explicit) == {"max_ig", "backup_workers", "staleness", "slowdown"}
     with pytest.raises(ConfigError, match="HOPNET_TOKEN_QUEUES='maybe'"):
         config_from_variables({"HOPNET_TOKEN_QUEUES": "maybe"})

@@ -42,7 +42,8 @@ def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tm
     result = launch(["--protocol", "allreduce", "--pipeline-k", "3", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "hopnet launch: error: --pipeline-k: Pipe-SGD option(s) that --protocol allreduce does not take"]
+        "hopnet launch: error: --pipeline-k: option(s) that --protocol allreduce does not take "
+        "(taken by pipe-sgd)"]
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ showing the bound is tight for hopnet's implementation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,22 +44,27 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
 
 
 # ---------------------------------------------------------------------------- bounds (Table 1)
+def opt(cfg: ProtocolConfig, name: str) -> Any:
+    """Option ``name`` of ``cfg``'s protocol, ``None`` when the protocol does not take it (notify-ack)."""
+    return cfg.to_dict().get(name)
+
+
 def standard(d: np.ndarray, i: int, j: int, cfg: ProtocolConfig) -> int:
     """Theorem 1, and Theorem 2 when token queues are on."""
-    if not cfg.token_queues:
+    if not opt(cfg, "token_queues"):
         return int(d[j][i])
-    return int(min(d[j][i], cfg.max_ig * d[i][j]))
+    return int(min(d[j][i], opt(cfg, "max_ig") * d[i][j]))
 
 
 def staleness(d: np.ndarray, i: int, j: int, cfg: ProtocolConfig) -> int:
-    assert cfg.staleness is not None
-    b0 = (cfg.staleness + 1) * d[j][i]
-    return int(min(b0, cfg.max_ig * d[i][j]) if cfg.token_queues else b0)
+    assert opt(cfg, "staleness") is not None
+    b0 = (opt(cfg, "staleness") + 1) * d[j][i]
+    return int(min(b0, opt(cfg, "max_ig") * d[i][j]) if opt(cfg, "token_queues") else b0)
 
 
 def backup(d: np.ndarray, i: int, j: int, cfg: ProtocolConfig) -> int:
     """Backup workers (alone, with staleness or with skipping): only the token queues bound the gap."""
-    return int(cfg.max_ig * d[i][j])
+    return int(opt(cfg, "max_ig") * d[i][j])
 
 
 def notify_ack(d: np.ndarray, i: int, j: int, cfg: ProtocolConfig) -> int:
@@ -89,12 +95,12 @@ def check_run(g: Graph, cfg: ProtocolConfig, iterations: int, r: SimResult, boun
     # Update queue: it holds in-neighbours' updates only (a worker's own never enters it).
     for i in range(n):
         ins = g.in_peers(i)
-        if cfg.staleness is not None:
+        if opt(cfg, "staleness") is not None:
             cap = len(ins)  # only the newest update per in-neighbour is kept (Sec. 6.1)
         elif cfg.protocol == "notify-ack":
             cap = 3 * len(ins)  # an in-neighbour is at most 2 iterations ahead (Table 1)
-        elif cfg.token_queues:
-            cap = (1 + cfg.max_ig) * len(ins)  # Sec. 4.2
+        elif opt(cfg, "token_queues"):
+            cap = (1 + opt(cfg, "max_ig")) * len(ins)  # Sec. 4.2
         else:
             cap = sum(1 + int(d[i][j]) for j in ins)  # Sec. 4.1: length(Path_i->j) + 1 per in-neighbour
         assert r.queue_high_water[i] <= cap, f"rank {i}: queue reached {r.queue_high_water[i]} > {cap}"
@@ -103,13 +109,13 @@ def check_run(g: Graph, cfg: ProtocolConfig, iterations: int, r: SimResult, boun
     # paper's TokenQ(j -> i) (kept at j in Hop), i.e. Iter(j) - Iter(i) + max_ig; high_water
     # is the most held for any out-neighbour. Sec. 4.2 / Table 1 caption bound that queue by
     # max_ig * (length(Path_j->i) + 1): note the path runs from the out-neighbour j back to i.
-    if cfg.token_queues and cfg.protocol == "hop":
+    if opt(cfg, "token_queues") and cfg.protocol == "hop":
         for i in range(n):
             outs = g.out_peers(i)
-            paper = max(cfg.max_ig * (int(d[j][i]) + 1) for j in outs)
+            paper = max(opt(cfg, "max_ig") * (int(d[j][i]) + 1) for j in outs)
             assert r.token_high_water[i] <= paper, f"rank {i}: {r.token_high_water[i]} tokens > {paper}"
             # and consistent with the gaps observed: tokens(j) = Iter(j) - Iter(i) + max_ig
-            observed = cfg.max_ig + max(int(gap[j][i]) for j in outs)
+            observed = opt(cfg, "max_ig") + max(int(gap[j][i]) for j in outs)
             assert r.token_high_water[i] <= observed
 
 
@@ -273,7 +279,7 @@ def test_bound_is_reached(graph, cfg, bound, pair, value):
     i, j = pair
     assert bound(graph.shortest_path_lengths(), i, j, cfg) == value
     assert r.max_gap[i][j] == value
-    if cfg.skip_threshold is not None:
+    if opt(cfg, "skip_threshold") is not None:
         assert r.skips and {e["rank"] for e in r.skips} == {0}  # the straggler did skip
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Collection
-from typing import Any
 
-from hopnet.config import add_protocol_arguments, config_from_args
-from hopnet.launch.options import option_names
+from hopnet.config import add_protocol_arguments, config_from_args, explicit_options
 
 DEFAULT_GRACE_S = 5.0
 
@@ -58,27 +55,6 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
     return value
-
-
-EXPLICIT_DEST = "explicit_protocol_options"
-
-
-def _track_explicit(parser: argparse.ArgumentParser, dests: Collection[str]) -> None:
-    """Make the actions of ``dests`` note in the namespace that they were given on the command line
-    (argparse calls an action only for options that appear, whatever their value)."""
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to list them
-        if action.dest not in dests:
-            continue
-        base = type(action)
-
-        def call(self: argparse.Action, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None, _base: type = base) -> None:
-            seen = set(getattr(namespace, EXPLICIT_DEST, None) or ())
-            seen.add(self.dest)
-            setattr(namespace, EXPLICIT_DEST, seen)
-            _base.__call__(self, parser, namespace, values, option_string)
-
-        action.__class__ = type(f"Explicit{base.__name__}", (base,), {"__call__": call})
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -135,7 +111,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--insecure", action="store_true",
                           help="plain ZeroMQ sockets even off loopback: no authentication, no encryption")
     add_protocol_arguments(parser)
-    _track_explicit(parser, option_names())
     parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed through untouched")
@@ -159,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         argv=sys.argv,
         max_failures=args.max_failures,
-        explicit_options=sorted(getattr(args, EXPLICIT_DEST, None) or ()),
+        explicit_options=sorted(explicit_options(args)),
         progress=args.progress,
         overwrite=args.overwrite,
         insecure=args.insecure,

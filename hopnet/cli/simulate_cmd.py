@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from hopnet.config import add_protocol_arguments, config_from_args
+from hopnet.config import ProtocolConfig, add_protocol_arguments, config_from_args
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
@@ -205,21 +205,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     gi, gj = divmod(int(gap.argmax()), n)  # the first pair, in rank order, with the largest gap
     largest = int(gap[gi][gj])
     q_rank = max(range(n), key=lambda r: result.queue_high_water[r])
-    settings = [config["protocol"]]
-    if config["protocol"] == "hop":
-        settings.append(f"max_ig={config['max_ig']}" if config["token_queues"] else "no token queues")
-        if config["serial"]:
-            settings.append("serial")
-        if config["backup_workers"]:
-            settings.append(f"backup_workers={config['backup_workers']}")
-        if config["staleness"] is not None:
-            settings.append(f"staleness={config['staleness']}")
-        if config["skip_threshold"] is not None:
-            settings.append(f"skip_threshold={config['skip_threshold']} max_jump={config['max_jump']}")
-    if config["protocol"] == "eager-sgd":
-        settings.append(f"mode {config.get('eager_mode', 'solo')}")
-        if config.get("full_sync_every") is not None:
-            settings.append(f"full sync every {config['full_sync_every']}")
+    settings = [config["protocol"], *ProtocolConfig.from_dict(config).options.settings()]
     done = [len(times) for times in result.finish_times]  # iterations each worker completed
     lines = [
         f"graph:             {inputs['graph']} ({n} worker{'' if n == 1 else 's'})",
@@ -232,7 +218,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
         f"largest gap:       {largest}" + (f" (Iter({gi}) - Iter({gj}))" if largest > 0 else ""),
         f"queue high water:  {result.queue_high_water[q_rank]} updates (rank {q_rank})",
     ]
-    if config["protocol"] == "hop" and config["token_queues"]:
+    if config.get("token_queues"):  # the protocol bounds the gap with token queues
         t_rank = max(range(n), key=lambda r: result.token_high_water[r])
         lines.append(f"token high water:  {result.token_high_water[t_rank]} tokens (rank {t_rank})")
     skipped = sum(s["to"] - s["iter"] - 1 for s in result.skips)

@@ -19,9 +19,11 @@ from collections.abc import Sequence
 import torch
 
 from hopnet.collectives.codec import Codec, IdentityCodec
-from hopnet.config import COMPRESSIONS
 from hopnet.errors import ConfigError
 from hopnet.wire import TensorSpec
+
+COMPRESSIONS = ("none", "trunc16", "int8")
+"""What ``make_codec`` knows: no compression, the top 16 bits of each float32, int8 blocks."""
 
 
 def truncate16(values: torch.Tensor) -> torch.Tensor:

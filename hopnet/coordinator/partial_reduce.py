@@ -37,15 +37,11 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
 from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES, group_weights
-from hopnet.errors import ConfigError
 
-if TYPE_CHECKING:
-    from hopnet.config import ProtocolConfig
-    from hopnet.graph import Graph
 
 READY = "ready"
 GROUP = "group"
@@ -302,12 +298,3 @@ def sync_graph_connected(groups: Iterable[Sequence[int]], ranks: Iterable[int], 
     for members in groups:
         components.join(members)
     return len({components.find(r) for r in ranks}) <= 1
-
-
-def make_controller(config: ProtocolConfig, graph: Graph) -> PartialReduceController:
-    """The controller of a ``--protocol partial-reduce`` run on ``graph`` (its nodes are the workers)."""
-    if config.group_size > graph.n:
-        raise ConfigError(f"--group-size {config.group_size} is larger than the run's {graph.n} workers")
-    return PartialReduceController(graph.n, config.group_size, weights=config.weights,
-                                   ema_decay=config.ema_decay, missing_policy=config.missing_policy,
-                                   frozen_window=config.frozen_window)

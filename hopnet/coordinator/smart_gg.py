@@ -1,6 +1,6 @@
 """Prague's smart Group Generator (ASPLOS'20 Sec. 5) as a sans-IO state machine.
 
-Four components, each switchable on its own (``ProtocolConfig`` fields):
+Four components, each switchable on its own (options of ``--protocol prague``):
 
 * **Group Buffer** (``group_buffer``): an ordered list per worker of the groups made for it
   that it has not asked for yet. Groups are appended to every member's list when they are
@@ -76,13 +76,9 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-
-if TYPE_CHECKING:
-    from hopnet.config import ProtocolConfig
-    from hopnet.graph import Graph
 
 GROUP_KINDS = ("random", "division", "inter", "intra")
 
@@ -159,14 +155,6 @@ class SmartGroupGenerator(Coordinator):
             "filtered_out": 0, "groups_started": 0, "groups_cancelled": 0, "workers_gone": 0,
             "max_buffer": 0}
         self._filtered_by_rank: dict[int, int] = {}
-
-    @classmethod
-    def from_config(cls, config: ProtocolConfig, graph: Graph,
-                    on_formed: Callable[[GroupFormed], None] | None = None) -> SmartGroupGenerator:
-        return cls(graph.n, group_size=config.group_size, group_buffer=config.group_buffer,
-                   global_division=config.global_division, inter_intra=config.inter_intra,
-                   slow_filter=config.slow_filter, machines=graph.machines, seed=config.seed,
-                   on_formed=on_formed)
 
     @staticmethod
     def _machine_layout(wanted: bool, global_division: bool, machines: Sequence[str | None] | None

@@ -12,7 +12,7 @@ models, not gradients. Every worker, every iteration:
 Active and passive sets are the two sides of the bipartite communication graph (every
 edge joins an active and a passive worker). Only actives initiate, so no cycle of
 workers can wait on each other and nothing deadlocks; a non-bipartite graph is refused
-before anything starts (:func:`hopnet.config_checks.check_bipartite`).
+before anything starts (:func:`check_bipartite`).
 
 How an averaging runs (one request, one reply):
 
@@ -61,17 +61,19 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import graph_label
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.graph import Graph
+from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.transports.base import DISCARD
-from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec, register_kind
+from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec
 
 REQUEST = "avg_req"
 """Active -> passive: the active's model, asking for an averaging (``iter``: the active's iteration)."""
 REPLY = "avg_reply"
 """Passive -> active: the mean of the two models."""
-for _kind in (REQUEST, REPLY):
-    register_kind(_kind)
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,6 @@ class AdPsgdProtocol(Protocol):
         self._leaving = False  # said bye: serves no more requests
 
     def bind(self, node: Any) -> None:
-        from hopnet.config_checks import check_bipartite
-
         super().bind(node)
         self.rank = node.rank
         actives, _ = check_bipartite(node.graph)
@@ -315,3 +315,34 @@ class AdPsgdProtocol(Protocol):
             return {"role": "active", "averagings": sum(p is not None for p in self.partners),
                     "averagings_skipped": len(self.skips)}
         return {"role": "passive", "averagings_served": self.served}
+
+
+def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The active and passive sets: the graph's two sides. A graph that has none (an odd cycle,
+    which would let averagings wait on each other in a circle) or whose edges go one way only
+    (a pair must talk both ways) is refused in one line."""
+    if not graph.is_undirected():
+        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {graph_label(graph)} has "
+                          "one-way edges, and an averaging pair talks both ways")
+    sides = graph.two_colouring()
+    if isinstance(sides, list):
+        raise ConfigError(f"{graph_label(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
+                          "(--protocol ad-psgd needs active and passive sides with every edge between them)")
+    return sides
+
+
+def _no_notes(_: object) -> list[str]:
+    return []
+
+
+register(ProtocolSpec(
+    name="ad-psgd",
+    summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
+            "with one random passive neighbour per iteration.",
+    options=NoOptions,
+    build=lambda config, options, params, grads: AdPsgdProtocol(config, params),
+    averages=Averages.MODELS,
+    uses_graph=True,
+    message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
+    check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
+))

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
+from hopnet.registry import Averages, ProtocolSpec, register
 
 TAG_PREFIX = "allreduce"
 
@@ -39,3 +41,14 @@ class AllReduceProtocol(AllRanksGradientProtocol):
 
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1}
+
+
+register(ProtocolSpec(
+    name="allreduce",
+    summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
+            "no part in it.",
+    options=NoOptions,
+    build=lambda config, options, params, grads: AllReduceProtocol(config, grads),
+    averages=Averages.GRADIENTS,
+    uses_graph=False,
+))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,15 +38,16 @@ import torch
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
+from hopnet.options import ProtocolOptions, option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.wire import Header, Message, register_kind
+from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.wire import Header, Message
 
 ACTIVATION_KIND = "eager"
 """An activation: ``iter`` is the round id, ``meta["r"]`` the root (initiator) of its tree.
 With ``meta["fin"]`` instead: the sender has finished its iterations (majority rounds it
 was to start are then started by whoever waits for them)."""
-register_kind(ACTIVATION_KIND, any_rank=True)
 TAG_PREFIX = "eager"
 
 
@@ -74,15 +76,16 @@ def activation_targets(rank: int, root: int, world_size: int) -> list[int]:
 class EagerProtocol(Protocol):
     name = "eager-sgd"
 
-    def __init__(self, config: ProtocolConfig, params: torch.Tensor | None,
+    def __init__(self, config: ProtocolConfig, options: EagerOptions, params: torch.Tensor | None,
                  grads: FlatGradients | torch.Tensor | None) -> None:
         super().__init__()
         if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
             raise ConfigError("eager-sgd reduces one flat, contiguous gradient buffer")
-        if config.full_sync_every is not None and params is None:
+        if options.full_sync_every is not None and params is None:
             raise ConfigError("--full-sync-every averages the models: start the worker with hopnet.init(model)")
         self.config = config
-        self.mode = config.eager_mode
+        self.options = options
+        self.mode = options.eager_mode
         self.params = params
         self.grads = grads
         self.everyone: tuple[int, ...] = ()
@@ -146,7 +149,7 @@ class EagerProtocol(Protocol):
         self._take_result(grads)
         if apply is not None:
             apply()
-        every = self.config.full_sync_every
+        every = self.options.full_sync_every
         if every is not None and (k + 1) % every == 0:
             await self._full_sync(k)
         self.node.iteration_done(k, self)
@@ -403,3 +406,29 @@ class EagerProtocol(Protocol):
                 "stale_calls": self.stale_calls, "rounds_skipped": self.rounds_skipped,
                 "active_mean": round(sum(counts) / len(counts), 4) if counts else None,
                 "active_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0])))}
+
+
+@dataclass(frozen=True)
+class EagerOptions(ProtocolOptions):
+    eager_mode: str = option("solo", choices=("solo", "majority"),
+                             help="who starts a round: solo (whoever arrives first; never waits for another's "
+                                  "compute) or majority (a seeded random rank; earlier arrivals wait for it)")
+    full_sync_every: int | None = option(None, minimum=1, metavar="N",
+                                         help="average the models with a blocking all-reduce every N iterations")
+
+    def settings(self) -> list[str]:
+        shown = [f"mode {self.eager_mode}"]
+        if self.full_sync_every is not None:
+            shown.append(f"full sync every {self.full_sync_every}")
+        return shown
+
+
+register(ProtocolSpec(
+    name="eager-sgd",
+    summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
+    options=EagerOptions,
+    build=lambda config, options, params, grads: EagerProtocol(config, options, params, grads),
+    averages=Averages.GRADIENTS,
+    uses_graph=False,
+    message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
+))

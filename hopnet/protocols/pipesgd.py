@@ -43,18 +43,21 @@ collective's codec hook; see :mod:`hopnet.collectives.compression`.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.collectives.base import Collective
 from hopnet.collectives.codec import IdentityCodec
-from hopnet.collectives.compression import make_codec
+from hopnet.collectives.compression import COMPRESSIONS, make_codec
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
+from hopnet.options import ProtocolOptions, option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
+from hopnet.registry import Averages, ProtocolSpec, register
 
 TAG_PREFIX = "pipe"
 
@@ -62,10 +65,12 @@ TAG_PREFIX = "pipe"
 class PipeSgdProtocol(AllRanksGradientProtocol):
     name = "pipe-sgd"
 
-    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, options: PipeSgdOptions,
+                 grads: FlatGradients | torch.Tensor | None) -> None:
         super().__init__(config, grads)
-        self.k = config.pipeline_k
-        self.codec = make_codec(config.compress)
+        self.options = options
+        self.k = options.pipeline_k
+        self.codec = make_codec(options.compress)
         self._slots: list[torch.Tensor] = []
         self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
         self._pool: list[torch.Tensor] = []  # flat-gradient buffers beyond the model's own
@@ -185,7 +190,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             elif hasattr(base, "with_codec"):
                 self._collective = base.with_codec(self.codec)
             else:
-                raise ConfigError(f"--compress {self.config.compress} needs a collective with a per-hop codec "
+                raise ConfigError(f"--compress {self.options.compress} needs a collective with a per-hop codec "
                                   f"(the ring); {type(base).__name__} has none")
         return self._collective
 
@@ -204,10 +209,35 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return {"grad_iter": self.applied[-1] if self.applied else None, "in_flight": len(self._reductions)}
 
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.iteration + 1, "pipeline_k": self.k, "compress": self.config.compress,
+        return {"rounds": self.iteration + 1, "pipeline_k": self.k, "compress": self.options.compress,
                 "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()  # surfaced by _wait_for; retrieved here so asyncio does not log it twice
+
+
+DEFAULT_PIPELINE_K = 2
+
+
+@dataclass(frozen=True)
+class PipeSgdOptions(ProtocolOptions):
+    pipeline_k: int = option(DEFAULT_PIPELINE_K, minimum=1, metavar="K",
+                             help="each step applies the averaged gradient of K-1 iterations earlier while the "
+                                  "newer all-reduces run behind the compute (Algorithm 1's g[t-K]); 1 is "
+                                  "synchronous")
+    compress: str = option("none", choices=COMPRESSIONS,
+                           help="compress every hop of the ring: trunc16 keeps the top 16 bits of each float32 "
+                                "(2x fewer bytes), int8 quantizes with scale max|block|/127 (4x)")
+
+
+register(ProtocolSpec(
+    name="pipe-sgd",
+    summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
+            "(--pipeline-k, --compress).",
+    options=PipeSgdOptions,
+    build=lambda config, options, params, grads: PipeSgdProtocol(config, options, grads),
+    averages=Averages.GRADIENTS,
+    uses_graph=False,
+))

@@ -44,14 +44,23 @@ A coordinator that stops answering fails the wait for a GO with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
+from hopnet.config_checks import graph_label
+from hopnet.coordinator.base import Coordinator
+from hopnet.coordinator.random_gg import RandomGroupGenerator
+from hopnet.coordinator.smart_gg import SmartGroupGenerator
+from hopnet.coordinator.static_schedule import check_static_schedule
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, ProtocolError
+from hopnet.graph import Graph
+from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 TAG_PREFIX = "prague"
@@ -60,7 +69,7 @@ TAG_PREFIX = "prague"
 class PragueProtocol(Protocol):
     name = "prague"
 
-    def __init__(self, config: ProtocolConfig, params: torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, options: PragueOptions, params: torch.Tensor | None) -> None:
         super().__init__()
         if params is None:
             raise ConfigError("--protocol prague averages models: start the worker with hopnet.init(model), "
@@ -68,8 +77,9 @@ class PragueProtocol(Protocol):
         if params.dim() != 1 or not params.is_contiguous():
             raise ConfigError("the prague protocol averages one flat, contiguous parameter buffer")
         self.config = config
+        self.options = options
         self.params = params
-        self.static = config.group_generator == "static"
+        self.static = options.group_generator == "static"
         self.groups: list[list[int]] = []  # per iteration: the group that answered this worker's request
         self.gids: list[int | None] = []
         self.groups_run = 0
@@ -91,7 +101,7 @@ class PragueProtocol(Protocol):
             self._static_group = static_group
             self.machines = tuple(node.graph.machine(r) for r in range(self.world_size))
         elif node.coordinator is None:
-            raise ConfigError(f"--protocol prague --group-generator {self.config.group_generator} needs its Group "
+            raise ConfigError(f"--protocol prague --group-generator {self.options.group_generator} needs its Group "
                               "Generator: run it under `hopnet launch` or `hopnet simulate`, which start one")
 
     async def start(self) -> None:
@@ -251,3 +261,59 @@ class PragueProtocol(Protocol):
         return {"groups_run": self.groups_run, "own_groups": own, "served_groups": self.served,
                 "no_sync": self.no_sync,
                 "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
+
+
+DEFAULT_GROUP_SIZE = 3
+DEFAULT_SLOW_FILTER = 4
+
+
+@dataclass(frozen=True)
+class PragueOptions(ProtocolOptions):
+    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
+    group_generator: str = option("smart", choices=("random", "smart", "static"),
+                                  help="random (a central Group Generator with a lock vector and FIFO queue), "
+                                       "smart (Group Buffer, Global Division, Inter-Intra and the slow-worker "
+                                       "filter) or static (a conflict-free schedule each worker computes alone)")
+    group_buffer: bool = option(True, help="smart GG: switch the Group Buffer off")
+    global_division: bool = option(True, help="smart GG: switch Global Division off")
+    inter_intra: bool = option(True, help="smart GG: switch the Inter-Intra phases (by the graph's machine "
+                                          "field) off")
+    slow_filter: int = option(DEFAULT_SLOW_FILTER, minimum=0, metavar="C",
+                              help="smart GG: leave out of a Global Division the workers C or more requests "
+                                   "behind its initiator; 0 switches the filter off")
+
+
+def make_group_generator(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> Coordinator:
+    if options.group_generator == "random":
+        return RandomGroupGenerator(graph.n, options.group_size, config.seed)
+    return SmartGroupGenerator(graph.n, group_size=options.group_size, group_buffer=options.group_buffer,
+                               global_division=options.global_division, inter_intra=options.inter_intra,
+                               slow_filter=options.slow_filter, machines=graph.machines, seed=config.seed)
+
+
+def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> list[str]:
+    """The static schedule refuses graphs it cannot serve; the smart GG notes an Inter-Intra that is off."""
+    if options.group_generator == "static":
+        check_static_schedule(graph.machines)
+        return []
+    if (options.group_generator == "smart" and options.inter_intra and options.global_division
+            and any(m is None for m in graph.machines)):
+        return [f"Inter-Intra is off: {graph_label(graph)} has no machine labels (the graph's "
+                "\"machine\" field); groups are drawn over all workers"]
+    return []
+
+
+register(ProtocolSpec(
+    name="prague",
+    summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
+            "(--group-generator).",
+    options=PragueOptions,
+    build=lambda config, options, params, grads: PragueProtocol(config, options, params),
+    averages=Averages.MODELS,
+    uses_graph=True,
+    coordinator=CoordinatorSpec(
+        build=make_group_generator,
+        options=("group_generator", "group_size", "group_buffer", "global_division", "inter_intra", "slow_filter"),
+        needed=lambda options: options.group_generator != "static"),
+    check_graph=check_prague_graph,
+))

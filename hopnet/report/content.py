@@ -6,10 +6,10 @@ and :mod:`~hopnet.report.markdown` lay the same content out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from hopnet.config import ProtocolConfig
+from hopnet.config import ProtocolConfig, describe_options
 from hopnet.report import plots
 from hopnet.report.gaps import EdgeGap, bound_rule, edge_gaps, format_bound
 from hopnet.report.rundir import RunData
@@ -49,25 +49,7 @@ def format_options(config: ProtocolConfig | None) -> str:
     """The options that differ from the defaults, as flags."""
     if config is None:
         return "unknown (no launch.json)"
-    default = ProtocolConfig()
-    parts = [config.protocol]
-    for f in fields(config):
-        if f.name in ("protocol", "timeout_s"):
-            continue
-        value = getattr(config, f.name)
-        shown_anyway = f.name == "max_ig" and config.token_queues and config.protocol == "hop"
-        if value == getattr(default, f.name) and not shown_anyway:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        elif isinstance(value, list):
-            parts.extend(f"{flag} {v}" for v in value)
-        elif isinstance(value, dict):
-            parts.append(f"{flag} " + ",".join(f"{k}:{v}" for k, v in sorted(value.items())))
-        else:
-            parts.append(f"{flag} {value}")
-    return " ".join(parts)
+    return " ".join([config.protocol, *describe_options(config)])
 
 
 def _pct(x: float) -> str:
@@ -122,6 +104,9 @@ def _gap_note(run: RunData, gaps: list[EdgeGap]) -> str:
         return f"{len(gaps)} ordered pairs of neighbours; the bounds need the run's options (launch.json)."
     outside = [g for g in gaps if g.within is False]
     rule = bound_rule(run.config)
+    if rule is None:
+        return (f"--protocol {run.config.protocol} proves no bound on the iteration gap; the largest of the "
+                f"{len(gaps)} ordered pairs of neighbours was {max(g.observed for g in gaps)}.")
     if outside:
         return (f"Bound for this setting: {rule}. {len(outside)} of {len(gaps)} pairs EXCEED it: "
                 + ", ".join(f"{g.ahead}→{g.behind} ({g.observed} > {format_bound(g.bound)})" for g in outside[:10]))

@@ -50,20 +50,11 @@ def edge_gaps(run: RunData) -> list[EdgeGap]:
     return gaps
 
 
-def bound_rule(config: ProtocolConfig) -> str:
-    """Table 1's bound on Iter(i) - Iter(j) for ``config``, in words (len = shortest path length)."""
-    if config.protocol == "notify-ack":
-        return "min(len(j→i), 2·len(i→j))"
-    tokens = f"{config.max_ig}·len(i→j)" if config.token_queues else None
-    if config.has_backup_workers:
-        base = None
-    elif config.staleness is not None:
-        base = f"{config.staleness + 1}·len(j→i)"
-    else:
-        base = "len(j→i)"
-    if base is None:
-        return tokens or "unbounded"
-    return f"min({base}, {tokens})" if tokens else base
+def bound_rule(config: ProtocolConfig) -> str | None:
+    """The protocol's proven bound on Iter(i) - Iter(j), in words (len = shortest path length);
+    ``None`` for a protocol that proves none."""
+    rule = config.spec.gap_rule
+    return rule(config.options) if rule is not None else None
 
 
 def format_bound(bound: float | None) -> str:

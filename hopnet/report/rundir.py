@@ -120,7 +120,7 @@ def _config(launch: dict[str, Any], events: dict[int, list[Record]]) -> Protocol
     for data in candidates:
         if isinstance(data, dict):
             try:
-                return ProtocolConfig.from_dict(dict(data))
+                return ProtocolConfig.from_record(dict(data))
             except (HopnetError, TypeError):
                 continue
     return None

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hopnet.analysis import GapTracker
-from hopnet.config import GRADIENT_PROTOCOLS, MODEL_AVERAGING_PROTOCOLS, ProtocolConfig
+from hopnet.config import ProtocolConfig
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import ConfigError
@@ -30,6 +30,7 @@ from hopnet.graph import Graph
 from hopnet.protocols import make_protocol
 from hopnet.protocols.adpsgd import REPLY as AVERAGING_REPLY
 from hopnet.protocols.adpsgd import REQUEST as AVERAGING_REQUEST
+from hopnet.registry import Averages
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
@@ -117,12 +118,7 @@ class SimSpec:
                 raise ConfigError(f"stop_at: rank {rank} out of range")
             if it < 0:
                 raise ConfigError(f"stop_at: iteration for rank {rank} must be >= 0")
-        self.config.make_slowdown().validate_ranks(self.graph.n)
-        for rank in range(self.graph.n):
-            bw = self.config.backup_workers_for(rank)
-            if bw > len(self.graph.in_peers(rank)):
-                raise ConfigError(f"rank {rank} has {len(self.graph.in_peers(rank))} in-neighbours besides "
-                                  f"itself, so it cannot have {bw} backup workers")
+        self.config.validate_ranks(self.graph.n)  # per-protocol graph checks run when each worker binds
 
 
 @dataclass
@@ -208,7 +204,7 @@ def _stand_in_gradients(spec: SimSpec, n: int) -> tuple[int, float]:
 def _gradients(spec: SimSpec, rank: int, stand_in: int) -> torch.Tensor | None:
     """What a gradient protocol reduces every iteration (there is no trainer to compute any):
     random values of the model's size, or of the stand-in's when only its bytes are known."""
-    if spec.config.protocol not in GRADIENT_PROTOCOLS:
+    if spec.config.spec.averages is not Averages.GRADIENTS:
         return None
     gen = torch.Generator().manual_seed(spec.config.seed * 1_000_003 + rank + 1)
     if spec.param_dim:
@@ -234,7 +230,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         if spec.param_dim:
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(spec.param_dim, generator=gen, dtype=torch.float64)
-        elif config.protocol in MODEL_AVERAGING_PROTOCOLS:
+        elif config.spec.averages is Averages.MODELS and not config.spec.simulated_without_tensors:
             # A model stand-in to average (there is no trainer); links are charged the model's bytes.
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(stand_in, generator=gen, dtype=torch.float32)

@@ -1,0 +1,140 @@
+"""A protocol declared from this file alone reaches every layer: the flags of `hopnet launch`
+and `hopnet simulate`, the ``HOPNET_*`` variables, the refusal of foreign options, the
+simulator and real worker processes (the launcher and its workers import this module
+through ``HOPNET_PLUGINS``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopnet import ProtocolConfig, registry
+from hopnet.cli.main import main as cli
+from hopnet.config_checks import check_config_for_graph
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.launch.env_options import config_from_variables
+from hopnet.options import ProtocolOptions, option
+from hopnet.params import FlatGradients
+from hopnet.protocols.base import ApplyFn
+from hopnet.protocols.gradient import AllRanksGradientProtocol
+from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.sim.engine import ComputeModel, SimSpec, simulate
+
+from conftest import ROOT, run_launch
+
+TOY = "toy-scaled-mean"
+
+
+@dataclass(frozen=True)
+class ToyOptions(ProtocolOptions):
+    toy_scale: float = option(1.0, minimum=0, metavar="X", help="multiply the averaged gradient by X")
+
+
+class ToyProtocol(AllRanksGradientProtocol):
+    """The mean of every rank's gradient, scaled: all-reduce, then multiply."""
+
+    name = TOY
+
+    def __init__(self, config: ProtocolConfig, options: ToyOptions,
+                 grads: FlatGradients | torch.Tensor | None) -> None:
+        super().__init__(config, grads)
+        self.scale = options.toy_scale
+
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        k = self.iteration
+        buffer = self.grads.gather() if isinstance(self.grads, FlatGradients) else self.grads
+        assert buffer is not None
+        await self.node.collective.allreduce(self.everyone, buffer, "mean", tag=f"toy/{k}")
+        buffer.mul_(self.scale)  # every .grad is a view into the flat buffer
+        if apply is not None:
+            apply()
+        self.node.iteration_done(k, self)
+        if not last:
+            self.iteration = k + 1
+            self.node.entered(k + 1, self)
+
+
+register(ProtocolSpec(
+    name=TOY,
+    summary="a test's protocol: the mean of the gradients, scaled by --toy-scale.",
+    options=ToyOptions,
+    build=lambda config, options, params, grads: ToyProtocol(config, options, grads),
+    averages=Averages.GRADIENTS,
+    uses_graph=False,
+))
+
+
+def test_the_declaration_makes_the_options() -> None:
+    assert TOY in registry.names()
+    config = ProtocolConfig(TOY, toy_scale=0.5, seed=3)
+    assert config.options == ToyOptions(toy_scale=0.5)
+    assert ProtocolConfig.from_json(config.to_json()) == config
+    with pytest.raises(ConfigError, match=r"--toy-scale must be a number >= 0 \(got -1\)"):
+        ProtocolConfig(TOY, toy_scale=-1)
+    with pytest.raises(ConfigError, match=rf"--max-ig: option\(s\) that --protocol {TOY} does not take \(taken by hop\)"):
+        ProtocolConfig(TOY, max_ig=4)
+    with pytest.raises(ConfigError, match=r"--toy-scale: option\(s\) that --protocol hop does not take"):
+        ProtocolConfig("hop", toy_scale=2)
+    variables, explicit = config_from_variables({"HOPNET_PROTOCOL": TOY, "HOPNET_TOY_SCALE": "0.25"})
+    assert variables.options == ToyOptions(toy_scale=0.25) and set(explicit) == {"protocol", "toy_scale"}
+    assert check_config_for_graph(config, Graph.ring(3)) == []
+
+
+def test_the_simulator_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    result = simulate(SimSpec(Graph.ring(4), ProtocolConfig(TOY, toy_scale=2.0), 20, ComputeModel.parse("10")))
+    assert [len(times) for times in result.finish_times] == [20] * 4
+    assert cli(["simulate", "--protocol", TOY, "--toy-scale", "0.5", "--nproc", "3", "--iterations", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"protocol:          {TOY}, toy_scale=0.5" in out
+    assert cli(["simulate", "--protocol", TOY, "--max-ig", "3", "--nproc", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (f"hopnet simulate: error: --max-ig: option(s) that --protocol {TOY} "
+                                               "does not take (taken by hop)")
+
+
+TRAINER = textwrap.dedent("""
+    import sys
+    import torch
+    import hopnet
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    worker = hopnet.init(model)
+    opt = hopnet.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
+    data = torch.Generator().manual_seed(worker.rank)
+    x, y = torch.randn(16, 4, generator=data), torch.randn(16, 1, generator=data)
+    for _ in worker.iterations(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    torch.save([p.detach().clone() for p in model.parameters()], sys.argv[1] + f"/final{worker.rank}.pt")
+    worker.close()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [0.0, 1.0])
+def test_hopnet_launch_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER)
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("HOPNET_PLUGINS", Path(__file__).stem)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    result = run_launch(["--nproc", "3", "--protocol", TOY, "--toy-scale", str(scale), "--run-dir",
+                         str(tmp_path / "run"), "--no-prefix", str(script), str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    assert f"running {TOY}" in result.stderr + result.stdout
+    finals = [torch.load(tmp_path / f"final{rank}.pt") for rank in range(3)]
+    torch.manual_seed(0)
+    initial = [p.detach() for p in torch.nn.Linear(4, 1).parameters()]
+    for rank in (1, 2):  # every rank applied the same averaged gradient
+        for mine, theirs in zip(finals[rank], finals[0]):
+            torch.testing.assert_close(mine, theirs)
+    moved = max(float((final - start).abs().max()) for final, start in zip(finals[0], initial))
+    assert moved == 0.0 if scale == 0.0 else moved > 1e-3
