@@ -253,10 +253,12 @@ def add_arguments(group: argparse._ArgumentGroup, fields: Sequence[OptionField],
         else:
             # an option with a parser of its own parses when the options are made, so that its refusal
             # is the same one line as from code or a variable
-            plain = f.info.choices is not None or f.info.parse is not None
-            group.add_argument(f.flag, dest=f.name, type=None if plain else _argparse_type(f),
-                               choices=f.info.choices, default=argparse.SUPPRESS,
-                               metavar=f.info.metavar if not f.info.choices else None, help=text)
+            if f.info.choices is not None or f.info.parse is not None:
+                group.add_argument(f.flag, dest=f.name, choices=f.info.choices, default=argparse.SUPPRESS,
+                                   metavar=f.info.metavar if not f.info.choices else None, help=text)
+            else:
+                group.add_argument(f.flag, dest=f.name, type=_argparse_type(f), default=argparse.SUPPRESS,
+                                   metavar=f.info.metavar, help=text)
 
 
 def given_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
