@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,8 +62,9 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
-from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec, register_kind
+from hopnet.wire import Header, Message, TensorSpec, register_kind
 
 REQUEST = "avg_req"
 """Active -> passive: the active's model, asking for an averaging (``iter``: the active's iteration)."""
@@ -105,7 +105,6 @@ class AdPsgdProtocol(Protocol):
         self.config = config
         self.params = params
         self.spec = TensorSpec(params.dtype, tuple(params.shape))
-        self.model_lock = threading.Lock()
         self.observer: AveragingObserver | None = None  # called by a passive for each averaging it serves
         self.active = True
         self.neighbours: tuple[int, ...] = ()
@@ -123,7 +122,7 @@ class AdPsgdProtocol(Protocol):
         self._activity: asyncio.Event | None = None  # set on each request or goodbye
         self._leaving = False  # said bye: serves no more requests
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         from hopnet.config_checks import check_bipartite
 
         super().bind(node)
@@ -146,7 +145,7 @@ class AdPsgdProtocol(Protocol):
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
         if apply is not None:
-            with self.model_lock:
+            with self.node.model_lock:
                 apply()
         if self.active:
             self.partners.append(await self._average_with_a_passive(k))
@@ -188,7 +187,7 @@ class AdPsgdProtocol(Protocol):
         if not served:
             self._skip(k, partner, f"passive {partner} left before serving the averaging")
             return None
-        with self.model_lock:
+        with self.node.model_lock:
             self.params.copy_(self._reply_buffer)
         return partner
 
@@ -200,7 +199,7 @@ class AdPsgdProtocol(Protocol):
     def _serve(self, msg: Message) -> None:
         """One averaging, start to finish, with no await in between: atomic on the event loop."""
         mean = msg.tensors[0]
-        with self.model_lock:
+        with self.node.model_lock:
             observer = self.observer
             if observer is not None:
                 before, active_model = self.params.clone(), mean.clone()
@@ -224,11 +223,7 @@ class AdPsgdProtocol(Protocol):
         none left (it served until every active said goodbye); one leaving early serves no
         more requests from here on."""
         self._leaving = True
-        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-        for peer in self.neighbours:
-            if peer not in self.gone:
-                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
-        await self.node.flush()
+        await self.say_goodbye(peer for peer in self.neighbours if peer not in self.gone)
 
     async def _serve_until_actives_leave(self) -> None:
         """A passive's last step returns once every active neighbour said goodbye, so the model

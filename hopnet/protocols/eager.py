@@ -39,6 +39,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message, register_kind
 
 ACTIVATION_KIND = "eager"
@@ -113,7 +114,7 @@ class EagerProtocol(Protocol):
         self.initiated = 0
         self.rounds_skipped = 0
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
         self.world_size = node.graph.n
@@ -363,11 +364,10 @@ class EagerProtocol(Protocol):
             return
         if not self.left_early and self._failure is None:
             await self._finish_with_everyone()
-        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
-            await self.node.connect_to([peer])
-            if peer not in self.left_early:  # one that left already needs no goodbye
-                self.node.post(Message("bye", self.rank, peer, self.iteration))
-        await self.node.flush()
+        # the ring neighbours, the only ranks that wait on this one's messages; one that left
+        # already needs no goodbye
+        await self.say_goodbye((peer for peer in {(self.rank - 1) % n, (self.rank + 1) % n}
+                                if peer not in self.left_early), final_iteration=False)
 
     async def _finish_with_everyone(self) -> None:
         others = [r for r in self.everyone if r != self.rank]
