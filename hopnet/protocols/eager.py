@@ -254,15 +254,16 @@ class EagerProtocol(Protocol):
         for dst in targets:
             self.node.post(Message(ACTIVATION_KIND, self.rank, dst, round_id, None, {"r": root}))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._fail(task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._fail(error)
 
     # ------------------------------------------------------------------ the round engine
     async def _run_rounds(self) -> None:

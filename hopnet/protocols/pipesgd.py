@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hopnet.collectives.base import Collective
+from hopnet.collectives.ring import RingCollective
 from hopnet.collectives.codec import IdentityCodec
 from hopnet.collectives.compression import make_codec
 from hopnet.config import ProtocolConfig
@@ -55,6 +55,7 @@ from hopnet.errors import ConfigError
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
+from hopnet.runtime.services import AllReduce
 
 TAG_PREFIX = "pipe"
 
@@ -70,7 +71,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
         self._pool: list[torch.Tensor] = []  # flat-gradient buffers beyond the model's own
         self._reductions: dict[int, asyncio.Task[None]] = {}
-        self._collective: Collective | None = None
+        self._collective: AllReduce | None = None
         self.applied: list[int | None] = []
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
@@ -177,12 +178,12 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return self._slots[t % self.k]
 
     @property
-    def collective(self) -> Collective:
+    def collective(self) -> AllReduce:
         if self._collective is None:
             base = self.node.collective
             if isinstance(self.codec, IdentityCodec):
                 self._collective = base
-            elif hasattr(base, "with_codec"):
+            elif isinstance(base, RingCollective):
                 self._collective = base.with_codec(self.codec)
             else:
                 raise ConfigError(f"--compress {self.config.compress} needs a collective with a per-hop codec "
