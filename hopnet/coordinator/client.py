@@ -173,7 +173,8 @@ class CoordinatorClient:
                 self.node.peer_dead(rank, float(silent_s) if isinstance(silent_s, (int, float)) else 0.0)
             return
         if kind == EXPELLED:
-            why = message.get("why") if isinstance(message.get("why"), str) else ""
+            given = message.get("why")
+            why = given if isinstance(given, str) else ""
             self._fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
                                    f"{why[:200] or 'declared dead'} (was it blocked for --peer-timeout "
                                    f"{self.peer_timeout_s}s?)"))
@@ -293,20 +294,19 @@ class ZmqLink(CoordinatorLink):
     def _flush(self) -> None:
         import zmq
 
-        sock = self._sock
-        if sock is None:
+        sock, loop = self._sock, self._loop
+        if sock is None or loop is None:
             return
         while self._outbox:
             try:
                 sock.send(self._outbox[0], zmq.NOBLOCK)
             except zmq.Again:
-                if self._loop is not None:
-                    self._loop.call_later(0.01, self._flush)
+                loop.call_later(0.01, self._flush)
                 return
             except zmq.ZMQError:
                 return
             self._outbox.popleft()
-        self._loop.call_soon(self._on_readable)  # a send may consume the FD's edge
+        loop.call_soon(self._on_readable)  # a send may consume the FD's edge
 
     def _on_readable(self) -> None:
         import zmq

@@ -15,6 +15,7 @@ key can connect; refused connection attempts are counted in the summary
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -84,9 +85,9 @@ class CoordinatorServer:
                 now = time.monotonic()
                 wait_s = min(POLL_S, max(0.0, self.host.next_check(now) - now))
                 try:
-                    ready = dict(poller.poll(wait_s * 1000))
+                    ready = dict(poller.poll(int(wait_s * 1000)))
                 except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EINTR:
+                    if exc.errno == errno.EINTR:
                         continue
                     raise
                 if self._handshakes is not None:

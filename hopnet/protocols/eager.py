@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Coroutine
 from typing import Any
 
 import torch
