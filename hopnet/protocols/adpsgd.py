@@ -28,7 +28,7 @@ How an averaging runs (one request, one reply):
 
 Passives also train: each iteration they apply their own gradient step and go on, without
 waiting for anyone. The optimizer step and a served averaging exclude each other through
-``model_lock``, a ``threading.Lock``: the step runs on the node's loop thread inside
+the node's ``model_lock``, a ``threading.Lock``: the step runs on the node's loop thread inside
 ``step()`` today, but a reader on another thread (evaluation, a checkpoint, a test)
 takes the same lock and sees the model either before or after an averaging, never
 half-way through.
