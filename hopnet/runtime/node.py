@@ -456,3 +456,6 @@ class Node(Generic[P]):
 def _ignore_result(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it
+
+
+__all__ = ["AddressExchange", "CollectiveFactory", "EnterObserver", "Node", "StepTimes", "Timer"]
