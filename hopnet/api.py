@@ -65,7 +65,7 @@ class Worker:
                  coordinator: CoordinatorClient | None = None) -> None:
         """``coordinator``: the client of the run's coordinator (``hopnet.init`` builds it from
         ``HOPNET_COORDINATOR``; group protocols reach it as ``node.coordinator``)."""
-        if params is not None and params.device.type != "cpu" and not getattr(transport, "carries_cuda", False):
+        if params is not None and params.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
                               "(--bulk torch or auto), not ZeroMQ")
         self.rank = rank
@@ -81,7 +81,6 @@ class Worker:
                          peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
                          coordinator=coordinator)
         self._final_iteration: int | None = None
-        self._model_lock = threading.Lock()
         self._closed = False
         self.failure: BaseException | None = None
         """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
@@ -155,8 +154,7 @@ class Worker:
         """Hold it to read the parameters from another thread while nothing changes them: the
         protocols that write the model on the event loop while the trainer computes (ad-psgd's
         averagings) take it around each write, and around the optimizer step."""
-        lock = getattr(self.node.protocol, "model_lock", None)
-        return lock if lock is not None else self._model_lock
+        return self.node.model_lock
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
@@ -345,7 +343,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     from hopnet.launch.options import check_coordinator_options, check_explicit
     from hopnet.launch.rendezvous import exchange_addresses_async
     from hopnet.security import keys_from_environ
-    from hopnet.transports.plane import collective_factory, make_transport
+    from hopnet.launch.plane import collective_factory, make_transport
 
     env = WorkerEnv.from_environ()
     attached = None

@@ -594,9 +594,10 @@ class Graph:
         if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
             raise GraphError(f"hierarchical: groups must be a non-empty list, got {_fmt(groups)}")
         members: list[list[int]] = []
-        if all(_is_int(g) for g in groups):
+        sizes = [g for g in groups if isinstance(g, (int, np.integer)) and _is_int(g)]
+        if len(sizes) == len(groups):
             start = 0
-            for k, size in enumerate(groups):
+            for k, size in enumerate(sizes):
                 if size < 1:
                     raise GraphError(f"hierarchical: group {k} has size {size}, needs at least 1")
                 members.append(list(range(start, start + int(size))))

@@ -60,7 +60,7 @@ def _shared_buffer(plist: list[torch.nn.Parameter]) -> torch.Tensor | None:
         offset += p.numel()
     if storage.nbytes() != offset * base.element_size():
         return None
-    return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (offset,))
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (offset,), (1,))
 
 
 class FlatGradients:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 import pytest
+import torch
 
+from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.protocols import make_protocol
+from hopnet.protocols.base import Protocol
+from hopnet.runtime.clock import Clock
 from hopnet.runtime.liveness import Liveness, beat_interval_for
+from hopnet.runtime.node import Node
+from hopnet.transports.base import Receiver, Transport
+from hopnet.wire import Message
 
 
 def test_a_peer_heard_from_stays_alive_and_a_silent_one_is_declared_dead_once() -> None:
@@ -101,3 +111,62 @@ def test_bad_timeouts_are_refused(timeout: float) -> None:
         Liveness([1], timeout_s=timeout, now=0.0)
     with pytest.raises(ConfigError, match="beat interval"):
         Liveness([1], timeout_s=1.0, now=0.0, beat_interval_s=1.0)
+
+
+class _SteppedClock(Clock):
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        super().__init__(default_timeout_s=5.0)
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class _NetworkStub(Transport):
+    """A transport whose peers can die unannounced (so the node watches them); sends go nowhere."""
+
+    heartbeats = True
+
+    def __init__(self) -> None:
+        super().__init__(0, frozenset({1, 2}))
+
+    async def start(self, receiver: Receiver) -> str:
+        return "stub://0"
+
+    async def connect(self, addresses: Mapping[int, str]) -> None:
+        return None
+
+    async def send(self, msg: Message) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+POSTS: dict[str, Callable[[Node[Protocol], Message], object]] = {
+    "post": lambda node, msg: node.post(msg),
+    "post_latest": lambda node, msg: node.post_latest(msg),
+    "post_express": lambda node, msg: node.post_express(msg),
+    "post_tracked": lambda node, msg: node.post_tracked(msg),
+}
+
+
+@pytest.mark.parametrize("how", sorted(POSTS))
+async def test_every_way_of_posting_is_a_sign_of_life_to_the_receiver(how: str) -> None:
+    clock = _SteppedClock()
+    node = Node(0, Graph.ring(3), _NetworkStub(), make_protocol(ProtocolConfig(), torch.zeros(4)), clock=clock,
+                peer_timeout_s=30.0)
+    await node.open()
+    try:
+        liveness = node.liveness
+        assert liveness is not None
+        interval = liveness.beat_interval_s
+        clock.t = 0.9 * interval
+        POSTS[how](node, Message("ack", 0, 1, 0))
+        await node.flush()
+        clock.t = 1.5 * interval
+        assert liveness.beat_due(clock.t) == [2]  # rank 1 heard from this node lately; rank 2 did not
+    finally:
+        await node.close(leave=False)

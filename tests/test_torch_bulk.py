@@ -205,7 +205,7 @@ def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
 
 
 def test_auto_picks_the_plane_by_device_and_size(store_endpoint) -> None:
-    from hopnet.transports.plane import AUTO_CPU_MIN_BYTES, make_transport
+    from hopnet.launch.plane import AUTO_CPU_MIN_BYTES, make_transport
 
     def pick(bulk: str, nbytes: int | None, endpoint: str = store_endpoint) -> str:
         t = make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk=bulk,

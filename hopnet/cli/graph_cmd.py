@@ -89,7 +89,7 @@ def _degree_text(values: list[int]) -> str:
 def _ranges(ids: list[int]) -> str:
     out: list[str] = []
     start = prev = ids[0]
-    for v in ids[1:] + [None]:  # type: ignore[list-item]
+    for v in [*ids[1:], None]:
         if v is not None and v == prev + 1:
             prev = v
             continue

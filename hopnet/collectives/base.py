@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Literal
-
 import torch
 
 from hopnet.errors import ConfigError
+from hopnet.runtime.services import ReduceOp
 
-ReduceOp = Literal["mean", "sum"]
 REDUCE_OPS: tuple[str, ...] = ("mean", "sum")
 
 
@@ -41,7 +39,8 @@ def check_group(group: Sequence[int], rank: int, world_size: int) -> tuple[int, 
 
 
 class Collective(abc.ABC):
-    """All-reduce among an ordered group of ranks, awaited on the node's event loop."""
+    """All-reduce among an ordered group of ranks, awaited on the node's event loop (what the
+    node holds as its :class:`hopnet.runtime.services.AllReduce`)."""
 
     rank: int
     world_size: int

@@ -31,18 +31,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.collectives.codec import Codec, IdentityCodec
 from hopnet.errors import ConfigError, ProtocolError
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
+from hopnet.runtime.services import NodeServices
 from hopnet.wire import Message, TensorSpec
-
-if TYPE_CHECKING:  # the node imports the protocols, which import this module
-    from hopnet.runtime.node import Node
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Largest chunk on one hop (before encoding). Smaller chunks pipeline the hops more finely
@@ -84,7 +80,7 @@ class RingCollective(Collective):
     """:class:`~hopnet.collectives.base.Collective` over the node's messages (any transport,
     the simulator included). ``codec`` transforms every chunk on every hop."""
 
-    def __init__(self, node: Node, *, codec: Codec | None = None,
+    def __init__(self, node: NodeServices, *, codec: Codec | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1 (got {chunk_bytes})")

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.transports.store_clones import StoreClones
-from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, wait_work
+from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, settle, wait_work
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -123,7 +123,7 @@ class TorchCollective(Collective):
             except BaseException as exc:
                 error = exc
             try:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+                loop.call_soon_threadsafe(settle(done), error)
             except RuntimeError:
                 pass
 
@@ -151,7 +151,7 @@ class TorchCollective(Collective):
         if waiter is None:
             waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
                                                   loop, self.timeout_s)
-        waiter.add([work], tensor.device, lambda err: done.done() or done.set_result(err))
+        waiter.add([work], tensor.device, settle(done))
         error = await done
         if isinstance(error, TimeoutError):
             raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,

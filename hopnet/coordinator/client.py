@@ -32,9 +32,9 @@ from hopnet.coordinator.wire import (BEAT, EXPELLED, HELLO, PEER_DEAD, PEER_FAIL
                                      encode, routing_id)
 from hopnet.errors import HopnetError, PeerFailure, WaitTimeout
 from hopnet.runtime.liveness import beat_interval_for
+from hopnet.runtime.services import NodeServices
 
 if TYPE_CHECKING:
-    from hopnet.runtime.node import Node
     from hopnet.security import CurveKeys
 
 COORDINATOR_ENV = "HOPNET_COORDINATOR"
@@ -81,7 +81,7 @@ class CoordinatorClient:
         self.link = link
         self.name = name
         self.peer_timeout_s = peer_timeout_s if link.can_die else None
-        self.node: Node | None = None
+        self.node: NodeServices | None = None
         self.rank = -1
         self.received = 0
         self.sent = 0
@@ -101,7 +101,7 @@ class CoordinatorClient:
         return f"the coordinator ({self.name}) at {self.link.address}"
 
     # ------------------------------------------------------------------ lifecycle (the Node calls these)
-    def bind(self, node: Node) -> None:
+    def bind(self, node: NodeServices) -> None:
         self.node = node
         self.rank = node.rank
 
@@ -173,7 +173,8 @@ class CoordinatorClient:
                 self.node.peer_dead(rank, float(silent_s) if isinstance(silent_s, (int, float)) else 0.0)
             return
         if kind == EXPELLED:
-            why = message.get("why") if isinstance(message.get("why"), str) else ""
+            given = message.get("why")
+            why = given if isinstance(given, str) else ""
             self._fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
                                    f"{why[:200] or 'declared dead'} (was it blocked for --peer-timeout "
                                    f"{self.peer_timeout_s}s?)"))
@@ -183,7 +184,7 @@ class CoordinatorClient:
             node = self.node
             if isinstance(rank, int) and rank != self.rank and node is not None and 0 <= rank < node.graph.n \
                     and rank not in node.departed and rank not in node.dead:
-                node.record("peer_failed", peer=rank, iter=node.protocol.iteration)
+                node.record("peer_failed", peer=rank, iter=node.iteration)
                 node.mailbox.peer_departed(rank, "failed (it told the coordinator so)", "departed")
             return
         waiter = self._waiter
@@ -240,7 +241,7 @@ class CoordinatorClient:
 
     def _iteration(self) -> int | None:
         node = self.node
-        return node.protocol.iteration if node is not None else None
+        return node.iteration if node is not None else None
 
     def summary(self) -> dict[str, Any]:
         return {"coordinator_sent": self.sent, "coordinator_received": self.received}
@@ -293,20 +294,19 @@ class ZmqLink(CoordinatorLink):
     def _flush(self) -> None:
         import zmq
 
-        sock = self._sock
-        if sock is None:
+        sock, loop = self._sock, self._loop
+        if sock is None or loop is None:
             return
         while self._outbox:
             try:
                 sock.send(self._outbox[0], zmq.NOBLOCK)
             except zmq.Again:
-                if self._loop is not None:
-                    self._loop.call_later(0.01, self._flush)
+                loop.call_later(0.01, self._flush)
                 return
             except zmq.ZMQError:
                 return
             self._outbox.popleft()
-        self._loop.call_soon(self._on_readable)  # a send may consume the FD's edge
+        loop.call_soon(self._on_readable)  # a send may consume the FD's edge
 
     def _on_readable(self) -> None:
         import zmq

@@ -1,7 +1,7 @@
 """The coordinator as a ZeroMQ service: one ROUTER socket, one state machine, one thread.
 
 :func:`serve` runs until told to stop (SIGTERM in the process `hopnet launch` starts,
-see :mod:`hopnet.coordinator.__main__`). Each inbound ``[routing id, payload]`` is decoded
+see :mod:`hopnet.launch.coordinator_main`). Each inbound ``[routing id, payload]`` is decoded
 (:mod:`hopnet.coordinator.wire`), handed to the :class:`~hopnet.coordinator.host.CoordinatorHost`
 and what it returns is sent at once. A frame that is not a coordinator message is dropped
 and counted, never fatal. A message for a worker whose connection the ROUTER does not
@@ -15,6 +15,7 @@ key can connect; refused connection attempts are counted in the summary
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -84,9 +85,9 @@ class CoordinatorServer:
                 now = time.monotonic()
                 wait_s = min(POLL_S, max(0.0, self.host.next_check(now) - now))
                 try:
-                    ready = dict(poller.poll(wait_s * 1000))
+                    ready = dict(poller.poll(int(wait_s * 1000)))
                 except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EINTR:
+                    if exc.errno == errno.EINTR:
                         continue
                     raise
                 if self._handshakes is not None:

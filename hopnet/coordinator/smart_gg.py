@@ -76,7 +76,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
 
@@ -448,5 +448,5 @@ class SmartGroupGenerator(Coordinator):
         return out
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

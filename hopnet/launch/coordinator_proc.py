@@ -1,6 +1,6 @@
 """The coordinator process of a launch (group protocols): start it, watch it, stop it.
 
-`hopnet launch` starts ``python -m hopnet.coordinator`` before the workers when
+`hopnet launch` starts ``python -m hopnet.launch.coordinator_main`` before the workers when
 :func:`hopnet.coordinator.make_coordinator` says the protocol needs one, reads the address
 it prints first, and hands it to the workers in ``HOPNET_COORDINATOR`` (with its name in
 ``HOPNET_COORDINATOR_NAME``, for their error messages). The process runs in a session of
@@ -35,7 +35,7 @@ class CoordinatorStartError(HopnetError):
 
 
 class CoordinatorProcess:
-    """A running ``python -m hopnet.coordinator``."""
+    """A running ``python -m hopnet.launch.coordinator_main``."""
 
     def __init__(self, proc: subprocess.Popen[bytes], name: str, address: str) -> None:
         self.proc = proc
@@ -50,7 +50,7 @@ class CoordinatorProcess:
     def start(cls, name: str, *, graph_path: str, config_json: str, run_dir: str, bind_host: str,
               env: Mapping[str, str], pass_fds: Sequence[int], relay: Callable[[bytes], None] | None,
               timeout_s: float = START_TIMEOUT_S) -> CoordinatorProcess:
-        command = [sys.executable, "-m", "hopnet.coordinator", "--graph", graph_path, "--config", config_json,
+        command = [sys.executable, "-m", "hopnet.launch.coordinator_main", "--graph", graph_path, "--config", config_json,
                    "--run-dir", run_dir, "--bind", bind_host]
         proc = subprocess.Popen(command, env=dict(env), pass_fds=tuple(pass_fds), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)

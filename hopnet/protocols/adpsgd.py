@@ -28,7 +28,7 @@ How an averaging runs (one request, one reply):
 
 Passives also train: each iteration they apply their own gradient step and go on, without
 waiting for anyone. The optimizer step and a served averaging exclude each other through
-``model_lock``, a ``threading.Lock``: the step runs on the node's loop thread inside
+the node's ``model_lock``, a ``threading.Lock``: the step runs on the node's loop thread inside
 ``step()`` today, but a reader on another thread (evaluation, a checkpoint, a test)
 takes the same lock and sees the model either before or after an averaging, never
 half-way through.
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +66,9 @@ from hopnet.graph import Graph
 from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
-from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec
+from hopnet.wire import Header, Message, TensorSpec
 
 REQUEST = "avg_req"
 """Active -> passive: the active's model, asking for an averaging (``iter``: the active's iteration)."""
@@ -107,7 +107,6 @@ class AdPsgdProtocol(Protocol):
         self.config = config
         self.params = params
         self.spec = TensorSpec(params.dtype, tuple(params.shape))
-        self.model_lock = threading.Lock()
         self.observer: AveragingObserver | None = None  # called by a passive for each averaging it serves
         self.active = True
         self.neighbours: tuple[int, ...] = ()
@@ -125,7 +124,7 @@ class AdPsgdProtocol(Protocol):
         self._activity: asyncio.Event | None = None  # set on each request or goodbye
         self._leaving = False  # said bye: serves no more requests
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
         actives, _ = check_bipartite(node.graph)
@@ -146,7 +145,7 @@ class AdPsgdProtocol(Protocol):
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
         if apply is not None:
-            with self.model_lock:
+            with self.node.model_lock:
                 apply()
         if self.active:
             self.partners.append(await self._average_with_a_passive(k))
@@ -188,7 +187,7 @@ class AdPsgdProtocol(Protocol):
         if not served:
             self._skip(k, partner, f"passive {partner} left before serving the averaging")
             return None
-        with self.model_lock:
+        with self.node.model_lock:
             self.params.copy_(self._reply_buffer)
         return partner
 
@@ -200,7 +199,7 @@ class AdPsgdProtocol(Protocol):
     def _serve(self, msg: Message) -> None:
         """One averaging, start to finish, with no await in between: atomic on the event loop."""
         mean = msg.tensors[0]
-        with self.model_lock:
+        with self.node.model_lock:
             observer = self.observer
             if observer is not None:
                 before, active_model = self.params.clone(), mean.clone()
@@ -224,11 +223,7 @@ class AdPsgdProtocol(Protocol):
         none left (it served until every active said goodbye); one leaving early serves no
         more requests from here on."""
         self._leaving = True
-        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-        for peer in self.neighbours:
-            if peer not in self.gone:
-                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
-        await self.node.flush()
+        await self.say_goodbye(peer for peer in self.neighbours if peer not in self.gone)
 
     async def _serve_until_actives_leave(self) -> None:
         """A passive's last step returns once every active neighbour said goodbye, so the model

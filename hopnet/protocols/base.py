@@ -8,30 +8,44 @@ the in-process transport, and inside the virtual-time simulator.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import json
+from collections.abc import Iterable
+from typing import Any
 
-from hopnet.wire import Header, Message
-
-if TYPE_CHECKING:
-    from hopnet.runtime.node import Node
-
-ApplyFn = Callable[[], None]
+from hopnet.collectives.ring import RingCollective
+from hopnet.config import ProtocolConfig
+from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices
+from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 
 class Protocol(abc.ABC):
-    """A training protocol bound to one worker."""
+    """A training protocol bound to one worker: implements
+    :class:`hopnet.runtime.services.TrainingProtocol`, uses its node only through
+    :class:`hopnet.runtime.services.NodeServices`."""
 
     name: str = "protocol"
-    node: Node
+    node: NodeServices
+    config: ProtocolConfig
 
     def __init__(self) -> None:
         self.iteration = 0
         self.final_iteration: int | None = None  # set by the trainer when it knows where it stops
+        # What the simulator sums over its workers; protocols that skip or drop updates count them.
+        self.skip_log: list[dict[str, Any]] = []
+        self.late_updates_dropped = 0
+        self.updates_not_sent = 0
 
-    def bind(self, node: Node) -> None:
+    def bind(self, node: NodeServices) -> None:
         """Called once by the Node before :meth:`start`; set up per-rank state here."""
         self.node = node
+
+    def make_collective(self, node: NodeServices) -> AllReduce:
+        """The node's collective when the assembly chose none: the ring over the node's messages."""
+        return RingCollective(node)
+
+    def start_record(self) -> dict[str, Any]:
+        """Fields for the node's ``start`` record: the options this protocol runs with."""
+        return {"config": json.loads(self.config.to_json())}
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -43,7 +57,20 @@ class Protocol(abc.ABC):
         where the protocol says, and unless ``last``, enter the next iteration."""
 
     async def stop(self) -> None:
-        """Leave: tell the peers this worker sends nothing after its current iteration."""
+        """Leave: tell the peers this worker sends nothing after its current iteration
+        (:meth:`say_goodbye` to the peers that wait on it)."""
+
+    async def say_goodbye(self, peers: Iterable[int], *, final_iteration: bool = True) -> None:
+        """Send ``bye`` for the current iteration to each of ``peers``, connecting to those not
+        yet connected, and wait until the goodbyes have left. ``final_iteration``: carry the
+        planned last iteration (``BYE_FINAL_ITER``) when the trainer set one."""
+        node = self.node
+        final = self.final_iteration if final_iteration else None
+        meta = {BYE_FINAL_ITER: final} if final is not None else None
+        for peer in list(peers):  # who is told is decided now, not between the sends
+            await node.connect_to([peer])
+            node.post(Message("bye", node.rank, peer, self.iteration, meta=meta))
+        await node.flush()
 
     @abc.abstractmethod
     def buffers_for(self, header: Header) -> Any:

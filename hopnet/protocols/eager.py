@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from hopnet.options import ProtocolOptions, option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
 
 ACTIVATION_KIND = "eager"
@@ -116,7 +118,7 @@ class EagerProtocol(Protocol):
         self.initiated = 0
         self.rounds_skipped = 0
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
         self.world_size = node.graph.n
@@ -256,15 +258,16 @@ class EagerProtocol(Protocol):
         for dst in targets:
             self.node.post(Message(ACTIVATION_KIND, self.rank, dst, round_id, None, {"r": root}))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._fail(task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._fail(error)
 
     # ------------------------------------------------------------------ the round engine
     async def _run_rounds(self) -> None:
@@ -366,11 +369,10 @@ class EagerProtocol(Protocol):
             return
         if not self.left_early and self._failure is None:
             await self._finish_with_everyone()
-        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
-            await self.node.connect_to([peer])
-            if peer not in self.left_early:  # one that left already needs no goodbye
-                self.node.post(Message("bye", self.rank, peer, self.iteration))
-        await self.node.flush()
+        # the ring neighbours, the only ranks that wait on this one's messages; one that left
+        # already needs no goodbye
+        await self.say_goodbye((peer for peer in {(self.rank - 1) % n, (self.rank + 1) % n}
+                                if peer not in self.left_early), final_iteration=False)
 
     async def _finish_with_everyone(self) -> None:
         others = [r for r in self.everyone if r != self.rank]

@@ -16,6 +16,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import Protocol
+from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
 
 
@@ -31,7 +32,7 @@ class AllRanksGradientProtocol(Protocol):
         self.everyone: tuple[int, ...] = ()
         self.left_early: dict[int, int] = {}
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
         self.everyone = tuple(range(node.graph.n))
@@ -52,11 +53,8 @@ class AllRanksGradientProtocol(Protocol):
         n = len(self.everyone)
         if n < 2:
             return
-        for peer in {(self.rank - 1) % n, (self.rank + 1) % n}:
-            if peer not in self.left_early:
-                await self.node.connect_to([peer])
-                self.node.post(Message("bye", self.rank, peer, self.iteration))
-        await self.node.flush()
+        await self.say_goodbye((peer for peer in {(self.rank - 1) % n, (self.rank + 1) % n}
+                                if peer not in self.left_early), final_iteration=False)
 
     async def stop(self) -> None:
         await self._say_goodbye()

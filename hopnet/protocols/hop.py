@@ -46,9 +46,10 @@ from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
-from hopnet.wire import BYE_FINAL_ITER, Header, Message, TensorSpec
+from hopnet.wire import Header, Message, TensorSpec
 
 CREDIT = "c"
 
@@ -74,7 +75,7 @@ class HopProtocol(Protocol):
         self.skip_log: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         graph, rank = node.graph, node.rank
         self.rank = rank
@@ -102,7 +103,7 @@ class HopProtocol(Protocol):
         self.newest_received: dict[int, int] = {j: -1 for j in self.in_peers}
         self.departed_after: dict[int, int] = {}
 
-    def _slots_needed(self, graph: Any) -> int:
+    def _slots_needed(self, graph: Graph) -> int:
         """Rotating slots: how far ahead an in-neighbour can be, plus how far back we still look."""
         if self.use_tokens:
             lead = self.options.max_ig
@@ -226,11 +227,7 @@ class HopProtocol(Protocol):
         await self._enter(target, target - k)
 
     async def stop(self) -> None:
-        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-        for peer in self.peers:
-            if peer not in self.departed_after:
-                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
-        await self.node.flush()
+        await self.say_goodbye(peer for peer in self.peers if peer not in self.departed_after)
 
     async def _maybe_skip(self, k: int) -> int:
         """Sec. 5: jump ahead when more than ``skip_threshold`` behind every out-neighbour."""

@@ -57,7 +57,8 @@ from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
-from hopnet.wire import BYE_FINAL_ITER, Header, Message
+from hopnet.runtime.services import CoordinatorChannel, NodeServices
+from hopnet.wire import Header, Message
 
 TAG_PREFIX = "preduce"
 READY = "ready"
@@ -99,12 +100,12 @@ class PartialReduceProtocol(Protocol):
         self._aborted: dict[int, tuple[int, int, str]] = {}  # gid -> (reporter, peer, state)
         self._last_gid = -1
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
 
-    def _client(self) -> Any:
-        client = getattr(self.node, "coordinator", None)
+    def _client(self) -> CoordinatorChannel:
+        client = self.node.coordinator
         if client is None:
             raise ConfigError("--protocol partial-reduce needs its controller: run it under hopnet launch or "
                               "hopnet simulate, which start one")
@@ -231,17 +232,15 @@ class PartialReduceProtocol(Protocol):
             await self._leave_controller()
         except HopnetError as exc:  # a worker failing anyway: leave without the controller's answer
             self.node.record("leave_incomplete", why=" ".join(str(exc).split())[:300])
-        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-        for peer in self.node.graph.peers(self.rank):
-            if peer not in self.node.departed and peer not in self.node.dead:
-                self.node.post(Message(BYE, self.rank, peer, self.iteration, meta=meta))
-        await self.node.flush()
+        node = self.node
+        await self.say_goodbye(peer for peer in node.graph.peers(self.rank)
+                               if peer not in node.departed and peer not in node.dead)
 
     async def _leave_controller(self) -> None:
         """Say bye; until the controller's ``bye_ok``, average in any group formed before the
         goodbye reached it (the other members count on this worker). A failing worker says
         so and does not wait: the coordinator tells the others (``peer_failed``)."""
-        client = getattr(self.node, "coordinator", None)
+        client = self.node.coordinator
         if client is None:
             return
         if self._failed or self._broken:

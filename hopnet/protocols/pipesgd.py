@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from hopnet.collectives.base import Collective
+from hopnet.collectives.ring import RingCollective
 from hopnet.collectives.codec import IdentityCodec
 from hopnet.collectives.compression import COMPRESSIONS, make_codec
 from hopnet.config import ProtocolConfig
@@ -58,6 +58,7 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
 from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.runtime.services import AllReduce
 
 TAG_PREFIX = "pipe"
 
@@ -75,7 +76,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
         self._pool: list[torch.Tensor] = []  # flat-gradient buffers beyond the model's own
         self._reductions: dict[int, asyncio.Task[None]] = {}
-        self._collective: Collective | None = None
+        self._collective: AllReduce | None = None
         self.applied: list[int | None] = []
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
@@ -182,12 +183,12 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return self._slots[t % self.k]
 
     @property
-    def collective(self) -> Collective:
+    def collective(self) -> AllReduce:
         if self._collective is None:
             base = self.node.collective
             if isinstance(self.codec, IdentityCodec):
                 self._collective = base
-            elif hasattr(base, "with_codec"):
+            elif isinstance(base, RingCollective):
                 self._collective = base.with_codec(self.codec)
             else:
                 raise ConfigError(f"--compress {self.options.compress} needs a collective with a per-hop codec "

@@ -54,14 +54,15 @@ from hopnet.config_checks import graph_label
 from hopnet.coordinator.base import Coordinator
 from hopnet.coordinator.random_gg import RandomGroupGenerator
 from hopnet.coordinator.smart_gg import SmartGroupGenerator
-from hopnet.coordinator.static_schedule import check_static_schedule
+from hopnet.coordinator.static_schedule import check_static_schedule, static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, ProtocolError
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
-from hopnet.wire import BYE_FINAL_ITER, Header, Message
+from hopnet.runtime.services import CoordinatorChannel, NodeServices
+from hopnet.wire import Header, Message
 
 TAG_PREFIX = "prague"
 
@@ -89,20 +90,24 @@ class PragueProtocol(Protocol):
         self._said_bye = False
         self._failed = False  # a step raised: leave without waiting for the GG, and say so
 
-    def bind(self, node: Any) -> None:
+    def bind(self, node: NodeServices) -> None:
         super().bind(node)
         self.rank = node.rank
         self.world_size = node.graph.n
         if self.static:
-            try:
-                from hopnet.coordinator.static_schedule import static_group
-            except ImportError:
-                raise ConfigError("--group-generator static is not available in this build") from None
-            self._static_group = static_group
             self.machines = tuple(node.graph.machine(r) for r in range(self.world_size))
         elif node.coordinator is None:
             raise ConfigError(f"--protocol prague --group-generator {self.options.group_generator} needs its Group "
                               "Generator: run it under `hopnet launch` or `hopnet simulate`, which start one")
+
+    @property
+    def _gg(self) -> CoordinatorChannel:
+        """The client of the Group Generator (bind() refused a dynamic generator without one)."""
+        coordinator = self.node.coordinator
+        if coordinator is None:
+            raise ConfigError(f"--protocol prague --group-generator {self.options.group_generator} has no Group "
+                              "Generator on this node")
+        return coordinator
 
     async def start(self) -> None:
         self.node.entered(0, self)
@@ -110,7 +115,7 @@ class PragueProtocol(Protocol):
 
     def _request(self, k: int) -> None:
         if not self.static:
-            self.node.coordinator.send({"t": "req", "iter": k})
+            self._gg.send({"t": "req", "iter": k})
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -144,7 +149,7 @@ class PragueProtocol(Protocol):
         waited = 0.0
         while True:
             began = loop_time()
-            message = await self.node.coordinator.receive(
+            message = await self._gg.receive(
                 f"the GO of rank {self.rank}'s group for iteration {k}")
             waited += loop_time() - began
             if message.get("t") != "go":
@@ -171,7 +176,7 @@ class PragueProtocol(Protocol):
         waited = 0.0
         while True:
             began = loop_time()
-            message = await self.node.coordinator.receive(
+            message = await self._gg.receive(
                 f"the coordinator's answer to rank {self.rank}'s ack of group {gid}")
             waited += loop_time() - began
             kind = message.get("t")
@@ -194,11 +199,11 @@ class PragueProtocol(Protocol):
         else:
             await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}/{gid}")
         self.groups_run += 1
-        self.node.coordinator.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
+        self._gg.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
         return gid, members
 
     async def _static_sync(self, k: int) -> None:
-        group = self._static_group(self.rank, k, self.machines)
+        group = static_group(self.rank, k, self.machines)
         members = sorted(group) if group else [self.rank]
         if len(members) == 1:
             self.no_sync += 1
@@ -237,11 +242,9 @@ class PragueProtocol(Protocol):
             await self._leave()
         except HopnetError as exc:  # a worker failing anyway: leave without the GG's answer
             self.node.record("leave_incomplete", why=" ".join(str(exc).split())[:300])
-        meta = {BYE_FINAL_ITER: self.final_iteration} if self.final_iteration is not None else None
-        for peer in self.node.graph.peers(self.rank):
-            if peer not in self.node.departed and peer not in self.node.dead:
-                self.node.post(Message("bye", self.rank, peer, self.iteration, meta=meta))
-        await self.node.flush()
+        node = self.node
+        await self.say_goodbye(peer for peer in node.graph.peers(self.rank)
+                               if peer not in node.departed and peer not in node.dead)
 
     # ------------------------------------------------------------------ messages (all go through the mailbox)
     def buffers_for(self, header: Header) -> Any:

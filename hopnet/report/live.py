@@ -192,7 +192,7 @@ class LaunchProgress:
         routed = live and screen is not None
         self.stdout = ConsoleStream(stdout, self if routed and is_terminal(stdout) else None)
         self.stderr = ConsoleStream(stderr, self if routed and is_terminal(stderr) else None)
-        if routed:
+        if routed and screen is not None:
             self._start(screen)
 
     def _start(self, screen: IO[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -36,7 +37,7 @@ def _rank_color(rank: int, n: int) -> tuple[float, float, float, float]:
     return cmap(rank / max(1, n - 1))
 
 
-def _figure(width: float = 8.0, height: float = 4.0) -> tuple[Figure, object]:
+def _figure(width: float = 8.0, height: float = 4.0) -> tuple[Figure, Axes]:
     fig = Figure(figsize=(width, height), layout="constrained")
     return fig, fig.add_subplot()
 

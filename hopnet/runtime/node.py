@@ -16,29 +16,25 @@ said ``bye``.
 from __future__ import annotations
 
 import asyncio
-import json
+import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
-from hopnet.protocols.base import Protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.liveness import Liveness
 from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
+from hopnet.runtime.services import (AddressExchange, AllReduce, CollectiveFactory, CoordinatorChannel, Timer,
+                                     TrainingProtocol)
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
-if TYPE_CHECKING:
-    from hopnet.collectives.base import Collective
-    from hopnet.coordinator.client import CoordinatorClient
-
-AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 EnterObserver = Callable[[int, int], None]
-Timer = Callable[[], float]
+P = TypeVar("P", bound=TrainingProtocol)
 
 
 class StepTimes:
@@ -50,19 +46,23 @@ class StepTimes:
         self.wait_updates = 0.0
         self.wait_tokens = 0.0
         self.apply = 0.0
-CollectiveFactory = Callable[["Node"], "Collective"]
 
 
-class Node:
-    def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: Protocol, *,
+class Node(Generic[P]):
+    """Satisfies :class:`hopnet.runtime.services.NodeServices`, the interface its protocol,
+    collective and coordinator client are typed against."""
+
+    def __init__(self, rank: int, graph: Graph, transport: Transport, protocol: P, *,
                  clock: Clock, events: EventLog | None = None,
                  on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
                  collective_factory: CollectiveFactory | None = None,
-                 timer: Timer = time.monotonic, coordinator: CoordinatorClient | None = None) -> None:
+                 timer: Timer = time.monotonic, coordinator: CoordinatorChannel | None = None) -> None:
         """``peer_timeout_s``: declare a neighbour dead after this long without a message from
         it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
         ``None`` turns the watch off. ``coordinator``: the client of the run's coordinator
-        (group protocols), started with the node and closed with it."""
+        (group protocols), started with the node and closed with it. ``collective_factory``:
+        how to build :attr:`collective`; by default the protocol's
+        (:meth:`~hopnet.runtime.services.TrainingProtocol.make_collective`)."""
         if not 0 <= rank < graph.n:
             raise HopnetError(f"rank {rank} is out of range for a graph of {graph.n} nodes")
         self.rank = rank
@@ -85,7 +85,8 @@ class Node:
         self._in_step = False
         self._finished: dict[str, Any] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._send_nowait = getattr(transport, "send_nowait", None)
+        self._send_nowait = transport.send_nowait if transport.sends_at_once else None
+        self.model_lock = threading.Lock()
         self._pending: set[asyncio.Task[None]] = set()
         self._send_error: BaseException | None = None
         self._pending_metrics: dict[str, Any] = {}
@@ -103,7 +104,7 @@ class Node:
         self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
         self._connected: set[int] = set()
         self._collective_factory = collective_factory
-        self._collective: Collective | None = None
+        self._collective: AllReduce | None = None
         self.coordinator = coordinator
         if coordinator is not None:
             coordinator.bind(self)
@@ -129,9 +130,7 @@ class Node:
             await self.connect_to(self.graph.peers(self.rank))
         if self.coordinator is not None:
             await self.coordinator.start()
-        config = getattr(self.protocol, "config", None)
-        to_json = getattr(config, "to_json", None)
-        self.record("start", address=self.address, **({"config": json.loads(to_json())} if to_json else {}))
+        self.record("start", address=self.address, **self.protocol.start_record())
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)
@@ -163,17 +162,17 @@ class Node:
         self._connected.update(new)
 
     @property
-    def collective(self) -> Collective:
+    def collective(self) -> AllReduce:
         """The all-reduce every group protocol uses: built on first use by the node's
-        collective factory (default: :class:`hopnet.collectives.ring.RingCollective`)."""
+        collective factory, or else by the protocol (the ring over the node's messages)."""
         if self._collective is None:
             factory = self._collective_factory
-            if factory is None:
-                from hopnet.collectives.ring import RingCollective
-                self._collective = RingCollective(self)
-            else:
-                self._collective = factory(self)
+            self._collective = factory(self) if factory is not None else self.protocol.make_collective(self)
         return self._collective
+
+    @property
+    def iteration(self) -> int:
+        return self.protocol.iteration
 
     async def close(self, *, leave: bool = True, flush_timeout_s: float | None = None) -> None:
         """Tell the neighbours this worker is leaving (unless ``leave`` is False), then shut down.
@@ -333,23 +332,19 @@ class Node:
         the same peer (it may overtake them): :meth:`Transport.send_express`."""
         self._post(msg, self.transport.send_express)
 
-    def _post(self, msg: Message, send: Callable[[Message], Awaitable[None]]) -> None:
+    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
+        """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
+        modified again (``None``: the transport already let go of them)."""
+        return self._post(msg, self.transport.send)
+
+    def _post(self, msg: Message, send: Callable[[Message], Coroutine[Any, Any, None]]) -> asyncio.Task[None] | None:
+        """Every post goes through here: the send counts as a sign of life to ``msg.dst``."""
         if self.liveness is not None:
             self.liveness.sent(msg.dst, self.clock.now())
         if self._send_nowait is not None:  # the simulator's transport: one way, in virtual time
             self._send_nowait(msg)
-            return
-        task = asyncio.get_running_loop().create_task(send(msg))
-        self._pending.add(task)
-        task.add_done_callback(self._sent)
-
-    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
-        """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
-        modified again (``None``: the transport already let go of them)."""
-        if self._send_nowait is not None:
-            self._send_nowait(msg)
             return None
-        task = asyncio.get_running_loop().create_task(self.transport.send(msg))
+        task = asyncio.get_running_loop().create_task(send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
         return task
@@ -367,7 +362,7 @@ class Node:
             error, self._send_error = self._send_error, None
             raise HopnetError(f"rank {self.rank}: sending failed: {error}") from error
 
-    def entered(self, iteration: int, protocol: Protocol) -> None:
+    def entered(self, iteration: int, protocol: TrainingProtocol) -> None:
         """The protocol entered ``iteration`` (called before it sends anything for it)."""
         if self._on_enter is not None:
             self._on_enter(self.rank, iteration)
@@ -433,7 +428,7 @@ class Node:
         else:
             self.step_times.wait_tokens += seconds
 
-    def iteration_done(self, iteration: int, protocol: Protocol) -> None:
+    def iteration_done(self, iteration: int, protocol: TrainingProtocol) -> None:
         """The protocol finished ``iteration``; its record is written when the step ends."""
         if not self._logging:
             self._pending_metrics = {}
@@ -461,3 +456,6 @@ class Node:
 def _ignore_result(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it
+
+
+__all__ = ["AddressExchange", "CollectiveFactory", "EnterObserver", "Node", "StepTimes", "Timer"]

@@ -127,7 +127,7 @@ class UpdateQueue:
 
     def take(self, m: int | None = None, iter: int | None = None, w_id: int | None = None) -> list[Update]:
         """Remove and return up to ``m`` matching entries (all when ``m`` is None), without waiting."""
-        taken = []
+        taken: list[Update] = []
         for update in self._matching(iter, w_id):
             if m is not None and len(taken) >= m:
                 break

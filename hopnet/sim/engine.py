@@ -28,6 +28,7 @@ from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.protocols import make_protocol
+from hopnet.protocols.base import Protocol
 from hopnet.protocols.adpsgd import REPLY as AVERAGING_REPLY
 from hopnet.protocols.adpsgd import REQUEST as AVERAGING_REQUEST
 from hopnet.registry import Averages
@@ -224,7 +225,8 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     virtual_time = asyncio.get_running_loop().time
     machine = make_coordinator(config, graph)
     coordinator = SimCoordinator(machine, spec.link, keep_events=spec.keep_events) if machine is not None else None
-    nodes: list[Node] = []
+    nodes: list[Node[Protocol]] = []
+    models: list[torch.Tensor] = []  # the workers' models, which their protocols average in place
     for rank in range(n):
         params = None
         if spec.param_dim:
@@ -234,6 +236,8 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
             # A model stand-in to average (there is no trainer); links are charged the model's bytes.
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
             params = torch.randn(stand_in, generator=gen, dtype=torch.float32)
+        if params is not None:
+            models.append(params)
         protocol = make_protocol(config, params, _gradients(spec, rank, stand_in))
         protocol.final_iteration = spec.iterations - 1
         transport = network.transport(rank, frozenset(graph.peers(rank)))
@@ -245,7 +249,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     finish_times: list[list[float]] = [[] for _ in range(n)]
     completed = [0] * n  # iterations each worker got through, skipped ones included
 
-    async def worker(node: Node) -> None:
+    async def worker(node: Node[Protocol]) -> None:
         rank = node.rank
         protocol = node.protocol
         rng = random.Random(f"{config.seed}:{rank}")
@@ -271,7 +275,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     rates = []
     for times in finish_times:
         rates.append(len(times) / times[-1] if times and times[-1] > 0 else 0.0)
-    skips = sorted((dict(event) for p in protocols for event in getattr(p, "skip_log", [])),
+    skips = sorted((dict(event) for p in protocols for event in p.skip_log),
                    key=lambda e: (e["t"], e["rank"]))
     return SimResult(
         n=n,
@@ -284,9 +288,9 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         skips=skips,
         virtual_time=max((t[-1] for t in finish_times if t), default=0.0),
         wall_seconds=time.perf_counter() - started,
-        dropped_late_updates=sum(getattr(p, "late_updates_dropped", 0) for p in protocols),
-        updates_not_sent=sum(getattr(p, "updates_not_sent", 0) for p in protocols),
-        params=[p.params for p in protocols] if spec.param_dim else None,
+        dropped_late_updates=sum(p.late_updates_dropped for p in protocols),
+        updates_not_sent=sum(p.updates_not_sent for p in protocols),
+        params=models if spec.param_dim else None,
         events=[node.events.records for node in nodes] if spec.keep_events else None,
         coordinator=coordinator.summary() if coordinator is not None else None,
         coordinator_events=coordinator.records if coordinator is not None and spec.keep_events else None,

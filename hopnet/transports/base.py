@@ -69,6 +69,13 @@ class Transport(abc.ABC):
     """Whether peers on this transport can die unannounced, so the Node must watch them with
     heartbeats (a network transport). In-process peers cannot: they leave with ``bye``."""
 
+    carries_cuda: bool = False
+    """Whether it moves CUDA tensors (the torch bulk plane); the others move CPU tensors only."""
+
+    sends_at_once: bool = False
+    """Whether a send is complete the moment it is handed over (the in-process transport):
+    the Node then calls :meth:`send_nowait` instead of awaiting :meth:`send` in a task."""
+
     def __init__(self, rank: int, allowed_senders: frozenset[int]) -> None:
         self.rank = rank
         self.allowed_senders = allowed_senders
@@ -91,6 +98,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def send(self, msg: Message) -> None:
         """Send ``msg``. Returns once the caller may modify ``msg.tensors`` again."""
+
+    def send_nowait(self, msg: Message) -> None:
+        """Send ``msg`` at once, without awaiting; only on a transport that ``sends_at_once``."""
+        raise NotImplementedError(f"{type(self).__name__} does not send at once (sends_at_once is False)")
 
     async def send_latest(self, msg: Message) -> None:
         """Send ``msg``, or let a later ``send_latest`` to the same peer replace it.

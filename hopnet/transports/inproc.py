@@ -105,6 +105,8 @@ class InprocNetwork:
 
 
 class InprocTransport(Transport):
+    sends_at_once = True
+
     def __init__(self, network: InprocNetwork, rank: int, allowed_senders: frozenset[int]) -> None:
         super().__init__(rank, allowed_senders)
         self.network = network

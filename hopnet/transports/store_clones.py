@@ -34,7 +34,8 @@ class StoreClones:
         with self._lock:
             store = self._idle.pop() if self._idle else None
         if store is None:
-            store = self.origin.clone()  # every c10d store type clones (TCP, prefix, file, hash)
+            # every c10d store type clones (TCP, prefix, file, hash); torch's stubs lack the method
+            store = self.origin.clone()  # type: ignore[attr-defined]
         yield store
         with self._lock:
             self._idle.append(store)

@@ -38,14 +38,15 @@ sends to that peer fail the same way (receives).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ def build_group(store: dist.Store, backend: str, group_rank: int, group_size: in
     the event loop."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
         opts._timeout = timeout
         if host in _WILDCARD_HOSTS:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
@@ -375,7 +376,7 @@ class TorchBulkTransport(Transport):
                 works = [pg.send([t], other, 0) for t in msg.tensors]
             except Exception as exc:
                 raise self._peer_error(peer, "send", exc) from None
-            self._waiter(peer, "send").add(works, device, lambda err: done.done() or done.set_result(err))
+            self._waiter(peer, "send").add(works, device, settle(done))
             await self.control.send(header)
         error = await done
         if error is not None:
@@ -485,7 +486,7 @@ class TorchBulkTransport(Transport):
                 self._received(src, entry, exc)
                 continue
             device = entry.tensors[0].device
-            self._waiter(src, "recv").add(works, device, lambda err, e=entry: self._received(src, e, err))
+            self._waiter(src, "recv").add(works, device, functools.partial(self._received, src, entry))
 
     def _fail_unposted(self, key: tuple[int, str]) -> None:
         error = self._channels[key].exception()
@@ -527,11 +528,22 @@ class TorchBulkTransport(Transport):
             receiver.deliver(msg)
 
 
-def _buffers_match(target: Any, specs: tuple[TensorSpec, ...]) -> bool:
+def _buffers_match(target: object, specs: tuple[TensorSpec, ...]) -> TypeGuard[Sequence[torch.Tensor]]:
     if not isinstance(target, (list, tuple)) or len(target) != len(specs):
         return False
     return all(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == s.shape
                and t.is_contiguous() for t, s in zip(target, specs))
+
+
+T = TypeVar("T")
+
+
+def settle(future: asyncio.Future[T]) -> Callable[[T], None]:
+    """A callback that gives ``future`` its result, unless it is done already."""
+    def set_once(value: T) -> None:
+        if not future.done():
+            future.set_result(value)
+    return set_once
 
 
 def release_group(pg: Any) -> None:
@@ -555,4 +567,4 @@ def _one_line(error: BaseException) -> str:
 
 
 __all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
-           "release_group", "wait_work"]
+           "release_group", "settle", "wait_work"]

@@ -67,8 +67,8 @@ import platform
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ import zmq.asyncio
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.security import CurveKeys, HandshakeWatch, is_loopback, make_curve_client, make_curve_server
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.wire import DecodeError, Message, decode_header, encode_header
+from hopnet.wire import DecodeError, Message, TensorSpec, decode_header, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class _Peer:
         self.address = address
         self.sock = sock
         # A plain socket sharing the same libzmq socket: non-blocking sends without Futures.
-        self.raw = zmq.Socket.shadow(sock.underlying)
+        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self.raw.copy_threshold = COPY_THRESHOLD
         self.busy = 0  # sends waiting in zmq.asyncio's queue (keeps per-peer order)
         self.staged = 0  # staged messages libzmq still holds
@@ -365,7 +365,8 @@ class ZmqTransport(Transport):
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         # A plain socket: the loop watches its FD directly (see _on_readable).
-        sock = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
+        # pyzmq's stubs tie an asyncio Context to asyncio sockets; socket_class overrides it
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)  # type: ignore[arg-type, assignment]
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, HWM)
         # ROUTER_HANDOVER stays off: a second connection presenting a connected peer's
@@ -388,7 +389,7 @@ class ZmqTransport(Transport):
         self._router = sock
         self._receiver = receiver
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._router_fd = sock.getsockopt(zmq.FD)
+        self._router_fd = sock.fileno()  # zmq.FD, the edge-triggered descriptor
         self._loop.add_reader(self._router_fd, self._on_readable)
         self._loop.call_soon(self._on_readable)  # the FD is edge-triggered: look once now
         if self._handshakes is not None:
@@ -627,7 +628,7 @@ class ZmqTransport(Transport):
         buf = self._stage_pool.take(total)
         done = _SendDone(self._loop or asyncio.get_running_loop())
         parts: list[Any] = [header]
-        view = memoryview(buf)
+        view = buf.data
         off = 0
         for t, n in zip(tensors, sizes):
             if n < COPY_THRESHOLD:
@@ -687,7 +688,7 @@ class ZmqTransport(Transport):
             if n < COPY_THRESHOLD:
                 parts.append(_byte_view(t) if n else b"")  # pyzmq copies it
                 continue
-            flat = memoryview(_byte_view(t))
+            flat = _byte_view(t).data
             for off in range(0, n, CHUNK_BYTES):
                 chunk = flat[off:off + CHUNK_BYTES]
                 if chunk.nbytes >= COPY_THRESHOLD:
@@ -743,7 +744,7 @@ class ZmqTransport(Transport):
         was dropped instead (timed out, or the socket was closed meanwhile)."""
         peer.busy += 1
         try:
-            fut = peer.sock.send_multipart(parts, copy=False)
+            fut = asyncio.ensure_future(peer.sock.send_multipart(parts, copy=False))  # zmq.asyncio's Future
             del parts
             try:
                 done, _ = await asyncio.wait((fut,), timeout=self.send_timeout)
@@ -803,7 +804,7 @@ class ZmqTransport(Transport):
         if sock is None:
             return
         handle = self._handle
-        get = sock.get
+        get = cast(Callable[[int], int], sock.get)  # EVENTS is an int option
         try:
             for _ in range(_DRAIN_BATCH):
                 # Reading EVENTS makes libzmq process its pending commands and re-arms the
@@ -907,7 +908,7 @@ class ZmqTransport(Transport):
                 stats.drop("bad_buffers")
                 log.debug("rank %d: buffers_for returned tensors that do not match %s", self.rank, specs)
                 return
-            tensors = target
+            tensors = list(target)
             i = 2
             for t, nbytes in zip(tensors, sizes):
                 if nbytes == 0:
@@ -917,7 +918,7 @@ class ZmqTransport(Transport):
                 for off in range(0, nbytes, CHUNK_BYTES):
                     frame = frames[i]
                     i += 1
-                    dst[off:off + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+                    dst[off:off + len(frame)] = np.frombuffer(frame.buffer, dtype=np.uint8)
         stats.received_messages += 1
         stats.received_bytes += sum(sizes)
         receiver.deliver(Message(header.kind, header.src, header.dst, header.iter,
@@ -937,7 +938,7 @@ def _first_frames(sizes: list[int]) -> list[int]:
     return out
 
 
-def _buffers_match(target: Any, specs: tuple) -> bool:
+def _buffers_match(target: object, specs: tuple[TensorSpec, ...]) -> TypeGuard[Sequence[torch.Tensor]]:
     if not isinstance(target, (list, tuple)) or len(target) != len(specs):
         return False
     for t, spec in zip(target, specs):
@@ -958,7 +959,7 @@ def _new_tensor(dtype: torch.dtype, shape: tuple[int, ...], frames: list[zmq.Fra
     while off < nbytes:
         frame = frames[i]
         n = len(frame)
-        dst[off:off + n] = np.frombuffer(frame, dtype=np.uint8)
+        dst[off:off + n] = np.frombuffer(frame.buffer, dtype=np.uint8)
         off += n
         i += 1
     return t

@@ -6,22 +6,20 @@
 - ``auto``: torch for CUDA tensors; for CPU tensors, per message, whichever
   ``bench/bulk.py`` measured faster for its size: messages of at least
   :data:`AUTO_CPU_MIN_BYTES` go over gloo, smaller ones over ZeroMQ.
+
+It lives with the launch code, above the transports and the collectives, because it
+wires both to the run's c10d store that `hopnet launch` hosts (``HOPNET_STORE``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from hopnet.errors import ConfigError
+from hopnet.runtime.services import AllReduce, CollectiveFactory, NodeServices
 from hopnet.security import CurveKeys
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
-
-if TYPE_CHECKING:
-    from hopnet.collectives.base import Collective
-    from hopnet.runtime.node import CollectiveFactory, Node
 
 AUTO_CPU_MIN_BYTES: int | None = 16 << 20
 """Smallest CPU message ``auto`` sends over gloo (``None`` would mean ZeroMQ for every size).
@@ -73,7 +71,7 @@ def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: st
 def collective_factory(*, rank: int, world_size: int, bulk: str, device: torch.device, store_endpoint: str,
                        timeout_s: float, bind_host: str, tensor_bytes: int | None) -> CollectiveFactory | None:
     """How a worker's all-reduces travel, by the same rule as its updates: ``None`` for the
-    ring over hopnet's own messages (the Node's default), else a factory of
+    ring over hopnet's own messages (the protocol's default), else a factory of
     :class:`~hopnet.collectives.torchdist.TorchCollective` (CUDA tensors, ``--bulk torch``,
     or ``auto`` with a store and tensors of at least :data:`AUTO_CPU_MIN_BYTES`)."""
     if device.type == "cpu":
@@ -86,7 +84,7 @@ def collective_factory(*, rank: int, world_size: int, bulk: str, device: torch.d
         raise ConfigError(f"all-reduces of {device.type} tensors need the run's c10d store "
                           "(HOPNET_STORE, set by `hopnet launch`)")
 
-    def build(node: Node) -> Collective:
+    def build(node: NodeServices) -> AllReduce:
         from hopnet.collectives.torchdist import TorchCollective
         from hopnet.launch.store import connect_store
 

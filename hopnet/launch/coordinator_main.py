@@ -1,6 +1,6 @@
-"""``python -m hopnet.coordinator``: the coordinator process `hopnet launch` starts.
+"""``python -m hopnet.launch.coordinator_main``: the coordinator process `hopnet launch` starts.
 
-    python -m hopnet.coordinator --graph G.json --config JSON [--run-dir D] [--bind HOST]
+    python -m hopnet.launch.coordinator_main --graph G.json --config JSON [--run-dir D] [--bind HOST]
 
 It builds the state machine the configuration names (:func:`hopnet.coordinator.make_coordinator`),
 binds a ROUTER on a free port, prints ``HOPNET_COORDINATOR=tcp://HOST:PORT`` as its first
@@ -28,7 +28,7 @@ from hopnet.security import keys_from_environ
 
 def main(argv: list[str] | None = None) -> int:
     parent_watch.start()
-    parser = argparse.ArgumentParser(prog="python -m hopnet.coordinator")
+    parser = argparse.ArgumentParser(prog="python -m hopnet.launch.coordinator_main")
     parser.add_argument("--graph", required=True, help="graph JSON the launcher wrote")
     parser.add_argument("--config", required=True, help="the protocol configuration as JSON")
     parser.add_argument("--run-dir", default=None, help="where coordinator.jsonl goes")

@@ -1,0 +1,156 @@
+"""The typed seam between a protocol and the runtime.
+
+:class:`NodeServices` is everything a protocol (and the coordinator client, and the ring
+collective) may use of its node; :class:`TrainingProtocol` is everything the node asks of
+the protocol it drives. :class:`hopnet.runtime.node.Node` satisfies the first, every
+:class:`hopnet.protocols.base.Protocol` the second. Both are structural, so the runtime
+names no protocol, collective or coordinator module: the layers above implement these
+interfaces, the runtime only calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from hopnet.graph import Graph
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.events import EventLog
+from hopnet.runtime.mailbox import Mailbox
+from hopnet.wire import Header, Message
+
+ReduceOp = Literal["mean", "sum"]
+Timer = Callable[[], float]
+ApplyFn = Callable[[], None]
+
+
+class AllReduce(Protocol):
+    """The node's collective as the node and its protocols see it
+    (implemented by :class:`hopnet.collectives.base.Collective`)."""
+
+    async def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                        tag: str) -> torch.Tensor: ...
+
+    async def close(self) -> None: ...
+
+
+class CoordinatorChannel(Protocol):
+    """The client of the run's coordinator, as the node and its protocols see it
+    (implemented by :class:`hopnet.coordinator.client.CoordinatorClient`)."""
+
+    def bind(self, node: NodeServices) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def send(self, message: Mapping[str, Any]) -> None: ...
+
+    async def receive(self, what: str) -> dict[str, Any]: ...
+
+
+CollectiveFactory = Callable[["NodeServices"], AllReduce]
+
+
+class NodeServices(Protocol):
+    """What a protocol may use of the node it is bound to.
+
+    Identity and topology (``rank``, ``graph``), sending (``post*``, ``flush``,
+    ``connect_to``), the collective and the coordinator client, the clock (``clock`` for
+    waits, ``timer`` for step timings), the event log (``record``, ``count_drop`` and the
+    step bookkeeping), what is known of the peers (``departed``, ``dead``,
+    ``final_iterations``, ``peer_state``), and the lock around writes to the model."""
+
+    rank: int
+    graph: Graph
+    clock: Clock
+    timer: Timer
+    events: EventLog
+    mailbox: Mailbox
+    coordinator: CoordinatorChannel | None
+    departed: dict[int, int]
+    """Peers that said ``bye``, with the last iteration they sent for."""
+    dead: dict[int, float]
+    """Peers declared dead, with how long they had been silent (seconds)."""
+    final_iterations: dict[int, int | None]
+    """The last iteration each departed peer planned to run, from its ``bye``."""
+    model_lock: threading.Lock
+    """Held around every write to the model made off the trainer's thread, and around the
+    optimizer step; a trainer holds it to read a consistent model."""
+
+    @property
+    def iteration(self) -> int:
+        """The iteration the node's protocol is in."""
+        ...
+
+    @property
+    def collective(self) -> AllReduce: ...
+
+    # sending
+    def post(self, msg: Message) -> None: ...
+
+    def post_latest(self, msg: Message) -> None: ...
+
+    def post_express(self, msg: Message) -> None: ...
+
+    def post_tracked(self, msg: Message) -> asyncio.Task[None] | None: ...
+
+    async def flush(self) -> None: ...
+
+    async def connect_to(self, ranks: Iterable[int]) -> None: ...
+
+    # peers
+    def peer_state(self, peer: int) -> str: ...
+
+    def peer_dead(self, peer: int, silent_s: float) -> None: ...
+
+    # events and step bookkeeping
+    def record(self, event: str, **fields: Any) -> None: ...
+
+    def count_drop(self, reason: str) -> None: ...
+
+    def entered(self, iteration: int, protocol: TrainingProtocol) -> None: ...
+
+    def waited(self, what: str, seconds: float) -> None: ...
+
+    def iteration_done(self, iteration: int, protocol: TrainingProtocol) -> None: ...
+
+
+class TrainingProtocol(Protocol):
+    """What the node asks of the protocol it drives (see :class:`hopnet.protocols.base.Protocol`)."""
+
+    iteration: int
+
+    def bind(self, node: NodeServices) -> None: ...
+
+    def make_collective(self, node: NodeServices) -> AllReduce: ...
+
+    def start_record(self) -> dict[str, Any]: ...
+
+    async def start(self) -> None: ...
+
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def buffers_for(self, header: Header) -> Any: ...
+
+    def on_message(self, msg: Message) -> None: ...
+
+    def on_peer_departed(self, peer: int, last_iteration: int) -> None: ...
+
+    def on_peer_dead(self, peer: int) -> None: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
+
+__all__ = ["AddressExchange", "AllReduce", "ApplyFn", "CollectiveFactory", "CoordinatorChannel", "NodeServices",
+           "ReduceOp", "Timer", "TrainingProtocol"]
