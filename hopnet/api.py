@@ -355,6 +355,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     those given explicitly on the launcher's command line (a :class:`ConfigError` names
     both). Every rank must end up with the same options: the rendezvous refuses a rank
     whose options differ from another's.
+
+    The steps are the phases of :mod:`hopnet.worker_init`, in order.
     """
     spec = InitSpec(model=model, params=params, config=config, graph=graph, options=options)
     context = find_launcher(spec.graph, os.environ)
