@@ -409,7 +409,7 @@ def _poll_ms(deadline: float) -> int:
 def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float,
                   curve: CurveKeys | None = None) -> dict[str, Any] | None:
     """Send one request; the reply, or ``None`` after ``timeout_s``."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     _connect(sock, endpoint, curve)
     try:
         sock.send(_encode(request))
@@ -429,7 +429,7 @@ async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: f
     try:
         await sock.send(_encode(request))
         deadline = time.monotonic() + timeout_s
-        while not await sock.poll(_poll_ms(deadline), zmq.POLLIN):
+        while not await sock.poll(_poll_ms(deadline)):  # flags default to POLLIN
             if time.monotonic() >= deadline:
                 return None
         return _unpack_reply(await sock.recv(), endpoint)
