@@ -18,24 +18,21 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hopnet.collectives.base import ReduceOp
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
-from hopnet.params import FlatGradients, flatten_parameters
+from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
@@ -43,15 +40,33 @@ from hopnet.runtime import shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
-
-if TYPE_CHECKING:
-    from hopnet.launch.coordinator_proc import CoordinatorProcess
+from hopnet.worker_init import (
+    InitSpec,
+    ModelTensors,
+    check_inputs,
+    connect,
+    find_launcher,
+    open_run,
+    resolve_options,
+)
 
 CLOSE_TIMEOUT_S = 120.0
 """Longest a close may take before the loop thread is abandoned (sends have their own timeout)."""
 
 ABORT_FLUSH_S = 1.0
 """How long a failing worker waits for its last sends (its ``bye`` included) before closing."""
+
+
+def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
+                  grads: FlatGradients | torch.Tensor | None, transport: Transport, events: EventLog | None,
+                  collective_factory: CollectiveFactory | None, coordinator: CoordinatorClient | None) -> Node:
+    """The node of one worker: ``config``'s protocol over ``params``/``grads``, on ``transport``,
+    with the clock and peer timeout ``config`` sets. :class:`Worker` and :class:`AsyncWorker`
+    (and so :func:`init`) build their node here."""
+    protocol = make_protocol(config, params, grads)
+    return Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
+                peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
+                coordinator=coordinator)
 
 
 class Worker:
@@ -76,10 +91,9 @@ class Worker:
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        protocol = make_protocol(config, params, grads)
-        self.node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                         peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
-                         coordinator=coordinator)
+        self.node = assemble_node(rank=rank, graph=graph, config=config, params=params, grads=grads,
+                                  transport=transport, events=events, collective_factory=collective_factory,
+                                  coordinator=coordinator)
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -248,10 +262,9 @@ class AsyncWorker:
                     grads: FlatGradients | torch.Tensor | None = None,
                     collective_factory: CollectiveFactory | None = None,
                     coordinator: CoordinatorClient | None = None) -> AsyncWorker:
-        protocol = make_protocol(config, params, grads)
-        node = Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
-                    peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
-                    coordinator=coordinator)
+        node = assemble_node(rank=rank, graph=graph, config=config, params=params, grads=grads,
+                             transport=transport, events=events, collective_factory=collective_factory,
+                             coordinator=coordinator)
         try:
             await node.start(exchange)
         except BaseException:
@@ -293,7 +306,10 @@ class DistributedOptimizer:
         self.worker = worker
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
-        self.worker.step(lambda: self.optimizer.step(closure))
+        def apply() -> None:
+            self.optimizer.step(closure)
+
+        self.worker.step(apply)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients. When the worker holds them in one flat buffer (``hopnet.init(model)``)
@@ -337,126 +353,23 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     those given explicitly on the launcher's command line (a :class:`ConfigError` names
     both). Every rank must end up with the same options: the rendezvous refuses a rank
     whose options differ from another's.
+
+    The steps are the phases of :mod:`hopnet.worker_init`, in order.
     """
-    from hopnet.launch.env import WorkerEnv
-    from hopnet.launch.external import detect
-    from hopnet.launch.options import check_coordinator_options, check_explicit
-    from hopnet.launch.rendezvous import exchange_addresses_async
-    from hopnet.security import keys_from_environ
-    from hopnet.launch.plane import collective_factory, make_transport
-
-    env = WorkerEnv.from_environ()
-    attached = None
-    hosted_coordinator: list[CoordinatorProcess] = []  # rank 0's, under torchrun or srun
-    if env is None:
-        external = detect(os.environ)
-        if external is None:
-            raise ConfigError("hopnet.init() reads its rank, graph and peers from a launcher: run the script "
-                              "with `hopnet launch --graph G.json SCRIPT`, torchrun or srun, or build a "
-                              "hopnet.Worker")
-        from hopnet.launch.attach import attach
-
-        attached = attach(external, graph, os.environ)
-        rank, world_size, g = attached.rank, attached.world_size, attached.graph
-        flags, explicit = attached.flags, attached.explicit
-        bind_host, store_endpoint = attached.bind_host, attached.store_endpoint
-    else:
-        rank, world_size = env.rank, env.world_size
-        g = Graph.from_json(env.graph_path)
-        if graph is not None:
-            _check_same_graph(g, graph)
-        flags, explicit = env.config(), env.explicit_options
-        bind_host, store_endpoint = env.bind_host, env.store
-    curve = keys_from_environ()  # the run key when the launcher secured the run, else None
-    if g.n != world_size:
-        raise ConfigError(f"the graph has {g.n} nodes but the launcher started {world_size} workers")
-    cfg = config if config is not None else flags
-    if options:
-        cfg = cfg.replace(**options)
-        cfg.validate()
-    where = "hopnet.init()" if config is None else "the config passed to hopnet.init()"
-    check_explicit(flags, cfg, explicit, where)
-    if env is not None:  # under torchrun/srun rank 0 builds the coordinator from cfg itself
-        check_coordinator_options(flags, cfg, where)
-    announced = json.loads(cfg.to_json())
-    if model is not None and params is not None:
-        raise ConfigError("pass either model or params, not both")
-    check_config_for_graph(cfg, g)  # the launcher's own check, for options given in code
-    if attached is not None:
-        run_dir = attached.open_run_dir(cfg.protocol, cfg.timeout_s)
-        # no launcher process of hopnet's own: rank 0's process hosts the group protocols' coordinator
-        os.environ.update(attached.share_coordinator(
-            lambda: _host_coordinator(cfg, run_dir, bind_host, hosted_coordinator), cfg.timeout_s))
-    else:
-        assert env is not None
-        run_dir = env.run_dir
-    flat = flatten_parameters(model) if model is not None else params
-    grads = FlatGradients(model) if model is not None else None
-    device = flat.device if flat is not None else torch.device("cpu")
-    transport = make_transport(rank=rank, peers=frozenset(g.peers(rank)), bind_host=bind_host,
-                               bulk=cfg.bulk, device=device, store_endpoint=store_endpoint, timeout_s=cfg.timeout_s,
-                               message_bytes=None if flat is None else flat.numel() * flat.element_size(),
-                               curve=curve)
-
-    factory = collective_factory(rank=rank, world_size=world_size, bulk=cfg.bulk, device=device,
-                                 store_endpoint=store_endpoint, timeout_s=cfg.timeout_s, bind_host=bind_host,
-                                 tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
-                                 if grads is not None else None)
-
-    async def exchange(address: str) -> dict[int, str]:
-        if attached is not None:
-            return await attached.exchange(address, announced, cfg.timeout_s)
-        assert env is not None
-        return await exchange_addresses_async(env.rendezvous, env.rank, env.world_size, address,
-                                              cfg.timeout_s, config=announced, curve=curve)
-
-    coordinator = client_from_environ(rank, cfg.peer_timeout_s)
-    events = JsonlEventLog(Path(run_dir) / f"rank{rank}.jsonl")
+    spec = InitSpec(model=model, params=params, config=config, graph=graph, options=options)
+    context = find_launcher(spec.graph, os.environ)
+    cfg = resolve_options(spec, context)
+    check_inputs(spec, context, cfg)
+    run = open_run(context, cfg)
+    tensors = ModelTensors.of(spec.model, spec.params)
+    transport, factory = connect(context, cfg, tensors)
     try:
-        worker = Worker(rank=rank, graph=g, config=cfg, params=flat, transport=transport,
-                        exchange=exchange, events=events, grads=grads, collective_factory=factory,
-                        coordinator=coordinator)
+        worker = Worker(rank=context.rank, graph=context.graph, config=cfg, params=tensors.params,
+                        transport=transport, exchange=context.exchange(cfg),
+                        events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
+                        collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s))
     except BaseException:
-        if attached is not None:
-            attached.finish(aborted=True)
-        if hosted_coordinator:
-            hosted_coordinator[0].stop(COORDINATOR_STOP_GRACE_S)
+        run.finish(aborted=True)
         raise
-    if attached is not None:
-        worker.after_close.append(attached.finish)
-    if hosted_coordinator:  # after the store: every rank has left, so no group waits on it any more
-        worker.after_close.append(lambda aborted: hosted_coordinator[0].stop(COORDINATOR_STOP_GRACE_S))
+    worker.after_close.append(run.finish)
     return worker
-
-
-def _check_same_graph(launched: Graph, given: Graph | str | os.PathLike[str]) -> None:
-    """``graph=`` under `hopnet launch` must be the graph the launcher runs."""
-    g = given if isinstance(given, Graph) else Graph.load(os.fspath(given))
-    same = g.n == launched.n and all(sorted(g.peers(r)) == sorted(launched.peers(r)) for r in range(g.n))
-    if not same:
-        raise ConfigError(f"graph= {g.name or 'given to hopnet.init()'} differs from the graph `hopnet launch` "
-                          "runs (drop graph= or pass the same graph to --graph)")
-
-
-COORDINATOR_STOP_GRACE_S = 5.0
-
-
-def _host_coordinator(config: ProtocolConfig, run_dir: str, bind_host: str,
-                      hosted: list[CoordinatorProcess]) -> dict[str, str]:
-    """Start the coordinator the protocol needs (none: ``{}``) as rank 0's child process; the
-    ``HOPNET_COORDINATOR*`` variables every rank sets."""
-    from hopnet.coordinator import make_coordinator
-    from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
-
-    graph_path = Path(run_dir) / "graph.json"  # rank 0 wrote it when it named the run directory
-    machine = make_coordinator(config, Graph.from_json(graph_path))
-    if machine is None:
-        return {}
-    try:
-        process = CoordinatorProcess.start(machine.name, graph_path=str(graph_path), config_json=config.to_json(),
-                                           run_dir=run_dir, bind_host=bind_host, env=os.environ, pass_fds=(),
-                                           relay=sys.stderr.buffer.write)
-    except CoordinatorStartError as exc:
-        raise ConfigError(str(exc)) from None
-    hosted.append(process)
-    return process.worker_env()

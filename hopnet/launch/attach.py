@@ -27,6 +27,7 @@ from hopnet.graph import Graph
 from hopnet.launch.env import BIND, GRAPH, RUN_DIR
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import ExternalEnv, route_address
+from hopnet.launch.run_dir import graph_label, make_run_dir
 from hopnet.launch.store import HostedStore, connect_store, host_store
 from hopnet.launch.store_rendezvous import StoreRendezvous
 
@@ -78,8 +79,6 @@ class AttachedRun:
         """Rank 0 names the run directory (and writes ``graph.json``); every rank learns it."""
         chosen: str | None = None
         if self.rank == 0:
-            from hopnet.launch.launcher import graph_label, make_run_dir
-
             given = os.environ.get(RUN_DIR, "").strip() or None
             path = make_run_dir(given, protocol, graph_label(self.graph, None))
             self.graph.to_json(path / "graph.json")

@@ -27,7 +27,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from types import FrameType, TracebackType
 
 from hopnet.launch import parent_watch

@@ -1,0 +1,68 @@
+"""How a launch ended, in one line: the launcher's last phase before the report.
+
+:func:`blame_run` names the rank at the root of a failure from every rank's event log
+(:mod:`hopnet.launch.blame`); :func:`conclude` decides the exit status and the closing
+line from the :class:`~hopnet.launch.state.RunState` the earlier phases left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hopnet.launch.blame import Blame, RankEnd, describe_exit, explain, read_log_facts
+from hopnet.launch.state import RunState
+
+
+def plural_ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _exits(lost: dict[int, int]) -> str:
+    return ", ".join(f"{r}: {describe_exit(c)}" for r, c in sorted(lost.items()))
+
+
+def blame_run(run_dir: Path, state: RunState) -> Blame:
+    """Read every rank's event log and name the rank that caused the failure."""
+    position = {rank: i for i, rank in enumerate(state.exit_order)}
+    stopped = state.stopped
+    ends = []
+    for rank, code in state.returncodes.items():
+        facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
+        ends.append(RankEnd(rank=rank, exit_code=code, stopped=rank in stopped,
+                            order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter))
+    blame = explain(ends)
+    if blame is not None:
+        return blame
+    lost = state.lost
+    rank = min(lost, key=lambda r: position.get(r, len(position)))  # no record to go by: the first to exit
+    reason = describe_exit(lost[rank])
+    return Blame(rank, reason, f"worker {rank} failed ({reason})")
+
+
+def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: int,
+             machine: str | None = None) -> None:
+    """Settle ``state``'s exit status, failed rank, reason and closing line once every worker ended.
+
+    ``machine`` names this launcher in a multi-machine run (``"HOST, node N"``): the closing
+    line then says where the blamed rank runs. A launcher that was signalled says nothing more.
+    """
+    if state.signal is not None:
+        return
+    lost = state.lost
+    if state.coordinator_exit is not None:
+        if lost and state.summary is not None:
+            state.summary += f"; then {plural_ranks(sorted(lost))} failed ({_exits(lost)})"
+        return
+    if state.failed_rank is not None or state.summary is not None:
+        return  # a phase already named the failure (a worker that did not start, another machine)
+    if len(lost) > max_failures or (state.first_failure is not None and machine is not None):
+        blame = blame_run(run_dir, state)
+        summary = blame.summary if machine is None else f"{blame.summary} [rank {blame.rank} runs on {machine}]"
+        state.fail(blame.rank, blame.reason, summary)
+    elif lost:
+        state.summary = (f"lost {plural_ranks(sorted(lost))} ({_exits(lost)}); "
+                         f"the other {world_size - len(lost)} workers finished")
+
+
+__all__ = ["blame_run", "conclude", "plural_ranks"]

@@ -1,0 +1,199 @@
+"""What a launch was asked to do (:class:`LaunchSpec`) and what it resolves to (:class:`LaunchPlan`).
+
+:func:`validate` is the launcher's first phase: it checks every input and resolves the
+graph, the worker command, the protocol's coordinator and this machine's ranks, raising
+:class:`ConfigError` with a one-line message before anything is created (no run
+directory, no socket, no process).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
+from hopnet.coordinator import make_coordinator
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.launch.nodes import place_ranks
+from hopnet.launch.options import option_names
+
+DEFAULT_NPROC = 4
+DEFAULT_GRACE_S = 5.0
+DEFAULT_SETTLE_S = 1.5
+"""After the first failure, how long the other workers may end on their own before being stopped."""
+WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
+"""Every worker runs its script through :mod:`hopnet.launch.worker_main`."""
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+GraphArgument: TypeAlias = Graph | str | os.PathLike[str] | None
+"""A :class:`Graph`, a JSON path, a builder spec (``ring:4``), or ``None`` for a ring."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything the user asked of one launcher (the arguments of :func:`hopnet.launch.launch`)."""
+
+    script: str | os.PathLike[str]
+    script_args: Sequence[str] = ()
+    graph: GraphArgument = None
+    config: ProtocolConfig | None = None
+    nproc: int | None = None
+    run_dir: str | os.PathLike[str] | None = None
+    bind: str = DEFAULT_BIND
+    prefix: bool = True
+    env_extra: Mapping[str, str] | None = None
+    module: bool = False
+    grace_s: float = DEFAULT_GRACE_S
+    argv: Sequence[str] | None = None
+    overwrite: bool = False
+    max_failures: int = 0
+    explicit_options: Collection[str] = ()
+    settle_s: float = DEFAULT_SETTLE_S
+    progress: bool = True
+    insecure: bool = False
+    secure: bool = False
+    key_file: str | os.PathLike[str] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+    @property
+    def single_machine(self) -> bool:
+        return self.nnodes == 1 and self.node_rank == 0 and self.rdzv_endpoint is None
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The ranks this launcher runs: ``rank_offset .. rank_offset + nproc - 1`` of ``world_size``,
+    or the ranks ``placed`` on this machine (see :func:`hopnet.launch.nodes.place_ranks`).
+
+    With one machine ``rank_offset`` is 0 and ``nproc == world_size``.
+    """
+
+    world_size: int
+    nproc: int
+    node_rank: int = 0
+    rank_offset: int = 0
+    placed: tuple[int, ...] | None = None
+
+    @property
+    def ranks(self) -> Sequence[int]:
+        if self.placed is not None:
+            return self.placed
+        return range(self.rank_offset, self.rank_offset + self.nproc)
+
+    def worker_env(self, rank: int, *, graph_path: str, rendezvous: str, run_dir: str,
+                   config_json: str, bind: str, explicit_options: tuple[str, ...] = ()) -> WorkerEnv:
+        return WorkerEnv(rank=rank, world_size=self.world_size, local_rank=list(self.ranks).index(rank),
+                         graph_path=graph_path, rendezvous=rendezvous, run_dir=run_dir,
+                         config_json=config_json, bind_host=bind, node_rank=self.node_rank,
+                         explicit_options=explicit_options)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A validated :class:`LaunchSpec`, resolved: what the later phases run."""
+
+    spec: LaunchSpec
+    config: ProtocolConfig
+    command: list[str]
+    """The argv every worker starts with (:data:`WORKER_ENTRY` then the script and its arguments)."""
+    graph: Graph
+    nodes: NodePlan
+    bind: str
+    coordinator_name: str | None
+    """The protocol's coordinator (:func:`hopnet.coordinator.make_coordinator`), if it has one."""
+    notes: list[str] = field(default_factory=list)
+    """What :func:`check_config_for_graph` noted about the options on this graph."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes.world_size
+
+    @property
+    def explicit_options(self) -> tuple[str, ...]:
+        return tuple(sorted(self.spec.explicit_options))
+
+
+def resolve_graph(graph: GraphArgument, nproc: int | None) -> tuple[Graph, int]:
+    """The graph and the number of workers, checked against each other.
+
+    ``graph`` is a :class:`Graph`, a JSON path, a builder spec (``ring:4``), or ``None``
+    for a ring over ``nproc`` workers (``nproc`` defaults to the graph's size, or 4).
+    """
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise ConfigError(f"--nproc must be an integer >= 1 (got {nproc!r})")
+    if graph is None:
+        n = DEFAULT_NPROC if nproc is None else nproc
+        return Graph.ring(n), n
+    if isinstance(graph, Graph):
+        g = graph
+        label = g.name or "the graph"
+    else:
+        label = os.fspath(graph)
+        g = Graph.load(label)
+    if nproc is not None and nproc != g.n:
+        raise ConfigError(f"--nproc {nproc} does not match the graph {label} ({g.n} nodes)")
+    return g, g.n
+
+
+def worker_command(script: str | os.PathLike[str], script_args: Sequence[str], module: bool) -> list[str]:
+    """The command line of every worker: the script (or ``-m MODULE``) run through :data:`WORKER_ENTRY`."""
+    script_text = os.fspath(script)
+    if module:
+        if not _MODULE_NAME.fullmatch(script_text):
+            raise ConfigError(f"-m {script_text!r}: not a module name")
+        return [*WORKER_ENTRY, "-m", script_text, *script_args]
+    if not os.path.exists(script_text):
+        raise ConfigError(f"script {script_text!r} not found")
+    if os.path.isdir(script_text) and not os.path.exists(os.path.join(script_text, "__main__.py")):
+        raise ConfigError(f"script {script_text!r} is a directory without __main__.py")
+    return [*WORKER_ENTRY, script_text, *script_args]
+
+
+def _node_plan(spec: LaunchSpec, graph: Graph, world_size: int) -> NodePlan:
+    if spec.single_machine:
+        return NodePlan(world_size=world_size, nproc=world_size)
+    if spec.rdzv_endpoint is None:
+        raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (node 0's address, "
+                          "reachable from every machine)")
+    placed = tuple(place_ranks(graph, spec.nnodes, spec.node_rank))
+    return NodePlan(world_size=world_size, nproc=len(placed), node_rank=spec.node_rank, placed=placed)
+
+
+def validate(spec: LaunchSpec) -> LaunchPlan:
+    """Check ``spec`` and resolve it; the first problem found raises :class:`ConfigError`."""
+    config = spec.config if spec.config is not None else ProtocolConfig()
+    if not isinstance(config, ProtocolConfig):
+        raise ConfigError(f"config must be a ProtocolConfig (got {type(config).__name__})")
+    config.validate()
+    command = worker_command(spec.script, spec.script_args, spec.module)
+    if not isinstance(spec.bind, str) or not spec.bind.strip():
+        raise ConfigError(f"--bind {spec.bind!r}: expected a host name or address")
+    if spec.grace_s < 0:
+        raise ConfigError(f"grace period must be >= 0 (got {spec.grace_s})")
+    unknown = sorted(set(spec.explicit_options) - set(option_names()))
+    if unknown:
+        raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
+
+    graph, world_size = resolve_graph(spec.graph, spec.nproc)
+    notes = check_config_for_graph(config, graph)
+    machine = make_coordinator(config, graph)  # the protocol's coordinator, if it needs one (refusals first too)
+    max_failures = spec.max_failures
+    if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
+        raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
+                          f"(there are {world_size} workers; got {max_failures!r})")
+    return LaunchPlan(spec=spec, config=config, command=command, graph=graph,
+                      nodes=_node_plan(spec, graph, world_size), bind=spec.bind.strip(),
+                      coordinator_name=machine.name if machine is not None else None, notes=notes)
+
+
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_NPROC", "DEFAULT_SETTLE_S", "LaunchPlan", "LaunchSpec", "NodePlan",
+           "WORKER_ENTRY", "resolve_graph", "validate", "worker_command"]

@@ -1,0 +1,238 @@
+"""The phases of :func:`hopnet.init`, each callable alone; :func:`hopnet.api.init` drives them.
+
+1. :func:`find_launcher`: who started this process, `hopnet launch` (``HOPNET_*``, see
+   :class:`~hopnet.launch.env.WorkerEnv`) or torchrun/srun (:mod:`hopnet.launch.external`,
+   joined through :mod:`hopnet.launch.attach`): the rank, the world, the graph, the
+   launcher's protocol options, the host to bind, the run's store, the run key;
+2. :func:`resolve_options`: the options that run, from the launcher's, ``config=`` and keyword
+   options, with the launcher's refusals (:mod:`hopnet.launch.options`);
+3. :func:`check_inputs`: the model and the options against the graph;
+4. :func:`open_run`: the run directory, and under torchrun/srun the coordinator rank 0 hosts;
+5. :func:`connect`: the transport and the collectives, for the model's tensors;
+6. the node, assembled by :func:`hopnet.api.assemble_node` inside :class:`hopnet.api.Worker`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.config_checks import check_config_for_graph
+from hopnet.coordinator import make_coordinator
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.launch.attach import AttachedRun, attach
+from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.launch.env import WorkerEnv
+from hopnet.launch.external import detect
+from hopnet.launch.options import check_coordinator_options, check_explicit
+from hopnet.launch.rendezvous import exchange_addresses_async
+from hopnet.params import FlatGradients, flatten_parameters
+from hopnet.runtime.node import AddressExchange, CollectiveFactory
+from hopnet.security import CurveKeys, keys_from_environ
+from hopnet.transports.base import Transport
+from hopnet.launch.plane import collective_factory, make_transport
+
+COORDINATOR_STOP_GRACE_S = 5.0
+"""How long the coordinator rank 0 hosts gets to write its summary when the worker closes."""
+
+@dataclass(frozen=True)
+class InitSpec:
+    """What :func:`hopnet.init` was asked: the model (or flat ``params``), a whole ``config``,
+    a ``graph``, and keyword ``options`` overriding single fields."""
+
+    model: torch.nn.Module | None = None
+    params: torch.Tensor | None = None
+    config: ProtocolConfig | None = None
+    graph: Graph | str | os.PathLike[str] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerContext:
+    """This worker's place in the run, as the launcher that started it set it up."""
+
+    rank: int
+    world_size: int
+    graph: Graph
+    flags: ProtocolConfig
+    """The launcher's protocol options (command-line flags, or ``HOPNET_*`` variables)."""
+    explicit: tuple[str, ...]
+    """The options given explicitly to the launcher, which code may not change."""
+    bind_host: str
+    store_endpoint: str
+    curve: CurveKeys | None
+    """The run key when the launcher secured the run, else ``None``."""
+    launched: WorkerEnv | None = None
+    """Set under `hopnet launch`."""
+    attached: AttachedRun | None = None
+    """Set under torchrun or srun."""
+
+    def exchange(self, config: ProtocolConfig) -> AddressExchange:
+        """The address exchange of the node's start, announcing ``config`` to the other ranks."""
+        announced = json.loads(config.to_json())
+        attached, launched = self.attached, self.launched
+
+        async def exchange(address: str) -> dict[int, str]:
+            if attached is not None:
+                return await attached.exchange(address, announced, config.timeout_s)
+            assert launched is not None
+            return await exchange_addresses_async(launched.rendezvous, launched.rank, launched.world_size, address,
+                                                  config.timeout_s, config=announced, curve=self.curve)
+        return exchange
+
+
+def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping[str, str]) -> WorkerContext:
+    """The launcher's view of this worker: `hopnet launch`'s variables, else torchrun's or srun's."""
+    launched = WorkerEnv.from_environ(environ)
+    if launched is None:
+        external = detect(environ)
+        if external is None:
+            raise ConfigError("hopnet.init() reads its rank, graph and peers from a launcher: run the script "
+                              "with `hopnet launch --graph G.json SCRIPT`, torchrun or srun, or build a "
+                              "hopnet.Worker")
+        attached = attach(external, graph, environ)
+        context = WorkerContext(attached.rank, attached.world_size, attached.graph, attached.flags, attached.explicit,
+                                attached.bind_host, attached.store_endpoint, keys_from_environ(environ),
+                                attached=attached)
+    else:
+        g = Graph.from_json(launched.graph_path)
+        if graph is not None:
+            check_same_graph(g, graph)
+        context = WorkerContext(launched.rank, launched.world_size, g, launched.config(), launched.explicit_options,
+                                launched.bind_host, launched.store, keys_from_environ(environ), launched=launched)
+    if context.graph.n != context.world_size:
+        raise ConfigError(f"the graph has {context.graph.n} nodes but the launcher started "
+                          f"{context.world_size} workers")
+    return context
+
+
+def check_same_graph(launched: Graph, given: Graph | str | os.PathLike[str]) -> None:
+    """``graph=`` under `hopnet launch` must be the graph the launcher runs."""
+    g = given if isinstance(given, Graph) else Graph.load(os.fspath(given))
+    same = g.n == launched.n and all(sorted(g.peers(r)) == sorted(launched.peers(r)) for r in range(g.n))
+    if not same:
+        raise ConfigError(f"graph= {g.name or 'given to hopnet.init()'} differs from the graph `hopnet launch` "
+                          "runs (drop graph= or pass the same graph to --graph)")
+
+
+def resolve_options(spec: InitSpec, context: WorkerContext) -> ProtocolConfig:
+    """The options this worker runs: ``config=`` else the launcher's, with keyword ``options`` on
+    top; refused when they change an option given explicitly to the launcher, or (under
+    `hopnet launch`) one its coordinator was built from."""
+    config = spec.config if spec.config is not None else context.flags
+    if spec.options:
+        config = config.replace(**spec.options)
+        config.validate()
+    where = "hopnet.init()" if spec.config is None else "the config passed to hopnet.init()"
+    check_explicit(context.flags, config, context.explicit, where)
+    if context.launched is not None:  # under torchrun/srun rank 0 builds the coordinator from config itself
+        check_coordinator_options(context.flags, config, where)
+    return config
+
+
+def check_inputs(spec: InitSpec, context: WorkerContext, config: ProtocolConfig) -> None:
+    """The model and the options, checked before any socket opens."""
+    if spec.model is not None and spec.params is not None:
+        raise ConfigError("pass either model or params, not both")
+    check_config_for_graph(config, context.graph)  # the launcher's own check, for options given in code
+
+
+@dataclass
+class WorkerRun:
+    """The run directory, and what this worker must release when it closes: its share of a
+    torchrun/srun run's store, and the coordinator rank 0 hosts there."""
+
+    run_dir: str
+    attached: AttachedRun | None = None
+    coordinator: CoordinatorProcess | None = None
+
+    def finish(self, aborted: bool) -> None:
+        if self.attached is not None:
+            self.attached.finish(aborted=aborted)
+        if self.coordinator is not None:  # after the store: every rank has left, so no group waits on it
+            self.coordinator.stop(COORDINATOR_STOP_GRACE_S)
+
+
+def open_run(context: WorkerContext, config: ProtocolConfig) -> WorkerRun:
+    """The run directory; under torchrun/srun rank 0 names it, and hosts the protocol's coordinator
+    (no launcher process of hopnet's own), whose ``HOPNET_COORDINATOR*`` every rank sets."""
+    attached = context.attached
+    if attached is None:
+        assert context.launched is not None
+        return WorkerRun(context.launched.run_dir)
+    run = WorkerRun(attached.open_run_dir(config.protocol, config.timeout_s), attached)
+
+    def host() -> dict[str, str]:
+        run.coordinator = host_coordinator(config, run.run_dir, context.bind_host)
+        return run.coordinator.worker_env() if run.coordinator is not None else {}
+
+    os.environ.update(attached.share_coordinator(host, config.timeout_s))
+    return run
+
+
+def host_coordinator(config: ProtocolConfig, run_dir: str, bind_host: str) -> CoordinatorProcess | None:
+    """Start the coordinator the protocol needs (``None``: it needs none) as this process's child."""
+    graph_path = Path(run_dir) / "graph.json"  # rank 0 wrote it when it named the run directory
+    machine = make_coordinator(config, Graph.from_json(graph_path))
+    if machine is None:
+        return None
+    stderr = sys.stderr.buffer
+
+    def relay(line: bytes) -> None:
+        stderr.write(line)
+
+    try:
+        return CoordinatorProcess.start(machine.name, graph_path=str(graph_path), config_json=config.to_json(),
+                                        run_dir=run_dir, bind_host=bind_host, env=os.environ, pass_fds=(),
+                                        relay=relay)
+    except CoordinatorStartError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """The model's parameters in one flat buffer, its gradients in another (views keep ``.grad``)."""
+
+    params: torch.Tensor | None
+    grads: FlatGradients | None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module | None, params: torch.Tensor | None) -> ModelTensors:
+        if model is None:
+            return cls(params, None)
+        return cls(flatten_parameters(model), FlatGradients(model))
+
+    @property
+    def device(self) -> torch.device:
+        return self.params.device if self.params is not None else torch.device("cpu")
+
+
+def connect(context: WorkerContext, config: ProtocolConfig,
+            tensors: ModelTensors) -> tuple[Transport, CollectiveFactory | None]:
+    """The transport to the graph's neighbours and the factory of the node's collectives,
+    sized for the model's tensors on its device."""
+    params, grads = tensors.params, tensors.grads
+    transport = make_transport(rank=context.rank, peers=frozenset(context.graph.peers(context.rank)),
+                               bind_host=context.bind_host, bulk=config.bulk, device=tensors.device,
+                               store_endpoint=context.store_endpoint, timeout_s=config.timeout_s,
+                               message_bytes=None if params is None else params.numel() * params.element_size(),
+                               curve=context.curve)
+    factory = collective_factory(rank=context.rank, world_size=context.world_size, bulk=config.bulk,
+                                 device=tensors.device, store_endpoint=context.store_endpoint,
+                                 timeout_s=config.timeout_s, bind_host=context.bind_host,
+                                 tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
+                                 if grads is not None else None)
+    return transport, factory
+
+
+__all__ = ["COORDINATOR_STOP_GRACE_S", "InitSpec", "ModelTensors", "WorkerContext", "WorkerRun", "check_inputs",
+           "check_same_graph", "connect", "find_launcher", "host_coordinator", "open_run", "resolve_options"]
