@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from support.paths import ROOT
 from hopnet import ConfigError, Graph, ProtocolConfig, Worker
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import PeerFailure, WaitTimeout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -58,7 +58,7 @@ def test_a_killed_passive_fails_the_actives_waiting_on_it_naming_it_dead(tmp_pat
     import signal
     import time
 
-    from test_dead_peers import Cluster
+    from support.cluster import Cluster
 
     from hopnet import Graph, ProtocolConfig
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, WORKERS
+from support.paths import EXAMPLES, ROOT, WORKERS
 
 COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
 DIGITS = str(EXAMPLES / "train_digits.py")

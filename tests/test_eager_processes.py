@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
 from hopnet import Graph, ProtocolConfig
-from test_dead_peers import Cluster
+from support.cluster import Cluster
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.env import clean_env
+from support.paths import EXAMPLES
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
@@ -107,15 +108,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HOPNET_", "SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         try:
@@ -134,7 +126,7 @@ def _consensus_error(run_dir: Path, n: int) -> float:
 @pytest.mark.slow
 def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = {**_clean_env(), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
            DIGITS, "--iterations", "70", "--eval-every", "1000"]
@@ -163,7 +155,7 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(3):
-            env = {**_clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank),
+            env = {**clean_env(PYTHONUNBUFFERED="1"), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank),
                    "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,node[2-3]",
                    "MASTER_PORT": str(port), "HOPNET_GRAPH": "complete:3", "HOPNET_PROTOCOL": "prague",
                    "HOPNET_GROUP_GENERATOR": "random", "HOPNET_GROUP_SIZE": "2",

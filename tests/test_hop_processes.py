@@ -12,7 +12,7 @@ import torch
 from hopnet import Graph, ProtocolConfig
 from hopnet.analysis import gap_bound, load_run, max_gap_from_run
 
-from conftest import WORKERS
+from support.paths import WORKERS
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 BULK = pytest.mark.parametrize("bulk", ["zmq", "torch"])  # Hop runs unchanged over either plane

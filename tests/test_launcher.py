@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,20 +30,14 @@ from hopnet.launch.rendezvous import (
     rendezvous_status,
 )
 
+from support.env import clean_env
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:  # a launcher's variables must not leak into the one under test
-        env.pop(name, None)
-    return env
-
-
 def hopnet_launch(*args: str, cwd: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=cwd, env=_env(),
+    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -142,7 +135,7 @@ def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tupl
     proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "3", "--grace", grace,
                              "--run-dir", str(tmp_path / "run"), WORKER, "--pid-dir", str(pid_dir),
                              "--sleep", "60", *worker_args],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(list(pid_dir.glob("rank*.pid"))) < 3:
         if time.monotonic() > deadline or proc.poll() is not None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from hopnet.launch.env import ENV_VARS
 
-from conftest import ROOT, WORKERS
+from support.env import clean_env
+from support.paths import ROOT, WORKERS
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 FAST = ["--dim", "100", "--compute-ms", "1"]
@@ -30,16 +30,8 @@ FAST = ["--dim", "100", "--compute-ms", "1"]
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:
-        env.pop(name, None)
-    return env
-
-
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=ROOT, env=_env(),
+    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -124,7 +116,7 @@ def _read_partial(path: Path) -> list[dict[str, Any]]:
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir), *args],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     return proc, run_dir
 
@@ -353,7 +345,7 @@ def test_workers_of_a_script_run_without_the_launcher_are_closed_at_exit(tmp_pat
                                                                          last_error: str | None) -> None:
     """The atexit hook and excepthook that hopnet.Worker installs, without the launcher's entry point."""
     script = str(Path(__file__).resolve().parent / "scripts" / "unclosed_workers.py")
-    proc = subprocess.run([sys.executable, script, str(tmp_path), mode], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, script, str(tmp_path), mode], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert "Segmentation" not in proc.stderr and "terminate called" not in proc.stderr

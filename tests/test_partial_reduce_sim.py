@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, run_launch
+from support.paths import EXAMPLES
+from support.launch import run_launch
 from hopnet import ConfigError, Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.mixing import GROUP_RECORD, groups_from_records, mixing_matrix, spectral_rho

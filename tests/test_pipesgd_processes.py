@@ -13,7 +13,7 @@ import torch
 
 from hopnet import Graph, ProtocolConfig
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -47,7 +47,7 @@ def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tm
 
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_pending_allreduces_naming_it_dead(tmp_path: Path) -> None:
-    from test_dead_peers import Cluster
+    from support.cluster import Cluster
 
     config = ProtocolConfig(protocol="pipe-sgd", timeout_s=60.0, peer_timeout_s=3.0)
     with Cluster(Graph.ring(4), config, tmp_path / "run",

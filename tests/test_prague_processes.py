@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS
+from support.paths import ROOT, WORKERS
 
 PRAGUE_WORKER = str(WORKERS / "prague_worker.py")
 N = 4

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,20 +23,12 @@ import pytest
 
 from hopnet import Graph
 from hopnet.analysis import load_run
-from hopnet.launch.env import ENV_VARS
 
-from conftest import run_launch
-from readme_blocks import ROOT, Block, all_blocks, fenced_blocks, launch_script
+from support.env import clean_env
+from support.launch import run_launch
+from readme_blocks import Block, all_blocks, fenced_blocks, launch_script
 
 BLOCKS = all_blocks()
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:
-        env.pop(name, None)
-    return env
 
 
 def _is_graph(data: object) -> bool:
@@ -54,7 +45,7 @@ def check_json_block(block: Block, tmp_path: Path) -> None:
     path = tmp_path / "example.json"
     path.write_text(block.text)
     proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "graph", "validate", str(path)],
-                          env=_env(), capture_output=True, text=True, timeout=120)
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
     if block.mode == "invalid":
         assert proc.returncode != 0, f"{block.id}: meant as an invalid graph, but validates"
         return
@@ -76,7 +67,7 @@ def check_fragment_block(block: Block) -> None:
 
 
 def check_python_block(block: Block, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=_env(),
+    proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{block.id} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
 

@@ -21,7 +21,7 @@ from hopnet.report.summary import summary_text
 from hopnet.report.trace import chrome_trace
 from hopnet.runtime.events import JsonlEventLog, read_events
 
-from conftest import ROOT
+from support.paths import ROOT
 
 T0 = 100.0
 # rank: (time of entering iteration 0, seconds per step, split of each step)

@@ -26,7 +26,7 @@ from hopnet.report.rundir import load_run_dir
 from hopnet.report.stats import run_stats
 from hopnet.report.trace import chrome_trace
 
-from conftest import ROOT, WORKERS
+from support.paths import ROOT, WORKERS
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 pytestmark = pytest.mark.slow

@@ -35,7 +35,7 @@ from hopnet.security import (
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import Message, encode_header
 
-from conftest import ROOT, WORKERS
+from support.paths import ROOT, WORKERS
 
 SECURE_WORKER = str(WORKERS / "secure_worker.py")
 
