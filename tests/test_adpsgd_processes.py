@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -10,14 +9,10 @@ import pytest
 import torch
 
 from support.paths import EXAMPLES
+from support.records import records
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
-
-
-def _records(run_dir: Path, rank: int, event: str) -> list[dict]:
-    lines = (run_dir / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
 @pytest.mark.slow
@@ -28,12 +23,12 @@ def test_adpsgd_trains_digits_on_a_ring_of_four(launch, tmp_path: Path) -> None:
     accuracies = {int(r): float(a) for r, a in ACCURACY.findall(result.stdout)}
     assert sorted(accuracies) == [0, 1, 2, 3], result.stdout
     assert min(accuracies.values()) >= 0.95, accuracies
-    roles = {r: _records(run_dir, r, "role")[0]["role"] for r in range(4)}
+    roles = {r: records(run_dir, r, "role")[0]["role"] for r in range(4)}
     assert roles == {0: "active", 1: "passive", 2: "active", 3: "passive"}
     for active in (0, 2):
-        partners = [r["partner"] for r in _records(run_dir, active, "iteration")]
+        partners = [r["partner"] for r in records(run_dir, active, "iteration")]
         assert len(partners) == 300 and set(partners) == {1, 3}, "one random passive neighbour per iteration"
-    served = sum(_records(run_dir, p, "stop")[0]["averagings_served"] for p in (1, 3))
+    served = sum(records(run_dir, p, "stop")[0]["averagings_served"] for p in (1, 3))
     assert served == 600
     # Models are averaged, not kept identical; they end close to each other.
     params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(4)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from pathlib import Path
@@ -13,14 +12,10 @@ import torch
 from support.paths import EXAMPLES
 from hopnet import Graph, ProtocolConfig
 from support.cluster import Cluster
+from support.records import records
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
-
-
-def records(run_dir: Path, rank: int, event: str) -> list[dict]:
-    lines = (run_dir / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == event]
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ import torch
 
 from support.env import clean_env
 from support.paths import EXAMPLES
+from support.records import coordinator_records, records
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
@@ -142,7 +142,7 @@ def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     assert min(accuracies) >= 0.9, accuracies
     assert _consensus_error(run_dir, 4) < 1e-3
     assert (run_dir / "graph.json").exists()
-    starts = [json.loads(open(run_dir / f"rank{r}.jsonl").readline()) for r in range(4)]
+    starts = [records(run_dir, r)[0] for r in range(4)]
     assert [s["rank"] for s in starts] == [0, 1, 2, 3] and all(s["event"] == "start" for s in starts)
 
 
@@ -174,8 +174,8 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     assert len(run_dirs) == 1, run_dirs  # rank 0 named it, the others learnt it through the store
     logs = sorted(p.name for p in run_dirs[0].glob("rank*.jsonl"))
     assert logs == ["rank0.jsonl", "rank1.jsonl", "rank2.jsonl"]
-    start = json.loads((run_dirs[0] / "rank2.jsonl").open().readline())
+    start = records(run_dirs[0], 2)[0]
     assert start["config"]["group_size"] == 2 and start["config"]["protocol"] == "prague"
-    coordinator = [json.loads(line) for line in (run_dirs[0] / "coordinator.jsonl").open()]
+    coordinator = coordinator_records(run_dirs[0])
     stop = coordinator[-1]
     assert stop["event"] == "stop" and stop["groups_formed"] > 0 and stop["workers_left"] == [0, 1, 2]

@@ -13,6 +13,7 @@ from hopnet import Graph, ProtocolConfig
 from hopnet.analysis import gap_bound, load_run, max_gap_from_run
 
 from support.paths import WORKERS
+from support.launch import kill, start_launch
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 BULK = pytest.mark.parametrize("bulk", ["zmq", "torch"])  # Hop runs unchanged over either plane
@@ -110,8 +111,6 @@ def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: P
 
 def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_path: Path) -> None:
     """A rogue peer floods rank 0's socket with garbage during training; training completes."""
-    import subprocess
-    import sys
     import time
 
     import zmq
@@ -120,10 +119,8 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     from hopnet.wire import Message, encode_header
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--graph", "ring:4",
-                             "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "150",
-                             "--compute-ms", "10", "--dim", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(["--graph", "ring:4", "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "150",
+                         "--compute-ms", "10", "--dim", "64"])
     try:
         log = run_dir / "rank0.jsonl"
         deadline = time.monotonic() + 60
@@ -161,9 +158,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
         ctx.term()
         out, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill(proc)
     assert proc.returncode == 0, err
     stop = next(rec for rec in load_run(run_dir)[0] if rec["event"] == "stop")
     assert stop["iter"] == 149

@@ -30,15 +30,14 @@ from hopnet.launch.rendezvous import (
     rendezvous_status,
 )
 
-from support.env import clean_env
+from support.launch import run_launch, start_launch
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
 
 
 def hopnet_launch(*args: str, cwd: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch(args, cwd=cwd, timeout=timeout)
 
 
 def _alive(pid: int) -> bool:
@@ -132,10 +131,8 @@ def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
 def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tuple[subprocess.Popen[str], Path]:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "3", "--grace", grace,
-                             "--run-dir", str(tmp_path / "run"), WORKER, "--pid-dir", str(pid_dir),
-                             "--sleep", "60", *worker_args],
-                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(["--nproc", "3", "--grace", grace, "--run-dir", str(tmp_path / "run"), WORKER,
+                         "--pid-dir", str(pid_dir), "--sleep", "60", *worker_args], cwd=tmp_path)
     deadline = time.monotonic() + 60
     while len(list(pid_dir.glob("rank*.pid"))) < 3:
         if time.monotonic() > deadline or proc.poll() is not None:

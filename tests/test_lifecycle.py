@@ -22,7 +22,9 @@ import pytest
 
 
 from support.env import clean_env
+from support.launch import run_launch, start_launch
 from support.paths import ROOT, WORKERS
+from support.records import records
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 FAST = ["--dim", "100", "--compute-ms", "1"]
@@ -31,13 +33,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def records(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    path = run_dir / f"rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return run_launch(args, timeout=timeout)
 
 
 def launcher_lines(stderr: str) -> list[str]:
@@ -93,9 +89,7 @@ def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: s
         assert proc.poll() is None, proc.communicate()
         done = 0
         for rank in ranks:
-            path = run_dir / f"rank{rank}.jsonl"
-            if path.exists() and any(r.get("event") == "enter" and r.get("iter", -1) >= iteration
-                                     for r in _read_partial(path)):
+            if any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "enter")):
                 done += 1
         if done == len(ranks):
             return
@@ -103,21 +97,9 @@ def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: s
     pytest.fail(f"ranks {ranks} did not reach iteration {iteration}")
 
 
-def _read_partial(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir), *args],
-                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_launch(["--run-dir", str(run_dir), *args], new_session=True)
     return proc, run_dir
 
 
@@ -215,7 +197,7 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
     assert rest == [f"hopnet launch: received {signal.Signals(signum).name}, stopping 4 workers; run dir {run_dir}"]
     assert result_of(run_dir)["worker_returncodes"] == {str(r): 143 for r in range(4)}  # all left on SIGTERM
     for rank in range(4):
-        log = _read_partial(run_dir / f"rank{rank}.jsonl")
+        log = records(run_dir, rank)
         errors = [r for r in log if r["event"] == "error"]
         assert log[-1]["event"] == "stop" and [e["error"] for e in errors] == ["Terminated"], log[-4:]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.env import clean_env
+from support.launch import LAUNCH
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -60,7 +61,7 @@ def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
 
 def _launch(hosts: NamespacedHosts, node: int, port: int, run_dir: Path, flags: list[str], script: list[str],
             key_file: Path) -> list[str]:
-    return hosts.command(node, [sys.executable, "-m", "hopnet.cli.main", "launch", "--nnodes", "2",
+    return hosts.command(node, [*LAUNCH, "--nnodes", "2",
                                 "--key-file", str(key_file),
                                 "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
                                 "--bind", hosts.addresses[node], "--no-progress", "--run-dir", str(run_dir),

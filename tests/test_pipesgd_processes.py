@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -14,6 +13,7 @@ import torch
 from hopnet import Graph, ProtocolConfig
 
 from support.paths import EXAMPLES
+from support.records import records
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -33,8 +33,7 @@ def test_pipe_sgd_k2_trains_digits_with_identical_models(launch, tmp_path: Path,
     params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)]
     for r in range(1, n):
         assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
-    records = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()]
-    applied = [r["grad_iter"] for r in records if r["event"] == "iteration"]
+    applied = [r["grad_iter"] for r in records(run_dir, 0, "iteration")]
     assert applied == [None] + list(range(iterations - 1))  # iteration t applied the average of t-1
 
 

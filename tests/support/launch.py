@@ -35,12 +35,13 @@ def start_launch(args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] |
 
 def kill(proc: subprocess.Popen[str]) -> None:
     """End a process :func:`start_launch` started (its whole group if it has one of its own)."""
-    if proc.poll() is None:
-        try:
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
-        except ProcessLookupError:
-            pass
-    proc.communicate()
+    if proc.poll() is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:
+        pass
+    proc.communicate()  # reaps it and closes its pipes
