@@ -25,6 +25,7 @@ def _tensors(run_dir: Path, prefix: str, n: int) -> list[torch.Tensor]:
 
 # Both planes on the ring and ring_based (whose 6 ranks once caught the pair groups deadlocking
 # in the store); the torus, whose links are the same kind, over ZeroMQ only (suite time).
+@pytest.mark.slow
 @pytest.mark.parametrize("graph,n,bulk", [("ring:4", 4, "zmq"), ("ring:4", 4, "torch"), ("ring_based:6", 6, "zmq"),
                                           ("ring_based:6", 6, "torch"), ("torus:2x3", 6, "zmq")])
 def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int, bulk: str) -> None:
@@ -40,6 +41,7 @@ def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: s
     assert (final - mean).abs().max() < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per rank, for NCCL)")
 @pytest.mark.parametrize("bulk", ["torch", "auto"])
 def test_hop_on_gpus_averages_over_nccl(launch, tmp_path: Path, bulk: str) -> None:
@@ -62,6 +64,7 @@ def test_a_cuda_model_over_zmq_is_refused_in_one_line() -> None:
                        device=torch.device("cuda", 0), store_endpoint="", timeout_s=5)
 
 
+@pytest.mark.slow
 def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Path) -> None:
     """Theorem 2: Iter(i) - Iter(j) <= min(len(j->i), max_ig * len(i->j)); queues <= (1+max_ig)|N_in|."""
     run_dir = tmp_path / "run"
@@ -83,6 +86,7 @@ def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Pa
     assert len(slowed) >= 59 and all(rec["slowdown"] >= 6 for rec in slowed)  # visible in the log
 
 
+@pytest.mark.slow
 @BULK
 def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path, bulk: str) -> None:
     run_dir = tmp_path / "run"
@@ -99,6 +103,7 @@ def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Pa
         assert (first_left["peer"], first_left["last_iter"]) == (2, 10)
 
 
+@pytest.mark.slow
 @BULK
 def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: Path, bulk: str) -> None:
     result = launch(["--graph", "ring:4", "--bulk", bulk, "--run-dir", str(tmp_path / "run"), HOP_WORKER,
@@ -109,6 +114,7 @@ def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: P
                      r"left at iteration 5, before its last iteration 39", result.stderr), result.stderr
 
 
+@pytest.mark.slow
 def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_path: Path) -> None:
     """A rogue peer floods rank 0's socket with garbage during training; training completes."""
     import time
@@ -166,6 +172,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     assert "bad_header" in stop["dropped"] or "truncated" in stop["dropped"]
 
 
+@pytest.mark.slow
 @BULK
 def test_zero_copy_sends_to_a_finished_neighbour_do_not_stall(launch, tmp_path: Path, bulk: str) -> None:
     """With backup workers the fast workers finish first; the straggler's last zero-copy

@@ -72,6 +72,7 @@ def _tagged(stdout: str, tag: str) -> dict[int, str]:
 
 
 # ------------------------------------------------------------------------------ launch
+@pytest.mark.slow
 def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -109,6 +110,7 @@ def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     _assert_all_gone(_pids(pid_dir))
 
 
+@pytest.mark.slow
 def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -143,6 +145,7 @@ def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tupl
     return proc, pid_dir
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_reaches_every_worker(tmp_path: Path) -> None:
     # rank 2 ignores SIGTERM: the launcher must SIGKILL it once the grace period is over
     proc, pid_dir = _start_launcher(tmp_path, "--ignore-sigterm-rank", "2", grace="1")
