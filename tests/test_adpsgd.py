@@ -26,6 +26,7 @@ from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork, LinkModel
 
+
 # ---------------------------------------------------------------------------- the bipartite split
 
 
