@@ -8,86 +8,12 @@ test_eager_processes.py, test_pipesgd_processes.py and test_blame.py.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Any
+from hopnet import Graph, PeerFailure, ProtocolConfig, WaitTimeout
 
-from hopnet import AsyncWorker, Graph, PeerFailure, ProtocolConfig, WaitTimeout
-from hopnet.errors import HopnetError
+from support.cluster import FaultyCluster, within
 
-from support.cluster import start_workers, zmq_transport
-from support.faults import FaultyTransport
-
-COMPUTE_S = 0.002
 PEER_TIMEOUT_S = 0.5
 TIMEOUT_S = 30.0
-GIVE_UP_S = 60.0
-"""A failure that is never detected ends the test here, not at pytest's timeout."""
-
-
-@dataclass
-class Outcome:
-    """How one rank's training ended: the error it raised (None: it finished) and when."""
-
-    error: HopnetError | None
-    iteration: int
-    at: float
-
-
-class FaultyCluster:
-    """Workers of ``graph`` on the running loop, each over a FaultyTransport around ZeroMQ."""
-
-    def __init__(self, graph: Graph, config: ProtocolConfig) -> None:
-        self.graph = graph
-        self.config = config
-        self.faults: dict[int, FaultyTransport] = {}
-        self.workers: list[AsyncWorker] = []
-        self.halt = asyncio.Event()
-
-    def _transport(self, rank: int, graph: Graph) -> FaultyTransport:
-        self.faults[rank] = FaultyTransport(zmq_transport(rank, graph))
-        return self.faults[rank]
-
-    async def __aenter__(self) -> FaultyCluster:
-        self.workers = await start_workers(self.graph, self.config, transport_for=self._transport)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.halt.set()
-        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
-
-    async def train(self, rank: int, total: int) -> Outcome:
-        """Train ``rank`` as a user's loop does; on a hopnet error it closes (a ``bye`` to its peers)."""
-        worker = self.workers[rank]
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await asyncio.sleep(COMPUTE_S)
-                last = worker.iteration >= total - 1
-                await worker.step(last=last)
-                if last:
-                    break
-        except HopnetError as exc:
-            await worker.close()
-            return Outcome(exc, worker.iteration, loop.time())
-        await worker.close()
-        return Outcome(None, worker.iteration, loop.time())
-
-    async def fall_silent(self, rank: int, at_iteration: int) -> float:
-        """Train ``rank`` to ``at_iteration``, then cut it off from everyone, as if its process
-        had died; it steps no more. Returns when it went silent."""
-        worker = self.workers[rank]
-        while worker.iteration < at_iteration:
-            await asyncio.sleep(COMPUTE_S)
-            await worker.step()
-        self.faults[rank].silence()
-        return asyncio.get_running_loop().time()
-
-
-async def within(*aws: Awaitable[Any]) -> list[Any]:
-    """The results of ``aws``, run together, which must all end within GIVE_UP_S."""
-    return await asyncio.wait_for(asyncio.gather(*aws), GIVE_UP_S)
 
 
 def _config(**options: object) -> ProtocolConfig:

@@ -6,8 +6,9 @@ process group of its own. So no launcher notices a death and stops the others; w
 survivors do, they do on their own. It ends every process it started, also when a test fails.
 
 :func:`start_workers` runs the ranks as :class:`hopnet.AsyncWorker` objects on the test's own
-event loop, over whatever transport ``transport_for`` builds (ZeroMQ, or a
-:class:`support.faults.FaultyTransport` around it), which is what most failure logic needs.
+event loop, over whatever transport ``transport_for`` builds; :class:`FaultyCluster` does so
+over a :class:`support.faults.FaultyTransport` around ZeroMQ per rank, which is what most
+peer-failure logic needs.
 """
 
 from __future__ import annotations
@@ -20,22 +21,29 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hopnet import AsyncWorker, Graph, ProtocolConfig
+from hopnet.errors import HopnetError
 from hopnet.launch.env import WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
 
 from support.env import clean_env
+from support.faults import FaultyTransport
 from support.paths import ROOT, WORKERS
 
 PEER_WORKER = str(WORKERS / "peer_worker.py")
 START_TIMEOUT_S = 120.0  # a loaded 2-core machine can take long to import torch 6 times
+COMPUTE_S = 0.002
+"""What an in-process worker's iteration computes (sleeps), so that its peers' messages interleave."""
+GIVE_UP_S = 60.0
+"""An in-process failure that is never detected ends the test here, not at pytest's timeout."""
 
 
 class Cluster:
@@ -149,3 +157,68 @@ async def train(worker: AsyncWorker, total: int) -> None:
         await worker.step(last=last)
         if last:
             return
+
+
+@dataclass
+class Outcome:
+    """How one rank's training ended: the error it raised (None: it finished) and when."""
+
+    error: HopnetError | None
+    iteration: int
+    at: float
+
+
+class FaultyCluster:
+    """Workers of ``graph`` on the running loop, each over a FaultyTransport around ZeroMQ:
+    ``faults[rank]`` stages that rank's failures (see :mod:`support.faults`)."""
+
+    def __init__(self, graph: Graph, config: ProtocolConfig) -> None:
+        self.graph = graph
+        self.config = config
+        self.faults: dict[int, FaultyTransport] = {}
+        self.workers: list[AsyncWorker] = []
+        self.halt = asyncio.Event()
+
+    def _transport(self, rank: int, graph: Graph) -> FaultyTransport:
+        self.faults[rank] = FaultyTransport(zmq_transport(rank, graph))
+        return self.faults[rank]
+
+    async def __aenter__(self) -> FaultyCluster:
+        self.workers = await start_workers(self.graph, self.config, transport_for=self._transport)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.halt.set()
+        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
+
+    async def train(self, rank: int, total: int) -> Outcome:
+        """Train ``rank`` as a user's loop does; on a hopnet error it closes (a ``bye`` to its peers)."""
+        worker = self.workers[rank]
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await asyncio.sleep(COMPUTE_S)
+                last = worker.iteration >= total - 1
+                await worker.step(last=last)
+                if last:
+                    break
+        except HopnetError as exc:
+            await worker.close()
+            return Outcome(exc, worker.iteration, loop.time())
+        await worker.close()
+        return Outcome(None, worker.iteration, loop.time())
+
+    async def fall_silent(self, rank: int, at_iteration: int) -> float:
+        """Train ``rank`` to ``at_iteration``, then cut it off from everyone, as if its process
+        had died; it steps no more. Returns when it went silent."""
+        worker = self.workers[rank]
+        while worker.iteration < at_iteration:
+            await asyncio.sleep(COMPUTE_S)
+            await worker.step()
+        self.faults[rank].silence()
+        return asyncio.get_running_loop().time()
+
+
+async def within(*aws: Awaitable[Any]) -> list[Any]:
+    """The results of ``aws``, run together, which must all end within GIVE_UP_S."""
+    return await asyncio.wait_for(asyncio.gather(*aws), GIVE_UP_S)
