@@ -10,6 +10,7 @@ import torch
 
 from support.paths import EXAMPLES
 from support.records import records
+from support.launch import launch_in_process
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -36,9 +37,9 @@ def test_adpsgd_trains_digits_on_a_ring_of_four(launch, tmp_path: Path) -> None:
     assert spread < 0.5, spread
 
 
-def test_a_graph_that_is_not_bipartite_is_refused_before_spawning(launch, tmp_path: Path) -> None:
+def test_a_graph_that_is_not_bipartite_is_refused_before_spawning(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
-    result = launch(["--protocol", "ad-psgd", "--graph", "ring:5", "--run-dir", str(run_dir), DIGITS])
+    result = launch_in_process(["--protocol", "ad-psgd", "--graph", "ring:5", "--run-dir", str(run_dir), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: ring:5 is not bipartite: odd cycle 0-1-2-3-4-0 "

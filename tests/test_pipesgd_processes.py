@@ -14,6 +14,7 @@ from hopnet import Graph, ProtocolConfig
 
 from support.paths import EXAMPLES
 from support.records import records
+from support.launch import launch_in_process
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -37,8 +38,8 @@ def test_pipe_sgd_k2_trains_digits_with_identical_models(launch, tmp_path: Path,
     assert applied == [None] + list(range(iterations - 1))  # iteration t applied the average of t-1
 
 
-def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tmp_path: Path) -> None:
-    result = launch(["--protocol", "allreduce", "--pipeline-k", "3", "--run-dir", str(tmp_path / "r"), DIGITS])
+def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(tmp_path: Path) -> None:
+    result = launch_in_process(["--protocol", "allreduce", "--pipeline-k", "3", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --pipeline-k: Pipe-SGD option(s) that --protocol allreduce does not take"]

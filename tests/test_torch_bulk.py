@@ -15,7 +15,7 @@ from hopnet.transports.torchdist import BULK_KEY, TorchBulkTransport
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import Header, Message
 
-from support.launch import run_launch
+from support.launch import launch_in_process
 
 TIMEOUT = 30.0
 
@@ -199,7 +199,7 @@ def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
         ProtocolConfig(bulk="nccl")
     script = tmp_path / "w.py"
     script.write_text("print('ran')\n")
-    proc = run_launch(["--bulk", "fast", str(script)], cwd=tmp_path, timeout=60)
+    proc = launch_in_process(["--bulk", "fast", str(script)])
     assert proc.returncode == 2 and "--bulk" in proc.stderr and "ran" not in proc.stdout
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+
+from hopnet.cli.main import main as cli_main
 
 from support.env import clean_env
 from support.paths import ROOT
@@ -20,6 +24,19 @@ def run_launch(args: Sequence[str], *, cwd: Path = ROOT, timeout: float = 240,
     """`hopnet launch ARGS` to its end, capturing output; the launcher ends its workers itself."""
     return subprocess.run([*LAUNCH, *args], cwd=cwd, env=clean_env() if env is None else env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def launch_in_process(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """`hopnet launch ARGS` through the command's entry point in this process, for arguments it
+    refuses before it starts anything: the same exit status and output as :func:`run_launch`
+    without an interpreter start (one real-process refusal stays in test_launcher.py)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli_main(["launch", *args])
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["hopnet", "launch", *args], code, out.getvalue(), err.getvalue())
 
 
 def start_launch(args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
