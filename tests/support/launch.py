@@ -1,4 +1,5 @@
-"""`hopnet launch` run as a user runs it: a fresh interpreter, a clean environment."""
+"""`hopnet launch` as a user runs it (a fresh interpreter, a clean environment), to its end or
+left running; and through its entry point in this process, for arguments it refuses."""
 
 from __future__ import annotations
 
