@@ -1,24 +1,13 @@
-"""Shared helpers for the multi-process tests: run `hopnet launch` as a user would."""
+"""Fixtures shared by the test modules; the helpers themselves live in tests/support/."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
-EXAMPLES = ROOT / "examples"
-
-
-def run_launch(args: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`hopnet launch ARGS`, capturing output; the launcher ends its workers itself."""
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+from support.launch import run_launch
 
 
 @pytest.fixture
 def launch():
+    """`hopnet launch ARGS` run to its end as a user runs it (:func:`support.launch.run_launch`)."""
     return run_launch

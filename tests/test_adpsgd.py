@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -16,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
 from hopnet import ConfigError, Graph, ProtocolConfig, Worker
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import PeerFailure, WaitTimeout
@@ -28,6 +25,7 @@ from hopnet.runtime.node import Node
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork, LinkModel
+
 
 # ---------------------------------------------------------------------------- the bipartite split
 
@@ -74,11 +72,11 @@ def test_two_colouring_is_a_split_or_an_odd_cycle(n: int, data: st.DataObject) -
         assert all(graph.has_edge(a, b) for a, b in zip(cycle, cycle[1:]))
 
 
-def test_simulate_refuses_an_odd_ring_before_starting() -> None:
-    result = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "simulate", "--graph", "ring:5",
-                             "--protocol", "ad-psgd"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def test_simulate_refuses_an_odd_ring_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    from hopnet.cli.main import main
+
+    assert main(["simulate", "--graph", "ring:5", "--protocol", "ad-psgd"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "hopnet simulate: error: ring:5 is not bipartite: odd cycle 0-1-2-3-4-0 "
         "(--protocol ad-psgd needs active and passive sides with every edge between them)"]
 

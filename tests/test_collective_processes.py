@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, WORKERS
+from support.paths import EXAMPLES, ROOT, WORKERS
+from support.launch import launch_in_process
 
 COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -59,8 +60,8 @@ def test_allreduce_protocol_trains_digits_with_identical_models(launch, tmp_path
         assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
 
 
-def test_hop_options_with_allreduce_are_refused_in_one_line(launch, tmp_path: Path) -> None:
-    result = launch(["--protocol", "allreduce", "--backup-workers", "1", "--run-dir", str(tmp_path / "r"), DIGITS])
+def test_hop_options_with_allreduce_are_refused_in_one_line(tmp_path: Path) -> None:
+    result = launch_in_process(["--protocol", "allreduce", "--backup-workers", "1", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --backup-workers: option(s) that --protocol allreduce does not take "

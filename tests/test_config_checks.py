@@ -8,9 +8,6 @@ must look the same everywhere: `hopnet launch` (exit 2, one line, no run directo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +17,9 @@ from hopnet.cli.main import main as cli
 from hopnet.config_checks import check_config_for_graph
 from hopnet.protocols.hop import largest_lead
 from hopnet.errors import ConfigError
-from hopnet.launch.env import ENV_VARS
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
+
+from support.launch import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Rank 0 is 30x slower than everyone else: the others run ahead as far as the protocol lets them.
@@ -175,23 +173,14 @@ def test_launch_and_simulate_refuse_with_the_same_line_and_no_run_dir(flags, tmp
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:
-        env.pop(name, None)
-    return env
-
-
 @pytest.mark.slow
 def test_launch_refuses_before_spawning_anything(tmp_path):
     """The issue's case: `--backup-workers 5` on a ring, refused at once, as a user runs it."""
     marker = tmp_path / "ran"
     script = tmp_path / "train.py"
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--backup-workers",
-                           "5", "--run-dir", str(tmp_path / "run"), str(script)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = run_launch(["--nproc", "4", "--backup-workers", "5", "--run-dir", str(tmp_path / "run"), str(script)],
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["hopnet launch: error: --backup-workers 5: rank 0 of ring:4 has 2 "
                                         "in-neighbours, so it can go without at most 2 of their updates"]
@@ -210,9 +199,8 @@ def test_init_refuses_options_from_code_with_the_same_line(tmp_path):
         "    print('REFUSED', exc, flush=True)\n"
         "    raise SystemExit(7)\n"
         "print('ACCEPTED', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "2", "--timeout", "30",
-                           "--run-dir", str(tmp_path / "run"), str(script)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = run_launch(["--nproc", "2", "--timeout", "30", "--run-dir", str(tmp_path / "run"), str(script)],
+                      cwd=tmp_path, timeout=180)
     assert proc.returncode == 1, proc.stderr
     expected = message(ProtocolConfig(backup_workers=5), Graph.ring(2))
     refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
@@ -234,10 +222,8 @@ def test_init_refuses_coordinator_options_from_code(tmp_path):
         "    print('REFUSED', exc, flush=True)\n"
         "    raise SystemExit(7)\n"
         "print('ACCEPTED', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "3", "--timeout", "30",
-                           "--protocol", "prague", "--group-generator", "random",
-                           "--run-dir", str(tmp_path / "run"), str(script)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = run_launch(["--nproc", "3", "--timeout", "30", "--protocol", "prague", "--group-generator", "random",
+                       "--run-dir", str(tmp_path / "run"), str(script)], cwd=tmp_path, timeout=180)
     assert proc.returncode == 1, proc.stderr
     refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
     assert refused and all(line.endswith(

@@ -1,120 +1,29 @@
 """Dead and silent peers, detected by each worker itself through heartbeats.
 
-The process tests start the workers without `hopnet launch`: a RendezvousServer and one
-process per rank with the launcher's ``HOPNET_*`` environment, each in a process group of
-its own. So no launcher notices a death and stops the others; whatever the survivors do,
-they do on their own. Each test ends every process it started, also when it fails.
+The process tests start the workers without `hopnet launch` (:class:`support.cluster.Cluster`),
+so no launcher notices a death and stops the others; whatever the survivors do, they do on
+their own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-from hopnet import AsyncWorker, Graph, PeerFailure, ProtocolConfig, WaitTimeout
+from hopnet import Graph, PeerFailure, ProtocolConfig, WaitTimeout
 from hopnet.analysis import load_run
 from hopnet.cli.main import main as cli
 from hopnet.errors import ConfigError
-from hopnet.launch.env import ENV_VARS, WorkerEnv
-from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.node import Node
 from hopnet.sim.vloop import Deadlock, VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork
-from hopnet.transports.zmq import ZmqTransport
 
-from conftest import ROOT, WORKERS
-
-PEER_WORKER = str(WORKERS / "peer_worker.py")
-START_TIMEOUT_S = 120.0  # a loaded 2-core machine can take long to import torch 6 times
-
-
-class Cluster:
-    """Worker processes started the way `hopnet launch` starts them, minus the launcher."""
-
-    def __init__(self, graph: Graph, config: ProtocolConfig, run_dir: Path, worker_args: list[str]) -> None:
-        self.graph = graph
-        self.run_dir = run_dir
-        run_dir.mkdir(parents=True)
-        graph_path = run_dir / "graph.json"
-        graph.to_json(graph_path)
-        self.server = RendezvousServer(graph.n).start()
-        self.procs: list[subprocess.Popen[bytes]] = []
-        base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-        base.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p),
-                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        for rank in range(graph.n):
-            env = WorkerEnv(rank=rank, world_size=graph.n, local_rank=rank, graph_path=str(graph_path),
-                            rendezvous=self.server.endpoint, run_dir=str(run_dir),
-                            config_json=config.to_json())
-            with open(run_dir / f"out{rank}.txt", "wb") as out, open(run_dir / f"err{rank}.txt", "wb") as err:
-                self.procs.append(subprocess.Popen([sys.executable, PEER_WORKER, *worker_args],
-                                                   env={**base, **env.to_environ()}, stdout=out, stderr=err,
-                                                   cwd=ROOT, start_new_session=True))
-
-    def signal(self, rank: int, sig: signal.Signals) -> None:
-        os.killpg(self.procs[rank].pid, sig)
-
-    def wait_for_iteration(self, rank: int, iteration: int) -> None:
-        """Until ``rank``'s event log shows it reached ``iteration`` (its log is flushed in batches)."""
-        log = self.run_dir / f"rank{rank}.jsonl"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if log.exists() and any(json.loads(line).get("iter", -1) >= iteration
-                                    for line in log.read_text().splitlines() if line.endswith("}")):
-                return
-            assert all(p.poll() is None for p in self.procs), self.report()
-            time.sleep(0.1)
-        raise AssertionError(f"rank {rank} never reached iteration {iteration}\n{self.report()}")
-
-    def wait(self, ranks: list[int], timeout_s: float) -> dict[int, int]:
-        """Exit codes of ``ranks``, which must all exit on their own within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        codes: dict[int, int] = {}
-        for rank in ranks:
-            try:
-                codes[rank] = self.procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"rank {rank} did not exit within {timeout_s}s\n{self.report()}") from None
-        return codes
-
-    def failure(self, rank: int) -> dict:
-        return json.loads((self.run_dir / f"failure_rank{rank}.json").read_text())
-
-    def stderr(self, rank: int) -> str:
-        return (self.run_dir / f"err{rank}.txt").read_text(errors="replace")
-
-    def report(self) -> str:
-        return "\n".join(f"--- rank {r} (exit {p.poll()}):\n{self.stderr(r)[-2000:]}"
-                         for r, p in enumerate(self.procs))
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped process must be woken to die
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            proc.wait()
-        self.server.close()
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from support.cluster import START_TIMEOUT_S, Cluster, start_workers, train
 
 
 def _peer_dead_records(run_dir: Path, rank: int) -> list[dict]:
@@ -122,31 +31,6 @@ def _peer_dead_records(run_dir: Path, rank: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- real processes
-@pytest.mark.slow
-def test_a_stopped_worker_is_named_dead_by_its_neighbours(tmp_path: Path) -> None:
-    """SIGSTOP: the process lives and its TCP connections stay up, but it says nothing."""
-    config = ProtocolConfig(timeout_s=60.0, peer_timeout_s=3.0)
-    with Cluster(Graph.ring(4), config, tmp_path / "run", ["--iterations", "100000", "--compute-ms", "5"]) as c:
-        c.wait_for_iteration(2, 40)
-        c.signal(2, signal.SIGSTOP)
-        stopped = time.monotonic()
-        # Its neighbours fail on their own, long before the 60 s wait timeout could fire.
-        assert c.wait([1, 3], timeout_s=55.0) == {1: 1, 3: 1}
-        assert time.monotonic() - stopped < config.timeout_s
-        for rank in (1, 3):
-            failure = c.failure(rank)
-            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
-            assert "peer 2 went silent" in failure["message"], failure
-            assert "peer 2 went silent" in c.stderr(rank)
-            (dead,) = _peer_dead_records(c.run_dir, rank)
-            assert dead["peer"] == 2 and config.peer_timeout_s <= dead["silent_s"] < config.timeout_s, dead
-            assert dead["iter"] >= 40
-        # Rank 0 needed 1 and 3, which left (their close() said bye) after declaring 2 dead.
-        assert c.wait([0], timeout_s=55.0) == {0: 1}
-        assert c.failure(0)["peer"] in (1, 3) and c.failure(0)["peer_state"] in ("departed", "dead")
-        assert c.procs[2].poll() is None  # still there, stopped: nothing but heartbeats told on it
-
-
 @pytest.mark.slow
 def test_survivors_with_backup_workers_finish_after_a_worker_is_killed(tmp_path: Path) -> None:
     """SIGKILL one worker of ring_based:6 with a backup worker each: the rest train to the end.
@@ -176,24 +60,6 @@ def test_survivors_with_backup_workers_finish_after_a_worker_is_killed(tmp_path:
 
 
 @pytest.mark.slow
-def test_without_backup_workers_a_killed_worker_is_named_by_its_neighbours(tmp_path: Path) -> None:
-    config = ProtocolConfig(timeout_s=60.0)  # the default --peer-timeout
-    with Cluster(Graph.ring(4), config, tmp_path / "run", ["--iterations", "100000", "--compute-ms", "5"]) as c:
-        c.wait_for_iteration(2, 40)
-        c.signal(2, signal.SIGKILL)
-        killed = time.monotonic()
-        assert c.wait([1, 3], timeout_s=55.0) == {1: 1, 3: 1}
-        assert time.monotonic() - killed < config.timeout_s
-        for rank in (1, 3):
-            failure = c.failure(rank)
-            assert (failure["error"], failure["peer"], failure["peer_state"]) == ("PeerFailure", 2, "dead"), failure
-            assert failure["message"].startswith(f"rank {rank} cannot finish iteration "), failure
-            (dead,) = _peer_dead_records(c.run_dir, rank)
-            assert dead["peer"] == 2 and config.peer_timeout_s <= dead["silent_s"] < config.timeout_s, dead
-        assert c.wait([0], timeout_s=55.0) == {0: 1}
-
-
-@pytest.mark.slow
 def test_ranks_that_run_different_iteration_counts_are_told_so(tmp_path: Path) -> None:
     config = ProtocolConfig(timeout_s=60.0)
     with Cluster(Graph.ring(3), config, tmp_path / "run",
@@ -209,41 +75,14 @@ def test_ranks_that_run_different_iteration_counts_are_told_so(tmp_path: Path) -
 
 
 # ----------------------------------------------------------------------------- one process, ZeroMQ
-async def _start_zmq_workers(n: int, config: ProtocolConfig) -> list[AsyncWorker]:
-    """ring:n of AsyncWorkers on this loop, each with its own ZeroMQ transport over loopback."""
-    graph = Graph.ring(n)
-    addresses: dict[int, str] = {}
-    everyone = asyncio.Barrier(n)
-
-    def exchange_for(rank: int) -> Callable[[str], Awaitable[dict[int, str]]]:
-        async def exchange(address: str) -> dict[int, str]:
-            addresses[rank] = address
-            await everyone.wait()
-            return dict(addresses)
-        return exchange
-
-    return list(await asyncio.gather(*(
-        AsyncWorker.start(rank=r, graph=graph, config=config, params=torch.zeros(8),
-                          transport=ZmqTransport(r, frozenset(graph.peers(r))), exchange=exchange_for(r))
-        for r in range(n))))
-
-
-async def _train(worker: AsyncWorker, total: int) -> None:
-    while True:
-        last = worker.iteration >= total - 1
-        await worker.step(last=last)
-        if last:
-            return
-
-
 async def test_a_peer_that_is_alive_but_owes_an_update_is_stalled_not_dead() -> None:
     """Rank 1 never steps, for longer than the peer timeout, but its node still beats: rank 0's
     wait runs into --timeout and names rank 1 as stalled, not dead."""
     config = ProtocolConfig(timeout_s=1.5, peer_timeout_s=0.3)
-    workers = await _start_zmq_workers(2, config)
+    workers = await start_workers(Graph.ring(2), config)
     try:
         with pytest.raises(WaitTimeout) as info:
-            await _train(workers[0], 5)
+            await train(workers[0], 5)
     finally:
         await asyncio.gather(*(w.close() for w in workers))
     error = info.value
@@ -256,13 +95,13 @@ async def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
     """Rank 1 shuts its sockets without a bye (as a crash would): rank 0 fails naming it dead,
     long before its wait timeout."""
     config = ProtocolConfig(timeout_s=30.0, peer_timeout_s=0.3)
-    workers = await _start_zmq_workers(2, config)
+    workers = await start_workers(Graph.ring(2), config)
     await workers[1].node.close(leave=False)  # no bye: it just goes quiet
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
         with pytest.raises(PeerFailure) as info:
-            await _train(workers[0], 5)
+            await train(workers[0], 5)
     finally:
         await workers[0].close()
     assert loop.time() - started < config.timeout_s

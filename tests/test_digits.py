@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -29,6 +29,7 @@ def _consensus_error(run_dir: Path, n: int) -> float:
     ["--backup-workers", "1"],
     ["--staleness", "2"],
 ], ids=["standard", "backup-workers", "staleness"])
+@pytest.mark.slow
 def test_digits_reaches_95_percent_on_every_worker(launch, tmp_path: Path,
                                                    protocol_flags: list[str]) -> None:
     run_dir = tmp_path / "run"

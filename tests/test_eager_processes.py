@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from pathlib import Path
@@ -10,17 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
 from hopnet import Graph, ProtocolConfig
-from test_dead_peers import Cluster
+from support.cluster import Cluster
+from support.records import records
+from support.launch import launch_in_process
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
-
-
-def records(run_dir: Path, rank: int, event: str) -> list[dict]:
-    lines = (run_dir / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == event]
 
 
 @pytest.mark.slow
@@ -61,8 +57,9 @@ def test_majority_over_zeromq_finishes_with_identical_round_counts(launch, tmp_p
     assert sum(s["initiated"] for s in stops) >= stops[0]["rounds"]  # every round had an initiator
 
 
-def test_eager_flags_are_refused_with_other_protocols_in_one_line(launch, tmp_path: Path) -> None:
-    result = launch(["--protocol", "allreduce", "--eager-mode", "majority", "--run-dir", str(tmp_path / "r"), DIGITS])
+def test_eager_flags_are_refused_with_other_protocols_in_one_line(tmp_path: Path) -> None:
+    result = launch_in_process(["--protocol", "allreduce", "--eager-mode", "majority", "--run-dir", str(tmp_path / "r"),
+                                DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "hopnet launch: error: --eager-mode: option(s) that --protocol allreduce does not take "

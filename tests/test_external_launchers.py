@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from support.env import clean_env
+from support.paths import EXAMPLES
+from support.records import coordinator_records, records
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
@@ -109,15 +110,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HOPNET_", "SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         try:
@@ -136,7 +128,7 @@ def _consensus_error(run_dir: Path, n: int) -> float:
 @pytest.mark.slow
 def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = {**_clean_env(), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
            DIGITS, "--iterations", "70", "--eval-every", "1000"]
@@ -152,7 +144,7 @@ def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     assert min(accuracies) >= 0.9, accuracies
     assert _consensus_error(run_dir, 4) < 1e-3
     assert (run_dir / "graph.json").exists()
-    starts = [json.loads(open(run_dir / f"rank{r}.jsonl").readline()) for r in range(4)]
+    starts = [records(run_dir, r)[0] for r in range(4)]
     assert [s["rank"] for s in starts] == [0, 1, 2, 3] and all(s["event"] == "start" for s in starts)
 
 
@@ -165,7 +157,7 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(3):
-            env = {**_clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank),
+            env = {**clean_env(PYTHONUNBUFFERED="1"), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank),
                    "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost,node[2-3]",
                    "MASTER_PORT": str(port), "HOPNET_GRAPH": "complete:3", "HOPNET_PROTOCOL": "prague",
                    "HOPNET_GROUP_GENERATOR": "random", "HOPNET_GROUP_SIZE": "2",
@@ -184,8 +176,8 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     assert len(run_dirs) == 1, run_dirs  # rank 0 named it, the others learnt it through the store
     logs = sorted(p.name for p in run_dirs[0].glob("rank*.jsonl"))
     assert logs == ["rank0.jsonl", "rank1.jsonl", "rank2.jsonl"]
-    start = json.loads((run_dirs[0] / "rank2.jsonl").open().readline())
+    start = records(run_dirs[0], 2)[0]
     assert start["config"]["group_size"] == 2 and start["config"]["protocol"] == "prague"
-    coordinator = [json.loads(line) for line in (run_dirs[0] / "coordinator.jsonl").open()]
+    coordinator = coordinator_records(run_dirs[0])
     stop = coordinator[-1]
     assert stop["event"] == "stop" and stop["groups_formed"] > 0 and stop["workers_left"] == [0, 1, 2]

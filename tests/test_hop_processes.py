@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,9 @@ import torch
 from hopnet import Graph, ProtocolConfig
 from hopnet.analysis import gap_bound, load_run, max_gap_from_run
 
-from conftest import WORKERS
+from support.paths import WORKERS
+from support.cluster import close_workers, start_workers, train
+from support.launch import kill, start_launch
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 BULK = pytest.mark.parametrize("bulk", ["zmq", "torch"])  # Hop runs unchanged over either plane
@@ -22,10 +25,10 @@ def _tensors(run_dir: Path, prefix: str, n: int) -> list[torch.Tensor]:
     return [torch.load(run_dir / f"{prefix}_rank{r}.pt") for r in range(n)]
 
 
-# Both planes on the ring and ring_based (whose 6 ranks once caught the pair groups deadlocking
-# in the store); the torus, whose links are the same kind, over ZeroMQ only (suite time).
-@pytest.mark.parametrize("graph,n,bulk", [("ring:4", 4, "zmq"), ("ring:4", 4, "torch"), ("ring_based:6", 6, "zmq"),
-                                          ("ring_based:6", 6, "torch"), ("torus:2x3", 6, "zmq")])
+# Both planes on the ring; ring_based over the torch plane (its 6 ranks once caught the pair groups
+# deadlocking in the store). ring_based and the torus over ZeroMQ run in one process below.
+@pytest.mark.slow
+@pytest.mark.parametrize("graph,n,bulk", [("ring:4", 4, "zmq"), ("ring:4", 4, "torch"), ("ring_based:6", 6, "torch")])
 def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: str, n: int, bulk: str) -> None:
     """W is doubly stochastic on these graphs, so gossip alone reaches the initial average."""
     run_dir = tmp_path / "run"
@@ -39,6 +42,24 @@ def test_zero_gradient_hop_averages_to_the_mean(launch, tmp_path: Path, graph: s
     assert (final - mean).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("graph", ["ring_based:6", "torus:2x3"])
+async def test_zero_gradient_hop_over_zeromq_in_one_process_averages_to_the_mean(graph: str) -> None:
+    """The same, with the workers on this process's loop over real ZeroMQ sockets."""
+    g = Graph.by_name(graph)
+    initial = [torch.randn(1000, generator=torch.Generator().manual_seed(1234 + r), dtype=torch.float64)
+               for r in range(g.n)]
+    params = [p.clone() for p in initial]
+    workers = await start_workers(g, ProtocolConfig(timeout_s=60.0), params=lambda rank: params[rank])
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(w, 80) for w in workers)), 120)
+    finally:
+        await close_workers(workers)
+    mean = torch.stack(initial).mean(dim=0)
+    assert (torch.stack(initial) - mean).abs().max() > 1.0  # the workers really started apart
+    assert (torch.stack(params) - mean).abs().max() < 1e-6
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one per rank, for NCCL)")
 @pytest.mark.parametrize("bulk", ["torch", "auto"])
 def test_hop_on_gpus_averages_over_nccl(launch, tmp_path: Path, bulk: str) -> None:
@@ -61,6 +82,7 @@ def test_a_cuda_model_over_zmq_is_refused_in_one_line() -> None:
                        device=torch.device("cuda", 0), store_endpoint="", timeout_s=5)
 
 
+@pytest.mark.slow
 def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Path) -> None:
     """Theorem 2: Iter(i) - Iter(j) <= min(len(j->i), max_ig * len(i->j)); queues <= (1+max_ig)|N_in|."""
     run_dir = tmp_path / "run"
@@ -82,6 +104,7 @@ def test_iteration_gap_and_queue_bounds_with_uneven_workers(launch, tmp_path: Pa
     assert len(slowed) >= 59 and all(rec["slowdown"] >= 6 for rec in slowed)  # visible in the log
 
 
+@pytest.mark.slow
 @BULK
 def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Path, bulk: str) -> None:
     run_dir = tmp_path / "run"
@@ -98,6 +121,7 @@ def test_backup_workers_keep_training_after_a_worker_leaves(launch, tmp_path: Pa
         assert (first_left["peer"], first_left["last_iter"]) == (2, 10)
 
 
+@pytest.mark.slow
 @BULK
 def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: Path, bulk: str) -> None:
     result = launch(["--graph", "ring:4", "--bulk", bulk, "--run-dir", str(tmp_path / "run"), HOP_WORKER,
@@ -108,10 +132,9 @@ def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: P
                      r"left at iteration 5, before its last iteration 39", result.stderr), result.stderr
 
 
+@pytest.mark.slow
 def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_path: Path) -> None:
     """A rogue peer floods rank 0's socket with garbage during training; training completes."""
-    import subprocess
-    import sys
     import time
 
     import zmq
@@ -120,10 +143,8 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     from hopnet.wire import Message, encode_header
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--graph", "ring:4",
-                             "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "150",
-                             "--compute-ms", "10", "--dim", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(["--graph", "ring:4", "--run-dir", str(run_dir), HOP_WORKER, "--iterations", "150",
+                         "--compute-ms", "10", "--dim", "64"])
     try:
         log = run_dir / "rank0.jsonl"
         deadline = time.monotonic() + 60
@@ -161,9 +182,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
         ctx.term()
         out, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill(proc)
     assert proc.returncode == 0, err
     stop = next(rec for rec in load_run(run_dir)[0] if rec["event"] == "stop")
     assert stop["iter"] == 149
@@ -171,6 +190,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
     assert "bad_header" in stop["dropped"] or "truncated" in stop["dropped"]
 
 
+@pytest.mark.slow
 @BULK
 def test_zero_copy_sends_to_a_finished_neighbour_do_not_stall(launch, tmp_path: Path, bulk: str) -> None:
     """With backup workers the fast workers finish first; the straggler's last zero-copy

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,21 +30,14 @@ from hopnet.launch.rendezvous import (
     rendezvous_status,
 )
 
+from support.launch import run_launch, start_launch
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:  # a launcher's variables must not leak into the one under test
-        env.pop(name, None)
-    return env
-
-
 def hopnet_launch(*args: str, cwd: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch(args, cwd=cwd, timeout=timeout)
 
 
 def _alive(pid: int) -> bool:
@@ -80,6 +72,7 @@ def _tagged(stdout: str, tag: str) -> dict[int, str]:
 
 
 # ------------------------------------------------------------------------------ launch
+@pytest.mark.slow
 def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -117,6 +110,7 @@ def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     _assert_all_gone(_pids(pid_dir))
 
 
+@pytest.mark.slow
 def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -139,10 +133,8 @@ def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
 def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tuple[subprocess.Popen[str], Path]:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "3", "--grace", grace,
-                             "--run-dir", str(tmp_path / "run"), WORKER, "--pid-dir", str(pid_dir),
-                             "--sleep", "60", *worker_args],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(["--nproc", "3", "--grace", grace, "--run-dir", str(tmp_path / "run"), WORKER,
+                         "--pid-dir", str(pid_dir), "--sleep", "60", *worker_args], cwd=tmp_path)
     deadline = time.monotonic() + 60
     while len(list(pid_dir.glob("rank*.pid"))) < 3:
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -153,6 +145,7 @@ def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tupl
     return proc, pid_dir
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_reaches_every_worker(tmp_path: Path) -> None:
     # rank 2 ignores SIGTERM: the launcher must SIGKILL it once the grace period is over
     proc, pid_dir = _start_launcher(tmp_path, "--ignore-sigterm-rank", "2", grace="1")

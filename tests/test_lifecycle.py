@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
-from hopnet.launch.env import ENV_VARS
 
-from conftest import ROOT, WORKERS
+from support.env import clean_env
+from support.launch import run_launch, start_launch
+from support.paths import ROOT, WORKERS
+from support.records import records
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 FAST = ["--dim", "100", "--compute-ms", "1"]
@@ -30,22 +32,8 @@ FAST = ["--dim", "100", "--compute-ms", "1"]
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:
-        env.pop(name, None)
-    return env
-
-
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def records(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    path = run_dir / f"rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return run_launch(args, timeout=timeout)
 
 
 def launcher_lines(stderr: str) -> list[str]:
@@ -101,9 +89,7 @@ def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: s
         assert proc.poll() is None, proc.communicate()
         done = 0
         for rank in ranks:
-            path = run_dir / f"rank{rank}.jsonl"
-            if path.exists() and any(r.get("event") == "enter" and r.get("iter", -1) >= iteration
-                                     for r in _read_partial(path)):
+            if any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "enter")):
                 done += 1
         if done == len(ranks):
             return
@@ -111,26 +97,16 @@ def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: s
     pytest.fail(f"ranks {ranks} did not reach iteration {iteration}")
 
 
-def _read_partial(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir), *args],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_launch(["--run-dir", str(run_dir), *args], new_session=True)
     return proc, run_dir
 
 
 # ------------------------------------------------------------------------------ exits
-@pytest.mark.parametrize("attempt", range(5))
+# The exit tests run twice each: a race at interpreter exit shows in some runs only (each run
+# already exits 4 workers).
+@pytest.mark.parametrize("attempt", range(2))
 def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path, attempt: int) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "20", "--no-close")
@@ -143,7 +119,7 @@ def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path, attempt: int) -
         assert not any(r["event"] == "error" for r in log)
 
 
-@pytest.mark.parametrize("attempt", range(5))
+@pytest.mark.parametrize("attempt", range(2))
 def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
@@ -158,7 +134,7 @@ def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) ->
     assert records(run_dir, 1)[-1]["event"] == "stop"
 
 
-@pytest.mark.parametrize("attempt", range(3))
+@pytest.mark.parametrize("attempt", range(2))
 def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path, attempt: int) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
@@ -223,7 +199,7 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
     assert rest == [f"hopnet launch: received {signal.Signals(signum).name}, stopping 4 workers; run dir {run_dir}"]
     assert result_of(run_dir)["worker_returncodes"] == {str(r): 143 for r in range(4)}  # all left on SIGTERM
     for rank in range(4):
-        log = _read_partial(run_dir / f"rank{rank}.jsonl")
+        log = records(run_dir, rank)
         errors = [r for r in log if r["event"] == "error"]
         assert log[-1]["event"] == "stop" and [e["error"] for e in errors] == ["Terminated"], log[-4:]
 
@@ -353,7 +329,7 @@ def test_workers_of_a_script_run_without_the_launcher_are_closed_at_exit(tmp_pat
                                                                          last_error: str | None) -> None:
     """The atexit hook and excepthook that hopnet.Worker installs, without the launcher's entry point."""
     script = str(Path(__file__).resolve().parent / "scripts" / "unclosed_workers.py")
-    proc = subprocess.run([sys.executable, script, str(tmp_path), mode], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, script, str(tmp_path), mode], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert "Segmentation" not in proc.stderr and "terminate called" not in proc.stderr

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,9 @@ import pytest
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.nodes import place_ranks
+
+from support.env import clean_env
+from support.launch import kill, start_launch
 
 REPO = Path(__file__).resolve().parent.parent
 HOP_WORKER = str(REPO / "tests" / "workers" / "hop_worker.py")
@@ -55,17 +54,13 @@ def _two_launchers(tmp_path: Path, graph: str, extra: list[str], worker_args: li
     procs = []
     try:
         for node in (0, 1):
-            cmd = [sys.executable, "-m", "hopnet.cli.main", "launch", "--graph", graph, "--nnodes", "2",
-                   "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-progress",
-                   "--run-dir", str(tmp_path / f"node{node}"), *extra, HOP_WORKER, *worker_args]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+            args = ["--graph", graph, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--no-progress", "--run-dir", str(tmp_path / f"node{node}"), *extra, HOP_WORKER, *worker_args]
+            procs.append(start_launch(args, env=clean_env(PYTHONUNBUFFERED="1"), new_session=True))
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+            kill(p)
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from support.env import clean_env
+from support.launch import LAUNCH
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from netns_hosts import NamespacedHosts, unavailable_reason  # noqa: E402
@@ -40,16 +43,9 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_key_file(tmp_path_factory.mktemp("key") / "run.key", CurveKeys.generate())
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOPNET_", "SLURM_"))}
-    env["PYTHONPATH"] = str(REPO)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
              during=None) -> list[tuple[int, str]]:
-    procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    procs = [subprocess.Popen(c, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for c in cmds]
     try:
         if during is not None:
@@ -65,7 +61,7 @@ def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
 
 def _launch(hosts: NamespacedHosts, node: int, port: int, run_dir: Path, flags: list[str], script: list[str],
             key_file: Path) -> list[str]:
-    return hosts.command(node, [sys.executable, "-m", "hopnet.cli.main", "launch", "--nnodes", "2",
+    return hosts.command(node, [*LAUNCH, "--nnodes", "2",
                                 "--key-file", str(key_file),
                                 "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
                                 "--bind", hosts.addresses[node], "--no-progress", "--run-dir", str(run_dir),

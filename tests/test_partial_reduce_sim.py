@@ -4,13 +4,14 @@ on the virtual loop), a member's death mid-group, and one real `hopnet launch` r
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, run_launch
+from support.paths import EXAMPLES
+from support.launch import run_launch
+from support.records import all_records
 from hopnet import ConfigError, Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.mixing import GROUP_RECORD, groups_from_records, mixing_matrix, spectral_rho
@@ -275,10 +276,7 @@ def test_hopnet_launch_runs_partial_reduce_on_four_processes(tmp_path: Path) -> 
                          "--compute-ms", "5", "--model-mb", "0.01", "--iterations", str(iterations),
                          "--warmup", "2"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = []
-    for rank in range(4):
-        lines = (run_dir / f"rank{rank}.jsonl").read_text().splitlines()
-        records += [json.loads(line) for line in lines if line.strip()]
+    records = all_records(run_dir)
     assert not [r for r in records if r["event"] == "error"]
     groups = [r for r in records if r["event"] == GROUP_RECORD]
     assert len(groups) == 4 * iterations  # every worker averaged once per iteration

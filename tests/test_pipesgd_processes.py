@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -13,7 +12,9 @@ import torch
 
 from hopnet import Graph, ProtocolConfig
 
-from conftest import EXAMPLES
+from support.paths import EXAMPLES
+from support.records import records
+from support.launch import launch_in_process
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -33,13 +34,12 @@ def test_pipe_sgd_k2_trains_digits_with_identical_models(launch, tmp_path: Path,
     params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)]
     for r in range(1, n):
         assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
-    records = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()]
-    applied = [r["grad_iter"] for r in records if r["event"] == "iteration"]
+    applied = [r["grad_iter"] for r in records(run_dir, 0, "iteration")]
     assert applied == [None] + list(range(iterations - 1))  # iteration t applied the average of t-1
 
 
-def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tmp_path: Path) -> None:
-    result = launch(["--protocol", "allreduce", "--pipeline-k", "3", "--run-dir", str(tmp_path / "r"), DIGITS])
+def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(tmp_path: Path) -> None:
+    result = launch_in_process(["--protocol", "allreduce", "--pipeline-k", "3", "--run-dir", str(tmp_path / "r"), DIGITS])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --pipeline-k: option(s) that --protocol allreduce does not take "
@@ -48,7 +48,7 @@ def test_pipe_sgd_flags_with_another_protocol_are_refused_in_one_line(launch, tm
 
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_pending_allreduces_naming_it_dead(tmp_path: Path) -> None:
-    from test_dead_peers import Cluster
+    from support.cluster import Cluster
 
     config = ProtocolConfig(protocol="pipe-sgd", timeout_s=60.0, peer_timeout_s=3.0)
     with Cluster(Graph.ring(4), config, tmp_path / "run",

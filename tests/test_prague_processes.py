@@ -7,14 +7,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS
+from support.paths import WORKERS
+from support.launch import kill, run_launch, start_launch
+from support.records import coordinator_records, records
 
 PRAGUE_WORKER = str(WORKERS / "prague_worker.py")
 N = 4
@@ -22,20 +23,15 @@ ITERATIONS = 30
 DIM = 256
 
 
-def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
 def _launch_args(run_dir: Path, *extra: str, nproc: int = N) -> list[str]:
-    return [sys.executable, "-m", "hopnet.cli.main", "launch", "--protocol", "prague", "--group-generator", "random",
-            "--nproc", str(nproc), "--run-dir", str(run_dir), *extra]
+    return ["--protocol", "prague", "--group-generator", "random", "--nproc", str(nproc), "--run-dir", str(run_dir),
+            *extra]
 
 
 @pytest.fixture(scope="module")
 def prague_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     run_dir = tmp_path_factory.mktemp("prague") / "run"
-    result = subprocess.run(_launch_args(run_dir, PRAGUE_WORKER, "--iterations", str(ITERATIONS), "--dim", str(DIM)),
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    result = run_launch(_launch_args(run_dir, PRAGUE_WORKER, "--iterations", str(ITERATIONS), "--dim", str(DIM)))
     return result, run_dir
 
 
@@ -50,7 +46,7 @@ def test_prague_random_preserves_the_models_sum_and_pulls_them_together(prague_r
     spread_after = max((p - after[0]).abs().max().item() for p in after)
     assert spread_after < 1e-3 * spread_before, (spread_before, spread_after)
     for rank in range(N):
-        groups = [r["group"] for r in _events(run_dir / f"rank{rank}.jsonl") if r["event"] == "iteration"]
+        groups = [r["group"] for r in records(run_dir, rank, "iteration")]
         assert len(groups) == ITERATIONS and all(rank in g and len(set(g)) == len(g) for g in groups)
 
 
@@ -61,12 +57,12 @@ def test_the_launcher_runs_the_coordinator_and_it_logs_the_groups(prague_run) ->
     assert "the coordinator (prague random group generator) at tcp://127.0.0.1:" in result.stderr
     launch_info = json.loads((run_dir / "launch.json").read_text())
     assert launch_info["coordinator"]["name"] == "prague random group generator"
-    records = _events(run_dir / "coordinator.jsonl")
-    assert records[0]["event"] == "start" and records[0]["address"] == launch_info["coordinator"]["address"]
-    groups = [r for r in records if r["event"] == "group"]
+    logged = coordinator_records(run_dir)
+    assert logged[0]["event"] == "start" and logged[0]["address"] == launch_info["coordinator"]["address"]
+    groups = [r for r in logged if r["event"] == "group"]
     assert len(groups) == N * ITERATIONS
     assert len({r["gid"] for r in groups}) == len(groups)
-    stop = records[-1]
+    stop = logged[-1]
     assert stop["event"] == "stop" and stop["workers_left"] == list(range(N)) and stop["workers_dead"] == []
     assert stop["groups"] == N * ITERATIONS and stop["acks"] + stop["dropped"].get("from_gone_worker", 0) >= \
         sum(len(r["members"]) for r in groups) - N * 2  # acks of the last groups may follow their bye
@@ -93,34 +89,30 @@ def _processes_of(run_dir: Path) -> list[int]:
 def test_killing_the_coordinator_fails_the_run_promptly_naming_it(tmp_path: Path) -> None:
     """Two workers (groups of 2) keep it cheap; both wait on the coordinator every iteration."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(_launch_args(run_dir, "--peer-timeout", "2", "--timeout", "120", "--group-size", "2",
-                                             PRAGUE_WORKER, "--iterations", "100000", "--compute-ms", "5", nproc=2),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                start_new_session=True)
+    launcher = start_launch(_launch_args(run_dir, "--peer-timeout", "2", "--timeout", "120", "--group-size", "2",
+                                         PRAGUE_WORKER, "--iterations", "100000", "--compute-ms", "5", nproc=2),
+                            new_session=True)
     try:
-        log = run_dir / "coordinator.jsonl"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until the workers are training through it
-            if log.exists() and sum(r["event"] == "group" for r in _events(log)) >= 40:
+            if len(coordinator_records(run_dir, "group")) >= 40:
                 break
             assert launcher.poll() is None, launcher.communicate()
             time.sleep(0.2)
         else:
             raise AssertionError("the workers never formed 40 groups")
-        pid = _events(log)[0]["pid"]
+        pid = coordinator_records(run_dir)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)
         took = time.monotonic() - killed
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+        kill(launcher)
     assert launcher.returncode == 1, stderr
     assert took < 30, took  # --peer-timeout 2 and the launcher's settle; the --timeout of 120 s never ran out
     assert "hopnet launch: the coordinator (prague random group generator) at tcp://127.0.0.1:" in stderr
     assert "died (killed by SIGKILL)" in stderr
-    errors = [r for rank in range(2) for r in _events(run_dir / f"rank{rank}.jsonl") if r["event"] == "error"]
+    errors = [r for rank in range(2) for r in records(run_dir, rank, "error")]
     named = [e for e in errors if "the coordinator (prague random group generator) at tcp://" in e["message"]
              and "stopped answering" in e["message"]]
     assert named and all(e["error"] == "CoordinatorLost" and e["peer_state"] == "dead" for e in named), errors

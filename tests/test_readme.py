@@ -13,9 +13,10 @@ New blocks are picked up automatically; one that cannot run stand-alone needs a 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,24 +25,26 @@ import pytest
 
 from hopnet import Graph
 from hopnet.analysis import load_run
-from hopnet.launch.env import ENV_VARS
+from hopnet.cli.main import main as cli_main
 
-from conftest import run_launch
-from readme_blocks import ROOT, Block, all_blocks, fenced_blocks, launch_script
+from support.env import clean_env
+from support.launch import run_launch
+from readme_blocks import Block, all_blocks, fenced_blocks, launch_script
 
 BLOCKS = all_blocks()
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    for name in ENV_VARS:
-        env.pop(name, None)
-    return env
-
-
 def _is_graph(data: object) -> bool:
     return isinstance(data, dict) and "nodes" in data and "edges" in data
+
+
+def _hopnet_graph_validate(path: Path) -> tuple[int, str]:
+    """`hopnet graph validate PATH` through the command's entry point in this process (no
+    interpreter start per block): its exit status and what it wrote on stderr."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        code = cli_main(["graph", "validate", str(path)])
+    return code, stderr.getvalue()
 
 
 def check_json_block(block: Block, tmp_path: Path) -> None:
@@ -53,12 +56,11 @@ def check_json_block(block: Block, tmp_path: Path) -> None:
         return
     path = tmp_path / "example.json"
     path.write_text(block.text)
-    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "graph", "validate", str(path)],
-                          env=_env(), capture_output=True, text=True, timeout=120)
+    code, stderr = _hopnet_graph_validate(path)
     if block.mode == "invalid":
-        assert proc.returncode != 0, f"{block.id}: meant as an invalid graph, but validates"
+        assert code != 0, f"{block.id}: meant as an invalid graph, but validates"
         return
-    assert proc.returncode == 0, f"{block.id}: hopnet graph validate: {proc.stderr.strip()}"
+    assert code == 0, f"{block.id}: hopnet graph validate: {stderr.strip()}"
     Graph.from_json(data)
 
 
@@ -76,7 +78,7 @@ def check_fragment_block(block: Block) -> None:
 
 
 def check_python_block(block: Block, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=_env(),
+    proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{block.id} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
 

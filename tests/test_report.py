@@ -4,8 +4,6 @@ against synthetic event logs whose timings and gaps are known exactly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from hopnet.report.summary import summary_text
 from hopnet.report.trace import chrome_trace
 from hopnet.runtime.events import JsonlEventLog, read_events
 
-from conftest import ROOT
+from support.paths import ROOT
 
 T0 = 100.0
 # rank: (time of entering iteration 0, seconds per step, split of each step)
@@ -159,12 +157,14 @@ def test_chrome_trace_spans_are_the_measured_ones_and_never_overlap(tmp_path: Pa
     assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
 
 
-def test_report_cli_writes_page_and_trace(tmp_path: Path) -> None:
+def test_report_cli_writes_page_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hopnet.cli.main import main
+
     run_dir = write_run(tmp_path / "run")
-    ok = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "report", str(run_dir), "--trace",
-                         str(tmp_path / "t.json")], capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.splitlines() == [f"wrote {run_dir / 'report.html'}", f"wrote {tmp_path / 't.json'}"]
+    code = main(["report", str(run_dir), "--trace", str(tmp_path / "t.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.splitlines() == [f"wrote {run_dir / 'report.html'}", f"wrote {tmp_path / 't.json'}"]
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 

@@ -13,7 +13,6 @@ import select
 import signal
 import struct
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
@@ -26,20 +25,22 @@ from hopnet.report.rundir import load_run_dir
 from hopnet.report.stats import run_stats
 from hopnet.report.trace import chrome_trace
 
-from conftest import ROOT, WORKERS
+from support.paths import ROOT, WORKERS
+from support.launch import LAUNCH, run_launch
+from support.records import records
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 pytestmark = pytest.mark.slow
 
 
 def _launch_cmd(run_dir: Path, *extra: str, iterations: int = 30, compute_ms: int = 20) -> list[str]:
-    return [sys.executable, "-m", "hopnet.cli.main", "launch", "--graph", "ring:4", "--run-dir", str(run_dir),
+    return [*LAUNCH, "--graph", "ring:4", "--run-dir", str(run_dir),
             *extra, HOP_WORKER, "--iterations", str(iterations), "--compute-ms", str(compute_ms), "--dim", "100",
             "--report-loss"]
 
 
 def _logged(run_dir: Path) -> dict[int, list[dict]]:
-    return {r: [json.loads(x) for x in (run_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in range(4)}
+    return {r: records(run_dir, r) for r in range(4)}
 
 
 def _share(records: list[dict], part: str) -> float:
@@ -52,8 +53,7 @@ def test_straggler_neighbours_wait_for_its_updates_and_the_summary_matches_the_l
     """Rank 1 computes 4x longer (80 ms vs 20 ms). Its neighbours 0 and 2 spend most of each
     step waiting for its updates; it hardly waits at all. On a pipe there is no status line."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(_launch_cmd(run_dir, "--slowdown", "rank=1:4"), capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = run_launch(_launch_cmd(run_dir, "--slowdown", "rank=1:4")[len(LAUNCH):], timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "training  " not in proc.stdout + proc.stderr  # a pipe: no live status line
 
@@ -64,8 +64,8 @@ def test_straggler_neighbours_wait_for_its_updates_and_the_summary_matches_the_l
         share = stats.ranks[neighbour].share("wait_updates_s")
         assert share > 0.3 and share > 3 * straggler, (neighbour, share, straggler)
     assert stats.ranks[1].share("compute_s") > 0.8  # 80 ms compute, next to nothing else
-    for rank, records in logs.items():  # the report's numbers are the logs' numbers
-        assert stats.ranks[rank].share("wait_updates_s") == pytest.approx(_share(records, "wait_updates_s"))
+    for rank, logged in logs.items():  # the report's numbers are the logs' numbers
+        assert stats.ranks[rank].share("wait_updates_s") == pytest.approx(_share(logged, "wait_updates_s"))
         assert stats.ranks[rank].iterations == 30 and stats.ranks[rank].total == 30
 
     gaps = edge_gaps(load_run_dir(run_dir))
@@ -77,13 +77,13 @@ def test_straggler_neighbours_wait_for_its_updates_and_the_summary_matches_the_l
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["rank", "iterations", "it/s"])
     for rank in range(4):
         cells = lines[header + 1 + rank].split()
-        records = logs[rank]
-        last = max(r["iter"] for r in records if r["event"] == "iteration")
+        logged = logs[rank]
+        last = max(r["iter"] for r in logged if r["event"] == "iteration")
         assert cells[0] == str(rank) and cells[1] == str(last + 1)
-        assert cells[3] == f"{100 * _share(records, 'wait_updates_s'):.1f}%"
-        assert cells[4] == f"{100 * _share(records, 'wait_tokens_s'):.1f}%"
-        assert cells[5] == str(sum(r["event"] == "skip" for r in records))
-        stop = next(r for r in records if r["event"] == "stop")
+        assert cells[3] == f"{100 * _share(logged, 'wait_updates_s'):.1f}%"
+        assert cells[4] == f"{100 * _share(logged, 'wait_tokens_s'):.1f}%"
+        assert cells[5] == str(sum(r["event"] == "skip" for r in logged))
+        stop = next(r for r in logged if r["event"] == "stop")
         assert cells[6] == str(sum(stop["dropped"].values())) and cells[7] == "finished"
     assert str(run_dir) in lines[-1]
 

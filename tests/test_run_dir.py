@@ -12,7 +12,8 @@ from hopnet.analysis import RunLogError, load_run, max_gap_from_run
 from hopnet.launch.run_dir import clear_previous_run
 from hopnet.launch.threads import limit_worker_threads, threads_per_worker, usable_cores
 
-from conftest import WORKERS, run_launch
+from support.paths import WORKERS
+from support.launch import run_launch
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +31,9 @@ from hopnet.security import (
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import Message, encode_header
 
-from conftest import ROOT, WORKERS
+from support.paths import WORKERS
+from support.launch import kill, start_launch
+from support.records import records
 
 SECURE_WORKER = str(WORKERS / "secure_worker.py")
 
@@ -344,10 +342,8 @@ def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp
     are refused, the refusals reach rank 0's ``stop`` record, and the run averages as if
     they were not there. (That such frames do get into a plain transport is shown above.)"""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--secure", "--bulk", "zmq",
-                             "--graph", "ring:2", "--run-dir", str(run_dir), "--no-progress", SECURE_WORKER],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_launch(["--secure", "--bulk", "zmq", "--graph", "ring:2", "--run-dir", str(run_dir), "--no-progress",
+                         SECURE_WORKER], new_session=True)
     ctx = zmq.Context()
     rogues: list[zmq.Socket] = []
     try:
@@ -379,13 +375,10 @@ def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp
         for sock in rogues:
             sock.close(0)
         ctx.term()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill(proc)
     # (the rendezvous's count of refused handshakes is checked where it can be waited for:
     # test_the_rendezvous_answers_only_holders_of_the_run_key; here it raced the run's end)
-    stop = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()
-            if '"stop"' in line][-1]
+    stop = records(run_dir, 0, "stop")[-1]
     assert stop["dropped"].get("unauthenticated", 0) >= 2
     initial = torch.stack([torch.load(run_dir / f"initial_rank{r}.pt") for r in (0, 1)])
     final = torch.stack([torch.load(run_dir / f"final_rank{r}.pt") for r in (0, 1)])

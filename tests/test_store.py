@@ -13,7 +13,8 @@ from hopnet.errors import ConfigError, HopnetError
 from hopnet.launch.env import STORE, WorkerEnv
 from hopnet.launch.store import connect_store, host_store, parse_endpoint
 
-from conftest import WORKERS, run_launch
+from support.paths import WORKERS
+from support.launch import run_launch
 
 
 def _refused(host: str, port: int) -> bool:

@@ -15,6 +15,8 @@ from hopnet.transports.torchdist import BULK_KEY, TorchBulkTransport
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import Header, Message
 
+from support.launch import launch_in_process
+
 TIMEOUT = 30.0
 
 
@@ -188,8 +190,6 @@ async def test_cuda_tensors_travel_over_nccl_without_leaving_the_gpu(store_endpo
 
 
 def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
-    import subprocess
-    import sys
 
     from hopnet.config import ProtocolConfig
     from hopnet.errors import ConfigError
@@ -199,8 +199,7 @@ def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
         ProtocolConfig(bulk="nccl")
     script = tmp_path / "w.py"
     script.write_text("print('ran')\n")
-    proc = subprocess.run([sys.executable, "-m", "hopnet.cli.main", "launch", "--bulk", "fast", str(script)],
-                          capture_output=True, text=True, timeout=60)
+    proc = launch_in_process(["--bulk", "fast", str(script)])
     assert proc.returncode == 2 and "--bulk" in proc.stderr and "ran" not in proc.stdout
 
 

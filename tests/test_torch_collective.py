@@ -12,7 +12,8 @@ from hopnet.collectives.torchdist import TorchCollective
 from hopnet.errors import ConfigError
 from hopnet.launch.store import connect_store, host_store
 
-from conftest import WORKERS, run_launch
+from support.paths import WORKERS
+from support.launch import run_launch
 
 WORKER = str(WORKERS / "torch_collective_worker.py")
 

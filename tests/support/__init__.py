@@ -1,0 +1,13 @@
+"""Helpers shared by the test modules.
+
+- ``paths``: the repository, the test worker scripts, the examples;
+- ``env``: the clean environment a test gives the processes it starts;
+- ``launch``: `hopnet launch` as a user runs it, to its end or left running;
+- ``records``: a run's event records, read with :func:`hopnet.analysis.load_run`;
+- ``cluster``: workers as processes without a launcher, or in-process on the test's loop;
+- ``faults``: a transport wrapper that drops, delays or cuts a rank's messages;
+- ``transport_checks``: the conformance checks every transport passes.
+
+The tests directory is on ``sys.path`` (pytest puts the rootdir conftest's folder there), so
+tests import ``from support.launch import run_launch`` and the like.
+"""

@@ -1,0 +1,65 @@
+"""`hopnet launch` as a user runs it (a fresh interpreter, a clean environment), to its end or
+left running; and through its entry point in this process, for arguments it refuses."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+from hopnet.cli.main import main as cli_main
+
+from support.env import clean_env
+from support.paths import ROOT
+
+LAUNCH = (sys.executable, "-m", "hopnet.cli.main", "launch")
+
+
+def run_launch(args: Sequence[str], *, cwd: Path = ROOT, timeout: float = 240,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`hopnet launch ARGS` to its end, capturing output; the launcher ends its workers itself."""
+    return subprocess.run([*LAUNCH, *args], cwd=cwd, env=clean_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def launch_in_process(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """`hopnet launch ARGS` through the command's entry point in this process, for arguments it
+    refuses before it starts anything: the same exit status and output as :func:`run_launch`
+    without an interpreter start (one real-process refusal stays in test_launcher.py)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli_main(["launch", *args])
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["hopnet", "launch", *args], code, out.getvalue(), err.getvalue())
+
+
+def start_launch(args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 merge_stderr: bool = False, new_session: bool = False) -> subprocess.Popen[str]:
+    """`hopnet launch ARGS` left running, for tests that signal or kill it (end it with :func:`kill`).
+
+    ``merge_stderr`` sends stderr into stdout; ``new_session`` puts the launcher and its
+    workers in a process group of their own, which :func:`kill` then ends as a whole."""
+    return subprocess.Popen([*LAUNCH, *args], cwd=cwd, env=clean_env() if env is None else env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, start_new_session=new_session)
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    """End a process :func:`start_launch` started (its whole group if it has one of its own)."""
+    if proc.poll() is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:
+        pass
+    proc.communicate()  # reaps it and closes its pipes

@@ -1,0 +1,40 @@
+"""A run's event records, read with :func:`hopnet.analysis.load_run`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hopnet.analysis import load_run
+
+
+def records(run_dir: Path, rank: int, event: str | None = None) -> list[dict[str, Any]]:
+    """``rank``'s records, only those of ``event`` if given; none while its log does not exist.
+
+    Also for a live run: the last line of a log still being written may be cut short, and
+    :func:`load_run` leaves it out."""
+    recs = load_run(run_dir).get(rank, [])
+    return recs if event is None else [r for r in recs if r.get("event") == event]
+
+
+def all_records(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """Every rank's records of a finished run, rank by rank."""
+    return [r for recs in load_run(run_dir).values() for r in recs if event is None or r.get("event") == event]
+
+
+def coordinator_records(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The coordinator's records (``coordinator.jsonl``, which :func:`load_run` does not read);
+    a line still being written is left out, as :func:`load_run` does for a rank's log."""
+    path = run_dir / "coordinator.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if event is None or record.get("event") == event:
+            out.append(record)
+    return out
