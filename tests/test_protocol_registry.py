@@ -6,7 +6,6 @@ through ``HOPNET_PLUGINS``)."""
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ from hopnet.protocols.gradient import AllRanksGradientProtocol
 from hopnet.registry import Averages, ProtocolSpec, register
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 
-from conftest import ROOT, run_launch
+from support.env import clean_env
+from support.launch import run_launch
 
 TOY = "toy-scaled-mean"
 
@@ -120,14 +120,13 @@ TRAINER = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scale", [0.0, 1.0])
-def test_hopnet_launch_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+def test_hopnet_launch_runs_it(tmp_path: Path, scale: float) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAINER)
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("HOPNET_PLUGINS", Path(__file__).stem)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = clean_env(HOPNET_PLUGINS=Path(__file__).stem)  # the launcher and each worker import this module
+    env["PYTHONPATH"] = os.pathsep.join((str(Path(__file__).resolve().parent), env["PYTHONPATH"]))
     result = run_launch(["--nproc", "3", "--protocol", TOY, "--toy-scale", str(scale), "--run-dir",
-                         str(tmp_path / "run"), "--no-prefix", str(script), str(tmp_path)])
+                         str(tmp_path / "run"), "--no-prefix", str(script), str(tmp_path)], env=env)
     assert result.returncode == 0, result.stderr
     assert f"running {TOY}" in result.stderr + result.stdout
     finals = [torch.load(tmp_path / f"final{rank}.pt") for rank in range(3)]
