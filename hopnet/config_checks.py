@@ -25,5 +25,6 @@ def check_config_for_graph(config: ProtocolConfig, graph: Graph) -> list[str]:
     return check(config, config.options, graph) if check is not None else []
 
 
-def graph_label(graph: Graph) -> str:
+def graph_in_words(graph: Graph) -> str:
+    """The graph as a refusal names it: its name, else its size."""
     return graph.name or f"the graph ({graph.n} nodes)"

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_label
+from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.graph import Graph
 from hopnet.options import NoOptions
@@ -317,11 +317,11 @@ def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
     which would let averagings wait on each other in a circle) or whose edges go one way only
     (a pair must talk both ways) is refused in one line."""
     if not graph.is_undirected():
-        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {graph_label(graph)} has "
+        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {graph_in_words(graph)} has "
                           "one-way edges, and an averaging pair talks both ways")
     sides = graph.two_colouring()
     if isinstance(sides, list):
-        raise ConfigError(f"{graph_label(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
+        raise ConfigError(f"{graph_in_words(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
                           "(--protocol ad-psgd needs active and passive sides with every edge between them)")
     return sides
 

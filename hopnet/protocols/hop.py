@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_label
+from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
@@ -598,7 +598,7 @@ def _check_backup_workers(options: HopOptions, graph: Graph) -> None:
         degree = len(graph.in_peers(rank))
         if wanted > degree:
             noun = "in-neighbour" if degree == 1 else "in-neighbours"
-            raise ConfigError(f"{backup_workers_flag(options)}: rank {rank} of {graph_label(graph)} has "
+            raise ConfigError(f"{backup_workers_flag(options)}: rank {rank} of {graph_in_words(graph)} has "
                               f"{degree} {noun}, so it can go without at most {degree} of their updates")
 
 
@@ -642,7 +642,7 @@ def _check_skipping(options: HopOptions, graph: Graph, d: np.ndarray) -> list[st
         elif lead == max_ig:
             why = f"with --max-ig {max_ig}"
         else:
-            why = f"with these options on {graph_label(graph)}"
+            why = f"with these options on {graph_in_words(graph)}"
         hint = f" (use a threshold below {limit})" if limit >= 2 else ""
         raise ConfigError(f"{flag} is never passed: {why} no worker falls more than {limit} "
                           f"iteration{'s' if limit != 1 else ''} behind all its out-neighbours, "

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_label
+from hopnet.config_checks import graph_in_words
 from hopnet.coordinator.base import Coordinator
 from hopnet.coordinator.random_gg import RandomGroupGenerator
 from hopnet.coordinator.smart_gg import SmartGroupGenerator
@@ -301,7 +301,7 @@ def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Gr
         return []
     if (options.group_generator == "smart" and options.inter_intra and options.global_division
             and any(m is None for m in graph.machines)):
-        return [f"Inter-Intra is off: {graph_label(graph)} has no machine labels (the graph's "
+        return [f"Inter-Intra is off: {graph_in_words(graph)} has no machine labels (the graph's "
                 "\"machine\" field); groups are drawn over all workers"]
     return []
 
