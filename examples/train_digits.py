@@ -19,10 +19,9 @@ import os
 from pathlib import Path
 
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hopnet
+from digits_data import digits_split
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,11 +37,7 @@ def parse_args() -> argparse.Namespace:
 
 def load_shard(rank: int, world_size: int, seed: int) -> tuple[torch.Tensor, ...]:
     """This rank's shard of the training split, and the whole held-out split."""
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed,
-                                                        stratify=y)
+    x_train, y_train, x_test, y_test = digits_split(seed)
     return x_train[rank::world_size], y_train[rank::world_size], x_test, y_test
 
 
