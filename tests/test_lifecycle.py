@@ -104,10 +104,8 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
 
 
 # ------------------------------------------------------------------------------ exits
-# The exit tests run twice each: a race at interpreter exit shows in some runs only (each run
-# already exits 4 workers).
-@pytest.mark.parametrize("attempt", range(2))
-def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path, attempt: int) -> None:
+# Each exit test exits 4 workers, so a race at interpreter exit has four chances per run to show.
+def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "20", "--no-close")
     assert proc.returncode == 0, proc.stderr
@@ -119,8 +117,7 @@ def test_a_worker_never_closed_is_closed_at_exit(tmp_path: Path, attempt: int) -
         assert not any(r["event"] == "error" for r in log)
 
 
-@pytest.mark.parametrize("attempt", range(2))
-def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) -> None:
+def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
                   "--exit-rank", "1", "--exit-code", "3", "--fail-at", "5")
@@ -134,8 +131,7 @@ def test_sys_exit_is_reported_with_its_own_code(tmp_path: Path, attempt: int) ->
     assert records(run_dir, 1)[-1]["event"] == "stop"
 
 
-@pytest.mark.parametrize("attempt", range(2))
-def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path, attempt: int) -> None:
+def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch("--nproc", "4", "--run-dir", str(run_dir), HOP_WORKER, *FAST, "--iterations", "40",
                   "--raise-rank", "1", "--fail-at", "5")

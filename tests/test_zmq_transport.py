@@ -284,7 +284,9 @@ async def test_express_messages_overtake_a_backlog_of_tensors():
             frames = await asyncio.wait_for(slow.recv_multipart(copy=False), TIMEOUT)
             header = decode_header(frames[1].buffer)
             order.append((header.kind, frames[0].bytes))
-        assert order.index(("token", b"x0")) < 4, order  # not behind the 12 updates
+        # Ahead of most of the 12 updates; a few may already sit in the kernel's socket buffers,
+        # and how many depends on the scheduling of the sender's I/O thread.
+        assert order.index(("token", b"x0")) < 6, order
         assert [k for k, _ in order].count("update") == 12
         await asyncio.wait_for(asyncio.gather(*sends), TIMEOUT)
     finally:
