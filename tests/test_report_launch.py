@@ -108,7 +108,8 @@ def _run_on_pty(cmd: list[str], timeout_s: float = 240) -> tuple[int, str]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     env = dict(os.environ, TERM="xterm-256color")
-    env.pop("NO_COLOR", None)
+    for inherited in ("NO_COLOR", "COLUMNS", "LINES"):  # the terminal's own size decides the width
+        env.pop(inherited, None)
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env, start_new_session=True)
     os.close(slave)
     output = bytearray()
