@@ -83,6 +83,7 @@ class Node(Generic[P]):
         self.timer = timer
         self.step_times = StepTimes()
         self._in_step = False
+        self._step_ended: float | None = None
         self._finished: dict[str, Any] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._send_nowait = transport.send_nowait if transport.sends_at_once else None
@@ -408,8 +409,12 @@ class Node(Generic[P]):
                 record["compute_s"] = round(compute_s + times.apply, 6)
                 record["wait_updates_s"] = round(times.wait_updates, 6)
                 record["wait_tokens_s"] = round(times.wait_tokens, 6)
-                record["mix_s"] = round(max(0.0, ended - began - waited - times.apply), 6)
+                # The rest of the interval since the previous step ended, so that the parts add
+                # up to it: the hand-overs between the trainer and the loop count as mixing.
+                since = began if self._step_ended is None else self._step_ended + compute_s
+                record["mix_s"] = round(max(0.0, ended - since - waited - times.apply), 6)
                 record["mono"] = ended
+                self._step_ended = ended
                 self.record("iteration", **record)
 
     def _timed_apply(self, apply: Callable[[], None]) -> Callable[[], None]:
