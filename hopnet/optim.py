@@ -73,8 +73,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized_at: int | None = None
         self._skipping_synchronize = False
         self._settings: dict[int, Hyperparameters] = {}  # iteration -> its settings, kept for a pipeline
-        self.skipped_steps = 0
-        """Steps skipped because the gradient to apply was not finite."""
+        self.skipped: list[int] = []
+        """The iterations whose step was skipped because the gradient to apply was not finite."""
 
     def _share(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -131,7 +131,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _apply(self, k: int, source: int) -> None:
         """The protocol's apply: the wrapped step, unless the gradient to apply is not finite."""
         if not all_finite_in(self._gradients()):
-            self.skipped_steps += 1
+            self.skipped.append(k)
             self.worker.record("non_finite_gradient", iter=k, gradient_of=source,
                                averaged=not self._models_averaged)
             return

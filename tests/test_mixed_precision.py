@@ -1,0 +1,178 @@
+"""Mixed precision and non-finite values: an overflow on one rank, under every kind of protocol,
+never reaches another rank's model. Ranks are threads of this process (tests/support/threaded.py)."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+
+from hopnet import DistributedOptimizer, Graph, NonFiniteError, ProtocolConfig
+from hopnet.finite import all_finite
+
+from support.threaded import Start, run_ranks
+
+TIMEOUT_S = 30.0
+RANKS = 4
+STEPS = 240
+INJECT_RANK, INJECT_AT = 1, 10
+
+PROTOCOLS = {
+    "allreduce": ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S),
+    "pipe-sgd": ProtocolConfig(protocol="pipe-sgd", pipeline_k=2, timeout_s=TIMEOUT_S),
+    "eager-sgd": ProtocolConfig(protocol="eager-sgd", timeout_s=TIMEOUT_S),
+    "hop": ProtocolConfig(protocol="hop", timeout_s=TIMEOUT_S),
+    "prague": ProtocolConfig(protocol="prague", group_generator="static", group_size=2, timeout_s=TIMEOUT_S),
+}
+
+
+@lru_cache(maxsize=1)
+def digits() -> tuple[torch.Tensor, ...]:
+    """examples/train_digits.py's data: the training split, and the held-out split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    return x_train, y_train, x_test, y_test
+
+
+class Outcome:
+    def __init__(self, accuracy: float, skipped: list[int], non_finite_at: list[int], scale: float) -> None:
+        self.accuracy = accuracy
+        self.skipped = skipped
+        self.non_finite_at = non_finite_at
+        self.scale = scale
+
+
+def train_with_an_overflow(rank: int, start: Start) -> Outcome:
+    """The README's mixed-precision loop (fp16 autocast, GradScaler, clipping of the averaged
+    gradient); rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT."""
+    x_train, y_train, x_test, y_test = digits()
+    x_train, y_train = x_train[rank::RANKS], y_train[rank::RANKS]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    worker = start(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), worker)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(rank)
+    non_finite_at = []
+    for step in worker.iterations(STEPS):
+        batch = torch.randint(len(x_train), (32,), generator=generator)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x_train[batch]), y_train[batch])
+        scaler.scale(loss).backward()
+        if rank == INJECT_RANK and step == INJECT_AT:
+            model[0].weight.grad[0, 0] = math.inf
+        scaler.unscale_(opt)
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scheduler.step()
+        if not all_finite(worker.params):
+            non_finite_at.append(step)
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
+    return Outcome(accuracy, opt.skipped, non_finite_at, scaler.get_scale())
+
+
+@pytest.mark.parametrize("name", list(PROTOCOLS))
+def test_an_inf_on_one_rank_reaches_no_model_and_training_goes_on(name: str) -> None:
+    config = PROTOCOLS[name]
+    graph = Graph.complete(RANKS) if name == "prague" else Graph.ring(RANKS)
+    outcomes = run_ranks(RANKS, config, train_with_an_overflow, graph=graph)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.non_finite_at == [], f"rank {rank}: NaN or inf in its model"
+        assert outcome.accuracy >= 0.95, f"rank {rank}: accuracy {outcome.accuracy}"
+    skipped = [o.skipped for o in outcomes]
+    if name in ("allreduce", "pipe-sgd"):
+        # The inf check is agreed: the averaged gradient holding it is skipped by every rank.
+        applied_at = INJECT_AT + (config.options.pipeline_k - 1 if name == "pipe-sgd" else 0)
+        assert all(s == skipped[0] for s in skipped), skipped
+        assert applied_at in skipped[0]
+    elif name == "eager-sgd":
+        # The round holding the inf is skipped by every rank that takes its result.
+        assert any(s for s in skipped) and all(INJECT_AT <= i for s in skipped for i in s), skipped
+    else:
+        # Models are averaged, gradients stay local: the rank that overflowed skips alone.
+        assert INJECT_AT in skipped[INJECT_RANK]
+
+
+@pytest.mark.parametrize("protocol", ["allreduce", "hop"])
+def test_a_worker_that_skips_its_step_still_finishes_the_iteration(protocol: str) -> None:
+    steps = 6
+
+    def body(rank: int, start: Start) -> tuple[int, list[int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
+        for step in worker.iterations(steps):
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            if not (rank == 1 and step == 3):  # what a trainer does when its own check fails
+                opt.step()
+        skipped = [r["iter"] for r in worker.node.events.records if r.get("event") == "step_skipped"]
+        return worker.steps, skipped
+
+    results = run_ranks(2, ProtocolConfig(protocol=protocol, timeout_s=TIMEOUT_S), body)
+    assert results == [(steps, []), (steps, [3])]
+
+
+def test_a_non_finite_update_is_dropped_and_its_sender_named() -> None:
+    """Rank 1's model turns NaN outside any optimizer; its Hop neighbours leave it out of the mix."""
+    steps = 5
+
+    def body(rank: int, start: Start) -> tuple[bool, int, list[int]]:
+        model = torch.nn.Linear(4, 2)
+        worker = start(model)
+        for step in worker.iterations(steps):
+            if rank == 1 and step == 1:
+                worker.params.fill_(math.nan)
+            worker.step()
+        senders = [r["src"] for r in worker.node.events.records if r.get("event") == "non_finite"]
+        return all_finite(worker.params), worker.dropped.get("non_finite", 0), senders
+
+    results = run_ranks(3, ProtocolConfig(protocol="hop", timeout_s=TIMEOUT_S), body, graph=Graph.complete(3))
+    for rank in (0, 2):
+        finite, dropped, senders = results[rank]
+        assert finite and dropped >= 1 and set(senders) == {1}, results[rank]
+
+
+def test_an_optimizer_step_that_leaves_the_model_non_finite_raises_before_sending() -> None:
+    class Corrupting(torch.optim.SGD):
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.fill_(math.inf)
+
+    def body(rank: int, start: Start) -> BaseException | None:
+        model = torch.nn.Linear(4, 2)
+        worker = start(model)
+        inner = Corrupting(model.parameters(), lr=0.1) if rank == 1 else torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = DistributedOptimizer(inner, worker)
+        try:
+            for _ in worker.iterations(4):
+                opt.zero_grad()
+                model(torch.ones(3, 4)).sum().backward()
+                opt.step()
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            return exc
+        finally:
+            assert rank == 1 or all_finite(worker.params), "an inf reached rank 0"
+        return None
+
+    errors = run_ranks(2, ProtocolConfig(protocol="hop", timeout_s=TIMEOUT_S), body)
+    assert isinstance(errors[1], NonFiniteError)
+    assert errors[1].rank == 1 and errors[1].iteration == 0
+    assert "rank 1" in str(errors[1]) and "iteration 0" in str(errors[1])
+    assert errors[0] is not None  # its neighbour left: rank 0 cannot finish, and says why
