@@ -16,7 +16,7 @@ from support.threaded import Start, run_ranks
 
 TIMEOUT_S = 30.0
 RANKS = 4
-STEPS = 240
+STEPS = 400
 INJECT_RANK, INJECT_AT = 1, 10
 
 PROTOCOLS = {
@@ -24,7 +24,7 @@ PROTOCOLS = {
     "pipe-sgd": ProtocolConfig(protocol="pipe-sgd", pipeline_k=2, timeout_s=TIMEOUT_S),
     "eager-sgd": ProtocolConfig(protocol="eager-sgd", timeout_s=TIMEOUT_S),
     "hop": ProtocolConfig(protocol="hop", timeout_s=TIMEOUT_S),
-    "prague": ProtocolConfig(protocol="prague", group_generator="static", group_size=2, timeout_s=TIMEOUT_S),
+    "prague": ProtocolConfig(protocol="prague", group_generator="static", timeout_s=TIMEOUT_S),
 }
 
 
@@ -42,16 +42,22 @@ def digits() -> tuple[torch.Tensor, ...]:
 
 
 class Outcome:
-    def __init__(self, accuracy: float, skipped: list[int], non_finite_at: list[int], scale: float) -> None:
+    def __init__(self, accuracy: float, skipped: list[int], non_finite_at: list[int], scale: float,
+                 final: torch.Tensor) -> None:
         self.accuracy = accuracy
+        self.final = final
         self.skipped = skipped
         self.non_finite_at = non_finite_at
         self.scale = scale
 
 
 def train_with_an_overflow(rank: int, start: Start) -> Outcome:
-    """The README's mixed-precision loop (fp16 autocast, GradScaler, clipping of the averaged
-    gradient); rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT."""
+    """The README's mixed-precision loop (GradScaler, clipping of the averaged gradient) in fp32;
+    rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT, after the scaled backward.
+
+    No autocast here: CPU autocast's cache of cast weights is shared by the threads of a process,
+    so ranks that are threads would compute with each other's weights. The README's block runs
+    the same loop with fp16 autocast in worker processes (tests/test_readme.py)."""
     x_train, y_train, x_test, y_test = digits()
     x_train, y_train = x_train[rank::RANKS], y_train[rank::RANKS]
     torch.manual_seed(0)
@@ -66,8 +72,7 @@ def train_with_an_overflow(rank: int, start: Start) -> Outcome:
     for step in worker.iterations(STEPS):
         batch = torch.randint(len(x_train), (32,), generator=generator)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model(x_train[batch]), y_train[batch])
+        loss = loss_fn(model(x_train[batch]), y_train[batch])
         scaler.scale(loss).backward()
         if rank == INJECT_RANK and step == INJECT_AT:
             model[0].weight.grad[0, 0] = math.inf
@@ -82,13 +87,14 @@ def train_with_an_overflow(rank: int, start: Start) -> Outcome:
             non_finite_at.append(step)
     with torch.no_grad():
         accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
-    return Outcome(accuracy, opt.skipped, non_finite_at, scaler.get_scale())
+    return Outcome(accuracy, opt.skipped, non_finite_at, scaler.get_scale(), worker.params.clone())
 
 
 @pytest.mark.parametrize("name", list(PROTOCOLS))
 def test_an_inf_on_one_rank_reaches_no_model_and_training_goes_on(name: str) -> None:
     config = PROTOCOLS[name]
-    graph = Graph.complete(RANKS) if name == "prague" else Graph.ring(RANKS)
+    # Prague's static schedule (no coordinator to start) needs machines: two of two workers.
+    graph = Graph.hierarchical([2, 2]) if name == "prague" else Graph.ring(RANKS)
     outcomes = run_ranks(RANKS, config, train_with_an_overflow, graph=graph)
     for rank, outcome in enumerate(outcomes):
         assert outcome.non_finite_at == [], f"rank {rank}: NaN or inf in its model"
@@ -99,9 +105,11 @@ def test_an_inf_on_one_rank_reaches_no_model_and_training_goes_on(name: str) -> 
         applied_at = INJECT_AT + (config.options.pipeline_k - 1 if name == "pipe-sgd" else 0)
         assert all(s == skipped[0] for s in skipped), skipped
         assert applied_at in skipped[0]
+        assert all(torch.equal(o.final, outcomes[0].final) for o in outcomes)  # as under DDP
     elif name == "eager-sgd":
-        # The round holding the inf is skipped by every rank that takes its result.
-        assert any(s for s in skipped) and all(INJECT_AT <= i for s in skipped for i in s), skipped
+        # The round holding the inf is skipped by every rank that takes its result (a rank
+        # still computing an earlier iteration may take it too).
+        assert any(skipped) and all(len(s) <= 2 for s in skipped), skipped
     else:
         # Models are averaged, gradients stay local: the rank that overflowed skips alone.
         assert INJECT_AT in skipped[INJECT_RANK]
