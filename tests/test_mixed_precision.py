@@ -184,3 +184,25 @@ def test_an_optimizer_step_that_leaves_the_model_non_finite_raises_before_sendin
     assert errors[1].rank == 1 and errors[1].iteration == 0
     assert "rank 1" in str(errors[1]) and "iteration 0" in str(errors[1])
     assert errors[0] is not None  # its neighbour left: rank 0 cannot finish, and says why
+
+
+def test_ad_psgd_actives_leave_a_non_finite_reply_out_and_name_the_passive() -> None:
+    """Passive rank 1's model turns NaN outside any optimizer; the actives (0 and 2) that average
+    with it keep their own models and record it."""
+    steps = 8
+
+    def body(rank: int, start: Start) -> tuple[bool, list[int]]:
+        model = torch.nn.Linear(4, 2)
+        worker = start(model)
+        for step in worker.iterations(steps):
+            if rank == 1 and step == 1:
+                with worker.model_lock:
+                    worker.params.fill_(math.nan)
+            worker.step()
+        senders = [r["src"] for r in worker.node.events.records if r.get("event") == "non_finite"]
+        return all_finite(worker.params), senders
+
+    results = run_ranks(4, ProtocolConfig(protocol="ad-psgd", timeout_s=TIMEOUT_S), body)
+    assert [finite for finite, _ in results] == [True, False, True, True]
+    senders = results[0][1] + results[2][1]
+    assert senders and set(senders) == {1}, results
