@@ -206,3 +206,37 @@ def test_ad_psgd_actives_leave_a_non_finite_reply_out_and_name_the_passive() -> 
     assert [finite for finite, _ in results] == [True, False, True, True]
     senders = results[0][1] + results[2][1]
     assert senders and set(senders) == {1}, results
+
+
+def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_ddp_does() -> None:
+    """Horovod's order: the scaler checks the averaged gradient, so its overflow (and so the
+    scale's backoff) is every rank's; with unscale_ first only the overflowing rank backs off."""
+    steps = 6
+
+    def body(rank: int, start: Start, *, synchronize_first: bool) -> tuple[list[int], float]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for step in worker.iterations(steps):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(3, 4) * (rank + 1)).square().mean()).backward()
+            if rank == 1 and step == 2:
+                model.weight.grad[0, 0] = math.inf
+            if synchronize_first:
+                opt.synchronize()
+                scaler.unscale_(opt)
+            else:
+                scaler.unscale_(opt)
+                opt.synchronize()
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        return opt.skipped, scaler.get_scale()
+
+    config = ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S)
+    horovod = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=True))
+    assert horovod == [([2], 128.0), ([2], 128.0)]
+    unscale_first = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=False))
+    assert unscale_first == [([2], 256.0), ([2], 128.0)]  # the skip is agreed either way
