@@ -12,7 +12,7 @@ import torch
 from hopnet import DistributedOptimizer, Graph, NonFiniteError, ProtocolConfig
 from hopnet.finite import all_finite
 
-from support.threaded import Start, run_ranks
+from support.threaded import Start, run_ranks, seeded
 
 TIMEOUT_S = 30.0
 RANKS = 4
@@ -52,16 +52,12 @@ class Outcome:
 
 
 def train_with_an_overflow(rank: int, start: Start) -> Outcome:
-    """The README's mixed-precision loop (GradScaler, clipping of the averaged gradient) in fp32;
-    rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT, after the scaled backward.
-
-    No autocast here: CPU autocast's cache of cast weights is shared by the threads of a process,
-    so ranks that are threads would compute with each other's weights. The README's block runs
-    the same loop with fp16 autocast in worker processes (tests/test_readme.py)."""
+    """The README's mixed-precision loop (fp16 autocast, GradScaler, clipping of the averaged
+    gradient); rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT, after the scaled
+    backward."""
     x_train, y_train, x_test, y_test = digits()
     x_train, y_train = x_train[rank::RANKS], y_train[rank::RANKS]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = seeded(lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)))
     worker = start(model)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), worker)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
@@ -72,7 +68,8 @@ def train_with_an_overflow(rank: int, start: Start) -> Outcome:
     for step in worker.iterations(STEPS):
         batch = torch.randint(len(x_train), (32,), generator=generator)
         opt.zero_grad()
-        loss = loss_fn(model(x_train[batch]), y_train[batch])
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x_train[batch]), y_train[batch])
         scaler.scale(loss).backward()
         if rank == INJECT_RANK and step == INJECT_AT:
             model[0].weight.grad[0, 0] = math.inf
@@ -120,8 +117,7 @@ def test_a_worker_that_skips_its_step_still_finishes_the_iteration(protocol: str
     steps = 6
 
     def body(rank: int, start: Start) -> tuple[int, list[int]]:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
+        model = seeded(lambda: torch.nn.Linear(4, 2))
         worker = start(model)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
         for step in worker.iterations(steps):
@@ -141,7 +137,7 @@ def test_a_non_finite_update_is_dropped_and_its_sender_named() -> None:
     steps = 5
 
     def body(rank: int, start: Start) -> tuple[bool, int, list[int]]:
-        model = torch.nn.Linear(4, 2)
+        model = seeded(lambda: torch.nn.Linear(4, 2))
         worker = start(model)
         for step in worker.iterations(steps):
             if rank == 1 and step == 1:
@@ -164,7 +160,7 @@ def test_an_optimizer_step_that_leaves_the_model_non_finite_raises_before_sendin
                     p.data.fill_(math.inf)
 
     def body(rank: int, start: Start) -> BaseException | None:
-        model = torch.nn.Linear(4, 2)
+        model = seeded(lambda: torch.nn.Linear(4, 2))
         worker = start(model)
         inner = Corrupting(model.parameters(), lr=0.1) if rank == 1 else torch.optim.SGD(model.parameters(), lr=0.1)
         opt = DistributedOptimizer(inner, worker)
@@ -192,7 +188,7 @@ def test_ad_psgd_actives_leave_a_non_finite_reply_out_and_name_the_passive() -> 
     steps = 8
 
     def body(rank: int, start: Start) -> tuple[bool, list[int]]:
-        model = torch.nn.Linear(4, 2)
+        model = seeded(lambda: torch.nn.Linear(4, 2))
         worker = start(model)
         for step in worker.iterations(steps):
             if rank == 1 and step == 1:
@@ -214,8 +210,7 @@ def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_d
     steps = 6
 
     def body(rank: int, start: Start, *, synchronize_first: bool) -> tuple[list[int], float]:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
+        model = seeded(lambda: torch.nn.Linear(4, 2))
         worker = start(model)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from support.threaded import seeded
+
 STEPS = 20
 MAX_NORM = 0.5
 LR = 0.2
 
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return seeded(lambda: torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Training loops of several ranks in this process: one thread per rank, each a real
 :class:`hopnet.Worker` over the in-process transport (no sockets, no launcher).
 
-``body(rank, start)`` is one rank's trainer: it builds its model, calls ``start(model)`` for
+``body(rank, start)`` is one rank's trainer: it builds its model (with :func:`seeded`), calls ``start(model)`` for
 its worker (parameters and gradients flattened, as ``hopnet.init`` does; its records kept in
 ``worker.node.events.records``) and trains. The
 harness closes every worker it started, and re-raises the first rank's error, if any.
@@ -22,8 +22,18 @@ from hopnet.runtime.events import EventLog
 from hopnet.transports.inproc import InprocNetwork
 
 T = TypeVar("T")
+M = TypeVar("M", bound=torch.nn.Module)
 Start = Callable[[torch.nn.Module], Worker]
 JOIN_TIMEOUT_S = 120.0
+_GLOBAL_RNG = threading.Lock()
+
+
+def seeded(build: Callable[[], M], seed: int = 0) -> M:
+    """``build()`` after ``torch.manual_seed(seed)``, alone: torch's global generator is shared by
+    the threads, so ranks seeding and drawing at once would start from different weights."""
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        return build()
 
 
 def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *,
