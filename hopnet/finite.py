@@ -6,7 +6,9 @@ Who calls them, and what happens then (docs/design.md, "Non-finite values"):
   under a gradient protocol) is not finite, on every rank of the reduction alike, and raises
   :class:`hopnet.errors.NonFiniteError` when its own step left the model non-finite;
 * the model-averaging protocols that receive a neighbour's model (hop, ad-psgd) leave out a
-  non-finite one: dropped, counted as ``non_finite``, recorded naming its sender.
+  non-finite one: dropped, counted as ``non_finite``, recorded naming its sender;
+* those that average in groups (prague, partial-reduce) and ad-psgd's actives check their own
+  model before they average it with anyone (:func:`refuse_non_finite_model`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from hopnet.errors import NonFiniteError
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -34,3 +38,11 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def all_finite_in(tensors: Iterable[torch.Tensor]) -> bool:
     """:func:`all_finite` of every tensor of ``tensors``."""
     return all(all_finite(t) for t in tensors)
+
+
+def refuse_non_finite_model(params: torch.Tensor | None, *, rank: int, iteration: int, to: str) -> None:
+    """Raise :class:`NonFiniteError` if ``params`` (this worker's own model) is not finite:
+    called before the model is sent ``to`` someone."""
+    if params is not None and not all_finite(params):
+        raise NonFiniteError(f"rank {rank}: its model holds inf or NaN in iteration {iteration}; it is not sent "
+                             f"to {to}", rank=rank, iteration=iteration)

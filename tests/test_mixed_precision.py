@@ -235,3 +235,30 @@ def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_d
     assert horovod == [([2], 128.0), ([2], 128.0)]
     unscale_first = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=False))
     assert unscale_first == [([2], 256.0), ([2], 128.0)]  # the skip is agreed either way
+
+
+@pytest.mark.parametrize("protocol", ["prague", "ad-psgd"])
+def test_a_worker_whose_own_model_is_not_finite_raises_instead_of_averaging_it(protocol: str) -> None:
+    """Rank 0's model turns NaN outside any optimizer: it stops with NonFiniteError (rank and
+    iteration) before its group or its passive could mix it in; nobody else's model holds NaN."""
+    config = (ProtocolConfig(protocol="prague", group_generator="static", timeout_s=TIMEOUT_S)
+              if protocol == "prague" else ProtocolConfig(protocol="ad-psgd", timeout_s=TIMEOUT_S))
+    graph = Graph.hierarchical([2, 2]) if protocol == "prague" else Graph.ring(4)
+
+    def body(rank: int, start: Start) -> tuple[BaseException | None, bool]:
+        model = seeded(lambda: torch.nn.Linear(4, 2))
+        worker = start(model)
+        try:
+            for step in worker.iterations(6):
+                if rank == 0 and step == 2:
+                    with worker.model_lock:
+                        worker.params.fill_(math.nan)
+                worker.step()
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            return exc, all_finite(worker.params)
+        return None, all_finite(worker.params)
+
+    results = run_ranks(4, config, body, graph=graph)
+    error = results[0][0]
+    assert isinstance(error, NonFiniteError) and error.rank == 0 and error.iteration == 2, results
+    assert all(finite for _, finite in results[1:]), results

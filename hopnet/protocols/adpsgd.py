@@ -61,8 +61,8 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
-from hopnet.errors import ConfigError, NonFiniteError, PeerFailure, WaitTimeout
-from hopnet.finite import all_finite
+from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.finite import all_finite, refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -166,9 +166,7 @@ class AdPsgdProtocol(Protocol):
             self._skip(k, None, "no passive neighbour left" if self.neighbours else "no neighbours")
             return None
         partner = self.rng.choice(candidates)
-        if not all_finite(self.params):
-            raise NonFiniteError(f"rank {self.rank}: its model holds inf or NaN in iteration {k}; it is not sent "
-                                 f"to passive {partner}", rank=self.rank, iteration=k)
+        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to=f"passive {partner}")
         if self._reply_buffer is None:
             self._reply_buffer = torch.empty_like(self.params)
         loop = asyncio.get_running_loop()
