@@ -15,7 +15,8 @@ _EXPORTS = {
     "init": "hopnet.api",
     "Worker": "hopnet.api",
     "AsyncWorker": "hopnet.api",
-    "DistributedOptimizer": "hopnet.api",
+    "DistributedOptimizer": "hopnet.optim",
+    "NonFiniteError": "hopnet.errors",
     "ProtocolConfig": "hopnet.config",
     "ConfigError": "hopnet.errors",
     "GraphError": "hopnet.errors",
@@ -28,13 +29,14 @@ _EXPORTS = {
 
 __all__ = [
     "AsyncWorker", "ConfigError", "DistributedOptimizer", "Graph", "GraphError", "HopnetError",
-    "PeerFailure", "ProtocolConfig", "WaitTimeout", "Worker", "flatten_parameters", "init",
+    "NonFiniteError", "PeerFailure", "ProtocolConfig", "WaitTimeout", "Worker", "flatten_parameters", "init",
 ]
 
 if TYPE_CHECKING:
-    from hopnet.api import AsyncWorker, DistributedOptimizer, Worker, init
+    from hopnet.api import AsyncWorker, Worker, init
+    from hopnet.optim import DistributedOptimizer
     from hopnet.config import ProtocolConfig
-    from hopnet.errors import ConfigError, GraphError, HopnetError, PeerFailure, WaitTimeout
+    from hopnet.errors import ConfigError, GraphError, HopnetError, NonFiniteError, PeerFailure, WaitTimeout
     from hopnet.graph import Graph
     from hopnet.params import flatten_parameters
 

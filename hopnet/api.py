@@ -1,4 +1,4 @@
-"""What a trainer calls: :func:`init`, :class:`Worker`, :class:`DistributedOptimizer`.
+"""What a trainer calls: :func:`init`, :class:`Worker` (and :class:`hopnet.optim.DistributedOptimizer`).
 
 A few lines turn an ordinary PyTorch loop into a hopnet worker::
 
@@ -135,7 +135,10 @@ class Worker:
             steps = self.steps
             yield current
             if self.steps == steps:
-                raise HopnetError(f"rank {self.rank}: iteration {current} ended without a step() call")
+                # The trainer skipped its optimizer step (an overflow, say): the iteration still
+                # finishes, with no apply, so no peer waits for this worker's part of it.
+                self.step()
+                self.record("step_skipped", iter=current)
             if current == total - 1:
                 return
 
@@ -156,6 +159,19 @@ class Worker:
             raise
         self.steps += 1
         self._compute_started = time.monotonic()
+
+    def synchronize(self) -> None:
+        """Average this iteration's gradient now, into each ``.grad``, under the protocols that
+        average gradients; :meth:`step` then does not average it again. A trainer calls it (or
+        :meth:`hopnet.optim.DistributedOptimizer.synchronize`) to clip or unscale the averaged
+        gradient. Under the model-averaging protocols the gradient stays local: nothing to do."""
+        if self._closed:
+            raise HopnetError("synchronize() on a closed worker")
+        try:
+            self._thread.run(self.node.protocol.synchronize())
+        except Exception as exc:
+            self.failure = exc
+            raise
 
     def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
                   tag: str) -> torch.Tensor:
@@ -291,45 +307,6 @@ class AsyncWorker:
 
     async def close(self) -> None:
         await self.node.close()
-
-
-class DistributedOptimizer:
-    """Wraps a torch optimizer: ``step()`` runs the protocol around the real step.
-
-    With Hop's parallel approach the parameters are first mixed with the neighbours'
-    and then the gradients (computed before the mix) are applied; with ``--serial``
-    the gradients are applied first, then the result is sent and mixed.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, worker: Worker) -> None:
-        self.optimizer = optimizer
-        self.worker = worker
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        def apply() -> None:
-            self.optimizer.step(closure)
-
-        self.worker.step(apply)
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradients. When the worker holds them in one flat buffer (``hopnet.init(model)``)
-        they are zeroed in place whatever ``set_to_none`` says, so every ``.grad`` stays a view
-        into the buffer the gradient protocols reduce."""
-        grads = self.worker.grads
-        if isinstance(grads, FlatGradients):
-            grads.zero()
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
 
 def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = None,

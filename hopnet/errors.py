@@ -63,3 +63,14 @@ class PeerFailure(HopnetError):
         self.peer = peer
         self.peer_state = peer_state
         self.iteration = iteration
+
+
+class NonFiniteError(HopnetError):
+    """A worker's own model holds inf or NaN: it stops rather than send it to anyone.
+
+    ``rank`` and ``iteration`` say whose model and when (see :mod:`hopnet.finite`)."""
+
+    def __init__(self, message: str, *, rank: int, iteration: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.iteration = iteration

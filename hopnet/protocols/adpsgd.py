@@ -62,6 +62,7 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.finite import all_finite, refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -165,6 +166,7 @@ class AdPsgdProtocol(Protocol):
             self._skip(k, None, "no passive neighbour left" if self.neighbours else "no neighbours")
             return None
         partner = self.rng.choice(candidates)
+        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to=f"passive {partner}")
         if self._reply_buffer is None:
             self._reply_buffer = torch.empty_like(self.params)
         loop = asyncio.get_running_loop()
@@ -187,6 +189,10 @@ class AdPsgdProtocol(Protocol):
         if not served:
             self._skip(k, partner, f"passive {partner} left before serving the averaging")
             return None
+        if not all_finite(self._reply_buffer):
+            self._drop_non_finite(partner, k)
+            self._skip(k, partner, f"passive {partner}'s reply holds inf or NaN")
+            return None
         with self.node.model_lock:
             self.params.copy_(self._reply_buffer)
         return partner
@@ -199,6 +205,12 @@ class AdPsgdProtocol(Protocol):
     def _serve(self, msg: Message) -> None:
         """One averaging, start to finish, with no await in between: atomic on the event loop."""
         mean = msg.tensors[0]
+        if not all_finite(mean):
+            # Not mixed in: the active gets this passive's own model back, unchanged.
+            self._drop_non_finite(msg.src, msg.iter)
+            mean.copy_(self.params)
+            self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=[mean]))
+            return
         with self.node.model_lock:
             observer = self.observer
             if observer is not None:
@@ -212,6 +224,10 @@ class AdPsgdProtocol(Protocol):
         # ``mean`` is this active's request buffer: it is not written again before the active
         # has the reply, and so before this send is done.
         self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=[mean]))
+
+    def _drop_non_finite(self, sender: int, iteration: int) -> None:
+        self.node.count_drop("non_finite")
+        self.node.record("non_finite", iter=self.iteration, src=sender, update_iter=iteration)
 
     def _note_activity(self) -> None:
         if self._activity is not None:

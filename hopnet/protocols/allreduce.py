@@ -28,9 +28,16 @@ TAG_PREFIX = "allreduce"
 class AllReduceProtocol(AllRanksGradientProtocol):
     name = "allreduce"
 
+    async def synchronize(self) -> None:
+        k = self.iteration
+        if self.synchronized == k:
+            return
+        await self.node.collective.allreduce(self.everyone, self._gradient_buffer(), "mean", tag=f"{TAG_PREFIX}/{k}")
+        self.synchronized = k
+
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
-        await self.node.collective.allreduce(self.everyone, self._gradient_buffer(), "mean", tag=f"{TAG_PREFIX}/{k}")
+        await self.synchronize()
         if apply is not None:
             apply()
         self.node.iteration_done(k, self)

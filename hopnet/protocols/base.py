@@ -56,6 +56,17 @@ class Protocol(abc.ABC):
         """Finish the current iteration: exchange, mix, call ``apply`` (the optimizer step)
         where the protocol says, and unless ``last``, enter the next iteration."""
 
+    async def synchronize(self) -> None:
+        """Average the current iteration's gradient now, into the ``.grad`` the optimizer reads,
+        ahead of :meth:`finish_iteration` (which then does not average it again): what a trainer
+        calls to clip or unscale the averaged gradient. Nothing to do for a protocol that averages
+        models: its gradient stays local."""
+
+    def gradient_of(self, iteration: int) -> int:
+        """The iteration whose gradient the step finishing ``iteration`` applies: the same one,
+        except under a pipeline (pipe-sgd applies ``K-1`` iterations late)."""
+        return iteration
+
     async def stop(self) -> None:
         """Leave: tell the peers this worker sends nothing after its current iteration
         (:meth:`say_goodbye` to the peers that wait on it)."""

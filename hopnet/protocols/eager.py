@@ -104,6 +104,7 @@ class EagerProtocol(Protocol):
         self.left_early: dict[int, int] = {}
         self.finished: set[int] = set()  # ranks that said they finished their iterations
         self._waiting_for: int | None = None  # the round the trainer's call waits for
+        self.synchronized = -1       # the last iteration whose gradient went into a round
         # Buffers, allocated on the first call (their size comes from the gradients).
         self.pend: torch.Tensor | None = None
         self.recv: torch.Tensor | None = None
@@ -132,9 +133,12 @@ class EagerProtocol(Protocol):
         self.node.entered(0, self)
 
     # ------------------------------------------------------------------ the trainer's call
-    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+    async def synchronize(self) -> None:
+        """Steps 1 to 4 up to ``apply``: deposit the gradient, take a round's result into each ``.grad``."""
         self._raise_failure()
         k = self.iteration
+        if self.synchronized == k:
+            return
         grads = self._gradient_buffer()
         self._deposit(grads)
         if self.executed > self.consumed:
@@ -149,6 +153,11 @@ class EagerProtocol(Protocol):
                 self._activate(round_id, self.rank)
             await self._wait_round(round_id, k)
         self._take_result(grads)
+        self.synchronized = k
+
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        k = self.iteration
+        await self.synchronize()
         if apply is not None:
             apply()
         every = self.options.full_sync_every

@@ -31,6 +31,8 @@ class AllRanksGradientProtocol(Protocol):
         self.grads = grads
         self.everyone: tuple[int, ...] = ()
         self.left_early: dict[int, int] = {}
+        self.synchronized = -1
+        """The last iteration whose gradient :meth:`synchronize` averaged (the trainer's call, or the step's)."""
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)

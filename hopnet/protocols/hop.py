@@ -42,6 +42,7 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -413,6 +414,7 @@ class HopProtocol(Protocol):
         if self.params is None or not updates:
             self.queue.release(updates)
             return
+        updates, iters = self._finite_only(updates, iters, k)
         if self.staleness is None:
             weights = [self.in_weight[u.src] for u in updates]
             own = self.self_weight
@@ -427,6 +429,18 @@ class HopProtocol(Protocol):
             assert update.tensors is not None
             params.add_(update.tensors[0], alpha=weight / total)
         self.queue.release(updates)
+
+    def _finite_only(self, updates: list[Update], iters: list[int], k: int) -> tuple[list[Update], list[int]]:
+        """Leave a non-finite update out of the mix (dropped, counted, its sender named)."""
+        kept = [(u, it) for u, it in zip(updates, iters) if u.tensors is None or all_finite_in(u.tensors)]
+        if len(kept) == len(updates):
+            return updates, iters
+        for update in updates:
+            if all(update is not u for u, _ in kept):
+                self.node.count_drop("non_finite")
+                self.node.record("non_finite", iter=k, src=update.src, update_iter=update.iter)
+                self.queue.release([update])
+        return [u for u, _ in kept], [it for _, it in kept]
 
     def summary(self) -> dict[str, Any]:
         return {"queue_high_water": self.queue.high_water,

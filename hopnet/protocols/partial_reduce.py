@@ -53,6 +53,7 @@ from hopnet.coordinator.mixing import GROUP_RECORD
 from hopnet.coordinator.partial_reduce import PartialReduceController
 from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
+from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -127,6 +128,7 @@ class PartialReduceProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
+        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to="its group")
         self.counter += 1
         client = self._client()
         client.send({"t": READY, "iter": self.counter})

@@ -88,20 +88,35 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         time with it into waiting for the last member and the ring itself."""
 
     # ------------------------------------------------------------------ Algorithm 1
-    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+    async def synchronize(self) -> None:
+        """Steps 1 and 2 up to ``apply``: launch iteration ``t``'s all-reduce, wait for ``t+1-K``'s
+        and make it each ``.grad`` (zeros in the warm-up)."""
         t = self.iteration
+        if self.synchronized == t:
+            return
         grads = self._gradient_buffer()
         self._launch_allreduce(t, grads)
-        due = t + 1 - self.k
+        due = self.gradient_of(t)
         if due >= 0:
             await self._wait_for(due)
             self._take_result(due, grads)
+        else:
+            self._take_result(None, grads)
+        self.synchronized = t
+
+    def gradient_of(self, iteration: int) -> int:
+        return iteration + 1 - self.k
+
+    async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
+        t = self.iteration
+        await self.synchronize()
+        due = self.gradient_of(t)
+        if due >= 0:
             if apply is not None:
                 apply()
             self.applied.append(due)
         else:
             self.applied.append(None)  # warm-up: g[1-K..0] = 0, no step
-            self._take_result(None, grads)
         self.node.iteration_done(t, self)
         if last:
             await self._drain()

@@ -57,6 +57,7 @@ from hopnet.coordinator.smart_gg import SmartGroupGenerator
 from hopnet.coordinator.static_schedule import check_static_schedule, static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, ProtocolError
+from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -129,6 +130,7 @@ class PragueProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
+        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to="its group")
         self._served_this_iteration = 0
         if self.static:
             await self._static_sync(k)
