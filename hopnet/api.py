@@ -288,6 +288,9 @@ class AsyncWorker:
 
     async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
         """Finish the current iteration; with ``last`` the worker does not enter another."""
+        model = self.node.protocol.model
+        if model is not None:
+            model.check_bound()
         compute_s = time.monotonic() - self._compute_started
         await self.node.run_step(apply, last=last, compute_s=compute_s)
         self._compute_started = time.monotonic()

@@ -72,8 +72,9 @@ class ModelState:
         return cls.of_tensor(params)
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelState:
-        """Move ``model``'s trainable parameters and floating buffers into one flat storage per dtype."""
+    def of(cls, model: torch.nn.Module, *, buffers: bool = True) -> ModelState:
+        """Move ``model``'s trainable parameters and floating buffers into one flat storage per dtype.
+        ``buffers=False`` leaves every buffer out (each worker keeps its own, as integer ones are)."""
         params: dict[int, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}
         owners: dict[int, list[tuple[dict[str, torch.Tensor | None], str, str]]] = {}
@@ -88,7 +89,7 @@ class ModelState:
                         if not tensor.requires_grad:
                             continue  # frozen: the same on every rank, nothing to mix
                         params.setdefault(id(tensor), tensor)
-                    elif tensor.is_floating_point():
+                    elif buffers and tensor.is_floating_point():
                         buffers.setdefault(id(tensor), tensor)
                     else:
                         if name not in local:
