@@ -75,8 +75,9 @@ class ModelState:
     def of(cls, model: torch.nn.Module, *, buffers: bool = True) -> ModelState:
         """Move ``model``'s trainable parameters and floating buffers into one flat storage per dtype.
         ``buffers=False`` leaves every buffer out (each worker keeps its own, as integer ones are)."""
+        with_buffers = buffers
         params: dict[int, torch.Tensor] = {}
-        buffers: dict[int, torch.Tensor] = {}
+        floating: dict[int, torch.Tensor] = {}
         owners: dict[int, list[tuple[dict[str, torch.Tensor | None], str, str]]] = {}
         local: list[str] = []
         for prefix, module in model.named_modules(remove_duplicate=False):
@@ -89,8 +90,8 @@ class ModelState:
                         if not tensor.requires_grad:
                             continue  # frozen: the same on every rank, nothing to mix
                         params.setdefault(id(tensor), tensor)
-                    elif buffers and tensor.is_floating_point():
-                        buffers.setdefault(id(tensor), tensor)
+                    elif with_buffers and tensor.is_floating_point():
+                        floating.setdefault(id(tensor), tensor)
                     else:
                         if name not in local:
                             local.append(name)
@@ -98,19 +99,22 @@ class ModelState:
                     owners.setdefault(id(tensor), []).append((table, key, name))  # type: ignore[arg-type]
         if not params:
             raise ConfigError("the model has no trainable parameters")
-        devices = {t.device for t in (*params.values(), *buffers.values())}
+        devices = {t.device for t in (*params.values(), *floating.values())}
         if len(devices) > 1:
             raise ConfigError(f"hopnet needs all parameters and buffers on one device; found "
                               f"{sorted(map(str, devices))}")
         dtypes: list[torch.dtype] = []
-        for t in (*params.values(), *buffers.values()):
+        for t in (*params.values(), *floating.values()):
             if t.dtype not in dtypes:
                 dtypes.append(t.dtype)
         device = next(iter(devices))
-        flats, param_parts, buffer_parts, bound = [], [], [], []
+        flats: list[torch.Tensor] = []
+        param_parts: list[torch.Tensor] = []
+        buffer_parts: list[torch.Tensor] = []
+        bound: list[_Bound] = []
         for dtype in dtypes:
             ps = [t for t in params.values() if t.dtype == dtype]
-            bs = [t for t in buffers.values() if t.dtype == dtype]
+            bs = [t for t in floating.values() if t.dtype == dtype]
             n_params, n_buffers = sum(t.numel() for t in ps), sum(t.numel() for t in bs)
             flat = torch.empty(n_params + n_buffers, dtype=dtype, device=device)
             offset = 0
