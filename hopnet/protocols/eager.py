@@ -27,7 +27,10 @@ flag per rank, so every member knows how many fresh gradients (active processes)
 
 Model buffers (``--buffers``, :mod:`hopnet.protocols.buffer_sync`): each trainer call also
 copies the floating buffers; a round reduces the newest copy beside the gradients, and the
-trainer writes the round's result into the model when it takes the round's gradient.
+trainer writes the round's result into the model when it takes the round's gradient. A round
+that ran before a rank's call carries that rank's older copy (as it carries its stale
+gradient), so the last call of every rank syncs the live buffers once more, blocking, as
+``--full-sync-every`` does: every rank ends with the same buffers.
 ``--full-sync-every`` averages the whole model, parameters and floating buffers.
 """
 
@@ -166,6 +169,10 @@ class EagerProtocol(Protocol):
         every = self.options.full_sync_every
         if every is not None and (k + 1) % every == 0:
             await self._full_sync(k)
+        if last:
+            # Rounds may carry buffers some iterations old (a late rank's copy); every rank's last
+            # call meets the others' here, with no forward pass left, so they end in step.
+            await self.buffer_sync.sync(self.collective, self.everyone, tag=f"{TAG_PREFIX}/buffers/last")
         self.node.iteration_done(k, self)
         if last:
             return
