@@ -4,7 +4,9 @@ Every parameter of the module becomes a view into a single contiguous tensor, so
 model update is one message and one weighted sum, with no per-tensor loop. The
 optimizer keeps working on the same ``Parameter`` objects; only their storage moves.
 Gradients get the same treatment (:class:`FlatGradients`), so a gradient protocol
-reduces one tensor.
+reduces one tensor. :func:`flatten_parameters` is the one-dtype form for a bare model;
+``hopnet.init`` uses :class:`hopnet.model_state.ModelState`, which also holds the
+floating buffers and takes several dtypes.
 """
 
 from __future__ import annotations
