@@ -31,6 +31,8 @@ from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.sim import SimCoordinator
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
+from hopnet.protocols import make_protocol
+from hopnet.registry import names as protocol_names
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork
 
@@ -332,3 +334,13 @@ def test_a_step_after_such_a_load_fails_naming_the_tensor() -> None:
 
     with pytest.raises(ConfigError, match=r"tensor '0.weight' is no longer the one hopnet.init\(\) placed"):
         train(ProtocolConfig("hop", timeout_s=30), Graph.ring(2), [cnn(), cnn()], 3, before_loop=load_by_assignment)
+
+
+def test_every_protocol_names_the_tensors_that_hold_the_model() -> None:
+    model = cnn(bf16_head=True)
+    model_state = ModelState.of(model)
+    for name in protocol_names():
+        protocol = make_protocol(ProtocolConfig(name), model_state, FlatGradients(model))
+        tensors = protocol.model_tensors()
+        assert [t.data_ptr() for t in tensors] == [f.data_ptr() for f in model_state.flats], name
+        assert sum(t.numel() for t in tensors) == sum(p.numel() for p in model.parameters()) + 2 * 8, name
