@@ -77,7 +77,8 @@ def main() -> None:
     worker.record("eval", iter=worker.iteration, accuracy=final_accuracy, final=True)
     run_dir = os.environ.get("HOPNET_RUN_DIR")
     if run_dir:
-        torch.save(worker.params.clone(), Path(run_dir) / f"final_rank{worker.rank}.pt")
+        torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(),
+                   Path(run_dir) / f"final_rank{worker.rank}.pt")
     worker.close()
     print(f"final held-out accuracy {final_accuracy:.4f} (loss {final_loss:.4f}, "
           f"{worker.steps} steps, reached iteration {worker.iteration})", flush=True)

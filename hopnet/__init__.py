@@ -24,11 +24,12 @@ _EXPORTS = {
     "PeerFailure": "hopnet.errors",
     "WaitTimeout": "hopnet.errors",
     "Graph": "hopnet.graph",
+    "ModelState": "hopnet.model_state",
     "flatten_parameters": "hopnet.params",
 }
 
 __all__ = [
-    "AsyncWorker", "ConfigError", "DistributedOptimizer", "Graph", "GraphError", "HopnetError",
+    "AsyncWorker", "ConfigError", "DistributedOptimizer", "Graph", "GraphError", "HopnetError", "ModelState",
     "NonFiniteError", "PeerFailure", "ProtocolConfig", "WaitTimeout", "Worker", "flatten_parameters", "init",
 ]
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
     from hopnet.errors import ConfigError, GraphError, HopnetError, NonFiniteError, PeerFailure, WaitTimeout
     from hopnet.graph import Graph
+    from hopnet.model_state import ModelState
     from hopnet.params import flatten_parameters
 
 

@@ -32,6 +32,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
+from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
@@ -57,10 +58,11 @@ ABORT_FLUSH_S = 1.0
 """How long a failing worker waits for its last sends (its ``bye`` included) before closing."""
 
 
-def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
+def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
                   grads: FlatGradients | torch.Tensor | None, transport: Transport, events: EventLog | None,
                   collective_factory: CollectiveFactory | None, coordinator: CoordinatorClient | None) -> Node:
-    """The node of one worker: ``config``'s protocol over ``params``/``grads``, on ``transport``,
+    """The node of one worker: ``config``'s protocol over ``params`` (the model's flat tensors, or one
+    bare flat parameter tensor) and ``grads``, on ``transport``,
     with the clock and peer timeout ``config`` sets. :class:`Worker` and :class:`AsyncWorker`
     (and so :func:`init`) build their node here."""
     protocol = make_protocol(config, params, grads)
@@ -73,20 +75,24 @@ class Worker:
     """One training process's handle on its node, driven from the trainer's thread."""
 
     def __init__(self, *, rank: int, graph: Graph, config: ProtocolConfig,
-                 params: torch.Tensor | None, transport: Transport,
+                 params: ModelState | torch.Tensor | None, transport: Transport,
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None) -> None:
-        """``coordinator``: the client of the run's coordinator (``hopnet.init`` builds it from
-        ``HOPNET_COORDINATOR``; group protocols reach it as ``node.coordinator``)."""
-        if params is not None and params.device.type != "cpu" and not transport.carries_cuda:
-            raise ConfigError(f"the model is on {params.device}: its tensors need the torch bulk plane "
+        """``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
+        one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
+        (``hopnet.init`` builds it from ``HOPNET_COORDINATOR``; group protocols reach it as
+        ``node.coordinator``)."""
+        model = ModelState.wrap(params)
+        if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
+            raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
                               "(--bulk torch or auto), not ZeroMQ")
         self.rank = rank
         self.graph = graph
         self.config = config
         self.params = params
+        self.model = model
         self.grads = grads
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
@@ -128,6 +134,8 @@ class Worker:
             raise ConfigError(f"iterations(total) needs total >= 1 (got {total})")
         self._final_iteration = total - 1
         self.node.protocol.final_iteration = total - 1
+        if self.model is not None:
+            self.model.check_bound()  # before the protocol sends the model (Node.plan begins it)
         self._thread.loop.call_soon_threadsafe(self.node.plan, total)
         if self.steps == 0:
             self._compute_started = time.monotonic()  # setup before the loop is not iteration 0's compute
@@ -146,6 +154,8 @@ class Worker:
         """Finish the current iteration: ``apply`` is the optimizer step (Hop's Apply)."""
         if self._closed:
             raise HopnetError("step() on a closed worker")
+        if self.model is not None:
+            self.model.check_bound()
         factor = self.slowdown.factor(self.rank, self.iteration)
         if factor > 1.0:
             time.sleep((factor - 1.0) * (time.monotonic() - self._compute_started))
@@ -272,7 +282,7 @@ class AsyncWorker:
         self._compute_started = time.monotonic()
 
     @classmethod
-    async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: torch.Tensor | None,
+    async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
                     transport: Transport, exchange: AddressExchange | None = None,
                     events: EventLog | None = None,
                     grads: FlatGradients | torch.Tensor | None = None,
@@ -294,6 +304,9 @@ class AsyncWorker:
 
     async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
         """Finish the current iteration; with ``last`` the worker does not enter another."""
+        model = self.node.protocol.model
+        if model is not None:
+            model.check_bound()
         compute_s = time.monotonic() - self._compute_started
         await self.node.run_step(apply, last=last, compute_s=compute_s)
         self._compute_started = time.monotonic()
@@ -320,9 +333,12 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     as ``"ring:4"``), else ``HOPNET_GRAPH``, else a ring, the protocol from ``HOPNET_*``
     variables, and the workers meet through the run's TCPStore.
 
-    ``model``'s parameters are moved into one flat buffer (see :func:`flatten_parameters`),
-    and its gradients into another (see :class:`hopnet.params.FlatGradients`): each
-    ``.grad`` is a view, so gradient protocols such as ``allreduce`` reduce one tensor.
+    ``model``'s trainable parameters and floating buffers are moved into one flat tensor per
+    dtype (see :class:`hopnet.model_state.ModelState`), and its gradients into others (see
+    :class:`hopnet.params.FlatGradients`): each ``.grad`` is a view, so gradient protocols such
+    as ``allreduce`` reduce one tensor. Load weights after ``init`` with
+    ``model.load_state_dict(state)`` (it copies into the views); whatever the model holds when
+    the trainer's loop starts is what the protocol sends first.
     They stay on the model's device: CUDA models need ``bulk="torch"`` or ``"auto"`` (NCCL
     moves their tensors; they never pass through host memory).
     The protocol comes from the launcher's flags; ``config`` replaces it, and keyword

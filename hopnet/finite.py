@@ -40,9 +40,9 @@ def all_finite_in(tensors: Iterable[torch.Tensor]) -> bool:
     return all(all_finite(t) for t in tensors)
 
 
-def refuse_non_finite_model(params: torch.Tensor | None, *, rank: int, iteration: int, to: str) -> None:
-    """Raise :class:`NonFiniteError` if ``params`` (this worker's own model) is not finite:
+def refuse_non_finite_model(model: Iterable[torch.Tensor], *, rank: int, iteration: int, to: str) -> None:
+    """Raise :class:`NonFiniteError` if ``model`` (this worker's own flat tensors) is not finite:
     called before the model is sent ``to`` someone."""
-    if params is not None and not all_finite(params):
+    if not all_finite_in(model):
         raise NonFiniteError(f"rank {rank}: its model holds inf or NaN in iteration {iteration}; it is not sent "
                              f"to {to}", rank=rank, iteration=iteration)

@@ -161,13 +161,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _gradients(self) -> list[torch.Tensor]:
         grads = self.worker.grads
         if isinstance(grads, FlatGradients):
-            return [grads.gather()]
+            return grads.buffers  # one per dtype: written in place when unscaling
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _model_finite(self) -> bool:
-        params = self.worker.params
-        if params is not None:
-            return all_finite(params)
+        model = self.worker.model
+        if model is not None:
+            return all_finite_in(model.flats)
         return all_finite_in(p.detach() for group in self.param_groups for p in group["params"])
 
     # ------------------------------------------------------------------ the rest of an optimizer

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
     from hopnet.coordinator.base import Coordinator
     from hopnet.graph import Graph
+    from hopnet.model_state import ModelState
     from hopnet.params import FlatGradients
     from hopnet.protocols.base import Protocol
 
@@ -77,7 +78,7 @@ class CoordinatorSpec(Generic[OptionsT]):
     needed: Callable[[OptionsT], bool] = field(default=lambda options: True)
 
 
-ProtocolFactory = Callable[["ProtocolConfig", OptionsT, "torch.Tensor | None", "FlatGradients | torch.Tensor | None"],
+ProtocolFactory = Callable[["ProtocolConfig", OptionsT, "ModelState | None", "FlatGradients | torch.Tensor | None"],
                            "Protocol"]
 GraphCheck = Callable[["ProtocolConfig", OptionsT, "Graph"], list[str]]
 GapBound = Callable[[OptionsT, "Graph"], "np.ndarray"]
@@ -92,8 +93,9 @@ class ProtocolSpec(Generic[OptionsT]):
     """One sentence for ``--protocol``'s help."""
     options: type[OptionsT]
     build: ProtocolFactory[OptionsT]
-    """Makes the protocol object of one worker from the run's configuration, the flat parameter
-    buffer (what model-averaging protocols mix) and the flat gradients (what gradient protocols reduce)."""
+    """Makes the protocol object of one worker from the run's configuration, the model's flat tensors
+    (a :class:`hopnet.model_state.ModelState`: what model-averaging protocols mix, whose buffers gradient
+    protocols keep in step) and the flat gradients (what gradient protocols reduce)."""
     averages: Averages
     uses_graph: bool
     """False for protocols that reduce among all ranks whatever the graph says."""

@@ -35,7 +35,8 @@ from hopnet.launch.env import WorkerEnv
 from hopnet.launch.external import detect
 from hopnet.launch.options import check_coordinator_options, check_explicit
 from hopnet.launch.rendezvous import exchange_addresses_async
-from hopnet.params import FlatGradients, flatten_parameters
+from hopnet.model_state import ModelState
+from hopnet.params import FlatGradients
 from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
 from hopnet.transports.base import Transport
@@ -200,16 +201,17 @@ def host_coordinator(config: ProtocolConfig, run_dir: str, bind_host: str) -> Co
 
 @dataclass(frozen=True)
 class ModelTensors:
-    """The model's parameters in one flat buffer, its gradients in another (views keep ``.grad``)."""
+    """The model's parameters and floating buffers in flat tensors (:class:`ModelState`), its
+    gradients in others (views keep ``.grad``)."""
 
-    params: torch.Tensor | None
+    params: ModelState | None
     grads: FlatGradients | None
 
     @classmethod
     def of(cls, model: torch.nn.Module | None, params: torch.Tensor | None) -> ModelTensors:
         if model is None:
-            return cls(params, None)
-        return cls(flatten_parameters(model), FlatGradients(model))
+            return cls(ModelState.wrap(params), None)
+        return cls(ModelState.of(model), FlatGradients(model))
 
     @property
     def device(self) -> torch.device:
@@ -224,7 +226,7 @@ def connect(context: WorkerContext, config: ProtocolConfig,
     transport = make_transport(rank=context.rank, peers=frozenset(context.graph.peers(context.rank)),
                                bind_host=context.bind_host, bulk=config.bulk, device=tensors.device,
                                store_endpoint=context.store_endpoint, timeout_s=config.timeout_s,
-                               message_bytes=None if params is None else params.numel() * params.element_size(),
+                               message_bytes=None if params is None else params.nbytes,
                                curve=context.curve)
     factory = collective_factory(rank=context.rank, world_size=context.world_size, bulk=config.bulk,
                                  device=tensors.device, store_endpoint=context.store_endpoint,

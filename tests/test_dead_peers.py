@@ -80,6 +80,7 @@ async def test_a_peer_that_is_alive_but_owes_an_update_is_stalled_not_dead() -> 
     wait runs into --timeout and names rank 1 as stalled, not dead."""
     config = ProtocolConfig(timeout_s=1.5, peer_timeout_s=0.3)
     workers = await start_workers(Graph.ring(2), config)
+    workers[1].plan(5)  # it starts its loop (its update of iteration 0 goes out), then never steps
     try:
         with pytest.raises(WaitTimeout) as info:
             await train(workers[0], 5)

@@ -65,7 +65,8 @@ def test_a_wait_that_expires_names_the_peer_and_the_iteration() -> None:
 
     def body(worker: Worker) -> None:
         if worker.rank == 1:
-            stall.wait(10)  # never steps: rank 0 will not get its update of iteration 1
+            next(worker.iterations(5))  # starts its loop (its update of iteration 0 goes out)...
+            stall.wait(10)  # ...but never steps: rank 0 will not get its update of iteration 1
             return
         try:
             for _ in worker.iterations(5):

@@ -8,17 +8,22 @@ from __future__ import annotations
 import torch
 
 from hopnet.config import ProtocolConfig
+from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import Protocol
 
 
-def make_protocol(config: ProtocolConfig, params: torch.Tensor | None,
+def make_protocol(config: ProtocolConfig, model: ModelState | torch.Tensor | None,
                   grads: FlatGradients | torch.Tensor | None = None) -> Protocol:
     """The protocol object ``config.protocol`` names, for one worker.
 
-    ``params`` is the flat parameter buffer (protocols that average models mix it);
+    ``model`` holds the model's flat tensors (a bare tensor is a model of parameters only):
+    protocols that average models mix all of them, the others keep its buffers in step;
     ``grads`` the flat gradients (protocols that average gradients reduce them)."""
-    return config.spec.build(config, config.options, params, grads)
+    state = ModelState.wrap(model)
+    protocol = config.spec.build(config, config.options, state, grads)
+    protocol.model = state
+    return protocol
 
 
 __all__ = ["Protocol", "make_protocol"]

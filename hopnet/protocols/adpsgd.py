@@ -62,8 +62,9 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
-from hopnet.finite import all_finite, refuse_non_finite_model
+from hopnet.finite import all_finite_in, refuse_non_finite_model
 from hopnet.graph import Graph
+from hopnet.model_state import ModelState
 from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
@@ -81,7 +82,8 @@ REPLY = "avg_reply"
 class Averaging:
     """One averaging as the passive served it, for observers (tests, debugging).
 
-    The tensors are the live buffers: read them inside the observer call, do not keep them."""
+    The tensors are the live buffers of the model's first flat tensor (its parameters, then its
+    floating buffers, of the first dtype): read them inside the observer call, do not keep them."""
 
     active: int
     passive: int
@@ -98,16 +100,17 @@ AveragingObserver = Callable[[Averaging], None]
 class AdPsgdProtocol(Protocol):
     name = "ad-psgd"
 
-    def __init__(self, config: ProtocolConfig, params: torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, model: ModelState | torch.Tensor | None) -> None:
         super().__init__()
-        if params is None:
+        state = ModelState.wrap(model)
+        if state is None:
             raise ConfigError("--protocol ad-psgd averages models: start the worker with hopnet.init(model), "
                               "or give Worker a params buffer")
-        if params.dim() != 1 or not params.is_contiguous():
-            raise ConfigError("the ad-psgd protocol averages one flat, contiguous parameter buffer")
+        if any(f.dim() != 1 or not f.is_contiguous() for f in state.flats):
+            raise ConfigError("the ad-psgd protocol averages flat, contiguous tensors")
         self.config = config
-        self.params = params
-        self.spec = TensorSpec(params.dtype, tuple(params.shape))
+        self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
+        self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in self.flats)
         self.observer: AveragingObserver | None = None  # called by a passive for each averaging it serves
         self.active = True
         self.neighbours: tuple[int, ...] = ()
@@ -115,13 +118,13 @@ class AdPsgdProtocol(Protocol):
         # Active side
         self.partners: list[int | None] = []  # per iteration: the passive averaged with, None if skipped
         self.skips: list[dict[str, Any]] = []
-        self._reply_buffer: torch.Tensor | None = None
+        self._reply_buffers: list[torch.Tensor] | None = None
         self._awaited: int | None = None  # the passive whose reply this active waits for
         self._reply: asyncio.Future[bool] | None = None
         # Passive side
         self.served = 0
         self._served_this_iteration = 0
-        self._request_buffers: dict[int, torch.Tensor] = {}
+        self._request_buffers: dict[int, list[torch.Tensor]] = {}
         self._activity: asyncio.Event | None = None  # set on each request or goodbye
         self._leaving = False  # said bye: serves no more requests
 
@@ -166,13 +169,13 @@ class AdPsgdProtocol(Protocol):
             self._skip(k, None, "no passive neighbour left" if self.neighbours else "no neighbours")
             return None
         partner = self.rng.choice(candidates)
-        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to=f"passive {partner}")
-        if self._reply_buffer is None:
-            self._reply_buffer = torch.empty_like(self.params)
+        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to=f"passive {partner}")
+        if self._reply_buffers is None:
+            self._reply_buffers = [torch.empty_like(f) for f in self.flats]
         loop = asyncio.get_running_loop()
         self._reply = loop.create_future()
         self._awaited = partner
-        sent = self.node.post_tracked(Message(REQUEST, self.rank, partner, k, tensors=[self.params]))
+        sent = self.node.post_tracked(Message(REQUEST, self.rank, partner, k, tensors=list(self.flats)))
         began = loop.time()
         try:
             served = await self.node.clock.wait(self._reply, f"the averaging reply of passive {partner}",
@@ -189,12 +192,13 @@ class AdPsgdProtocol(Protocol):
         if not served:
             self._skip(k, partner, f"passive {partner} left before serving the averaging")
             return None
-        if not all_finite(self._reply_buffer):
+        if not all_finite_in(self._reply_buffers):
             self._drop_non_finite(partner, k)
             self._skip(k, partner, f"passive {partner}'s reply holds inf or NaN")
             return None
         with self.node.model_lock:
-            self.params.copy_(self._reply_buffer)
+            for flat, mean in zip(self.flats, self._reply_buffers):
+                flat.copy_(mean)
         return partner
 
     def _skip(self, k: int, partner: int | None, why: str) -> None:
@@ -204,26 +208,28 @@ class AdPsgdProtocol(Protocol):
     # ------------------------------------------------------------------ the passive's service
     def _serve(self, msg: Message) -> None:
         """One averaging, start to finish, with no await in between: atomic on the event loop."""
-        mean = msg.tensors[0]
-        if not all_finite(mean):
+        means = msg.tensors
+        if not all_finite_in(means):
             # Not mixed in: the active gets this passive's own model back, unchanged.
             self._drop_non_finite(msg.src, msg.iter)
-            mean.copy_(self.params)
-            self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=[mean]))
+            for flat, mean in zip(self.flats, means):
+                mean.copy_(flat)
+            self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=list(means)))
             return
         with self.node.model_lock:
             observer = self.observer
             if observer is not None:
-                before, active_model = self.params.clone(), mean.clone()
-            mean.add_(self.params).mul_(0.5)
-            self.params.copy_(mean)
+                before, active_model = self.flats[0].clone(), means[0].clone()
+            for flat, mean in zip(self.flats, means):
+                mean.add_(flat).mul_(0.5)
+                flat.copy_(mean)
             if observer is not None:  # inside the lock: it sees the step as the readers will
-                observer(Averaging(msg.src, self.rank, msg.iter, self.iteration, active_model, before, mean))
+                observer(Averaging(msg.src, self.rank, msg.iter, self.iteration, active_model, before, means[0]))
         self.served += 1
         self._served_this_iteration += 1
-        # ``mean`` is this active's request buffer: it is not written again before the active
+        # ``means`` are this active's request buffers: they are not written again before the active
         # has the reply, and so before this send is done.
-        self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=[mean]))
+        self.node.post(Message(REPLY, self.rank, msg.src, msg.iter, tensors=list(means)))
 
     def _drop_non_finite(self, sender: int, iteration: int) -> None:
         self.node.count_drop("non_finite")
@@ -286,21 +292,21 @@ class AdPsgdProtocol(Protocol):
         kind = header.kind
         if kind not in (REQUEST, REPLY):
             return None
-        if header.specs != (self.spec,):
+        if header.specs != self.specs:
             self.node.count_drop("bad_payload")
             return DISCARD
         if kind == REPLY:
-            if self.active and header.src == self._awaited and self._reply_buffer is not None:
-                return [self._reply_buffer]
+            if self.active and header.src == self._awaited and self._reply_buffers is not None:
+                return self._reply_buffers
             self.node.count_drop("unexpected_reply")
             return DISCARD
         if self.active or self._leaving or header.src not in self.neighbours or header.src in self.gone:
             self.node.count_drop("unexpected_request")
             return DISCARD
-        buffer = self._request_buffers.get(header.src)
-        if buffer is None:
-            buffer = self._request_buffers[header.src] = torch.empty_like(self.params)
-        return [buffer]
+        buffers = self._request_buffers.get(header.src)
+        if buffers is None:
+            buffers = self._request_buffers[header.src] = [torch.empty_like(f) for f in self.flats]
+        return buffers
 
     def on_message(self, msg: Message) -> None:
         if msg.kind == REQUEST and msg.tensors:
@@ -351,7 +357,7 @@ register(ProtocolSpec(
     summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
             "with one random passive neighbour per iteration.",
     options=NoOptions,
-    build=lambda config, options, params, grads: AdPsgdProtocol(config, params),
+    build=lambda config, options, model, grads: AdPsgdProtocol(config, model),
     averages=Averages.MODELS,
     uses_graph=True,
     message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),

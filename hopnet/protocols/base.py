@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import torch
 
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
-from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices
+from hopnet.model_state import ModelState
+from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 
@@ -29,6 +32,7 @@ class Protocol(abc.ABC):
 
     def __init__(self) -> None:
         self.iteration = 0
+        self.model: ModelState | None = None  # set by make_protocol: the tensors holding the model
         self.final_iteration: int | None = None  # set by the trainer when it knows where it stops
         # What the simulator sums over its workers; protocols that skip or drop updates count them.
         self.skip_log: list[dict[str, Any]] = []
@@ -47,9 +51,21 @@ class Protocol(abc.ABC):
         """Fields for the node's ``start`` record: the options this protocol runs with."""
         return {"config": json.loads(self.config.to_json())}
 
+    def model_tensors(self) -> list[torch.Tensor]:
+        """The flat tensors holding this worker's model: its trainable parameters and floating
+        buffers, one tensor per dtype (see :class:`hopnet.model_state.ModelState`); empty when the
+        worker has no model (the simulator's gradient protocols)."""
+        return list(self.model.flats) if self.model is not None else []
+
     @abc.abstractmethod
     async def start(self) -> None:
-        """Enter iteration 0 (send what must be sent, grant what must be granted)."""
+        """Enter iteration 0 (grant what must be granted). Nothing read from the model may be sent
+        here: the trainer may still load weights into it (see :meth:`begin`)."""
+
+    async def begin(self) -> None:
+        """Send what iteration 0 needs from the model. The node calls it once, when the trainer starts
+        its loop (``Worker.iterations``) or at its first step, whichever comes first: weights loaded
+        between ``hopnet.init`` and then are what the protocol sends."""
 
     @abc.abstractmethod
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -108,3 +124,12 @@ class Protocol(abc.ABC):
     def summary(self) -> dict[str, Any]:
         """End-of-run counters for the ``stop`` record (high-water marks, skips...)."""
         return {}
+
+
+async def allreduce_each(collective: AllReduce, group: Sequence[int], tensors: Sequence[torch.Tensor],
+                         op: ReduceOp, *, tag: str) -> None:
+    """All-reduce each of ``tensors`` (a model's flat tensors, one per dtype) in place, one after the
+    other (a torch.distributed collective needs the same order of calls on every member): the first
+    under ``tag``, the others under ``tag/i``."""
+    for i, tensor in enumerate(tensors):
+        await collective.allreduce(group, tensor, op, tag=tag if i == 0 else f"{tag}/{i}")

@@ -24,6 +24,14 @@ so a gradient deposited during the round goes to the next one: nothing is lost o
 twice. Activations carry the round id: simultaneous initiators of one round, or an
 activation for a round already run, cause no second execution. Each round also sums one
 flag per rank, so every member knows how many fresh gradients (active processes) it had.
+
+Model buffers (``--buffers``, :mod:`hopnet.protocols.buffer_sync`): each trainer call also
+copies the floating buffers; a round reduces the newest copy beside the gradients, and the
+trainer writes the round's result into the model when it takes the round's gradient. A round
+that ran before a rank's call carries that rank's older copy (as it carries its stale
+gradient), so the last call of every rank syncs the live buffers once more, blocking, as
+``--full-sync-every`` does: every rank ends with the same buffers.
+``--full-sync-every`` averages the whole model, parameters and floating buffers.
 """
 
 from __future__ import annotations
@@ -39,9 +47,11 @@ import torch
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
-from hopnet.options import ProtocolOptions, option
+from hopnet.model_state import ModelState
+from hopnet.options import option
 from hopnet.params import FlatGradients
-from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
+from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
@@ -78,17 +88,19 @@ def activation_targets(rank: int, root: int, world_size: int) -> list[int]:
 class EagerProtocol(Protocol):
     name = "eager-sgd"
 
-    def __init__(self, config: ProtocolConfig, options: EagerOptions, params: torch.Tensor | None,
+    def __init__(self, config: ProtocolConfig, options: EagerOptions, model: ModelState | torch.Tensor | None,
                  grads: FlatGradients | torch.Tensor | None) -> None:
         super().__init__()
         if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
             raise ConfigError("eager-sgd reduces one flat, contiguous gradient buffer")
-        if options.full_sync_every is not None and params is None:
+        state = ModelState.wrap(model)
+        if options.full_sync_every is not None and state is None:
             raise ConfigError("--full-sync-every averages the models: start the worker with hopnet.init(model)")
         self.config = config
         self.options = options
         self.mode = options.eager_mode
-        self.params = params
+        self.flats = state.flats if state is not None else []
+        self.model_buffers = state.buffers if state is not None else []
         self.grads = grads
         self.everyone: tuple[int, ...] = ()
         # The round engine (runs on the node's loop).
@@ -111,6 +123,8 @@ class EagerProtocol(Protocol):
         self._spare: torch.Tensor | None = None
         self.contributed: torch.Tensor | None = None  # sum of what this rank put into rounds
         self.computed: torch.Tensor | None = None     # sum of every gradient the trainer deposited
+        self._buffers_latest: list[torch.Tensor] | None = None  # the model's buffers at the last call
+        self._buffers_result: list[torch.Tensor] | None = None  # those of the last round, reduced
         # Reporting.
         self.active_per_round: list[int] = []  # fresh gradients in round r, at index r
         self.last_round: int | None = None
@@ -128,6 +142,7 @@ class EagerProtocol(Protocol):
         # syncs and the closing reduce interleave differently on different ranks, which only
         # a collective that keeps every tag apart (not one process group in call order) allows.
         self.collective = RingCollective(node)
+        self.buffer_sync = BufferSync(self.options.buffers, self.model_buffers, self.rank, self.world_size)
 
     async def start(self) -> None:
         self.node.entered(0, self)
@@ -163,6 +178,10 @@ class EagerProtocol(Protocol):
         every = self.options.full_sync_every
         if every is not None and (k + 1) % every == 0:
             await self._full_sync(k)
+        if last:
+            # Rounds may carry buffers some iterations old (a late rank's copy); every rank's last
+            # call meets the others' here, with no forward pass left, so they end in step.
+            await self.buffer_sync.sync(self.collective, self.everyone, tag=f"{TAG_PREFIX}/buffers/last")
         self.node.iteration_done(k, self)
         if last:
             return
@@ -194,6 +213,12 @@ class EagerProtocol(Protocol):
         self.pend.add_(grads)
         self.computed.add_(grads)
         self._fresh = True
+        if self.buffer_sync.active:
+            if self._buffers_latest is None:
+                self._buffers_latest = self.buffer_sync.snapshot()
+            else:
+                for copy, buffer in zip(self._buffers_latest, self.model_buffers):
+                    copy.copy_(buffer)
 
     async def _wait_round(self, round_id: int, iteration: int) -> None:
         if self.executed > round_id:
@@ -223,11 +248,14 @@ class EagerProtocol(Protocol):
         self.consumed = self.executed
         self.last_round = self.executed - 1
         grads.copy_(self.recv)
+        if isinstance(self.grads, FlatGradients):
+            self.grads.unpack(grads)
+        if self._buffers_result is not None:
+            self.buffer_sync.adopt(self._buffers_result)
+            self._buffers_result = None
 
     async def _full_sync(self, iteration: int) -> None:
-        assert self.params is not None
-        await self.collective.allreduce(self.everyone, self.params, "mean",
-                                             tag=f"{TAG_PREFIX}/sync/{iteration}")
+        await allreduce_each(self.collective, self.everyone, self.flats, "mean", tag=f"{TAG_PREFIX}/sync/{iteration}")
 
     def _gradient_buffer(self) -> torch.Tensor:
         if isinstance(self.grads, FlatGradients):
@@ -301,9 +329,17 @@ class EagerProtocol(Protocol):
         self._fresh = False
         tag = f"{TAG_PREFIX}/{round_id}"
         collective = self.collective
+        # before the first call: the buffers as they are (the trainer's first forward may be writing them)
+        model_buffers = self.buffer_sync.snapshot(self._buffers_latest) if self.buffer_sync.active else None
         await asyncio.gather(collective.allreduce(self.everyone, contribution, "sum", tag=tag),
-                             collective.allreduce(self.everyone, active, "sum", tag=f"{tag}/active"))
+                             collective.allreduce(self.everyone, active, "sum", tag=f"{tag}/active"),
+                             *([self.buffer_sync.reduce(collective, self.everyone, model_buffers, tag=f"{tag}/buffers")]
+                               if model_buffers is not None else []))
         contribution.div_(self.world_size)  # always P, however many were fresh
+        if model_buffers is not None:
+            if self._buffers_result is not None:
+                self.buffer_sync.release(self._buffers_result)  # a newer round's buffers replace them
+            self._buffers_result = model_buffers
         self._spare, self.recv = self.recv, contribution
         self.active_per_round.append(int(round(active.item())))
         self.executed = round_id + 1
@@ -420,7 +456,7 @@ class EagerProtocol(Protocol):
 
 
 @dataclass(frozen=True)
-class EagerOptions(ProtocolOptions):
+class EagerOptions(GradientOptions):
     eager_mode: str = option("solo", choices=("solo", "majority"),
                              help="who starts a round: solo (whoever arrives first; never waits for another's "
                                   "compute) or majority (a seeded random rank; earlier arrivals wait for it)")
@@ -429,6 +465,8 @@ class EagerOptions(ProtocolOptions):
 
     def settings(self) -> list[str]:
         shown = [f"mode {self.eager_mode}"]
+        if self.buffers != "broadcast":
+            shown.append(f"buffers {self.buffers}")
         if self.full_sync_every is not None:
             shown.append(f"full sync every {self.full_sync_every}")
         return shown
@@ -438,7 +476,7 @@ register(ProtocolSpec(
     name="eager-sgd",
     summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
     options=EagerOptions,
-    build=lambda config, options, params, grads: EagerProtocol(config, options, params, grads),
+    build=lambda config, options, model, grads: EagerProtocol(config, options, model, grads),
     averages=Averages.GRADIENTS,
     uses_graph=False,
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),

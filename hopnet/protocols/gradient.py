@@ -1,9 +1,10 @@
 """What the protocols that all-reduce one flat gradient buffer among all ranks share.
 
 ``allreduce`` and ``pipe-sgd`` differ only in when a reduced gradient is applied; the
-buffer they reduce, how they leave (a goodbye to the ring neighbours, the only ranks
-that wait on this one's messages) and the messages they take (none of their own: the
-collective's go through the node's mailbox) are the same.
+buffer they reduce, the model's floating buffers they keep in step (``--buffers``, see
+:mod:`hopnet.protocols.buffer_sync`), how they leave (a goodbye to the ring neighbours,
+the only ranks that wait on this one's messages) and the messages they take (none of
+their own: the collective's go through the node's mailbox) are the same.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
+from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import Protocol
+from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
 
@@ -23,12 +26,15 @@ from hopnet.wire import Header, Message
 class AllRanksGradientProtocol(Protocol):
     """Base of the protocols that average ``grads`` among every rank of the run."""
 
-    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None,
+                 model: ModelState | None = None, options: GradientOptions | None = None) -> None:
         super().__init__()
         if isinstance(grads, torch.Tensor) and (grads.dim() != 1 or not grads.is_contiguous()):
             raise ConfigError(f"the {self.name} protocol reduces one flat, contiguous gradient buffer")
         self.config = config
         self.grads = grads
+        self.model_buffers = list(model.buffers) if model is not None else []
+        self.buffers_mode = options.buffers if options is not None else "local"
         self.everyone: tuple[int, ...] = ()
         self.left_early: dict[int, int] = {}
         self.synchronized = -1
@@ -38,6 +44,7 @@ class AllRanksGradientProtocol(Protocol):
         super().bind(node)
         self.rank = node.rank
         self.everyone = tuple(range(node.graph.n))
+        self.buffer_sync = BufferSync(self.buffers_mode, self.model_buffers, self.rank, node.graph.n)
 
     async def start(self) -> None:
         self.node.entered(0, self)
@@ -49,6 +56,11 @@ class AllRanksGradientProtocol(Protocol):
             raise ConfigError(f"--protocol {self.name} averages gradients: start the worker with "
                               "hopnet.init(model), or give Worker a grads buffer")
         return self.grads
+
+    def _unpack_gradients(self, reduced: torch.Tensor) -> None:
+        """Gradients of several dtypes were reduced packed in one buffer: give each ``.grad`` its part."""
+        if isinstance(self.grads, FlatGradients):
+            self.grads.unpack(reduced)
 
     async def _say_goodbye(self) -> None:
         """Tell the ring neighbours, the only ranks that wait on this one's messages."""

@@ -44,6 +44,7 @@ from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
+from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, ProtocolSpec, register
@@ -58,18 +59,22 @@ CREDIT = "c"
 class HopProtocol(Protocol):
     name = "hop"
 
-    def __init__(self, config: ProtocolConfig, options: HopOptions, params: torch.Tensor | None, *,
+    def __init__(self, config: ProtocolConfig, options: HopOptions, model: ModelState | torch.Tensor | None, *,
                  notify_ack: bool = False) -> None:
         super().__init__()
-        if params is not None and (params.dim() != 1 or not params.is_contiguous()):
-            raise ConfigError("Hop mixes one flat, contiguous parameter buffer (see hopnet.FlatParams)")
+        state = ModelState.wrap(model)
+        flats = state.flats if state is not None else []
+        if any(f.dim() != 1 or not f.is_contiguous() for f in flats):
+            raise ConfigError("Hop mixes flat, contiguous tensors (see hopnet.model_state.ModelState)")
         self.config = config
         self.options = options
-        self.params = params
+        self.flats = flats
+        """What an update carries and the reduce mixes: the model's flat tensors (parameters and
+        floating buffers, one per dtype), all with the same weights."""
         self.notify_ack = notify_ack
         self.use_tokens = options.token_queues and not self.notify_ack
         self.staleness = options.staleness
-        self.spec = TensorSpec(params.dtype, tuple(params.shape)) if params is not None else None
+        self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in flats)
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
         self.updates_not_sent = 0
@@ -92,9 +97,9 @@ class HopProtocol(Protocol):
             raise ConfigError(f"rank {rank} has {len(self.in_peers)} in-neighbours besides itself, "
                               f"so it cannot have {self.n_buw} backup workers")
         factory: Callable[[], list[torch.Tensor]] | None = None
-        if self.params is not None:
-            params = self.params
-            factory = lambda: [torch.empty_like(params)]  # noqa: E731
+        if self.flats:
+            flats = self.flats
+            factory = lambda: [torch.empty_like(f) for f in flats]  # noqa: E731
         self.num_slots = self._slots_needed(graph)
         self.pool = BufferPool(factory, self.in_peers, per_sender=min(2, self.num_slots))
         self.queue = UpdateQueue(self.num_slots, self.pool)
@@ -122,12 +127,12 @@ class HopProtocol(Protocol):
         if header.src not in self._in_peer_set:
             self.node.count_drop("update_from_non_in_neighbor")
             return DISCARD
-        if self.spec is None:
+        if not self.specs:
             if header.specs:
                 self.node.count_drop("bad_payload")
                 return DISCARD
             return None
-        if len(header.specs) != 1 or header.specs[0] != self.spec:
+        if header.specs != self.specs:
             self.node.count_drop("bad_payload")
             return DISCARD
         return self.pool.acquire(header.src)
@@ -143,9 +148,9 @@ class HopProtocol(Protocol):
             if self._is_late(msg.iter, msg.src) or (self.staleness is not None
                                                     and msg.iter < self.queue.newest_iter(msg.src)):
                 self.late_updates_dropped += 1
-                self.pool.release(msg.src, msg.tensors if self.spec is not None else None)
+                self.pool.release(msg.src, msg.tensors if self.specs else None)
                 return
-            payload = msg.tensors if self.spec is not None else None
+            payload = msg.tensors if self.specs else None
             if self.staleness is not None:
                 # Only the newest update per in-neighbour is ever used (Sec. 6.1): keep one.
                 self.queue.release(self.queue.take(w_id=msg.src))
@@ -196,6 +201,9 @@ class HopProtocol(Protocol):
 
     # ------------------------------------------------------------------ iteration flow
     async def start(self) -> None:
+        """Nothing yet: iteration 0 is entered (and the model sent) in :meth:`begin`."""
+
+    async def begin(self) -> None:
         await self._enter(0, 1)
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -278,7 +286,7 @@ class HopProtocol(Protocol):
         return [j for j in self.out_peers if j not in self.departed_after]
 
     def _send_updates(self, k: int, credit: int) -> None:
-        payload = [self.params] if self.params is not None else []
+        payload = self.flats
         known = self.tokens.known_iter
         # An out-neighbour already in iteration m uses updates no older than m - s (s = 0
         # without staleness); anything older would be dropped on arrival, so it is not sent.
@@ -411,7 +419,7 @@ class HopProtocol(Protocol):
     # ------------------------------------------------------------------ mixing
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:
         """Weighted average of this worker's parameters and the received ones (Eq. 1 / Eq. 2)."""
-        if self.params is None or not updates:
+        if not self.flats or not updates:
             self.queue.release(updates)
             return
         updates, iters = self._finite_only(updates, iters, k)
@@ -423,11 +431,11 @@ class HopProtocol(Protocol):
             weights = [self.in_weight[u.src] * (it - base + 1) for u, it in zip(updates, iters)]
             own = self.self_weight * (self.staleness + 1)
         total = own + sum(weights)
-        params = self.params
-        params.mul_(own / total)
-        for update, weight in zip(updates, weights):
-            assert update.tensors is not None
-            params.add_(update.tensors[0], alpha=weight / total)
+        for i, flat in enumerate(self.flats):
+            flat.mul_(own / total)
+            for update, weight in zip(updates, weights):
+                assert update.tensors is not None
+                flat.add_(update.tensors[i], alpha=weight / total)
         self.queue.release(updates)
 
     def _finite_only(self, updates: list[Update], iters: list[int], k: int) -> tuple[list[Update], list[int]]:
@@ -722,7 +730,7 @@ register(ProtocolSpec(
             "token queues bounding the gap (--max-ig), and backup workers, bounded staleness and "
             "iteration skipping for stragglers.",
     options=HopOptions,
-    build=lambda config, options, params, grads: HopProtocol(config, options, params),
+    build=lambda config, options, model, grads: HopProtocol(config, options, model),
     averages=Averages.MODELS,
     uses_graph=True,
     check_graph=check_hop_graph,
@@ -736,7 +744,7 @@ register(ProtocolSpec(
     summary="the baseline Hop improves on: a worker enters iteration k once every out-neighbour "
             "acknowledged its update k-1.",
     options=NotifyAckOptions,
-    build=lambda config, options, params, grads: HopProtocol(config, options.as_hop(), params, notify_ack=True),
+    build=lambda config, options, model, grads: HopProtocol(config, options.as_hop(), model, notify_ack=True),
     averages=Averages.MODELS,
     uses_graph=True,
     gap_bound=notify_ack_gap_bound,

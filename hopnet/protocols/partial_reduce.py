@@ -55,8 +55,9 @@ from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
+from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
-from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -77,17 +78,18 @@ before this worker even got its group message)."""
 class PartialReduceProtocol(Protocol):
     name = "partial-reduce"
 
-    def __init__(self, config: ProtocolConfig, options: PartialReduceOptions, params: torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, options: PartialReduceOptions,
+                 model: ModelState | torch.Tensor | None) -> None:
         super().__init__()
-        if params is None:
+        state = ModelState.wrap(model)
+        if state is None:
             raise ConfigError("--protocol partial-reduce averages models: start the worker with hopnet.init(model), "
                               "or give Worker a params buffer")
-        if params.dim() != 1 or not params.is_contiguous() or not params.is_floating_point():
-            raise ConfigError("the partial-reduce protocol averages one flat, contiguous floating-point "
-                              "parameter buffer")
+        if any(f.dim() != 1 or not f.is_contiguous() or not f.is_floating_point() for f in state.flats):
+            raise ConfigError("the partial-reduce protocol averages flat, contiguous floating-point tensors")
         self.config = config
         self.options = options
-        self.params = params
+        self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
         self.counter = 0  # the model's iteration counter k (sent with ready; a group sets it to max k)
         self.groups = 0
         self.groups_alone = 0
@@ -128,7 +130,7 @@ class PartialReduceProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
-        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to="its group")
+        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self.counter += 1
         client = self._client()
         client.send({"t": READY, "iter": self.counter})
@@ -161,7 +163,7 @@ class PartialReduceProtocol(Protocol):
                          counter=self.counter)
 
     async def _reduce(self, members: tuple[int, ...], gid: int, beta: float, k: int) -> None:
-        """The group's weighted sum into ``params``; fails naming the member to blame, and
+        """The group's weighted sum into the model's flat tensors; fails naming the member to blame, and
         then tells the other members so that none of them waits out ``--timeout``."""
         where = f"rank {self.rank}: group {gid} {list(members)} of iteration {k} failed"
         reported = self._aborted.pop(gid, None)
@@ -171,10 +173,11 @@ class PartialReduceProtocol(Protocol):
         loop = asyncio.get_running_loop()
         tag = f"{TAG_PREFIX}/{gid}"
         if self.options.weights == "const":
-            reduction = self.node.collective.allreduce(members, self.params, "mean", tag=tag)
+            reduction = allreduce_each(self.node.collective, members, self.flats, "mean", tag=tag)
         else:
-            self.params.mul_(beta)
-            reduction = self.node.collective.allreduce(members, self.params, "sum", tag=tag)
+            for flat in self.flats:
+                flat.mul_(beta)
+            reduction = allreduce_each(self.node.collective, members, self.flats, "sum", tag=tag)
         task = loop.create_task(reduction)
         abort: asyncio.Future[PeerFailure] = loop.create_future()
         self._current, self._abort = (gid, members, k), abort
@@ -345,7 +348,7 @@ register(ProtocolSpec(
     summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
             "controller forms (--weights).",
     options=PartialReduceOptions,
-    build=lambda config, options, params, grads: PartialReduceProtocol(config, options, params),
+    build=lambda config, options, model, grads: PartialReduceProtocol(config, options, model),
     averages=Averages.MODELS,
     uses_graph=False,
     coordinator=CoordinatorSpec(build=make_controller,

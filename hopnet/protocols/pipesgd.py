@@ -36,6 +36,15 @@ which on a busy CPU cost as much as a good part of the all-reduce; bench/README.
 "Pipe-SGD"). So a reference to a ``.grad`` tensor is good for one iteration only. A bare
 gradient tensor (``Worker(grads=tensor)``) cannot move: it is copied into a slot and back.
 
+Model buffers (``--buffers``, :mod:`hopnet.protocols.buffer_sync`): a copy of the floating
+buffers taken at the end of iteration ``t`` is reduced (uncompressed) in the same chain, right
+after ``pipe/{t}``, and written into the model when step 2 applies ``t``'s gradient: the buffers
+lag ``K-1`` iterations, as the gradients do. The drain adopts the last one, so every rank ends
+with the same buffers.
+
+Gradients of several dtypes (:attr:`FlatGradients.packed`) are reduced in one packed buffer
+through a slot, like a bare tensor, and unpacked into the ``.grad`` views when applied.
+
 Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
 collective's codec hook; see :mod:`hopnet.collectives.compression`.
 """
@@ -53,9 +62,11 @@ from hopnet.collectives.codec import IdentityCodec
 from hopnet.collectives.compression import COMPRESSIONS, make_codec
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
-from hopnet.options import ProtocolOptions, option
+from hopnet.model_state import ModelState
+from hopnet.options import option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
+from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
 from hopnet.registry import Averages, ProtocolSpec, register
 from hopnet.runtime.services import AllReduce
@@ -67,13 +78,14 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
     name = "pipe-sgd"
 
     def __init__(self, config: ProtocolConfig, options: PipeSgdOptions,
-                 grads: FlatGradients | torch.Tensor | None) -> None:
-        super().__init__(config, grads)
+                 grads: FlatGradients | torch.Tensor | None, model: ModelState | None = None) -> None:
+        super().__init__(config, grads, model, options)
         self.options = options
         self.k = options.pipeline_k
         self.codec = make_codec(options.compress)
         self._slots: list[torch.Tensor] = []
         self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
+        self._model_buffers: dict[int, list[torch.Tensor]] = {}  # iteration -> its copy of the model's buffers
         self._pool: list[torch.Tensor] = []  # flat-gradient buffers beyond the model's own
         self._reductions: dict[int, asyncio.Task[None]] = {}
         self._collective: AllReduce | None = None
@@ -130,15 +142,18 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         With the model's flat gradients (:class:`FlatGradients`) the buffer the trainer filled
         is reduced in place and the ``.grad`` views move to another one (:meth:`_take_result`):
         no copy. A bare tensor is copied into a slot of its own first."""
-        if isinstance(self.grads, FlatGradients):
+        if self._zero_copy:
             reduced = grads
         else:
             reduced = self._slot(t, like=grads)
             reduced.copy_(grads)
         self._buffers[t] = reduced
+        snapshot = self.buffer_sync.snapshot() if self.buffer_sync.active else None
+        if snapshot is not None:
+            self._model_buffers[t] = snapshot
         previous = self._reductions.get(t - 1)
-        task = asyncio.get_running_loop().create_task(self._allreduce(t, reduced, previous, self.node.timer()),
-                                                      name=f"rank{self.rank}-pipe/{t}")
+        task = asyncio.get_running_loop().create_task(
+            self._allreduce(t, reduced, previous, self.node.timer(), snapshot), name=f"rank{self.rank}-pipe/{t}")
         task.add_done_callback(_retrieve)
         self._reductions[t] = task
 
@@ -149,12 +164,21 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         next ``zero_grad``/``backward`` then reuses (its all-reduce is over); in the warm-up, to
         a fresh buffer, as the trainer's one is still in flight. At most ``K`` buffers exist."""
         result = self._buffers.pop(due) if due is not None else None
-        if isinstance(self.grads, FlatGradients):
+        if due is not None and due in self._model_buffers:
+            self.buffer_sync.adopt(self._model_buffers.pop(due))
+        if self._zero_copy:
+            assert isinstance(self.grads, FlatGradients)
             if result is None:
                 result = self._spare(grads)
             self.grads.rebind(result)
         elif result is not None:
             grads.copy_(result)
+            self._unpack_gradients(grads)
+
+    @property
+    def _zero_copy(self) -> bool:
+        """The model's flat gradients of one dtype: reduced in place and rebound, never copied."""
+        return isinstance(self.grads, FlatGradients) and not self.grads.packed
 
     def _spare(self, like: torch.Tensor) -> torch.Tensor:
         in_use = {b.data_ptr() for b in self._buffers.values()}
@@ -166,12 +190,15 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return buffer
 
     async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None,
-                         launched: float) -> None:
+                         launched: float, model_buffers: list[torch.Tensor] | None = None) -> None:
         if previous is not None:
             await asyncio.shield(previous)  # in iteration order; its failure is this one's too
         began = self.node.timer()
         await self.collective.allreduce(self.everyone, slot, "mean", tag=f"{TAG_PREFIX}/{t}")
         self.comm_times.append((t, launched, began, self.node.timer()))
+        if model_buffers is not None:  # uncompressed: running statistics are no gradient
+            await self.buffer_sync.reduce(self.node.collective, self.everyone, model_buffers,
+                                          tag=f"{TAG_PREFIX}/{t}/buffers")
 
     async def _wait_for(self, t: int) -> None:
         task = self._reductions[t]
@@ -189,6 +216,8 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         for t in sorted(self._reductions):
             await self._wait_for(t)
             self._buffers.pop(t, None)
+            if t in self._model_buffers:  # the newest buffers, so every rank ends with the same ones
+                self.buffer_sync.adopt(self._model_buffers.pop(t))
             self.discarded += 1
 
     def _slot(self, t: int, *, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,7 +267,7 @@ DEFAULT_PIPELINE_K = 2
 
 
 @dataclass(frozen=True)
-class PipeSgdOptions(ProtocolOptions):
+class PipeSgdOptions(GradientOptions):
     pipeline_k: int = option(DEFAULT_PIPELINE_K, minimum=1, metavar="K",
                              help="each step applies the averaged gradient of K-1 iterations earlier while the "
                                   "newer all-reduces run behind the compute (Algorithm 1's g[t-K]); 1 is "
@@ -253,7 +282,7 @@ register(ProtocolSpec(
     summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
             "(--pipeline-k, --compress).",
     options=PipeSgdOptions,
-    build=lambda config, options, params, grads: PipeSgdProtocol(config, options, grads),
+    build=lambda config, options, model, grads: PipeSgdProtocol(config, options, grads, model),
     averages=Averages.GRADIENTS,
     uses_graph=False,
 ))

@@ -59,8 +59,9 @@ from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
+from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
-from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -71,16 +72,18 @@ TAG_PREFIX = "prague"
 class PragueProtocol(Protocol):
     name = "prague"
 
-    def __init__(self, config: ProtocolConfig, options: PragueOptions, params: torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, options: PragueOptions,
+                 model: ModelState | torch.Tensor | None) -> None:
         super().__init__()
-        if params is None:
+        state = ModelState.wrap(model)
+        if state is None:
             raise ConfigError("--protocol prague averages models: start the worker with hopnet.init(model), "
                               "or give Worker a params buffer")
-        if params.dim() != 1 or not params.is_contiguous():
-            raise ConfigError("the prague protocol averages one flat, contiguous parameter buffer")
+        if any(f.dim() != 1 or not f.is_contiguous() for f in state.flats):
+            raise ConfigError("the prague protocol averages flat, contiguous tensors")
         self.config = config
         self.options = options
-        self.params = params
+        self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
         self.static = options.group_generator == "static"
         self.groups: list[list[int]] = []  # per iteration: the group that answered this worker's request
         self.gids: list[int | None] = []
@@ -130,7 +133,7 @@ class PragueProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
-        refuse_non_finite_model(self.params, rank=self.rank, iteration=k, to="its group")
+        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self._served_this_iteration = 0
         if self.static:
             await self._static_sync(k)
@@ -199,7 +202,7 @@ class PragueProtocol(Protocol):
         if len(members) == 1:
             self.no_sync += 1
         else:
-            await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}/{gid}")
+            await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}")
         self.groups_run += 1
         self._gg.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
         return gid, members
@@ -210,7 +213,7 @@ class PragueProtocol(Protocol):
         if len(members) == 1:
             self.no_sync += 1
         else:
-            await self.node.collective.allreduce(members, self.params, "mean", tag=f"{TAG_PREFIX}-static/{k}")
+            await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}-static/{k}")
         self.groups_run += 1
         self.groups.append(members)
         self.gids.append(None)
@@ -313,7 +316,7 @@ register(ProtocolSpec(
     summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
             "(--group-generator).",
     options=PragueOptions,
-    build=lambda config, options, params, grads: PragueProtocol(config, options, params),
+    build=lambda config, options, model, grads: PragueProtocol(config, options, model),
     averages=Averages.MODELS,
     uses_graph=True,
     coordinator=CoordinatorSpec(

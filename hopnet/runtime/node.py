@@ -85,6 +85,7 @@ class Node(Generic[P]):
         self._in_step = False
         self._step_ended: float | None = None
         self._finished: dict[str, Any] | None = None
+        self._begun: asyncio.Task[None] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._send_nowait = transport.send_nowait if transport.sends_at_once else None
         self.model_lock = threading.Lock()
@@ -375,8 +376,19 @@ class Node(Generic[P]):
         self._pending_metrics.update(metrics)
 
     def plan(self, total: int) -> None:
-        """The trainer will run ``total`` iterations: tell the readers of the event log."""
+        """The trainer will run ``total`` iterations: tell the readers of the event log, and let the
+        protocol send what iteration 0 needs from the model (:meth:`begin`)."""
         self.record("plan", total=total)
+        self.begin()
+
+    def begin(self) -> asyncio.Task[None]:
+        """Start the protocol's :meth:`~hopnet.runtime.services.TrainingProtocol.begin`, once: the
+        trainer starts its loop, so the model holds the weights it trains from."""
+        if self._begun is None:
+            self._begun = asyncio.get_running_loop().create_task(self.protocol.begin(),
+                                                                 name=f"rank{self.rank}-begin")
+            self._begun.add_done_callback(_ignore_result)
+        return self._begun
 
     # ------------------------------------------------------------------ one step, timed
     async def run_step(self, apply: Callable[[], None] | None, *, last: bool = False,
@@ -388,6 +400,7 @@ class Node(Generic[P]):
         and ``wait_tokens_s`` (the protocol's waits) and ``mix_s`` (the rest of the step:
         mixing, sending, waiting for sends to leave).
         """
+        await self.begin()  # at once once done
         if not self._logging:
             await self.protocol.finish_iteration(apply, last=last)
             return
