@@ -10,6 +10,7 @@ A few lines turn an ordinary PyTorch loop into a hopnet worker::
         loss.backward()
         worker.report(loss=loss.item())
         opt.step()                                   # exchange, mix, apply, advance
+    worker.consensus()                               # optional: every live worker ends with the mean model
     worker.close()
 
 The node's event loop runs in a thread of its own, so sends and receives progress
@@ -28,10 +29,12 @@ from typing import Any
 import torch
 
 from hopnet.collectives.base import ReduceOp
+from hopnet.collectives.consensus import ConsensusResult, consensus
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
+from hopnet.launch.env import MODEL_FILE, save_model_requested
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
@@ -56,6 +59,22 @@ CLOSE_TIMEOUT_S = 120.0
 
 ABORT_FLUSH_S = 1.0
 """How long a failing worker waits for its last sends (its ``bye`` included) before closing."""
+
+
+async def run_consensus(node: Node, call: int) -> ConsensusResult:
+    """Quiesce the node's protocol, then average its model over the live workers
+    (:func:`hopnet.collectives.consensus.consensus`)."""
+    await node.quiesce()
+    return await consensus(node, node.protocol.model_tensors(), call=call)
+
+
+def save_state_dict(model: torch.nn.Module, path: Path) -> None:
+    """Write ``model``'s state_dict to ``path`` as plain CPU tensors (not views into hopnet's
+    flat buffers), through a temporary file so a reader never sees half of it."""
+    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+    partial = path.with_name(path.name + ".tmp")
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
@@ -107,6 +126,14 @@ class Worker:
         self.steps = 0
         self.after_close: list[Callable[[bool], None]] = []
         """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
+        self.module: torch.nn.Module | None = None
+        """The module :func:`init` was given, if any: what :meth:`consensus` saves."""
+        self.save_model_to: Path | None = None
+        """Where :meth:`consensus` writes the model's state_dict on the lowest live rank
+        (:func:`init` sets it under ``hopnet launch --save-model``)."""
+        self.saved_model: Path | None = None
+        """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
+        self.consensus_calls = 0
         try:
             self._thread.run(self.node.start(exchange))
         except BaseException:
@@ -154,6 +181,8 @@ class Worker:
         """Finish the current iteration: ``apply`` is the optimizer step (Hop's Apply)."""
         if self._closed:
             raise HopnetError("step() on a closed worker")
+        if self.consensus_calls:
+            raise HopnetError(f"rank {self.rank}: step() after consensus(): training is over, close the worker")
         if self.model is not None:
             self.model.check_bound()
         factor = self.slowdown.factor(self.rank, self.iteration)
@@ -188,6 +217,36 @@ class Worker:
         """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
         thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
         return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
+
+    def consensus(self) -> ConsensusResult:
+        """End training with one model: every live worker's parameters (and buffers) become the
+        exact mean of the live workers' ones. Call it on every worker once its training loop is
+        over, before :meth:`close`; no :meth:`step` may follow.
+
+        The protocol first finishes what is still in flight (ad-psgd's averagings, the groups of
+        partial-reduce and Prague, eager-SGD's and Pipe-SGD's rounds) and tells its neighbours it
+        is done; then the live workers agree on who they are (workers that left or died, under
+        ``--max-failures``, are left out) and all-reduce their models
+        (:mod:`hopnet.collectives.consensus`). Every wait has ``--timeout`` and fails naming the
+        ranks it waited on. Under ``hopnet launch --save-model`` the lowest live rank then writes
+        the model's state_dict to ``model.pt`` in the run directory (:attr:`saved_model`).
+
+        Returns the members averaged and the agreement rounds it took.
+        """
+        if self._closed:
+            raise HopnetError("consensus() on a closed worker")
+        call = self.consensus_calls
+        self.consensus_calls += 1
+        try:
+            result = self._thread.run(run_consensus(self.node, call))
+        except Exception as exc:
+            self.failure = exc
+            raise
+        if self.save_model_to is not None and self.module is not None and self.rank == result.members[0]:
+            save_state_dict(self.module, self.save_model_to)
+            self.saved_model = self.save_model_to
+            self.record("model_saved", path=str(self.save_model_to), members=list(result.members))
+        return result
 
     @property
     def model_lock(self) -> threading.Lock:
@@ -280,6 +339,7 @@ class AsyncWorker:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._compute_started = time.monotonic()
+        self._consensus_calls = 0
 
     @classmethod
     async def start(cls, *, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
@@ -304,6 +364,8 @@ class AsyncWorker:
 
     async def step(self, apply: Callable[[], None] | None = None, *, last: bool = False) -> None:
         """Finish the current iteration; with ``last`` the worker does not enter another."""
+        if self._consensus_calls:
+            raise HopnetError(f"rank {self.node.rank}: step() after consensus(): training is over, close the worker")
         model = self.node.protocol.model
         if model is not None:
             model.check_bound()
@@ -317,6 +379,13 @@ class AsyncWorker:
 
     def report(self, **metrics: Any) -> None:
         self.node.report(**metrics)
+
+    async def consensus(self) -> ConsensusResult:
+        """:meth:`Worker.consensus` on this worker's loop: every live worker ends with the exact
+        mean of the live workers' models. No :meth:`step` may follow."""
+        call = self._consensus_calls
+        self._consensus_calls += 1
+        return await run_consensus(self.node, call)
 
     async def close(self) -> None:
         await self.node.close()
@@ -365,4 +434,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         run.finish(aborted=True)
         raise
     worker.after_close.append(run.finish)
+    worker.module = spec.model
+    if save_model_requested(os.environ):
+        worker.save_model_to = Path(run.run_dir) / MODEL_FILE
     return worker

@@ -25,7 +25,10 @@ from hopnet.errors import HopnetError
 # ``bye``: the sender leaves after iteration ``iter``; ``meta`` may hold its planned last
 # iteration under ``"f"``. ``beat``: a heartbeat, sent to a neighbour nothing else went to
 # lately (see hopnet.runtime.liveness); it carries nothing but the sender's iteration.
-_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye", "beat"}
+# ``done``: the sender finished training and is quiescing for the consensus (it starts no
+# exchange any more, so no neighbour should wait on it for one); it still beats, and says
+# ``bye`` when it closes.
+_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye", "beat", "done"}
 BYE_FINAL_ITER = "f"
 # Kinds accepted from any rank of the run, not only from graph neighbours (collectives
 # among groups formed on the fly, and the goodbye every rank may say to any other).

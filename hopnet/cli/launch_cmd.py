@@ -89,6 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                f"(default: {DEFAULT_GRACE_S:g})")
     launcher.add_argument("-m", "--module", action="store_true",
                           help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    launcher.add_argument("--save-model", action="store_true",
+                          help="write the consensus model's state_dict to RUN_DIR/model.pt (the script calls "
+                               "worker.consensus() after training; the lowest live rank writes it)")
     launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
@@ -143,5 +146,6 @@ def run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
+        save_model=args.save_model,
     )
     return result.returncode

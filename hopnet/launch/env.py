@@ -23,6 +23,10 @@ the same script can also run stand-alone.
                        Optional: without it the torch bulk plane and collective are unavailable
 =====================  ==============================================================
 
+``HOPNET_SAVE_MODEL=1`` (set by ``hopnet launch --save-model``, or by hand under any
+launcher): the lowest live rank writes the consensus model's ``state_dict`` to
+``model.pt`` in the run directory when ``worker.consensus()`` returns.
+
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
 launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
 CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured
@@ -53,6 +57,9 @@ CONFIG = "HOPNET_CONFIG"
 BIND = "HOPNET_BIND"
 EXPLICIT = "HOPNET_EXPLICIT"
 STORE = "HOPNET_STORE"
+SAVE_MODEL = "HOPNET_SAVE_MODEL"
+MODEL_FILE = "model.pt"
+"""Where ``--save-model`` puts the consensus model, in the run directory."""
 
 ENV_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, GRAPH, RENDEZVOUS, RUN_DIR, CONFIG, BIND, EXPLICIT, STORE)
 """Every variable of the contract (the launcher also sets ``PYTHONUNBUFFERED=1``)."""
@@ -80,6 +87,11 @@ def _str(environ: Mapping[str, str], name: str, default: str | None = None) -> s
             raise ConfigError(f"{name} is not set (it is required when {RANK} is set)")
         return default
     return text.strip()
+
+
+def save_model_requested(environ: Mapping[str, str]) -> bool:
+    """Whether ``HOPNET_SAVE_MODEL`` asks for the consensus model to be saved."""
+    return environ.get(SAVE_MODEL, "").strip().lower() in ("1", "true", "yes")
 
 
 def _names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:

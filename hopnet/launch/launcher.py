@@ -57,7 +57,7 @@ from hopnet.graph import Graph
 from hopnet.launch import parent_watch
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
-from hopnet.launch.env import DEFAULT_BIND, STORE
+from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe, differences
 from hopnet.launch.outcome import blame_run, conclude
@@ -454,9 +454,20 @@ class Launch:
         self.record.try_write()
         if state.signal is None:  # after Ctrl-C/SIGTERM the launcher says one line only
             self.output.print_summary()
+            if self.spec.save_model:
+                self.output.say(saved_model_line(self.run_dir))
             status = "finished" if state.returncode == 0 else "failed"
             self.output.say(f"{status} in {wall_s:.1f}s; run dir {self.run_dir}")
         return result
+
+
+def saved_model_line(run_dir: Path) -> str:
+    """What ``--save-model`` left in ``run_dir``, in one line."""
+    path = run_dir / MODEL_FILE
+    if path.is_file():
+        return f"consensus model saved to {path}"
+    return (f"--save-model: no {MODEL_FILE} in the run dir (the script must call worker.consensus() after "
+            "training; on a multi-machine run it is on the machine of the lowest live rank)")
 
 
 def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
@@ -517,6 +528,7 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    save_model: bool = False,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -540,6 +552,8 @@ def launch(
     ranks placed on machine ``node_rank`` (:mod:`hopnet.launch.nodes`); node 0's launcher
     hosts the launchers' store at ``rdzv_endpoint`` (``HOST:PORT``, reachable from every
     machine) and the rendezvous; a failure anywhere stops every machine's workers.
+    With ``save_model`` the workers' ``worker.consensus()`` writes the consensus model to
+    ``model.pt`` in the run directory (``HOPNET_SAVE_MODEL``).
 
     The arguments make a :class:`~hopnet.launch.spec.LaunchSpec`, which :func:`run_launch` runs.
     """
@@ -548,7 +562,7 @@ def launch(
                       grace_s=grace_s, argv=argv, overwrite=overwrite, max_failures=max_failures,
                       explicit_options=explicit_options, settle_s=settle_s, progress=progress,
                       insecure=insecure, secure=secure, key_file=key_file, nnodes=nnodes, node_rank=node_rank,
-                      rdzv_endpoint=rdzv_endpoint)
+                      rdzv_endpoint=rdzv_endpoint, save_model=save_model)
     return run_launch(spec, stdout=stdout, stderr=stderr)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.launch.env import SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.run_dir import clear_previous_run, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
@@ -140,6 +141,7 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
         "config_source": "flags",
         "explicit_options": sorted(spec.explicit_options),
         "max_failures": spec.max_failures,
+        "save_model": spec.save_model,
         "graph": graph.name if isinstance(graph, Graph) else (os.fspath(graph) if graph is not None else None),
         "graph_name": plan.graph.name,
         "world_size": plan.world_size,
@@ -195,6 +197,8 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
     env["PYTHONPATH"] = worker_pythonpath(env)
     if plan.spec.env_extra:
         env.update({str(k): str(v) for k, v in plan.spec.env_extra.items()})
+    if plan.spec.save_model:
+        env[SAVE_MODEL] = "1"
     threads_note = limit_worker_threads(env, plan.nodes.nproc)
     env.pop(KEY_ENV, None)
     if security.keys is not None:

@@ -19,7 +19,7 @@ from hopnet.graph import Graph
 
 from hopnet.errors import ConfigError
 
-RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", "graph.json", "rank*.jsonl", "coordinator.jsonl")
+RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", "graph.json", "rank*.jsonl", "coordinator.jsonl", "model.pt")
 """The files a launch writes into its run directory (scripts may add their own, which stay)."""
 RUNS_DIR = "runs"
 

@@ -63,6 +63,8 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    save_model: bool = False
+    """The lowest live rank writes the consensus model to ``model.pt`` (``HOPNET_SAVE_MODEL``)."""
 
     @property
     def single_machine(self) -> bool:

@@ -115,6 +115,7 @@ class AdPsgdProtocol(Protocol):
         self.active = True
         self.neighbours: tuple[int, ...] = ()
         self.gone: dict[int, str] = {}  # neighbour -> "departed" | "dead"
+        self.done: set[int] = set()  # neighbours that quiesced for the consensus: they average no more
         # Active side
         self.partners: list[int | None] = []  # per iteration: the passive averaged with, None if skipped
         self.skips: list[dict[str, Any]] = []
@@ -164,7 +165,7 @@ class AdPsgdProtocol(Protocol):
 
     async def _average_with_a_passive(self, k: int) -> int | None:
         """Average with one random passive neighbour; the partner, or None if skipped."""
-        candidates = [p for p in self.neighbours if p not in self.gone]
+        candidates = [p for p in self.neighbours if p not in self.gone and p not in self.done]
         if not candidates:
             self._skip(k, None, "no passive neighbour left" if self.neighbours else "no neighbours")
             return None
@@ -240,6 +241,22 @@ class AdPsgdProtocol(Protocol):
             self._activity.set()
 
     # ------------------------------------------------------------------ leaving
+    async def quiesce(self) -> None:
+        """A passive serves until every active neighbour is done or gone (its last step did
+        already; a loop that stopped without one did not), then serves no more. An active has
+        nothing in flight once its step returned."""
+        if not self.active:
+            await self._serve_until_actives_leave()
+        self._leaving = True
+
+    def on_peer_done(self, peer: int) -> None:
+        """A passive that quiesced serves no more: an active still waiting for its reply was not
+        served (the passive replies before it says done). An active that quiesced asks no more."""
+        self.done.add(peer)
+        self._note_activity()
+        if self._awaited == peer and self._reply is not None and not self._reply.done():
+            self._reply.set_result(False)
+
     async def stop(self) -> None:
         """Say goodbye to the neighbours still here. A passive that finished its last step has
         none left (it served until every active said goodbye); one leaving early serves no
@@ -255,7 +272,7 @@ class AdPsgdProtocol(Protocol):
         assert activity is not None
         loop = asyncio.get_running_loop()
         began = loop.time()
-        while remaining := [p for p in self.neighbours if p not in self.gone]:
+        while remaining := [p for p in self.neighbours if p not in self.gone and p not in self.done]:
             activity.clear()
             try:
                 await self.node.clock.wait(activity.wait(), f"requests or goodbyes from active neighbour(s) "

@@ -83,6 +83,18 @@ class Protocol(abc.ABC):
         except under a pipeline (pipe-sgd applies ``K-1`` iterations late)."""
         return iteration
 
+    async def quiesce(self) -> None:
+        """Training is over (the trainer's last step returned) and the consensus begins: finish
+        or answer the exchanges still in flight, and start none from here on, so that no peer
+        waits on this worker for one. The node then tells the neighbours ``done``
+        (:meth:`on_peer_done` on their side) and stays open until it closes.
+
+        By default there is nothing to do: the protocol's last step left nothing in flight."""
+
+    def on_peer_done(self, peer: int) -> None:
+        """Neighbour ``peer`` finished training and quiesced: it starts no exchange any more
+        (it still answers collectives and says ``bye`` when it closes)."""
+
     async def stop(self) -> None:
         """Leave: tell the peers this worker sends nothing after its current iteration
         (:meth:`say_goodbye` to the peers that wait on it)."""

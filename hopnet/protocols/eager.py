@@ -115,6 +115,7 @@ class EagerProtocol(Protocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self.left_early: dict[int, int] = {}
         self.finished: set[int] = set()  # ranks that said they finished their iterations
+        self._finished_with_everyone = False  # passed the closing barrier (quiesce or stop)
         self._waiting_for: int | None = None  # the round the trainer's call waits for
         self.synchronized = -1       # the last iteration whose gradient went into a round
         # Buffers, allocated on the first call (their size comes from the gradients).
@@ -412,12 +413,19 @@ class EagerProtocol(Protocol):
         n = self.world_size
         if n < 2:
             return
-        if not self.left_early and self._failure is None:
+        if not self.left_early and self._failure is None and not self._finished_with_everyone:
             await self._finish_with_everyone()
         # the ring neighbours, the only ranks that wait on this one's messages; one that left
         # already needs no goodbye
         await self.say_goodbye((peer for peer in {(self.rank - 1) % n, (self.rank + 1) % n}
                                 if peer not in self.left_early), final_iteration=False)
+
+    async def quiesce(self) -> None:
+        """Serve the others' rounds until every rank has finished: the closing barrier of
+        :meth:`stop`, run now, so that no round starts once the consensus begins."""
+        if self.world_size > 1 and not self.left_early and self._failure is None \
+                and not self._finished_with_everyone:
+            await self._finish_with_everyone()
 
     async def _finish_with_everyone(self) -> None:
         others = [r for r in self.everyone if r != self.rank]
@@ -433,6 +441,7 @@ class EagerProtocol(Protocol):
         for task in list(self._tasks):
             await task
         self._raise_failure()
+        self._finished_with_everyone = True
 
     def buffers_for(self, header: Header) -> Any:
         return None

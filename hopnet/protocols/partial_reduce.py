@@ -96,6 +96,7 @@ class PartialReduceProtocol(Protocol):
         self.groups_while_leaving = 0
         self.last_group: list[int] = []
         self._leaving = False
+        self._left_controller = False  # said bye to the controller (quiesce or stop)
         self._broken = False  # a group failed or was cut short here: this model is no longer averaged
         self._failed = False  # a step raised: leave without waiting for the controller, and say so
         self._current: tuple[int, tuple[int, ...], int] | None = None  # (gid, members, iteration) running
@@ -231,6 +232,12 @@ class PartialReduceProtocol(Protocol):
         return tuple(int(m) for m in members), [float(w) for w in weights], gid, newest
 
     # ------------------------------------------------------------------ leaving
+    async def quiesce(self) -> None:
+        """Leave the controller now, as :meth:`stop` would: no group is formed with this worker
+        after its goodbye (the groups shrink to the workers still training), and it still
+        averages in any group formed before."""
+        await self._leave_controller()
+
     async def stop(self) -> None:
         self._leaving = True
         try:
@@ -246,8 +253,9 @@ class PartialReduceProtocol(Protocol):
         goodbye reached it (the other members count on this worker). A failing worker says
         so and does not wait: the coordinator tells the others (``peer_failed``)."""
         client = self.node.coordinator
-        if client is None:
+        if client is None or self._left_controller:
             return
+        self._left_controller = True
         if self._failed or self._broken:
             client.send({"t": BYE, "failed": True})
             return

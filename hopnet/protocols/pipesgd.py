@@ -240,6 +240,11 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return self._collective
 
     # ------------------------------------------------------------------ leaving
+    async def quiesce(self) -> None:
+        """Finish the all-reduces still in flight, applying none (the last step drained them
+        already; a loop that stopped without one did not)."""
+        await self._drain()
+
     async def stop(self) -> None:
         """Abandon all-reduces left in flight (only on a failure path), then say goodbye to the
         ring neighbours, the only ranks that wait on this one's messages."""

@@ -240,6 +240,11 @@ class PragueProtocol(Protocol):
             else:
                 self.node.count_drop("unexpected_coordinator_message")
 
+    async def quiesce(self) -> None:
+        """Leave the GG now (the last step did already; a loop that stopped without one did
+        not), running what it GO'd to this worker before it heard the goodbye."""
+        await self._leave()
+
     async def stop(self) -> None:
         """Leave the GG (if the last iteration did not already), then say goodbye to the graph
         neighbours, whose heartbeats watch this worker."""

@@ -97,6 +97,8 @@ class Node(Generic[P]):
         self.departed: dict[int, int] = {}
         self.final_iterations: dict[int, int | None] = {}  # planned last iteration, from each bye
         self.dead: dict[int, float] = {}  # peer -> seconds it had been silent when declared dead
+        self.done_peers: dict[int, int] = {}  # neighbour -> its iteration when it said done
+        self.quiesced = False
         self.peer_timeout_s = peer_timeout_s if transport.heartbeats else None
         self.liveness: Liveness | None = None
         self._heard: set[int] = set()  # peers heard from since the watch last looked
@@ -211,6 +213,26 @@ class Node(Generic[P]):
             await self.transport.close()
             self.events.close()
 
+    async def quiesce(self) -> None:
+        """Finish training for the consensus: wait for the sends in flight, let the protocol
+        finish or answer its in-flight exchanges and stop starting new ones
+        (:meth:`~hopnet.runtime.services.TrainingProtocol.quiesce`), then tell the neighbours
+        still here ``done``, so none of them waits on this worker for an exchange. The node
+        stays open: it still beats, receives, and says ``bye`` when it closes. Idempotent."""
+        if self.quiesced:
+            return
+        await self.flush()
+        await self.transport.drain()  # held updates leave before anything changes the model
+        await self.protocol.quiesce()
+        await self.flush()
+        await self.transport.drain()
+        self.quiesced = True
+        for peer in self.graph.peers(self.rank):
+            if peer not in self.departed and peer not in self.dead:
+                self.post(Message("done", self.rank, peer, self.protocol.iteration))
+        await self.flush()
+        self.record("quiesced", iter=self.protocol.iteration)
+
     # ------------------------------------------------------------------ liveness
     async def _watch_peers(self) -> None:
         """Beat to quiet links, and declare neighbours that stay silent dead."""
@@ -278,7 +300,7 @@ class Node(Generic[P]):
         self._heard.add(header.src)  # a late update that is discarded is still a sign of life
         if header.kind in self._mailbox_kinds:
             return self.mailbox.buffers_for(header)
-        if header.kind == "bye":
+        if header.kind in ("bye", "done"):
             return None
         return self.protocol.buffers_for(header)
 
@@ -307,6 +329,12 @@ class Node(Generic[P]):
                 self.protocol.on_peer_departed(src, msg.iter)
                 self.mailbox.peer_departed(src, f"left after iteration {msg.iter}")
                 self.transport.forget_peer(src)
+            return
+        if kind == "done":
+            if src not in self.done_peers:
+                self.done_peers[src] = msg.iter
+                self.record("peer_done", peer=src, iter=msg.iter)
+                self.protocol.on_peer_done(src)
             return
         self.protocol.on_message(msg)
 

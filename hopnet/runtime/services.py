@@ -76,6 +76,9 @@ class NodeServices(Protocol):
     """Peers that said ``bye``, with the last iteration they sent for."""
     dead: dict[int, float]
     """Peers declared dead, with how long they had been silent (seconds)."""
+    done_peers: dict[int, int]
+    """Neighbours that said ``done`` (finished training, quiescing for the consensus), with
+    the iteration they were in."""
     final_iterations: dict[int, int | None]
     """The last iteration each departed peer planned to run, from its ``bye``."""
     model_lock: threading.Lock
@@ -150,6 +153,12 @@ class TrainingProtocol(Protocol):
     def on_peer_departed(self, peer: int, last_iteration: int) -> None: ...
 
     def on_peer_dead(self, peer: int) -> None: ...
+
+    def on_peer_done(self, peer: int) -> None: ...
+
+    async def quiesce(self) -> None: ...
+
+    def model_tensors(self) -> list[torch.Tensor]: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
