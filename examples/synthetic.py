@@ -17,6 +17,9 @@ At the end each worker prints its rate - iterations per second measured on its o
 clock over the iterations after ``--warmup`` (skipped iterations, when skipping is
 on, count as iterations advanced) - and records it in its event log as a ``rate``
 event: ``{"event": "rate", "rate": R, "iterations": N, "seconds": S, ...}``.
+
+With ``--consensus`` the workers then average their parameter vectors
+(``worker.consensus()``) and the lowest live rank prints the mean it holds.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main() -> None:
                         help="iterations left out of the rate (default: 20)")
     parser.add_argument("--no-apply", action="store_true", help="skip the fake update")
     parser.add_argument("--quiet", action="store_true", help="do not print the rate")
+    parser.add_argument("--consensus", action="store_true",
+                        help="end with worker.consensus(): every live worker holds the mean parameters")
     args = parser.parse_args()
     if args.iterations < 1 or args.warmup < 0 or args.warmup >= args.iterations:
         parser.error("need iterations >= 1 and 0 <= warmup < iterations")
@@ -76,6 +81,11 @@ def main() -> None:
     rate = done / seconds if seconds > 0 else 0.0
     worker.record("rate", rate=rate, iterations=done, seconds=round(seconds, 6), warmup=warmup,
                   compute_ms=args.compute_ms, model_mb=args.model_mb)
+    if args.consensus:
+        consensus = worker.consensus()
+        if worker.rank == consensus.members[0]:
+            print(f"consensus of ranks {', '.join(map(str, consensus.members))}: param mean "
+                  f"{float(params.mean()):.6g}", flush=True)
     worker.close()
     if not args.quiet:
         print(f"{rate:.4f} iterations/s over iterations {first}..{last} ({seconds:.3f} s); "

@@ -9,6 +9,11 @@ Each worker trains on its own shard of the training set and evaluates on the sam
 held-out split, so the accuracies printed at the end are comparable across workers.
 The final parameters are saved into the run directory (``final_rank{R}.pt``), where a
 test or a person can check that the workers agree.
+
+Then ``worker.consensus()`` makes every live worker's model the exact mean of the live
+workers' models, and the lowest live rank (rank 0 unless it left) prints that model's
+held-out accuracy. With ``hopnet launch --save-model`` that rank also writes it to
+``model.pt`` in the run directory.
 """
 
 from __future__ import annotations
@@ -79,9 +84,16 @@ def main() -> None:
     if run_dir:
         torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(),
                    Path(run_dir) / f"final_rank{worker.rank}.pt")
+
+    consensus = worker.consensus()  # every live worker now holds the mean of the live workers' models
+    consensus_accuracy = accuracy(model, x_test, y_test)
+    worker.record("eval", iter=worker.iteration, accuracy=consensus_accuracy, consensus=True)
     worker.close()
     print(f"final held-out accuracy {final_accuracy:.4f} (loss {final_loss:.4f}, "
           f"{worker.steps} steps, reached iteration {worker.iteration})", flush=True)
+    if worker.rank == consensus.members[0]:
+        print(f"consensus model held-out accuracy {consensus_accuracy:.4f} "
+              f"(mean of ranks {', '.join(map(str, consensus.members))})", flush=True)
 
 
 if __name__ == "__main__":

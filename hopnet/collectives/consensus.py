@@ -5,7 +5,8 @@
 
 1. **Agreement on the live set** (:func:`agree_on_members`). A worker starts from the ranks it
    knows to be gone (said ``bye``, or declared dead by its heartbeats or by the coordinator)
-   and sends that set, its *view*, to every other rank it still counts live. Round ``r``
+   and sends that set, its *view*, to every other rank (but those it knows gone itself: a
+   live worker others wrote off learns it so). Round ``r``
    ends once it holds the round-``r`` view of each of them, or knows it gone. When every
    view of the round equals its own, and it learned of no departure meanwhile, every live
    worker holds the same views and ends with the same members; otherwise each takes the
@@ -82,8 +83,11 @@ async def agree_on_members(node: NodeServices, *, tag: str) -> tuple[tuple[int, 
             view = frozenset(gone)
             members = tuple(m for m in range(node.graph.n) if m not in view)
             others = [m for m in members if m != node.rank]
-            await node.connect_to(others)
-            for peer in others:
+            # Also to the ranks only others count gone: one still alive learns it was written off.
+            told = [m for m in range(node.graph.n)
+                    if m != node.rank and m not in node.departed and m not in node.dead]
+            await node.connect_to(told)
+            for peer in told:
                 node.post(Message(COLLECTIVE_KIND, node.rank, peer, r, tag, {VIEW: sorted(view)}))
             await _collect_round(node, tag, r, others, gone, views)
             heard = [views[(r, m)] for m in others if m not in gone]

@@ -37,7 +37,8 @@ How a run ends: an active finishes its iterations and says ``bye`` to its passiv
 neighbours. A passive's last ``step()`` keeps serving until every active neighbour said
 ``bye`` (or was declared dead), so the model its trainer holds after the loop is final;
 that wait fails after ``--timeout`` seconds without a request or a goodbye, naming the
-actives still missing. A
+actives still missing. Before ``worker.consensus()`` an active says ``done`` instead, which
+ends that wait the same way (:meth:`AdPsgdProtocol.quiesce`). A
 worker that leaves early (Ctrl-C, a stop in the simulator) says ``bye`` at once; a passive
 replies to the request it is serving before that, and serves none after.
 

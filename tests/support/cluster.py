@@ -172,9 +172,11 @@ class FaultyCluster:
     """Workers of ``graph`` on the running loop, each over a FaultyTransport around ZeroMQ:
     ``faults[rank]`` stages that rank's failures (see :mod:`support.faults`)."""
 
-    def __init__(self, graph: Graph, config: ProtocolConfig) -> None:
+    def __init__(self, graph: Graph, config: ProtocolConfig,
+                 params: Callable[[int], torch.Tensor] = lambda rank: torch.zeros(8)) -> None:
         self.graph = graph
         self.config = config
+        self.params = params
         self.faults: dict[int, FaultyTransport] = {}
         self.workers: list[AsyncWorker] = []
         self.halt = asyncio.Event()
@@ -184,7 +186,8 @@ class FaultyCluster:
         return self.faults[rank]
 
     async def __aenter__(self) -> FaultyCluster:
-        self.workers = await start_workers(self.graph, self.config, transport_for=self._transport)
+        self.workers = await start_workers(self.graph, self.config, transport_for=self._transport,
+                                           params=self.params)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

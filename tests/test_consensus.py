@@ -1,0 +1,272 @@
+"""worker.consensus(): every live worker ends with the exact mean of the live workers' models.
+
+In process: the eight protocols on the simulator's virtual-time loop (their coordinators too),
+workers that finish at different times, a worker that left during training, and one declared
+dead by heartbeats (ZeroMQ, real time). Each worker snapshots its model once its protocol has
+quiesced (nothing changes it after that but the consensus), and the test computes the mean of
+those snapshots over the members in float64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from hopnet import AsyncWorker, Graph, ProtocolConfig
+from hopnet.api import assemble_node
+from hopnet.collectives.consensus import ConsensusError, ConsensusResult
+from hopnet.coordinator import make_coordinator
+from hopnet.coordinator.sim import SimCoordinator
+from hopnet.errors import HopnetError, WaitTimeout
+from hopnet.runtime.events import EventLog
+from hopnet.sim.vloop import VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork, LinkModel
+
+from support.cluster import COMPUTE_S, FaultyCluster, within
+
+DIM = 37
+STEPS = 12
+LINK = LinkModel(latency_s=1e-3)
+
+PROTOCOLS: dict[str, dict[str, Any]] = {
+    "allreduce": {},
+    "pipe-sgd": {"pipeline_k": 2},
+    "eager-sgd": {},
+    "hop": {},
+    "notify-ack": {},
+    "ad-psgd": {},
+    "partial-reduce": {"group_size": 2},
+    "prague": {"group_size": 2},
+}
+
+
+@dataclass
+class Run:
+    """What each rank's consensus returned (or raised), its model before and after."""
+
+    results: dict[int, ConsensusResult] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    before: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    after: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def run_cluster(protocol: str, options: dict[str, Any], *, graph: Graph | None = None, steps: int = STEPS,
+                leave_at: dict[int, int] | None = None, no_consensus: frozenset[int] = frozenset(),
+                timeout_s: float = 30.0) -> Run:
+    """Every rank of ``graph`` (a ring of 4) trains ``steps`` iterations on the virtual-time loop,
+    rank ``r`` computing ``(r + 1)`` ms a step (so they finish apart), then quiesces, snapshots
+    its model and calls consensus. ``leave_at[r]``: rank ``r`` closes (says bye) at that
+    iteration instead; ranks in ``no_consensus`` train but never call consensus."""
+    graph = graph if graph is not None else Graph.ring(4)
+    leave_at = leave_at or {}
+    run = Run()
+
+    async def main() -> None:
+        config = ProtocolConfig(protocol=protocol, timeout_s=timeout_s, **options)
+        network = InprocNetwork(LINK)
+        machine = make_coordinator(config, graph)
+        coordinator = SimCoordinator(machine, LINK) if machine is not None else None
+        params = [torch.randn(DIM, generator=torch.Generator().manual_seed(r)) for r in range(graph.n)]
+        grads = [torch.zeros(DIM) for _ in range(graph.n)]
+        logs = [EventLog(keep=True) for _ in range(graph.n)]
+        nodes = [assemble_node(rank=r, graph=graph, config=config, params=params[r], grads=grads[r],
+                               transport=network.transport(r, frozenset(graph.peers(r))), events=logs[r],
+                               collective_factory=None,
+                               coordinator=coordinator.client(r) if coordinator is not None else None)
+                 for r in range(graph.n)]
+        for node in nodes:
+            await node.open()
+        for node in nodes:
+            await node.protocol.start()
+        workers = [AsyncWorker(node) for node in nodes]
+        everyone_done = asyncio.Event()
+        finished = 0
+
+        async def life(rank: int) -> None:
+            nonlocal finished
+            worker = workers[rank]
+            draw = torch.Generator().manual_seed(1000 + rank)
+            try:
+                for k in range(steps):
+                    if leave_at.get(rank) == k:
+                        return
+                    await asyncio.sleep(0.001 * (rank + 1))
+                    grads[rank].copy_(torch.randn(DIM, generator=draw))
+                    await worker.step(lambda: params[rank].sub_(0.05 * grads[rank]), last=k == steps - 1)
+                if rank in no_consensus:
+                    await everyone_done.wait()
+                    return
+                await worker.node.quiesce()
+                run.before[rank] = [t.clone() for t in worker.node.protocol.model_tensors()]
+                run.results[rank] = await worker.consensus()
+                run.after[rank] = [t.clone() for t in worker.node.protocol.model_tensors()]
+            except HopnetError as exc:
+                run.errors[rank] = exc
+            finally:
+                finished += 1
+                if finished == graph.n - len(no_consensus):
+                    everyone_done.set()
+                await worker.close()
+
+        await asyncio.gather(*(life(r) for r in range(graph.n)))
+        run.records = {r: logs[r].records for r in range(graph.n)}
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    return run
+
+
+def assert_exact_mean(run: Run, members: tuple[int, ...]) -> None:
+    """Every member holds the float64 mean of the members' snapshots (to float32 rounding),
+    and all hold the same bytes."""
+    assert not run.errors, run.errors
+    assert sorted(run.results) == list(members)
+    for rank in members:
+        assert run.results[rank].members == members
+    first = run.after[members[0]]
+    for i, tensor in enumerate(first):
+        mean = torch.stack([run.before[r][i].double() for r in members]).mean(0)
+        assert torch.allclose(tensor.double(), mean, rtol=0, atol=1e-6), (tensor.double() - mean).abs().max()
+        for rank in members[1:]:
+            assert torch.equal(run.after[rank][i], tensor), f"rank {rank} differs from rank {members[0]}"
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_every_protocol_ends_with_the_exact_mean_on_every_worker(protocol: str) -> None:
+    run = run_cluster(protocol, PROTOCOLS[protocol])
+    assert_exact_mean(run, (0, 1, 2, 3))
+    spread = max((run.before[r][0] - run.before[0][0]).abs().max().item() for r in range(4))
+    assert spread > 1e-3  # the workers' models differed before: the consensus did something
+    assert all(result.rounds == 1 for result in run.results.values())
+    record = next(r for r in run.records[0] if r["event"] == "consensus")
+    assert record["members"] == [0, 1, 2, 3] and record["rounds"] == 1
+
+
+def test_prague_with_the_random_group_generator_ends_with_the_mean() -> None:
+    assert_exact_mean(run_cluster("prague", {"group_size": 3, "group_generator": "random"}), (0, 1, 2, 3))
+
+
+LEAVERS: dict[str, tuple[dict[str, Any], Graph]] = {
+    "hop": ({"backup_workers": 1}, Graph.ring(5)),
+    "partial-reduce": ({"group_size": 2}, Graph.ring(4)),
+    "prague": ({"group_size": 2}, Graph.ring(4)),
+    "ad-psgd": ({}, Graph.ring(4)),
+}
+
+
+@pytest.mark.parametrize("protocol", list(LEAVERS))
+def test_a_worker_that_left_during_training_is_left_out(protocol: str) -> None:
+    """Rank 3 leaves at iteration 4 (as a failing worker does under --max-failures); only its
+    neighbours hear its goodbye, the others learn it from their views in a second round."""
+    options, graph = LEAVERS[protocol]
+    run = run_cluster(protocol, options, graph=graph, leave_at={3: 4})
+    live = tuple(r for r in range(graph.n) if r != 3)
+    assert_exact_mean(run, live)
+    assert {result.rounds for result in run.results.values()} == {2}
+
+
+def test_a_worker_that_never_calls_consensus_is_named_by_the_others_timeout() -> None:
+    run = run_cluster("hop", {}, no_consensus=frozenset({2}), timeout_s=5.0)
+    assert sorted(run.errors) == [0, 1, 3]
+    for error in run.errors.values():
+        assert isinstance(error, WaitTimeout)
+        assert "no view from rank(s) 2 (stalled)" in str(error)
+        assert "did every live worker call consensus()?" in str(error)
+        assert error.peer == 2
+
+
+def test_no_step_after_consensus() -> None:
+    async def main() -> None:
+        graph = Graph.ring(2)
+        config = ProtocolConfig(protocol="hop", timeout_s=5.0)
+        network = InprocNetwork()
+        workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=torch.full((4,), float(r)),
+                                             grads=None, transport=network.transport(r, frozenset({1 - r})),
+                                             events=None, collective_factory=None, coordinator=None))
+                   for r in range(2)]
+        for worker in workers:
+            await worker.node.open()
+        for worker in workers:
+            await worker.node.protocol.start()
+        await asyncio.gather(*(w.step(last=True) for w in workers))
+        results = await asyncio.gather(*(w.consensus() for w in workers))
+        assert [r.members for r in results] == [(0, 1), (0, 1)]
+        assert all(torch.equal(w.node.protocol.model_tensors()[0], torch.full((4,), 0.5)) for w in workers)
+        with pytest.raises(HopnetError, match="step\\(\\) after consensus\\(\\)"):
+            await workers[0].step()
+        await asyncio.gather(*(w.close() for w in workers))
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+async def test_a_worker_declared_dead_is_left_out() -> None:
+    """Over ZeroMQ with heartbeats: rank 3 of a ring of 5 falls silent; its neighbours declare it
+    dead (maybe only once the consensus has begun), and the four others agree without it."""
+    graph = Graph.ring(5)
+    config = ProtocolConfig(protocol="hop", backup_workers=1, peer_timeout_s=0.5, timeout_s=20.0)
+    start: list[torch.Tensor] = [torch.full((8,), float(r)) for r in range(5)]
+    async with FaultyCluster(graph, config, params=lambda r: start[r]) as cluster:
+        before: dict[int, torch.Tensor] = {}
+
+        async def survivor(rank: int) -> ConsensusResult:
+            worker = cluster.workers[rank]
+            for k in range(10):
+                await asyncio.sleep(COMPUTE_S)
+                await worker.step(last=k == 9)
+            await worker.node.quiesce()
+            before[rank] = worker.node.protocol.model_tensors()[0].clone()
+            return await worker.consensus()
+
+        live = (0, 1, 2, 4)
+        _, *results = await within(cluster.fall_silent(3, at_iteration=2), *(survivor(r) for r in live))
+        mean = torch.stack([before[r].double() for r in live]).mean(0)
+        for rank, result in zip(live, results):
+            assert result.members == live
+            params = cluster.workers[rank].node.protocol.model_tensors()[0]
+            assert torch.allclose(params.double(), mean, rtol=0, atol=1e-6)
+        assert any(3 in cluster.workers[r].node.dead for r in (2, 4))
+
+
+def test_a_worker_counted_gone_by_another_fails_naming_it() -> None:
+    """A worker that another wrote off (declared dead: its messages are dropped from then on)
+    cannot join the consensus: it learns so from the others' views and fails saying who."""
+    async def main() -> list[BaseException | ConsensusResult]:
+        graph = Graph.ring(3)
+        config = ProtocolConfig(protocol="hop", timeout_s=5.0)
+        network = InprocNetwork()
+        workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=torch.full((4,), float(r)),
+                                             grads=None, transport=network.transport(r, frozenset(graph.peers(r))),
+                                             events=None, collective_factory=None, coordinator=None))
+                   for r in range(3)]
+        for worker in workers:
+            await worker.node.open()
+        for worker in workers:
+            await worker.node.protocol.start()
+        await asyncio.gather(*(w.step(last=True) for w in workers))
+        workers[0].node.peer_dead(2, 9.9)  # a false alarm: rank 2 is alive, rank 0 wrote it off
+        outcome = await asyncio.gather(*(w.consensus() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        return outcome
+
+    loop = VirtualTimeLoop()
+    try:
+        outcome = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert isinstance(outcome[2], ConsensusError)
+    assert "rank 0 counts it gone" in str(outcome[2]) or "rank 1 counts it gone" in str(outcome[2])
+    assert isinstance(outcome[0], ConsensusResult) and outcome[0].members == (0, 1)
+    assert isinstance(outcome[1], ConsensusResult) and outcome[1].members == (0, 1)
+
