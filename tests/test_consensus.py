@@ -22,11 +22,16 @@ from hopnet.collectives.consensus import ConsensusError, ConsensusResult
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import HopnetError, WaitTimeout
+from hopnet.launch.env import SAVE_MODEL
+from hopnet.launch.prepare import worker_base_env
+from hopnet.launch.spec import LaunchSpec, validate
 from hopnet.runtime.events import EventLog
 from hopnet.sim.vloop import VirtualTimeLoop
+from hopnet.security import RunSecurity
 from hopnet.transports.inproc import InprocNetwork, LinkModel
 
 from support.cluster import COMPUTE_S, FaultyCluster, within
+from support.paths import WORKERS
 
 DIM = 37
 STEPS = 12
@@ -39,8 +44,8 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
     "hop": {},
     "notify-ack": {},
     "ad-psgd": {},
-    "partial-reduce": {"group_size": 2},
-    "prague": {"group_size": 2},
+    "partial-reduce": {"group_size": 3},  # 4 workers in groups of 3: the last one waits for its group
+    "prague": {"group_size": 3},
 }
 
 
@@ -199,7 +204,8 @@ def test_no_step_after_consensus() -> None:
         await asyncio.gather(*(w.step(last=True) for w in workers))
         results = await asyncio.gather(*(w.consensus() for w in workers))
         assert [r.members for r in results] == [(0, 1), (0, 1)]
-        assert all(torch.equal(w.node.protocol.model_tensors()[0], torch.full((4,), 0.5)) for w in workers)
+        assert all(torch.allclose(w.node.protocol.model_tensors()[0], torch.full((4,), 0.5), rtol=0, atol=1e-6)
+                   for w in workers)
         with pytest.raises(HopnetError, match="step\\(\\) after consensus\\(\\)"):
             await workers[0].step()
         await asyncio.gather(*(w.close() for w in workers))
@@ -270,3 +276,12 @@ def test_a_worker_counted_gone_by_another_fails_naming_it() -> None:
     assert isinstance(outcome[0], ConsensusResult) and outcome[0].members == (0, 1)
     assert isinstance(outcome[1], ConsensusResult) and outcome[1].members == (0, 1)
 
+
+
+def test_save_model_reaches_the_workers_only_from_the_flag() -> None:
+    script = str(WORKERS / "consensus_worker.py")
+    plain = RunSecurity(None, "off: loopback")
+    env, _ = worker_base_env(validate(LaunchSpec(script, graph="ring:2", save_model=True)), plain, {})
+    assert env[SAVE_MODEL] == "1"
+    env, _ = worker_base_env(validate(LaunchSpec(script, graph="ring:2")), plain, {SAVE_MODEL: "1"})
+    assert SAVE_MODEL not in env

@@ -197,6 +197,7 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
     env["PYTHONPATH"] = worker_pythonpath(env)
     if plan.spec.env_extra:
         env.update({str(k): str(v) for k, v in plan.spec.env_extra.items()})
+    env.pop(SAVE_MODEL, None)  # the launcher's flag decides, not a variable left in its environment
     if plan.spec.save_model:
         env[SAVE_MODEL] = "1"
     threads_note = limit_worker_threads(env, plan.nodes.nproc)
