@@ -64,7 +64,7 @@ def test_the_consensus_completes_after_a_worker_was_killed(tmp_path: Path) -> No
     """Rank 3 of a ring of 5 dies at iteration 5 (SIGKILL, no goodbye); with a backup worker
     the others train on, and only its neighbours' heartbeats find it dead."""
     run_dir = tmp_path / "run"
-    proc = run_launch(["--graph", "ring:5", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "1",
+    proc = run_launch(["--graph", "ring:5", "--backup-workers", "1", "--max-failures", "1",
                        "--save-model", "--run-dir", str(run_dir), str(WORKER), "--iterations", "40",
                        "--compute-ms", "20", "--kill-rank", "3", "--kill-at", "5"])
     assert proc.returncode == 0, proc.stderr[-3000:]
