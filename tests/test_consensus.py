@@ -245,6 +245,38 @@ async def test_a_worker_declared_dead_is_left_out() -> None:
         assert any(3 in cluster.workers[r].node.dead for r in (2, 4))
 
 
+def test_a_non_finite_model_is_left_out_of_the_mean_and_gets_it() -> None:
+    async def main() -> tuple[list[ConsensusResult], list[torch.Tensor], list[torch.Tensor]]:
+        graph = Graph.ring(3)
+        config = ProtocolConfig(protocol="hop", timeout_s=5.0)
+        network = InprocNetwork()
+        workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=torch.full((4,), float(r)),
+                                             grads=None, transport=network.transport(r, frozenset(graph.peers(r))),
+                                             events=None, collective_factory=None, coordinator=None))
+                   for r in range(3)]
+        for worker in workers:
+            await worker.node.open()
+        for worker in workers:
+            await worker.node.protocol.start()
+        await asyncio.gather(*(w.step(last=True) for w in workers))
+        models = [w.node.protocol.model_tensors()[0] for w in workers]
+        models[1][2] = float("nan")  # an overflow rank 1's optimizer step did not catch
+        before = [m.clone() for m in models]
+        results = await asyncio.gather(*(w.consensus() for w in workers))
+        await asyncio.gather(*(w.close() for w in workers))
+        return list(results), before, models
+
+    loop = VirtualTimeLoop()
+    try:
+        results, before, after = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [(r.members, r.non_finite) for r in results] == [((0, 1, 2), (1,))] * 3
+    mean = (before[0].double() + before[2].double()) / 2
+    for model in after:
+        assert torch.allclose(model.double(), mean, rtol=0, atol=1e-6)
+
+
 def test_a_worker_counted_gone_by_another_fails_naming_it() -> None:
     """A worker that another wrote off (declared dead: its messages are dropped from then on)
     cannot join the consensus: it learns so from the others' views and fails saying who."""

@@ -19,7 +19,11 @@
    model tensors (``protocol.model_tensors()``) over the node's collective, tagged
    ``consensus/<call>/<i>``, and writes the results back under the node's model lock. All
    members decode the same bytes, so they end bit for bit equal; a failed all-reduce leaves
-   the model as it was.
+   the model as it was. A member whose model holds inf or NaN says so in its agreement
+   messages; it contributes zeros and the sum is divided by the finite members only, so its
+   model is left out of the mean (counted as the drop ``non_finite_model`` and named in the
+   ``consensus`` record) and it receives the mean like the others. With no finite model at
+   all every member fails with :class:`~hopnet.errors.NonFiniteError`.
 
 Every wait has the node's ``--timeout`` and fails naming the ranks it waited on. The
 agreement's first round also waits for the slowest worker to finish training: a worker that
@@ -37,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hopnet.errors import HopnetError, PeerFailure, WaitTimeout
+from hopnet.errors import HopnetError, NonFiniteError, PeerFailure, WaitTimeout
+from hopnet.finite import all_finite_in
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Message
@@ -45,6 +50,8 @@ from hopnet.wire import Message
 TAG_PREFIX = "consensus"
 VIEW = "gone"
 """The meta key of an agreement message: the sender's view, the ranks it counts gone."""
+FINITE = "finite"
+"""The meta key of an agreement message: whether the sender's model is free of inf and NaN."""
 
 
 class ConsensusError(HopnetError):
@@ -59,6 +66,8 @@ class ConsensusResult:
     """The live workers whose models were averaged, in rank order."""
     rounds: int
     """Agreement rounds it took (1 when every worker knew the same departures from the start)."""
+    non_finite: tuple[int, ...] = ()
+    """Members whose model held inf or NaN: left out of the mean (they received it all the same)."""
 
 
 async def consensus(node: NodeServices, tensors: Sequence[torch.Tensor], *, call: int = 0) -> ConsensusResult:
@@ -66,15 +75,28 @@ async def consensus(node: NodeServices, tensors: Sequence[torch.Tensor], *, call
     ``call`` numbers this worker's consensus calls (each needs tags of its own)."""
     tag = f"{TAG_PREFIX}/{call}"
     began = node.clock.now()
-    members, rounds = await agree_on_members(node, tag=f"{tag}/agree")
-    await average_model(node, members, tensors, tag=tag)
+    finite = {node.rank: all_finite_in(tensors)}
+    members, rounds = await agree_on_members(node, tag=f"{tag}/agree", finite=finite)
+    non_finite = tuple(m for m in members if not finite[m])
+    if len(non_finite) == len(members):
+        raise NonFiniteError(f"rank {node.rank}: no consensus: the model of every live worker "
+                             f"({', '.join(map(str, members))}) holds inf or NaN", rank=node.rank)
+    for _ in non_finite:
+        node.count_drop("non_finite_model")
+    await average_model(node, members, tensors, tag=tag, contributes=finite[node.rank],
+                        contributors=len(members) - len(non_finite))
     node.record("consensus", members=list(members), rounds=rounds, seconds=round(node.clock.now() - began, 6),
-                iter=node.iteration)
-    return ConsensusResult(members, rounds)
+                iter=node.iteration, non_finite=list(non_finite))
+    return ConsensusResult(members, rounds, non_finite)
 
 
-async def agree_on_members(node: NodeServices, *, tag: str) -> tuple[tuple[int, ...], int]:
-    """The live set every live worker agrees on, and the rounds it took (see the module's text)."""
+async def agree_on_members(node: NodeServices, *, tag: str,
+                           finite: dict[int, bool] | None = None) -> tuple[tuple[int, ...], int]:
+    """The live set every live worker agrees on, and the rounds it took (see the module's text).
+
+    ``finite``: this worker's entry says whether its model is finite, which its messages carry;
+    the entry of every other member is filled in from theirs."""
+    finite = finite if finite is not None else {node.rank: True}
     gone = set(node.departed) | set(node.dead)
     views: dict[tuple[int, int], frozenset[int]] = {}  # (round, sender) -> its view
     try:
@@ -88,8 +110,9 @@ async def agree_on_members(node: NodeServices, *, tag: str) -> tuple[tuple[int, 
                     if m != node.rank and m not in node.departed and m not in node.dead]
             await node.connect_to(told)
             for peer in told:
-                node.post(Message(COLLECTIVE_KIND, node.rank, peer, r, tag, {VIEW: sorted(view)}))
-            await _collect_round(node, tag, r, others, gone, views)
+                node.post(Message(COLLECTIVE_KIND, node.rank, peer, r, tag,
+                                  {VIEW: sorted(view), FINITE: finite[node.rank]}))
+            await _collect_round(node, tag, r, others, gone, views, finite)
             heard = [views[(r, m)] for m in others if m not in gone]
             if gone == view and all(v == view for v in heard):
                 return members, r + 1
@@ -99,7 +122,7 @@ async def agree_on_members(node: NodeServices, *, tag: str) -> tuple[tuple[int, 
 
 
 async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[int], gone: set[int],
-                         views: dict[tuple[int, int], frozenset[int]]) -> None:
+                         views: dict[tuple[int, int], frozenset[int]], finite: dict[int, bool]) -> None:
     """Wait for round ``r``'s view of every rank of ``others`` not known gone. ``gone`` grows by
     every view read (round ``r + 1`` views are read too, as they come) and by the receives that
     fail because their sender left or died; ``views`` keeps what was read."""
@@ -138,7 +161,7 @@ async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[
                                       f"(rank {node.rank}; did every live worker call consensus()?)",
                                       peer=missing[0] if missing else peer, waited_s=exc.waited_s,
                                       peer_state=node.peer_state(missing[0] if missing else peer)) from None
-                view = _read_view(msg, node.graph.n)
+                view, finite[peer] = _read_view(msg, node.graph.n)
                 if node.rank in view:
                     raise ConsensusError(f"rank {node.rank} takes no part in the consensus: rank {peer} counts it "
                                          "gone (it was declared dead or left, and cannot rejoin)")
@@ -154,23 +177,29 @@ async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[
                     task.exception()  # retrieved: superseded by what this round decided
 
 
-def _read_view(msg: Message, world_size: int) -> frozenset[int]:
-    raw = msg.meta.get(VIEW) if msg.meta else None
-    if not isinstance(raw, list) or not all(isinstance(r, int) and 0 <= r < world_size for r in raw):
+def _read_view(msg: Message, world_size: int) -> tuple[frozenset[int], bool]:
+    meta = msg.meta or {}
+    raw, finite = meta.get(VIEW), meta.get(FINITE)
+    if not isinstance(raw, list) or not all(isinstance(r, int) and 0 <= r < world_size for r in raw) \
+            or not isinstance(finite, bool):
         raise ConsensusError(f"rank {msg.src} sent a malformed agreement message (meta {msg.meta!r})")
-    return frozenset(raw)
+    return frozenset(raw), finite
 
 
 async def average_model(node: NodeServices, members: Sequence[int], tensors: Iterable[torch.Tensor], *,
-                        tag: str) -> None:
+                        tag: str, contributes: bool = True, contributors: int | None = None) -> None:
     """Replace each floating-point tensor of ``tensors`` by its mean over ``members``, exactly as
     far as float64 goes: the all-reduce runs on float64 copies, which are written back (cast to
     each tensor's dtype) under the node's model lock once every one of them is reduced.
-    Tensors of other dtypes are left as they are."""
+    Tensors of other dtypes are left as they are. A member that does not ``contribute`` (its
+    model is not finite) adds zeros, and the sum is divided by the ``contributors``."""
     model = [t for t in tensors if t.is_floating_point()]
-    work = [t.detach().to(torch.float64, copy=True).reshape(-1) for t in model]
+    count = len(members) if contributors is None else contributors
+    work = [t.detach().to(torch.float64, copy=True).reshape(-1) if contributes
+            else torch.zeros(t.numel(), dtype=torch.float64, device=t.device) for t in model]
     for i, flat in enumerate(work):
-        await node.collective.allreduce(members, flat, "mean", tag=f"{tag}/{i}")
+        await node.collective.allreduce(members, flat, "sum", tag=f"{tag}/{i}")
+        flat.div_(count)
     with node.model_lock:
         for tensor, flat in zip(model, work):
             tensor.copy_(flat.view(tensor.shape))
