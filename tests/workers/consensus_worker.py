@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hopnet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from digits_data import digits_split  # noqa: E402  (the examples' cached split: no sklearn import)
 
 HIDDEN = 32
 
@@ -28,10 +31,8 @@ def make_model() -> torch.nn.Module:
 
 
 def held_out() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    """The training split and the held-out split (x_train, y_train, x_test, y_test)."""
+    x_train, y_train, x_test, y_test = digits_split(0)
     return x_train, y_train, x_test, y_test
 
 
