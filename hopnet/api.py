@@ -68,10 +68,10 @@ async def run_consensus(node: Node, call: int) -> ConsensusResult:
     return await consensus(node, node.protocol.model_tensors(), call=call)
 
 
-def save_state_dict(model: torch.nn.Module, path: Path) -> None:
-    """Write ``model``'s state_dict to ``path`` as plain CPU tensors (not views into hopnet's
+def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``state`` (a state_dict) to ``path`` as plain CPU tensors (not views into hopnet's
     flat buffers), through a temporary file so a reader never sees half of it."""
-    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
     partial = path.with_name(path.name + ".tmp")
     torch.save(state, partial)
     os.replace(partial, path)
@@ -127,7 +127,8 @@ class Worker:
         self.after_close: list[Callable[[bool], None]] = []
         """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
         self.module: torch.nn.Module | None = None
-        """The module :func:`init` was given, if any: what :meth:`consensus` saves."""
+        """The module :func:`init` was given, if any: what :meth:`consensus` saves (else
+        ``{"params": the flat parameters}``)."""
         self.save_model_to: Path | None = None
         """Where :meth:`consensus` writes the model's state_dict on the lowest live rank
         (:func:`init` sets it under ``hopnet launch --save-model``)."""
@@ -242,8 +243,13 @@ class Worker:
         except Exception as exc:
             self.failure = exc
             raise
-        if self.save_model_to is not None and self.module is not None and self.rank == result.members[0]:
-            save_state_dict(self.module, self.save_model_to)
+        if self.save_model_to is not None and self.rank == result.members[0]:
+            if self.module is not None:
+                save_state_dict(self.module.state_dict(), self.save_model_to)
+            else:  # hopnet.init(params=...): the flat parameters are the model
+                flats = self.node.protocol.model_tensors()
+                save_state_dict({"params": flats[0]} if len(flats) == 1
+                                else {f"params{i}": t for i, t in enumerate(flats)}, self.save_model_to)
             self.saved_model = self.save_model_to
             self.record("model_saved", path=str(self.save_model_to), members=list(result.members))
         return result
