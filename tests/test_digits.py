@@ -12,6 +12,8 @@ from support.paths import EXAMPLES
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
+CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+) \(mean of ranks 0, 1, 2, 3\)$",
+                       re.MULTILINE)
 
 
 def _accuracies(stdout: str) -> dict[int, float]:
@@ -39,3 +41,5 @@ def test_digits_reaches_95_percent_on_every_worker(launch, tmp_path: Path,
     assert sorted(accuracies) == [0, 1, 2, 3], result.stdout
     assert min(accuracies.values()) >= 0.95, accuracies
     assert _consensus_error(run_dir, 4) < 1e-3
+    consensus = CONSENSUS.search(result.stdout)  # worker.consensus() at the end, printed by rank 0
+    assert consensus is not None and float(consensus.group(1)) >= 0.95, result.stdout
