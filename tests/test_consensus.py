@@ -25,6 +25,7 @@ from hopnet.errors import HopnetError, WaitTimeout
 from hopnet.launch.env import SAVE_MODEL
 from hopnet.launch.prepare import worker_base_env
 from hopnet.launch.spec import LaunchSpec, validate
+from hopnet.model_state import ModelState
 from hopnet.runtime.events import EventLog
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.security import RunSecurity
@@ -243,6 +244,55 @@ async def test_a_worker_declared_dead_is_left_out() -> None:
             params = cluster.workers[rank].node.protocol.model_tensors()[0]
             assert torch.allclose(params.double(), mean, rtol=0, atol=1e-6)
         assert any(3 in cluster.workers[r].node.dead for r in (2, 4))
+
+
+def bn_model(rank: int) -> torch.nn.Module:
+    """Parameters in fp32 and bf16, BatchNorm statistics, an integer buffer: different per rank."""
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3))
+    model[2].to(torch.bfloat16)
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    model[1].num_batches_tracked.fill_(10 + rank)
+    return model
+
+
+def test_parameters_and_buffers_of_mixed_dtypes_end_as_the_mean() -> None:
+    """The model's state_dict after the consensus: every floating entry (fp32 and bf16 parameters,
+    BatchNorm statistics) is the mean of the ranks' ones; the integer buffer stays each rank's own."""
+    modules = [bn_model(r) for r in range(3)]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in modules]
+
+    async def main() -> list[ConsensusResult]:
+        graph = Graph.ring(3)
+        config = ProtocolConfig(protocol="hop", timeout_s=5.0)
+        network = InprocNetwork()
+        workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=ModelState.of(modules[r]),
+                                             grads=None, transport=network.transport(r, frozenset(graph.peers(r))),
+                                             events=None, collective_factory=None, coordinator=None))
+                   for r in range(3)]
+        for worker in workers:
+            await worker.node.open()
+        for worker in workers:
+            await worker.node.protocol.start()
+        results = await asyncio.gather(*(w.consensus() for w in workers))
+        await asyncio.gather(*(w.close() for w in workers))
+        return list(results)
+
+    loop = VirtualTimeLoop()
+    try:
+        results = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [r.members for r in results] == [(0, 1, 2)] * 3
+    for name, first in before[0].items():
+        if not first.is_floating_point():
+            assert [m.state_dict()[name].item() for m in modules] == [10, 11, 12]
+            continue
+        mean = torch.stack([b[name].double() for b in before]).mean(0).to(first.dtype)
+        for module in modules:
+            assert torch.equal(module.state_dict()[name], mean), name
 
 
 def test_a_non_finite_model_is_left_out_of_the_mean_and_gets_it() -> None:
