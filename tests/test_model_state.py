@@ -1,7 +1,7 @@
 """The model's state beyond its parameters (hopnet/model_state.py, hopnet/protocols/buffer_sync.py).
 
 BatchNorm's running statistics travel with the model: gradient protocols keep them in step as
-torch DDP does (compared with DDP itself, in threads over a gloo group), model-averaging
+torch DDP does (compared with DDP itself, run by torchrun), model-averaging
 protocols mix them with the parameters. Parameters of two dtypes train. Weights loaded between
 ``init`` and the first step are what Hop sends first; a load that replaces the model's tensors is
 refused. The hopnet workers run as AsyncWorkers on one virtual-time event loop over the in-process
@@ -13,18 +13,15 @@ the same, and the ranks reach the protocols' sync points in varying order.
 from __future__ import annotations
 
 import asyncio
-import functools
-import math
 import random
-import threading
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from sklearn.datasets import load_digits
-from torch.nn.parallel import DistributedDataParallel
 
 from hopnet import AsyncWorker, ConfigError, Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
@@ -36,53 +33,11 @@ from hopnet.registry import names as protocol_names
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork
 
-BATCH = 32
-LR = 0.1
+from support.bn_task import LR, batch, cnn, digits, set_lr, state
+from support.env import clean_env
+from support.paths import ROOT, WORKERS
+
 COMPUTE_S = 0.002
-
-
-class Cast(torch.nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)
-
-
-def cnn(seed: int = 0, *, bf16_head: bool = False) -> torch.nn.Sequential:
-    """A conv + BatchNorm model for 1x8x8 digits; ``bf16_head``: its last layer in bfloat16."""
-    torch.manual_seed(seed)
-    head: list[torch.nn.Module] = [torch.nn.Linear(8 * 8 * 8, 10)]
-    if bf16_head:
-        head = [Cast(torch.bfloat16), head[0].to(torch.bfloat16), Cast(torch.float32)]
-    return torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                               torch.nn.Flatten(), *head)
-
-
-@functools.cache
-def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    return x, torch.tensor(data.target, dtype=torch.long)
-
-
-def batch(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch of ``step``, from its own shard (every rank's batches differ)."""
-    x, y = digits()
-    x, y = x[rank::world], y[rank::world]
-    pick = torch.randint(len(x), (BATCH,), generator=torch.Generator().manual_seed(rank * 1000 + step))
-    return x[pick], y[pick]
-
-
-def set_lr(optimizer: torch.optim.Optimizer, peak: float, step: int, steps: int) -> None:
-    """A cosine schedule, as the examples use."""
-    for group in optimizer.param_groups:
-        group["lr"] = peak * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
-def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 def bn_spread(models: list[torch.nn.Sequential]) -> float:
@@ -158,47 +113,27 @@ async def _train(config: ProtocolConfig, graph: Graph, models: list[torch.nn.Seq
 
 
 # ---------------------------------------------------------------------- gradient protocols
-def ddp_rank0(world: int, steps: int, store_path: Path) -> dict[str, torch.Tensor]:
-    """Rank 0's state after ``steps`` steps of torch DDP (gloo, one thread per rank, buffers broadcast)."""
-    states: dict[int, dict[str, torch.Tensor]] = {}
-    errors: list[BaseException] = []
-    models = [cnn() for _ in range(world)]  # here: torch's global generator is no place for two threads
-
-    def run(rank: int) -> None:
-        try:
-            store = dist.FileStore(str(store_path), world)
-            group = dist.ProcessGroup(store, rank, world)
-            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                                    dist.ProcessGroupGloo(store, rank, world))
-            model = models[rank]
-            ddp = DistributedDataParallel(model, process_group=group)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
-            loss_fn = torch.nn.CrossEntropyLoss()
-            for step in range(steps):
-                set_lr(optimizer, LR, step, steps)
-                optimizer.zero_grad()
-                x, y = batch(rank, world, step)
-                loss_fn(ddp(x), y).backward()
-                optimizer.step()
-            states[rank] = state(model)
-        except BaseException as exc:  # collected for the test to assert on
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and len(states) == world, errors
-    return states[0]
+def ddp_rank0(world: int, steps: int, out: Path) -> dict[str, torch.Tensor]:
+    """Rank 0's state after ``steps`` steps of torch DDP (gloo, buffers broadcast), in processes of
+    its own: torchrun of tests/workers/ddp_batchnorm.py. (Threads of this process would share a
+    gloo teardown that can deadlock on the GIL.)"""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                          "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          str(WORKERS / "ddp_batchnorm.py"), str(steps), str(out)],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
 
 
+@pytest.mark.slow
 def test_allreduce_keeps_parameters_and_buffers_equal_to_ddp(tmp_path: Path) -> None:
     world, steps = 2, 50
     models = [cnn() for _ in range(world)]
     train(ProtocolConfig("allreduce", timeout_s=30), Graph.ring(world), models, steps)
-    reference = ddp_rank0(world, steps, tmp_path / "store")
+    reference = ddp_rank0(world, steps, tmp_path / "ddp.pt")
     ours = state(models[0])
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
