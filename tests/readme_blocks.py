@@ -6,7 +6,8 @@ before its opening fence (blank lines between are allowed), invisible on GitHub:
 
 ``<!-- readme-test: launch -->``
     Python that runs inside a worker: it is appended to :data:`LAUNCH_PRELUDE` (which
-    defines the placeholders ``build_model``, ``loss_fn``, ``x``, ``y``) and run
+    defines the placeholders ``build_model``, ``loss_fn``, ``x``, ``y`` and
+    ``checkpoint_path``, a checkpoint of a model and an AdamW optimizer) and run
     under `hopnet launch` with 2 workers. Add ``nproc=N`` to change the count.
 ``<!-- readme-test: invalid -->``
     JSON that must be *rejected* by ``hopnet graph validate`` (an example of an error).
@@ -120,6 +121,12 @@ loss_fn = _torch.nn.MSELoss()
 _g = _torch.Generator().manual_seed(100 + int(_os.environ["HOPNET_RANK"]))
 x = _torch.randn(64, 8, generator=_g)                     # this worker's own data
 y = x @ _W_TRUE + 0.01 * _torch.randn(64, 1, generator=_g)
+checkpoint_path = _os.path.join(_os.environ["HOPNET_RUN_DIR"], f"checkpoint-rank{_os.environ['HOPNET_RANK']}.pt")
+_resumed = build_model()                                  # a checkpoint to resume from: trained a little
+_resumed_opt = _torch.optim.AdamW(_resumed.parameters(), lr=0.05)
+loss_fn(_resumed(x), y).backward()
+_resumed_opt.step()
+_torch.save({"model": _resumed.state_dict(), "optimizer": _resumed_opt.state_dict()}, checkpoint_path)
 # --- the README's block ---------------------------------------------------------------
 '''
 
