@@ -191,18 +191,7 @@ def test_a_worker_that_never_calls_consensus_is_named_by_the_others_timeout() ->
 
 def test_no_step_after_consensus() -> None:
     async def main() -> None:
-        graph = Graph.ring(2)
-        config = ProtocolConfig(protocol="hop", timeout_s=5.0)
-        network = InprocNetwork()
-        workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=torch.full((4,), float(r)),
-                                             grads=None, transport=network.transport(r, frozenset({1 - r})),
-                                             events=None, collective_factory=None, coordinator=None))
-                   for r in range(2)]
-        for worker in workers:
-            await worker.node.open()
-        for worker in workers:
-            await worker.node.protocol.start()
-        await asyncio.gather(*(w.step(last=True) for w in workers))
+        workers = await hop_workers_after_one_step(2)
         results = await asyncio.gather(*(w.consensus() for w in workers))
         assert [r.members for r in results] == [(0, 1), (0, 1)]
         assert all(torch.allclose(w.node.protocol.model_tensors()[0], torch.full((4,), 0.5), rtol=0, atol=1e-6)
@@ -295,16 +284,16 @@ def test_parameters_and_buffers_of_mixed_dtypes_end_as_the_mean() -> None:
             assert torch.equal(module.state_dict()[name], mean), name
 
 
-async def three_hop_workers_after_one_step() -> list[AsyncWorker]:
-    """Ranks 0-2 of a Hop ring over the in-process transport, each model ``[r, r, r, r]``,
+async def hop_workers_after_one_step(n: int = 3) -> list[AsyncWorker]:
+    """A Hop ring of ``n`` over the in-process transport, rank r's model ``[r, r, r, r]``,
     after one last step: ready for their consensus."""
-    graph = Graph.ring(3)
+    graph = Graph.ring(n)
     config = ProtocolConfig(protocol="hop", timeout_s=5.0)
     network = InprocNetwork()
     workers = [AsyncWorker(assemble_node(rank=r, graph=graph, config=config, params=torch.full((4,), float(r)),
                                          grads=None, transport=network.transport(r, frozenset(graph.peers(r))),
                                          events=None, collective_factory=None, coordinator=None))
-               for r in range(3)]
+               for r in range(n)]
     for worker in workers:
         await worker.node.open()
     for worker in workers:
@@ -315,7 +304,7 @@ async def three_hop_workers_after_one_step() -> list[AsyncWorker]:
 
 def test_a_non_finite_model_is_left_out_of_the_mean_and_gets_it() -> None:
     async def main() -> tuple[list[ConsensusResult], list[torch.Tensor], list[torch.Tensor]]:
-        workers = await three_hop_workers_after_one_step()
+        workers = await hop_workers_after_one_step()
         models = [w.node.protocol.model_tensors()[0] for w in workers]
         models[1][2] = float("nan")  # an overflow rank 1's optimizer step did not catch
         before = [m.clone() for m in models]
@@ -338,7 +327,7 @@ def test_a_worker_counted_gone_by_another_fails_naming_it() -> None:
     """A worker that another wrote off (declared dead: its messages are dropped from then on)
     cannot join the consensus: it learns so from the others' views and fails saying who."""
     async def main() -> list[BaseException | ConsensusResult]:
-        workers = await three_hop_workers_after_one_step()
+        workers = await hop_workers_after_one_step()
         workers[0].node.peer_dead(2, 9.9)  # a false alarm: rank 2 is alive, rank 0 wrote it off
         outcome = await asyncio.gather(*(w.consensus() for w in workers), return_exceptions=True)
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
