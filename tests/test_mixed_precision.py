@@ -12,6 +12,7 @@ import torch
 from hopnet import DistributedOptimizer, Graph, NonFiniteError, ProtocolConfig
 from hopnet.finite import all_finite
 
+from support.digits import digits_split
 from support.threaded import Start, run_ranks, seeded
 
 TIMEOUT_S = 30.0
@@ -33,14 +34,7 @@ PROTOCOLS = {
 @lru_cache(maxsize=1)
 def digits() -> tuple[torch.Tensor, ...]:
     """examples/train_digits.py's data: the training split, and the held-out split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    return x_train, y_train, x_test, y_test
+    return digits_split(0)
 
 
 class Outcome:
