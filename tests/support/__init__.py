@@ -6,7 +6,10 @@
 - ``records``: a run's event records, read with :func:`hopnet.analysis.load_run`;
 - ``cluster``: workers as processes without a launcher, or in-process on the test's loop;
 - ``faults``: a transport wrapper that drops, delays or cuts a rank's messages;
-- ``transport_checks``: the conformance checks every transport passes.
+- ``transport_checks``: the conformance checks every transport passes;
+- ``threaded``: ranks as threads of this process over the in-process transport;
+- ``digits``: the examples' cached digits split;
+- ``clip_task``, ``bn_task``: small training tasks shared with their DDP references.
 
 The tests directory is on ``sys.path`` (pytest puts the rootdir conftest's folder there), so
 tests import ``from support.launch import run_launch`` and the like.
