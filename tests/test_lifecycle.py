@@ -22,7 +22,7 @@ import pytest
 
 
 from support.env import clean_env
-from support.launch import run_launch, start_launch
+from support.launch import recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import ROOT, WORKERS
 from support.records import records
 
@@ -57,21 +57,6 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def _kill_all(pids: list[int]) -> None:
@@ -184,7 +169,7 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
-        _kill_all(_children(proc.pid))
+        _kill_all(list(recorded_worker_pids(run_dir).values()))
         proc.kill()
     assert proc.returncode == 128 + signum
     assert out == ""
@@ -208,10 +193,7 @@ def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase
     try:
         if phase == "training":
             _wait_for_iteration(run_dir, [0, 1, 2], 3, proc)
-        deadline = time.monotonic() + 60
-        while len(workers := _children(proc.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(workers) == 3
+        workers = list(worker_pids(run_dir, 3).values())
         if phase == "starting":
             time.sleep(1.0)  # inside the script, before hopnet.init
         proc.send_signal(signal.SIGKILL)
@@ -299,9 +281,9 @@ def test_sigkill_one_of_8_workers_and_the_others_finish(tmp_path: Path, victim: 
     workers: list[int] = []
     try:
         _wait_for_iteration(run_dir, [victim], 5, proc)
-        workers = _children(proc.pid)
-        pid = next(p for p in workers if _environ_rank(p) == victim)
-        os.kill(pid, signal.SIGKILL)
+        pids = worker_pids(run_dir, 8)
+        workers = list(pids.values())
+        os.kill(pids[victim], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:
         _kill_all(workers)
@@ -311,13 +293,6 @@ def test_sigkill_one_of_8_workers_and_the_others_finish(tmp_path: Path, victim: 
     for rank in range(8):
         if rank != victim:
             assert max(r["iter"] for r in records(run_dir, rank) if r["event"] == "iteration") == 59
-
-
-def _environ_rank(pid: int) -> int | None:
-    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        if item.startswith(b"HOPNET_RANK="):
-            return int(item.split(b"=", 1)[1])
-    return None
 
 
 @pytest.mark.parametrize("mode, code, last_error", [("return", 0, None), ("raise", 1, "RuntimeError")])

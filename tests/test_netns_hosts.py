@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.env import clean_env
-from support.launch import LAUNCH
+from support.launch import LAUNCH, worker_pids
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -95,21 +95,6 @@ def test_digits_on_two_hosts_under_torchrun(hosts: NamespacedHosts, tmp_path: Pa
     assert len(accuracies) == 4 and min(accuracies) >= 0.95, accuracies
 
 
-def _pids_of(run_dir: Path, ranks: set[int]) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            items = (entry / "environ").read_bytes().split(b"\0")
-            environ = dict(item.split(b"=", 1) for item in items if b"=" in item)
-        except OSError:
-            continue
-        if environ.get(b"HOPNET_RUN_DIR") == str(run_dir).encode() and int(environ.get(b"HOPNET_RANK", -1)) in ranks:
-            found.append(int(entry.name))
-    return found
-
-
 def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedHosts, key_file: Path,
                                                              tmp_path: Path) -> None:
     flags = ["--graph", "complete:4", "--backup-workers", "2", "--max-failures", "2"]
@@ -123,8 +108,9 @@ def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedH
             if log.exists() and len(re.findall(r'"event": ?"iteration"', log.read_text())) >= 10:
                 break
             time.sleep(0.2)
-        for pid in _pids_of(victim_dir, {2, 3}):
-            os.kill(pid, signal.SIGKILL)
+        pids = worker_pids(victim_dir, 2)
+        for rank in (2, 3):
+            os.kill(pids[rank], signal.SIGKILL)
 
     results = _run_all([_launch(hosts, n, 29813, tmp_path / f"node{n}", flags, script, key_file) for n in (0, 1)],
                        tmp_path, during=kill_host_1)

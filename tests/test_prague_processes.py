@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from support.paths import WORKERS
-from support.launch import kill, run_launch, start_launch
+from support.launch import kill, recorded_worker_pids, run_launch, start_launch
 from support.records import coordinator_records, records
 
 PRAGUE_WORKER = str(WORKERS / "prague_worker.py")
@@ -69,14 +69,17 @@ def test_the_launcher_runs_the_coordinator_and_it_logs_the_groups(prague_run) ->
 
 
 def _processes_of(run_dir: Path) -> list[int]:
-    """Pids of live processes whose environment names this run directory (workers, coordinator)."""
+    """Pids of live processes of this run: the workers launch.json lists, and any whose
+    environment or command line names the run directory (the coordinator)."""
     needle = str(run_dir).encode()
+    workers = set(recorded_worker_pids(run_dir).values())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if needle in (entry / "environ").read_bytes() or needle in (entry / "cmdline").read_bytes():
+            if (int(entry.name) in workers or needle in (entry / "environ").read_bytes()
+                    or needle in (entry / "cmdline").read_bytes()):
                 state = (entry / "stat").read_text().split(")")[-1].split()[0]
                 if state != "Z":
                     found.append(int(entry.name))

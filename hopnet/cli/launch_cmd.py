@@ -87,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                           help="after SIGTERM, how long workers get before SIGKILL "
                                f"(default: {DEFAULT_GRACE_S:g})")
+    launcher.add_argument("--start-method", choices=("forkserver", "exec"), default=None,
+                          help="forkserver: fork workers from one process that imported torch once (faster "
+                               "start-up; the default on Linux); exec: each worker a new interpreter")
     launcher.add_argument("-m", "--module", action="store_true",
                           help="SCRIPT is a module name, run as `python -m SCRIPT`")
     launcher.add_argument("--save-model", action="store_true",
@@ -147,5 +150,6 @@ def run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         save_model=args.save_model,
+        start_method=args.start_method,
     )
     return result.returncode

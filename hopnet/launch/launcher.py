@@ -54,7 +54,7 @@ from typing import IO
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch import parent_watch
+from hopnet.launch import forkserver, parent_watch
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, STORE
@@ -78,6 +78,7 @@ from hopnet.launch.spec import (
     DEFAULT_GRACE_S,
     DEFAULT_NPROC,
     DEFAULT_SETTLE_S,
+    WORKER_ENTRY,
     LaunchPlan,
     LaunchSpec,
     NodePlan,
@@ -170,12 +171,17 @@ class Launch:
         self.rdzv_host = rendezvous_host(plan.bind, machines)
         self.base_env, self.threads_note = worker_base_env(plan, security, os.environ)
         self.err_lines = LineWriter(output.err)
-        self.workers = WorkerProcesses(LineWriter(output.out) if self.spec.prefix else None,
-                                       self.err_lines if self.spec.prefix else None)
         # The launcher watch: workers hold the read end, only this process the write end.
         self.watch_read, self.watch_write = os.pipe()
         self.base_env[parent_watch.PARENT_FD] = str(self.watch_read)
         self.base_env[parent_watch.LAUNCHER_PID] = str(os.getpid())
+        self.start_method = self.spec.start_method or ("forkserver" if forkserver.available() else "exec")
+        # Started first, so its imports overlap the store, the rendezvous and the coordinator.
+        server = forkserver.ForkServer(self.base_env, pass_fds=(self.watch_read,)) \
+            if self.start_method == "forkserver" else None
+        self.workers = WorkerProcesses(LineWriter(output.out) if self.spec.prefix else None,
+                                       self.err_lines if self.spec.prefix else None,
+                                       forkserver=server, fork_entry=WORKER_ENTRY)
         self.server: RendezvousServer | None = None
         self.store: HostedStore | None = None
         self.coordinator: CoordinatorProcess | None = None
@@ -271,6 +277,11 @@ class Launch:
             self.state.started(rank)
         os.close(self.watch_read)  # the workers have it; the launcher keeps only the write end
         self.watch_read = -1
+        if self.workers.forkserver_failure is not None:
+            self.output.say(f"{self.workers.forkserver_failure}; workers started with exec")
+        self.record.data["start_method"] = self.start_method if self.workers.forking else "exec"
+        self.record.data["worker_pids"] = {str(r): p.pid for r, p in self.workers.procs.items()}
+        self.record.try_write()
 
     # ---------------------------------------------------------------------- monitor
     def monitor(self) -> None:
@@ -529,6 +540,7 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     save_model: bool = False,
+    start_method: str | None = None,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -554,6 +566,9 @@ def launch(
     machine) and the rendezvous; a failure anywhere stops every machine's workers.
     With ``save_model`` the workers' ``worker.consensus()`` writes the consensus model to
     ``model.pt`` in the run directory (``HOPNET_SAVE_MODEL``).
+    ``start_method`` ``"forkserver"`` (the default on Linux) forks the workers from one process
+    that imported torch once (:mod:`hopnet.launch.forkserver`); ``"exec"`` starts each worker as
+    a new interpreter. ``launch.json`` records the method and each worker's pid.
 
     The arguments make a :class:`~hopnet.launch.spec.LaunchSpec`, which :func:`run_launch` runs.
     """
@@ -562,7 +577,8 @@ def launch(
                       grace_s=grace_s, argv=argv, overwrite=overwrite, max_failures=max_failures,
                       explicit_options=explicit_options, settle_s=settle_s, progress=progress,
                       insecure=insecure, secure=secure, key_file=key_file, nnodes=nnodes, node_rank=node_rank,
-                      rdzv_endpoint=rdzv_endpoint, save_model=save_model)
+                      rdzv_endpoint=rdzv_endpoint, save_model=save_model,
+                      start_method=start_method)
     return run_launch(spec, stdout=stdout, stderr=stderr)
 
 

@@ -16,7 +16,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeAlias
+
+from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone
 
 POLL_S = 0.05
 """How long one wait for a worker's exit lasts, so the monitor also sees signals and aborts."""
@@ -86,30 +88,53 @@ def kill_group(pgid: int, signum: int) -> None:
         pass
 
 
+WorkerHandle: TypeAlias = "subprocess.Popen[bytes] | ForkedWorker"
+
+
 class WorkerProcesses:
     """The worker processes of one launch, their output pumps and their waiters.
 
     Exits arrive on :attr:`exits` as ``(rank, returncode)`` from one waiter thread per worker.
+    With a :class:`~hopnet.launch.forkserver.ForkServer`, workers whose command starts with
+    ``fork_entry`` are forked from it; the others, and every worker once the fork server
+    fails to answer, are started with exec.
     """
 
-    def __init__(self, out: LineWriter | None, err: LineWriter | None) -> None:
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+    def __init__(self, out: LineWriter | None, err: LineWriter | None, forkserver: ForkServer | None = None,
+                 fork_entry: Sequence[str] = ()) -> None:
+        self.procs: dict[int, WorkerHandle] = {}
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.out = out
         self.err = err
         self.threads: list[threading.Thread] = []
+        self.forkserver = forkserver
+        self.forking = forkserver is not None
+        self.fork_entry = list(fork_entry)
+        self.forkserver_failure: str | None = None
+        """Why the fork server stopped being used, if it did."""
 
     def spawn(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> None:
+        """Start ``argv`` for ``rank``. ``pass_fds`` are inherited at the same numbers (the fork
+        server was started with them)."""
         piped = self.out is not None and self.err is not None
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            pass_fds=tuple(pass_fds),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if piped else None,
-            stderr=subprocess.PIPE if piped else None,
-            start_new_session=True,  # own session and process group: we forward signals ourselves
-        )
+        proc: WorkerHandle | None = None
+        entry = len(self.fork_entry)
+        if self.forking and self.forkserver is not None and entry and argv[:entry] == self.fork_entry:
+            try:
+                proc = self.forkserver.spawn(rank, argv[entry:], env, piped)
+            except ForkServerGone as exc:
+                self.forkserver_failure = str(exc)
+                self.forking = False
+        if proc is None:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                pass_fds=tuple(pass_fds),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if piped else None,
+                stderr=subprocess.PIPE if piped else None,
+                start_new_session=True,  # own session and process group: we forward signals ourselves
+            )
         self.procs[rank] = proc
         if self.out is not None and self.err is not None:
             prefix = f"[rank {rank}] ".encode()
@@ -124,7 +149,7 @@ class WorkerProcesses:
         if keep:
             self.threads.append(thread)
 
-    def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def _wait(self, rank: int, proc: WorkerHandle) -> None:
         self.exits.put((rank, proc.wait()))
 
     def next_exit(self, timeout_s: float = POLL_S) -> tuple[int, int] | None:
@@ -163,6 +188,8 @@ class WorkerProcesses:
                 codes[rank] = None
         for proc in self.procs.values():
             kill_group(proc.pid, signal.SIGKILL)
+        if self.forkserver is not None:
+            self.forkserver.close()
         return codes
 
     def drain(self, timeout_s: float) -> None:

@@ -28,6 +28,8 @@ DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
 DEFAULT_SETTLE_S = 1.5
 """After the first failure, how long the other workers may end on their own before being stopped."""
+START_METHODS = ("forkserver", "exec")
+"""How workers start: forked from a fork server that imported torch once, or each exec'd."""
 WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
 """Every worker runs its script through :mod:`hopnet.launch.worker_main`."""
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -65,6 +67,10 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     save_model: bool = False
     """The lowest live rank writes the consensus model to ``model.pt`` (``HOPNET_SAVE_MODEL``)."""
+    start_method: str | None = None
+    """``"forkserver"`` (workers forked from a process that imported torch once,
+    :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
+    ``None``: forkserver where the platform has it."""
 
     @property
     def single_machine(self) -> bool:
@@ -181,6 +187,8 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
         raise ConfigError(f"--bind {spec.bind!r}: expected a host name or address")
     if spec.grace_s < 0:
         raise ConfigError(f"grace period must be >= 0 (got {spec.grace_s})")
+    if spec.start_method not in (None, *START_METHODS):
+        raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))
     if unknown:
         raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")

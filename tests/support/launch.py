@@ -4,10 +4,12 @@ left running; and through its entry point in this process, for arguments it refu
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -49,6 +51,26 @@ def start_launch(args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] |
     return subprocess.Popen([*LAUNCH, *args], cwd=cwd, env=clean_env() if env is None else env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             text=True, start_new_session=new_session)
+
+
+def recorded_worker_pids(run_dir: Path) -> dict[int, int]:
+    """Each rank's pid as the launcher recorded it in ``launch.json`` (empty before the workers
+    of its machine all started)."""
+    try:
+        pids = json.loads((run_dir / "launch.json").read_text()).get("worker_pids", {})
+    except (OSError, ValueError):
+        pids = {}
+    return {int(rank): int(pid) for rank, pid in pids.items()}
+
+
+def worker_pids(run_dir: Path, count: int, *, timeout_s: float = 120.0) -> dict[int, int]:
+    """:func:`recorded_worker_pids`, waiting until ``count`` workers are listed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(pids := recorded_worker_pids(run_dir)) >= count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"launch.json in {run_dir} never listed {count} worker pids")
 
 
 def kill(proc: subprocess.Popen[str]) -> None:
