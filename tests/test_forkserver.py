@@ -1,0 +1,125 @@
+"""The fork server: a forked worker is what an exec'd one would be (environment, session,
+streams, exit status), and a fork server that dies takes its workers with it and leaves the
+launcher starting workers with exec."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone, available
+from hopnet.launch.processes import LineWriter, WorkerProcesses
+from hopnet.launch.spec import WORKER_ENTRY
+
+from support.env import clean_env
+from support.launch import run_launch
+from support.paths import WORKERS
+
+pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, pidfd_open)")
+
+REPORT = """
+import json, os, random, sys
+import torch
+print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "ppid": os.getppid(), "argv": sys.argv,
+                  "mine": os.environ.get("MINE"), "stdin": sys.stdin.read(), "threads": torch.get_num_threads(),
+                  "random": random.random(), "main": __name__}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def server():
+    env = clean_env(OMP_NUM_THREADS="2")
+    fork_server = ForkServer(env)
+    yield fork_server
+    fork_server.close()
+
+
+def _spawn(server: ForkServer, script: Path, rank: int, *args: str, **env: str) -> tuple[ForkedWorker, dict, bytes]:
+    worker = server.spawn(rank, [str(script), *args], clean_env(**env), piped=True)
+    assert worker.stdout is not None and worker.stderr is not None
+    out, err = worker.stdout.read(), worker.stderr.read()
+    worker.wait(timeout=60)
+    return worker, json.loads(out), err
+
+
+def test_a_forked_worker_gets_its_own_environment_session_streams_and_exit_status(server: ForkServer,
+                                                                                 tmp_path: Path) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    first, seen, err = _spawn(server, script, 0, "3", MINE="zero", OMP_NUM_THREADS="1")
+    assert first.returncode == 3
+    assert seen["pid"] == first.pid and seen["sid"] == first.pid  # a session of its own, like start_new_session
+    assert seen["ppid"] == server.pid
+    assert seen["argv"] == [str(script), "3"] and seen["main"] == "__main__"
+    assert seen["mine"] == "zero" and seen["stdin"] == ""
+    assert seen["threads"] == 1  # OMP_NUM_THREADS of the request, not the fork server's 2
+    assert err == b"to stderr\n"
+    second, seen_again, _ = _spawn(server, script, 1, "0", MINE="one")
+    assert second.returncode == 0 and seen_again["mine"] == "one" and seen_again["threads"] == 2
+    assert seen_again["random"] != seen["random"]  # each worker its own random stream
+
+
+def test_a_signalled_worker_reports_the_signal_as_popen_does(server: ForkServer, tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    worker = server.spawn(0, [str(script)], clean_env(), piped=True)
+    assert worker.stdout is not None and worker.stdout.readline() == b"up\n"
+    os.killpg(worker.pid, signal.SIGKILL)
+    assert worker.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    done = tmp_path / "done.py"
+    done.write_text("print('exec worker')\n")
+    out = LineWriter(open(os.devnull, "w"))
+    workers = WorkerProcesses(out, out, forkserver=ForkServer(clean_env()), fork_entry=WORKER_ENTRY)
+    workers.spawn(0, [*WORKER_ENTRY, str(script)], clean_env())
+    forked = workers.procs[0]
+    assert isinstance(forked, ForkedWorker)
+    assert workers.forkserver is not None
+    deadline = time.monotonic() + 60
+    while not Path(f"/proc/{forked.pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(workers.forkserver.pid, signal.SIGKILL)
+    assert forked.wait(timeout=30) == -signal.SIGKILL  # killed by the parent-death signal, or by the launcher
+    deadline = time.monotonic() + 10
+    while _alive(forked.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(forked.pid)
+    with pytest.raises(ForkServerGone):
+        workers.forkserver.spawn(9, [str(done)], clean_env(), piped=False)
+    workers.spawn(1, [*WORKER_ENTRY, str(done)], clean_env())
+    assert isinstance(workers.procs[1], subprocess.Popen)
+    assert workers.procs[1].wait(timeout=60) == 0
+    assert workers.forkserver_failure is not None and not workers.forking
+    workers.reap(timeout_s=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_exec_start_method_trains_and_is_recorded(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_launch(["--nproc", "2", "--start-method", "exec", "--run-dir", str(run_dir), "--no-progress",
+                       str(WORKERS / "hop_worker.py"), "--iterations", "5", "--dim", "100", "--compute-ms", "1"])
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["start_method"] == "exec"
+    assert sorted(record["worker_pids"]) == ["0", "1"]
+    for pid in record["worker_pids"].values():
+        assert not _alive(pid)
