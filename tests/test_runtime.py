@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 
 from hopnet import AsyncWorker, DistributedOptimizer, Graph, ProtocolConfig, WaitTimeout, Worker
 from hopnet.transports.inproc import InprocNetwork
+from hopnet.transports.zmq import ZmqTransport
 
 
 def run_workers(graph: Graph, config: ProtocolConfig, body: Callable[[Worker], None],
@@ -134,3 +135,39 @@ async def test_async_worker_runs_on_the_callers_loop() -> None:
     await asyncio.gather(*(w.close() for w in workers))
     for p in params:
         assert torch.allclose(p, torch.ones(4), atol=1e-6)
+
+
+async def test_a_round_started_during_the_rendezvous_waits_for_the_addresses() -> None:
+    """Ranks 0 to 2 get the addresses first and start eager-SGD round 0; its activation reaches
+    rank 3 while rank 3 still waits for the rendezvous. Rank 3 sends its part once the addresses
+    come, instead of into connections it does not have yet (the round would then never end)."""
+    n = 4
+    graph = Graph.ring(n)
+    config = ProtocolConfig(protocol="eager-sgd", eager_mode="solo", timeout_s=10)
+    table: dict[int, str] = {}
+    everyone = asyncio.Event()
+    grads = [torch.full((8,), float(r)) for r in range(n)]
+
+    def exchange_of(rank: int) -> Callable[[str], Awaitable[dict[int, str]]]:
+        async def exchange(address: str) -> dict[int, str]:
+            table[rank] = address
+            if len(table) == n:
+                everyone.set()
+            await everyone.wait()
+            if rank == 3:
+                await asyncio.sleep(0.5)  # the others start round 0 meanwhile
+            return dict(table)
+        return exchange
+
+    async def run(rank: int) -> torch.Tensor:
+        worker = await AsyncWorker.start(rank=rank, graph=graph, config=config, params=torch.zeros(8),
+                                         grads=grads[rank], transport=ZmqTransport(rank, frozenset(graph.peers(rank))),
+                                         exchange=exchange_of(rank))
+        try:
+            await worker.step(last=True)
+        finally:
+            await worker.close()
+        return grads[rank].clone()
+
+    results = await asyncio.gather(*(run(r) for r in range(n)))
+    assert all(torch.equal(r, results[0]) for r in results), results  # one round, taken by every rank

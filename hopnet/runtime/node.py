@@ -106,6 +106,9 @@ class Node(Generic[P]):
         self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
         self._mailbox_kinds = self.mailbox.kinds
         self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
+        # Set once the rendezvous answered (or failed): the transport receives during the
+        # exchange, and a protocol acting on an early message must not send before it can.
+        self._exchanged: asyncio.Event | None = None
         self._connected: set[int] = set()
         self._collective_factory = collective_factory
         self._collective: AllReduce | None = None
@@ -126,11 +129,15 @@ class Node(Generic[P]):
         self.transport.admit_run(self.graph.n)
         self.address = await self.transport.start(self)
         if exchange is not None:
-            addresses = await exchange(self.address)
-            missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
-            if missing:
-                raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
-            self.addresses = {int(r): a for r, a in addresses.items()}
+            self._exchanged = asyncio.Event()
+            try:
+                addresses = await exchange(self.address)
+                missing = [p for p in self.graph.peers(self.rank) if p not in addresses]
+                if missing:
+                    raise HopnetError(f"rank {self.rank}: no address for peer(s) {missing} after the rendezvous")
+                self.addresses = {int(r): a for r, a in addresses.items()}
+            finally:
+                self._exchanged.set()
             await self.connect_to(self.graph.peers(self.rank))
         if self.coordinator is not None:
             await self.coordinator.start()
@@ -156,6 +163,8 @@ class Node(Generic[P]):
         Connections are made once, on first need: a collective calls this for the members it
         sends to. Without a rendezvous (the in-process transport, or a caller that connected
         the transport itself) there is nothing to do."""
+        if self._exchanged is not None and not self._exchanged.is_set():
+            await self._exchanged.wait()  # a message that arrived during the rendezvous got us here
         new = [r for r in ranks if r != self.rank and r not in self._connected]
         if not new or self.addresses is None:
             return
