@@ -185,17 +185,19 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
         assert log[-1]["event"] == "stop" and [e["error"] for e in errors] == ["Terminated"], log[-4:]
 
 
-@pytest.mark.parametrize("phase", ["training", "starting"])
+@pytest.mark.parametrize("phase", ["training", "starting", "one stopped"])
 def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase: str) -> None:
     extra = ["--sleep-before-init", "600"] if phase == "starting" else []
     proc, run_dir = _start(tmp_path, "--nproc", "3", HOP_WORKER, *FAST, "--iterations", "100000", *extra)
     workers: list[int] = []
     try:
-        if phase == "training":
+        if phase != "starting":
             _wait_for_iteration(run_dir, [0, 1, 2], 3, proc)
         workers = list(worker_pids(run_dir, 3).values())
         if phase == "starting":
             time.sleep(1.0)  # inside the script, before hopnet.init
+        if phase == "one stopped":
+            os.kill(workers[1], signal.SIGSTOP)  # it cannot act on SIGTERM or watch a pipe
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         killed_at = time.monotonic()

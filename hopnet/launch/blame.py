@@ -47,6 +47,8 @@ class RankEnd:
     """Its last ``error`` event record, if it wrote one."""
     last_iter: int | None = None
     """The last iteration it completed (its last ``iteration`` record)."""
+    silent: str | None = None
+    """Why the launcher held it for dead and killed it (it went silent), if it did."""
 
     @property
     def failed_on_its_own(self) -> bool:
@@ -139,7 +141,10 @@ def explain(ends: Sequence[RankEnd]) -> Blame | None:
         code = _int_or_none(error.get("exit_code")) if error else None
         code = code if code is not None else int(root.exit_code or 0)
         reason = describe_exit(code)
-        if code < 0:
+        if root.silent is not None:
+            reason = "went silent"
+            summary = f"rank {root.rank} went silent{in_iter} ({root.silent}; the launcher killed it)"
+        elif code < 0:
             summary = f"rank {root.rank} died ({reason}){in_iter}"
         elif error is None or error.get("error") in ("SystemExit", "Exit"):
             summary = f"worker {root.rank} failed ({reason})"

@@ -22,8 +22,10 @@ that arrives on the Unix socket ``FD``. The forked worker is what an exec'd one 
 The fork server reports each worker's pid, and later its exit status, on the same socket
 (:class:`ForkServer` is the launcher's side). It keeps no thread of its own, so a fork
 never copies a lock held by another thread. When the launcher goes away (the socket
-reaches end-of-file) the fork server exits, and the parent-death signal its workers armed
-(:mod:`hopnet.launch.parent_watch`) ends them.
+reaches end-of-file, even when the launcher was killed with SIGKILL) the fork server
+ends its workers' process groups: SIGTERM and SIGCONT (a stopped worker could not act on
+SIGTERM alone, nor on the parent-death signal), then SIGKILL after
+:data:`~hopnet.launch.parent_watch.BACKSTOP_S`.
 
 ``/proc/PID/environ`` and ``/proc/PID/cmdline`` of a forked worker show the fork server's:
 the launcher records each worker's pid in ``launch.json`` (``worker_pids``).
@@ -34,12 +36,14 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import select
 import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NoReturn
 
@@ -125,6 +129,32 @@ def _become_worker(request: Mapping[str, object], fds: list[int], parent_pid: in
     return [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
 
 
+def _end_children(children: dict[int, int], backstop_s: float = parent_watch.BACKSTOP_S) -> None:
+    """The launcher is gone (or done): so are its workers, stopped ones too. SIGTERM starts a
+    worker's orderly close, SIGCONT lets a stopped one act on it, SIGKILL ends what is left
+    after ``backstop_s``."""
+    for pid in children.values():
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + backstop_s
+    while children and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(children), [], [], max(0.0, deadline - time.monotonic()))
+        for pidfd in ready:
+            os.waitpid(children.pop(pidfd), 0)
+            os.close(pidfd)
+    for pidfd, pid in children.items():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        os.waitpid(pid, 0)
+        os.close(pidfd)
+    children.clear()
+
+
 def serve(sock: socket.socket) -> None:
     """Fork a worker per request until the launcher closes ``sock``. Raises :class:`_Forked` in
     each child."""
@@ -140,7 +170,8 @@ def serve(sock: socket.socket) -> None:
                 except OSError:
                     data, fds = b"", []
                 if not data:
-                    return  # the launcher is gone or done
+                    _end_children(children)  # the launcher is gone or done
+                    return
                 request = msgpack.unpackb(data)
                 try:
                     pid = os.fork()
@@ -171,6 +202,7 @@ def serve(sock: socket.socket) -> None:
                 try:
                     sock.send(packer.pack({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)}))
                 except OSError:
+                    _end_children(children)
                     return
 
 
@@ -179,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m hopnet.launch.forkserver FD", file=sys.stderr)
         return 2
-    parent_watch.arm_parent_death_signal(signal.SIGKILL)
+    # No parent-death signal: when the launcher dies its socket reaches end-of-file at once,
+    # and the fork server outlives it just long enough to end its workers (_end_children).
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it signals workers itself
     sock = socket.socket(fileno=int(args[0]))
     _preload()

@@ -57,6 +57,7 @@ from hopnet.graph import Graph
 from hopnet.launch import forkserver, parent_watch
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.launch.death_watch import DeathWatch
 from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe, differences
@@ -72,7 +73,7 @@ from hopnet.launch.prepare import (
     secure_run,
     worker_base_env,
 )
-from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, signal_name
+from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, kill_group, signal_name
 from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.launch.spec import (
     DEFAULT_GRACE_S,
@@ -91,6 +92,8 @@ from hopnet.report.live import LaunchProgress
 from hopnet.security import RunSecurity
 
 ABORT_POLL_S = 0.25
+DEATH_POLL_S = 0.2
+"""How often the launcher looks for workers declared dead whose process still runs."""
 """How often a launcher of a multi-machine run looks for another machine's abort."""
 FINISH_WAIT_S = 30.0
 """How long node 0's launcher keeps the launchers' store up for the others' end."""
@@ -188,6 +191,8 @@ class Launch:
         self.rendezvous_endpoint = ""
         self.store_endpoint = ""
         self._announced = False
+        self.death_watch = DeathWatch(run_dir, plan.nodes.ranks, stopped_limit_s=plan.config.peer_timeout_s)
+        self._next_death_check = 0.0
 
     @property
     def node_rank(self) -> int:
@@ -309,6 +314,7 @@ class Launch:
                                    f" [rank {remote['rank']} runs on {remote.get('host')}, node {remote.get('node')}]"
                                    if remote.get("rank") is not None else ""))
                     return
+            self._kill_silent()
             exited = self.workers.next_exit()
             if exited is None:
                 continue
@@ -319,8 +325,21 @@ class Launch:
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
-                    self.output.say(f"worker {rank} lost ({describe_exit(code)}); the others go on "
+                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}); the others go on "
                                     f"({len(state.lost)} of --max-failures {spec.max_failures})")
+
+    def _kill_silent(self) -> None:
+        """SIGKILL every running worker its peers declared dead, or stopped for longer than
+        ``--peer-timeout``: it would never exit by itself (:mod:`hopnet.launch.death_watch`)."""
+        now = time.monotonic()
+        if now < self._next_death_check:
+            return
+        self._next_death_check = now + DEATH_POLL_S
+        running = {r: p.pid for r, p in self.workers.procs.items()
+                   if p.returncode is None and r in self.state.pending}
+        for found in self.death_watch.poll(running):
+            self.state.silent[found.rank] = found.reason
+            kill_group(running[found.rank], signal.SIGKILL)
 
     def _announce_options(self) -> None:
         """Once every rank registered: print and record the options that actually run."""
@@ -349,6 +368,7 @@ class Launch:
             else max(self.spec.settle_s, self.plan.config.peer_timeout_s + 2.0)
         deadline = time.monotonic() + wait_s
         while state.pending and time.monotonic() < deadline and not self._signalled():
+            self._kill_silent()
             exited = self.workers.next_exit()
             if exited is not None:
                 state.ended(*exited)
@@ -401,6 +421,7 @@ class Launch:
         state, grace_s = self.state, self.spec.grace_s
         signals_seen = len(self.trap.received)
         self.workers.signal_all(signum)
+        self.workers.signal_all(signal.SIGCONT)  # a stopped worker acts on the signal only once continued
         deadline = time.monotonic() + grace_s
         while state.pending and time.monotonic() < deadline:
             if len(self.trap.received) > signals_seen:

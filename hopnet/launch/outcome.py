@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hopnet.launch.blame import Blame, RankEnd, describe_exit, explain, read_log_facts
+from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.state import RunState
 
 
@@ -18,8 +18,8 @@ def plural_ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _exits(lost: dict[int, int]) -> str:
-    return ", ".join(f"{r}: {describe_exit(c)}" for r, c in sorted(lost.items()))
+def _exits(state: RunState, lost: dict[int, int]) -> str:
+    return ", ".join(f"{r}: {state.describe_end(r, c)}" for r, c in sorted(lost.items()))
 
 
 def blame_run(run_dir: Path, state: RunState) -> Blame:
@@ -30,13 +30,14 @@ def blame_run(run_dir: Path, state: RunState) -> Blame:
     for rank, code in state.returncodes.items():
         facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
         ends.append(RankEnd(rank=rank, exit_code=code, stopped=rank in stopped,
-                            order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter))
+                            order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter,
+                            silent=state.silent.get(rank)))
     blame = explain(ends)
     if blame is not None:
         return blame
     lost = state.lost
     rank = min(lost, key=lambda r: position.get(r, len(position)))  # no record to go by: the first to exit
-    reason = describe_exit(lost[rank])
+    reason = state.describe_end(rank, lost[rank])
     return Blame(rank, reason, f"worker {rank} failed ({reason})")
 
 
@@ -52,7 +53,7 @@ def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: i
     lost = state.lost
     if state.coordinator_exit is not None:
         if lost and state.summary is not None:
-            state.summary += f"; then {plural_ranks(sorted(lost))} failed ({_exits(lost)})"
+            state.summary += f"; then {plural_ranks(sorted(lost))} failed ({_exits(state, lost)})"
         return
     if state.failed_rank is not None or state.summary is not None:
         return  # a phase already named the failure (a worker that did not start, another machine)
@@ -61,7 +62,7 @@ def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: i
         summary = blame.summary if machine is None else f"{blame.summary} [rank {blame.rank} runs on {machine}]"
         state.fail(blame.rank, blame.reason, summary)
     elif lost:
-        state.summary = (f"lost {plural_ranks(sorted(lost))} ({_exits(lost)}); "
+        state.summary = (f"lost {plural_ranks(sorted(lost))} ({_exits(state, lost)}); "
                          f"the other {world_size - len(lost)} workers finished")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hopnet.launch.blame import describe_exit
+
 
 class WorkerState(Enum):
     """Where one worker process is, as the launcher saw it."""
@@ -43,6 +45,9 @@ class RunState:
     """The coordinator's exit status when it died while workers ran."""
     signal: int | None = None
     """The first signal the launcher received, once the monitor saw it."""
+    silent: dict[int, str] = field(default_factory=dict)
+    """Ranks the launcher killed because they went silent (:mod:`hopnet.launch.death_watch`),
+    with why it held them for dead."""
     returncode: int = 0
     failed_rank: int | None = None
     reason: str | None = None
@@ -96,6 +101,12 @@ class RunState:
     @property
     def returncodes(self) -> dict[int, int | None]:
         return {r: w.returncode for r, w in sorted(self.workers.items())}
+
+    def describe_end(self, rank: int, code: int) -> str:
+        """How a lost worker ended, for the launcher's lines: its exit, or why it was killed."""
+        if rank in self.silent:
+            return f"went silent: {self.silent[rank]}; killed"
+        return describe_exit(code)
 
     # -- the outcome
     @property

@@ -1,0 +1,94 @@
+"""Workers that are declared dead but whose process is still there.
+
+A worker that stops answering (SIGSTOP, a hang in native code, a machine swapping itself
+to death) does not exit, so the launcher, which reacts to exits, would wait for it for
+ever. Two things tell the launcher about such a worker:
+
+* its peers: a worker that declares a neighbour dead (``--peer-timeout`` of silence, or
+  the coordinator's notice) writes a ``peer_dead`` record and flushes it at once;
+  :class:`DeathWatch` follows every local rank's event log for them;
+* its own process: a worker stopped (state ``T`` in ``/proc/PID/stat``) for longer than
+  ``--peer-timeout`` is silent to everyone, whether or not a peer is left to notice.
+
+The launcher then kills the process with SIGKILL (the only signal a stopped process acts
+on), and the worker counts as lost: within ``--max-failures`` the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hopnet.report.rundir import LogTail
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """Why the launcher holds ``rank`` for dead while its process runs."""
+
+    rank: int
+    reason: str
+    """``declared dead by rank 2 after 5.0 s of silence, in iteration 427`` or
+    ``stopped (SIGSTOP) for 5.0 s``."""
+    iteration: int | None = None
+    """The iteration its declarer was in (the one it waited in), when a peer declared it."""
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from ``/proc`` (``R``, ``S``, ``T``...), ``None`` if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[-1].split()
+    return fields[0].decode() if fields else None
+
+
+class DeathWatch:
+    """Finds the ranks the launcher should kill: declared dead by a peer, or stopped too long.
+
+    :meth:`poll` is cheap (new log lines and one ``/proc`` read per running worker) and
+    returns each rank once."""
+
+    def __init__(self, run_dir: Path, ranks: Iterable[int], stopped_limit_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tails = {rank: LogTail(run_dir / f"rank{rank}.jsonl") for rank in ranks}
+        self.stopped_limit_s = stopped_limit_s
+        self.clock = clock
+        self.found: dict[int, Declaration] = {}
+        self._stopped_since: dict[int, float] = {}
+
+    def poll(self, running: Mapping[int, int]) -> list[Declaration]:
+        """New declarations about the ranks of ``running`` (rank -> pid)."""
+        new: list[Declaration] = []
+        for declarer, tail in self.tails.items():
+            for record in tail.read():
+                if record.get("event") != "peer_dead":
+                    continue
+                peer = record.get("peer")
+                if not isinstance(peer, int) or peer in self.found or peer not in running:
+                    continue
+                iteration = record.get("iter")
+                silent_s = record.get("silent_s")
+                silence = f" after {silent_s:.1f} s of silence" if isinstance(silent_s, (int, float)) else ""
+                where = f", in iteration {iteration}" if isinstance(iteration, int) else ""
+                new.append(self._found(Declaration(peer, f"declared dead by rank {declarer}{silence}{where}",
+                                                   iteration if isinstance(iteration, int) else None)))
+        now = self.clock()
+        for rank, pid in running.items():
+            if rank in self.found:
+                continue
+            if process_state(pid) != "T":
+                self._stopped_since.pop(rank, None)
+                continue
+            since = self._stopped_since.setdefault(rank, now)
+            if now - since >= self.stopped_limit_s:
+                new.append(self._found(Declaration(rank, f"stopped (state T) for {now - since:.1f} s")))
+        return new
+
+    def _found(self, declaration: Declaration) -> Declaration:
+        self.found[declaration.rank] = declaration
+        return declaration
