@@ -84,14 +84,54 @@ def test_a_killed_rank_died_and_its_neighbours_waited() -> None:
     ]
     blame = explain(ends)
     assert blame is not None and blame.rank == 2 and blame.reason == "killed by SIGKILL"
-    assert blame.summary == "rank 2 died (killed by SIGKILL) in iteration 8; then rank 1 timed out waiting for its updates"
+    assert blame.summary == ("rank 2 died (killed by SIGKILL) while its neighbours waited in iteration 8; "
+                             "then rank 1 timed out waiting for its updates")
 
 
 def test_a_silent_peer_went_silent() -> None:
     ends = [RankEnd(0, 1, error=error(0, "WaitTimeout", mono=1.0, peer=1, state="dead", it=3)),
             RankEnd(1, -9, stopped=True, last_iter=2)]
     blame = explain(ends)
-    assert blame is not None and blame.summary == "rank 1 went silent in iteration 3: rank 0 timed out waiting for its updates"
+    assert blame is not None
+    assert blame.summary == "rank 1 went silent while its neighbours waited in iteration 3: rank 0 timed out waiting for its updates"
+
+
+def test_a_stopped_rank_is_placed_where_its_neighbours_waited_not_where_its_log_ends() -> None:
+    """SIGSTOP, then the launcher's SIGKILL: its log was last flushed nine iterations back."""
+    ends = [
+        RankEnd(0, 143, stopped=True, error=terminated(0, 428), last_iter=427),
+        RankEnd(1, 1, order=1, error=error(1, "WaitTimeout", mono=7.0, peer=3, state="dead", it=429), last_iter=428),
+        RankEnd(2, 1, order=0, error=error(2, "WaitTimeout", mono=6.9, peer=3, state="dead", it=427), last_iter=426),
+        RankEnd(3, -9, stopped=True, last_iter=418),
+    ]
+    blame = explain(ends)
+    assert blame is not None and (blame.rank, blame.reason, blame.followers) == (3, "went silent", (2, 1))
+    assert blame.summary == ("rank 3 went silent while its neighbours waited in iteration 427: "
+                             "ranks 1, 2 timed out waiting for its updates")
+
+
+def test_a_killed_rank_nobody_failed_for_is_placed_by_the_peer_dead_records() -> None:
+    """Backup workers carried on without rank 2: only their ``peer_dead`` records say where they were."""
+    ends = [
+        RankEnd(0, 0, last_iter=99, declared_dead={2: 57}),
+        RankEnd(1, 0, last_iter=99, declared_dead={2: 55, 3: 80}),
+        RankEnd(2, -9, order=0, last_iter=50),
+        RankEnd(3, 0, last_iter=99, declared_dead={2: 56}),
+    ]
+    blame = explain(ends)
+    assert blame is not None and blame.rank == 2
+    assert blame.summary == "rank 2 died (killed by SIGKILL) while its neighbours waited in iteration 55"
+    stalled = explain([RankEnd(0, 1, error=error(0, "ValueError", mono=1.0, peer=1, it=9)),
+                       RankEnd(1, -9, stopped=True, last_iter=4), RankEnd(2, 0, declared_dead={1: 8})])
+    assert stalled is not None and stalled.summary == \
+        "rank 1 went silent while its neighbours waited in iteration 9: rank 0 failed because of it"
+
+
+def test_a_killed_rank_with_no_word_from_its_neighbours_is_placed_after_its_last_logged_iteration() -> None:
+    blame = explain([RankEnd(0, 0, last_iter=20), RankEnd(1, -9, order=0, last_iter=7)])
+    assert blame is not None and blame.summary == "rank 1 died (killed by SIGKILL) after iteration 7"
+    blame = explain([RankEnd(0, 0), RankEnd(1, -9, order=0)])
+    assert blame is not None and blame.summary == "rank 1 died (killed by SIGKILL)"
 
 
 def test_sys_exit_without_records_and_no_failure_at_all() -> None:
@@ -117,6 +157,10 @@ def test_log_tail_tolerates_cut_and_corrupt_lines(tmp_path: Path) -> None:
     text = "\n".join(lines) + '\n{"event": "stop", "rank": 0, "t'  # cut mid-record
     facts = parse_log_tail(text[7:])  # also cut at the start
     assert facts.last_iter == 4 and facts.error is not None and facts.error["peer"] == 3
+    assert facts.declared_dead == {}
+    dead = [{"event": "peer_dead", "rank": 0, "peer": p, "silent_s": 5.0, "iter": it}
+            for p, it in ((3, 7), (1, None), (3, 9), (2, 8))]
+    assert parse_log_tail("\n".join(map(json.dumps, dead))).declared_dead == {3: 7, 2: 8}  # the first, per peer
     path = tmp_path / "rank0.jsonl"
     path.write_text(text)
     assert read_log_facts(path, tail_bytes=300).error == facts.error

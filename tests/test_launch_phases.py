@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import sys
@@ -13,9 +14,10 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.launcher import launch
+from hopnet.launch.launcher import Launch, launch, run_launch
 from hopnet.launch.outcome import conclude
 from hopnet.launch.prepare import launch_record, prepare_run_dir, rendezvous_host, worker_base_env
+from hopnet.launch.run_dir import claim_run_dir
 from hopnet.launch.spec import WORKER_ENTRY, LaunchSpec, validate
 from hopnet.launch.state import RunState, WorkerState
 from hopnet.security import KEY_ENV, CurveKeys, RunSecurity
@@ -79,7 +81,8 @@ def test_prepare_run_dir_writes_the_graph_and_says_the_notes(tmp_path: Path) -> 
     plan = validate(LaunchSpec(SCRIPT, graph="ring:3", run_dir=tmp_path / "run", bind="0.0.0.0",
                                config=ProtocolConfig(bulk="torch")))
     keys = RunSecurity(CurveKeys.generate(), "generated")
-    path = prepare_run_dir(plan, keys, said.append)
+    with prepare_run_dir(plan, keys, said.append) as claim:
+        path = claim.path
     assert path == (tmp_path / "run").resolve()
     assert Graph.from_json(path / "graph.json").n == 3
     assert any(line.startswith("note: CurveZMQ covers the ZeroMQ sockets") for line in said), said
@@ -99,15 +102,33 @@ def test_prepare_run_dir_refuses_a_run_dir_holding_a_run_unless_overwrite(tmp_pa
     with pytest.raises(ConfigError, match="already holds a run .* pass --overwrite"):
         prepare_run_dir(validate(LaunchSpec(SCRIPT, run_dir=run)), PLAIN, print)
     said: list[str] = []
-    prepare_run_dir(validate(LaunchSpec(SCRIPT, run_dir=run, overwrite=True)), PLAIN, said.append)
-    assert said == [f"--overwrite: removed the previous run's 1 event log from {run}; kept 1 other file"]
-    assert sorted(p.name for p in run.iterdir()) == ["graph.json", "notes.txt"]
+    with prepare_run_dir(validate(LaunchSpec(SCRIPT, run_dir=run, overwrite=True)), PLAIN, said.append):
+        assert said == [f"--overwrite: removed the previous run's 1 event log from {run}; kept 1 other file"]
+        assert sorted(p.name for p in run.iterdir()) == ["graph.json", "launch.lock", "notes.txt"]
+        with pytest.raises(ConfigError, match=f"--run-dir {run} is in use by a running launch \\(pid {os.getpid()} on "):
+            prepare_run_dir(validate(LaunchSpec(SCRIPT, run_dir=run, overwrite=True)), PLAIN, print)
+
+
+def test_a_launch_gives_its_run_dir_back_when_a_phase_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Launch) -> None:
+        raise RuntimeError("the store would not start")
+
+    monkeypatch.setattr(Launch, "start_store_and_rendezvous", broken)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="the store would not start"):
+        run_launch(LaunchSpec(SCRIPT, graph="ring:2", run_dir=run, start_method="exec"),
+                   stdout=io.StringIO(), stderr=io.StringIO())
+    with claim_run_dir(run, overwrite=True) as claim:  # not held by the launch that failed
+        assert claim.cleared is not None and "graph.json" in claim.cleared
 
 
 def test_prepare_run_dir_names_a_fresh_one_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     plan = validate(LaunchSpec(SCRIPT, graph="ring:3", config=ProtocolConfig(protocol="allreduce")))
-    first, second = (prepare_run_dir(plan, PLAIN, print) for _ in range(2))
+    claims = [prepare_run_dir(plan, PLAIN, print) for _ in range(2)]
+    first, second = (claim.path for claim in claims)
+    for claim in claims:
+        claim.release()
     assert first.parent == second.parent == (tmp_path / "runs").resolve()
     assert first.name.endswith("-allreduce-ring-3")
     assert second.name.endswith(("-allreduce-ring-3", "-allreduce-ring-3-2"))

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from hopnet.analysis import RunLogError, load_run, max_gap_from_run
-from hopnet.launch.run_dir import clear_previous_run
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.launch.prepare import prepare_run_dir
+from hopnet.launch.run_dir import CLAIM_FILE, RUN_FILE_PATTERNS, RunDirClaim, claim_run_dir
+from hopnet.launch.spec import LaunchSpec, validate
 from hopnet.launch.threads import limit_worker_threads, threads_per_worker, usable_cores
+from hopnet.security import RunSecurity
 
-from support.paths import WORKERS
+from support.env import clean_env
+from support.paths import ROOT, WORKERS
 from support.launch import run_launch
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
@@ -55,16 +66,102 @@ def test_a_reused_run_dir_is_refused_and_overwrite_replaces_only_the_run(tmp_pat
 
 
 # ---------------------------------------------------------------------------- the run directory rules
-def test_clear_previous_run(tmp_path: Path) -> None:
-    assert clear_previous_run(tmp_path / "missing", overwrite=False) is None
+def test_a_claim_refuses_a_run_and_overwrite_removes_only_the_runs_files(tmp_path: Path) -> None:
+    assert CLAIM_FILE in RUN_FILE_PATTERNS
     (tmp_path / "data.csv").write_text("x\n")
-    assert clear_previous_run(tmp_path, overwrite=False) is None  # user files alone are no run
+    with claim_run_dir(tmp_path, overwrite=False) as claim:  # user files alone are no run
+        assert claim.cleared is None and claim.path == tmp_path.resolve()
+        assert json.loads((tmp_path / CLAIM_FILE).read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+    assert not claim.held
+    with pytest.raises(ConfigError, match=r"already holds a run \(launch.lock\): .* pass --overwrite"):
+        claim_run_dir(tmp_path, overwrite=False)  # a claim alone is a run (its launcher died before writing)
     (tmp_path / "rank0.jsonl").write_text("{}\n")
-    with pytest.raises(Exception, match=r"already holds a run \(1 event log\)"):
-        clear_previous_run(tmp_path, overwrite=False)
-    said = clear_previous_run(tmp_path, overwrite=True)
-    assert said == f"--overwrite: removed the previous run's 1 event log from {tmp_path}; kept 1 other file"
-    assert sorted(os.listdir(tmp_path)) == ["data.csv"]
+    with pytest.raises(ConfigError, match=r"already holds a run \(1 event log\)"):
+        claim_run_dir(tmp_path, overwrite=False)
+    with claim_run_dir(tmp_path, overwrite=True) as claim:
+        assert claim.cleared == f"--overwrite: removed the previous run's 1 event log from {tmp_path}; kept 1 other file"
+        assert sorted(os.listdir(tmp_path)) == ["data.csv", CLAIM_FILE]
+        with pytest.raises(ConfigError, match=rf"--run-dir {tmp_path} is in use by a running launch "
+                                              rf"\(pid {os.getpid()} on {socket.gethostname()}\): choose another"):
+            claim_run_dir(tmp_path, overwrite=True)
+        with pytest.raises(ConfigError, match=r"already holds a run \(launch.lock\)"):
+            claim_run_dir(tmp_path, overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == ["data.csv", CLAIM_FILE]
+
+
+PLAIN = RunSecurity(None, "off: loopback")
+CLAIMANTS = 8
+
+
+def _race(run_dir: Path, overwrite: list[bool]) -> tuple[list[tuple[int, RunDirClaim]], list[str]]:
+    """``len(overwrite)`` launches prepare ``run_dir`` at once, launch i on a ring of i + 2 nodes
+    (the winner's graph.json tells who won): the claims won, and the losers' messages."""
+    plans = [validate(LaunchSpec(ROOT / "tests" / "scripts" / "launch_worker.py", graph=f"ring:{i + 2}",
+                                 run_dir=run_dir, overwrite=flag)) for i, flag in enumerate(overwrite)]
+    start = threading.Barrier(len(plans))
+    won: list[tuple[int, RunDirClaim]] = []
+    refused: list[str] = []
+    said: list[list[str]] = [[] for _ in plans]
+
+    def claimant(i: int) -> None:
+        start.wait()
+        try:
+            won.append((i, prepare_run_dir(plans[i], PLAIN, said[i].append)))
+        except ConfigError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=claimant, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(1 for lines in said if lines) <= 1  # only the winner says anything
+    return won, refused
+
+
+@pytest.mark.parametrize("mode", ["plain", "overwrite", "mixed"])
+def test_of_simultaneous_claims_one_wins_and_the_losers_write_nothing(tmp_path: Path, mode: str) -> None:
+    for attempt in range(5):
+        run_dir = tmp_path / f"try{attempt}"
+        if mode != "plain":  # an earlier run whose launcher was killed, and a file of the user's
+            run_dir.mkdir()
+            for name in ("graph.json", "launch.json", CLAIM_FILE, "rank0.jsonl", "rank7.jsonl", "notes.txt"):
+                (run_dir / name).write_text("{}\n")
+        overwrite = [mode == "overwrite" or (mode == "mixed" and i % 2 == 0) for i in range(CLAIMANTS)]
+        won, refused = _race(run_dir, overwrite)
+        assert len(won) == 1 and len(refused) == CLAIMANTS - 1, refused
+        (winner, claim), = won
+        assert all("\n" not in r and ("already holds a run" in r or "is in use by a running launch" in r)
+                   for r in refused), refused
+        user = ["notes.txt"] if mode != "plain" else []
+        assert sorted(os.listdir(run_dir)) == sorted(["graph.json", CLAIM_FILE, *user])  # the winner's, and no more
+        assert Graph.from_json(run_dir / "graph.json").n == winner + 2
+        claim.release()
+
+
+def test_a_killed_launchers_claim_is_a_run_that_overwrite_replaces(tmp_path: Path) -> None:
+    """The launcher dies by SIGKILL holding the directory: its ``flock`` goes with it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with subprocess.Popen(
+            [sys.executable, "-c", "import sys; from hopnet.launch.run_dir import claim_run_dir; "
+             "claim = claim_run_dir(sys.argv[1], overwrite=False); (claim.path / 'graph.json').write_text('{}'); "
+             "print('claimed', flush=True); sys.stdin.read()", str(run_dir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env()) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "claimed\n"
+            with pytest.raises(ConfigError, match=rf"is in use by a running launch \(pid {holder.pid} on "):
+                claim_run_dir(run_dir, overwrite=True)
+            holder.send_signal(signal.SIGKILL)
+            assert holder.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            holder.kill()  # nothing left to do if it is gone; the with waits for it
+    with pytest.raises(ConfigError, match=r"already holds a run \(graph.json\): .* pass --overwrite"):
+        claim_run_dir(run_dir, overwrite=False)
+    with claim_run_dir(run_dir, overwrite=True) as claim:
+        assert claim.cleared == f"--overwrite: removed the previous run's graph.json from {run_dir}"
+        assert os.listdir(run_dir) == [CLAIM_FILE]
+        assert json.loads((run_dir / CLAIM_FILE).read_text())["pid"] == os.getpid()
 
 
 # ---------------------------------------------------------------------------- analysis of logs that are not one run

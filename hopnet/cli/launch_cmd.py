@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "(default: runs/<time>-<protocol>-<graph>)")
     launcher.add_argument("--overwrite", action="store_true",
                           help="reuse a --run-dir that holds an earlier run, removing that run's "
-                               "launch.json, graph.json and rank*.jsonl (other files stay)")
+                               "launch.json, graph.json and rank*.jsonl (other files stay); "
+                               "a directory a running launch holds is refused even so")
     launcher.add_argument("--bind", default="127.0.0.1", metavar="HOST",
                           help="host the workers bind their sockets to (default: 127.0.0.1)")
     launcher.add_argument("--no-prefix", dest="prefix", action="store_false",

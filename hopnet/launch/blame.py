@@ -11,6 +11,17 @@ the rank at its root:
   one that died (killed by a signal), one that left early (exit 0 while others ran on),
   or one still running when the launcher stopped the run (it stalled).
 
+The iteration in the line. A rank's own ``error`` record is exact: the rank wrote it at
+the moment it ended. A rank that left none (killed by SIGKILL, or stopped by SIGSTOP and
+then killed) cannot be placed by its own log: records reach the file in batches, so its
+last flushed ``iteration`` record may lag where it was by many iterations. Such a rank is
+placed where its neighbours waited for it: the *lowest* iteration among the ``error``
+records of the ranks that blame it, else among the ``peer_dead`` records that declare it
+dead (``... while its neighbours waited in iteration 427``). The lowest, because a
+neighbour that waits on a rank can be ahead of it by the protocol's staleness but has not
+got past it, so the lowest is the nearest to where the silent rank stopped. With neither,
+the line says only what its log proves: ``after iteration 418``, its last logged one.
+
 :func:`explain` is pure (records in, summary out); :func:`read_log_facts` reads what
 it needs from a rank's event log, tolerating missing, partial and corrupt files.
 """
@@ -21,7 +32,7 @@ import json
 import os
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,8 @@ class RankEnd:
     """Its last ``error`` event record, if it wrote one."""
     last_iter: int | None = None
     """The last iteration it completed (its last ``iteration`` record)."""
+    declared_dead: Mapping[int, int] = field(default_factory=dict)
+    """The peers it declared dead (``peer_dead`` records), each with the iteration it was in then."""
     silent: str | None = None
     """Why the launcher held it for dead and killed it (it went silent), if it did."""
 
@@ -116,11 +129,31 @@ def _what_followers_did(followers: Sequence[RankEnd]) -> str:
     return "failed because of it"
 
 
+def _own_iteration(end: RankEnd) -> int | None:
+    """The iteration its own ``error`` record says it was in, if it wrote one."""
+    return _int_or_none(end.error.get("iter")) if end.error else None
+
+
 def _iteration(end: RankEnd) -> int | None:
-    """The iteration a rank was in when it ended: its error record's, else after its last one."""
-    if end.error and _int_or_none(end.error.get("iter")) is not None:
-        return int(end.error["iter"])
+    """The iteration a follower was in when it failed: its error record's, else after its last one."""
+    own = _own_iteration(end)
+    if own is not None:
+        return own
     return None if end.last_iter is None else end.last_iter + 1
+
+
+def _where(root: RankEnd, followers: Sequence[RankEnd], ends: Sequence[RankEnd]) -> str:
+    """Where ``root`` was when it ended, as the summary says it (see the module docstring)."""
+    if root.error is not None:
+        own = _iteration(root)
+        return f" in iteration {own}" if own is not None else ""
+    waited = [i for f in followers if (i := _own_iteration(f)) is not None]
+    if not waited:
+        waited = [it for end in ends if end.rank != root.rank
+                  if (it := end.declared_dead.get(root.rank)) is not None]
+    if waited:
+        return f" while its neighbours waited in iteration {min(waited)}"
+    return f" after iteration {root.last_iter}" if root.last_iter is not None else ""
 
 
 def explain(ends: Sequence[RankEnd]) -> Blame | None:
@@ -133,8 +166,7 @@ def explain(ends: Sequence[RankEnd]) -> Blame | None:
     followers = [f for f in failures if f.rank != root.rank and _blamed_peer(f) == root.rank]
     consequence = f": {_ranks([f.rank for f in followers])} {_what_followers_did(followers)}" if followers else ""
     follower_iters = [i for f in followers if (i := _iteration(f)) is not None]
-    iteration = _iteration(root)
-    in_iter = f" in iteration {iteration}" if iteration is not None else ""
+    in_iter = _where(root, followers, ends)
 
     if root.failed_on_its_own:
         error = root.error
@@ -161,12 +193,10 @@ def explain(ends: Sequence[RankEnd]) -> Blame | None:
         return Blame(root.rank, "left early", f"rank {root.rank} left{last}{ran_on}{consequence}",
                      tuple(f.rank for f in followers))
     state = "stalled"
-    if "dead" in states:
+    if "dead" in states or any(root.rank in end.declared_dead for end in ends):
         state = "went silent"
     elif "departed" in states:
         state = "left"
-    if root.stopped and root.last_iter is not None:
-        in_iter = f" in iteration {root.last_iter + 1}"
     return Blame(root.rank, state, f"rank {root.rank} {state}{in_iter}{consequence}",
                  tuple(f.rank for f in followers))
 
@@ -175,13 +205,16 @@ def explain(ends: Sequence[RankEnd]) -> Blame | None:
 class LogFacts:
     error: dict[str, Any] | None = None
     last_iter: int | None = None
+    declared_dead: dict[int, int] = field(default_factory=dict)
+    """Peer -> the iteration of this rank's first ``peer_dead`` record naming it."""
 
 
 def parse_log_tail(text: str) -> LogFacts:
-    """The last ``error`` record and the last completed iteration among JSON lines
-    (a cut first or last line and lines that are not JSON objects are skipped)."""
+    """The last ``error`` record, the last completed iteration and the peers declared dead
+    among JSON lines (a cut first or last line and lines that are not JSON objects are skipped)."""
     error: dict[str, Any] | None = None
     last_iter: int | None = None
+    declared_dead: dict[int, int] = {}
     for line in text.splitlines():
         line = line.strip()
         if not line.startswith("{"):
@@ -197,7 +230,10 @@ def parse_log_tail(text: str) -> LogFacts:
             error = record
         elif event == "iteration" and (it := _int_or_none(record.get("iter"))) is not None:
             last_iter = it if last_iter is None else max(last_iter, it)
-    return LogFacts(error, last_iter)
+        elif event == "peer_dead" and (peer := _int_or_none(record.get("peer"))) is not None:
+            if (it := _int_or_none(record.get("iter"))) is not None:
+                declared_dead.setdefault(peer, it)
+    return LogFacts(error, last_iter, declared_dead)
 
 
 def read_log_facts(path: str | os.PathLike[str], tail_bytes: int = TAIL_BYTES) -> LogFacts:

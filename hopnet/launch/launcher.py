@@ -5,8 +5,9 @@ The launcher
 * resolves the graph (a JSON file or a builder spec such as ``ring:4``) and the
   protocol configuration, and checks the options against the graph
   (:mod:`hopnet.config_checks`) before anything is created;
-* creates the run directory (refusing one that holds a run, see
-  :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and ``launch.json`` into it;
+* creates and claims the run directory (refusing one that holds a run, or that another
+  launch holds, see :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and
+  ``launch.json`` into it;
 * sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
 * runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
@@ -75,6 +76,7 @@ from hopnet.launch.prepare import (
 )
 from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, kill_group, signal_name
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.launch.run_dir import RunDirClaim
 from hopnet.launch.spec import (
     DEFAULT_GRACE_S,
     DEFAULT_NPROC,
@@ -509,28 +511,33 @@ def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[st
     output = LauncherOutput(out_stream, err_stream)
     plan = validate(spec)
     machines = join_launchers(plan)
+    claim: RunDirClaim | None = None
     try:
         security = secure_run(plan, machines)
-        run_dir = prepare_run_dir(plan, security, output.say)
-        record = launch_record(plan, security, run_dir)
+        claim = prepare_run_dir(plan, security, output.say)
+        record = launch_record(plan, security, claim.path)
     except BaseException:
+        if claim is not None:
+            claim.release()
         if machines is not None:
             machines.group.finish(0.0)
         raise
-    output.show_progress(run_dir, list(plan.nodes.ranks), spec.progress and spec.prefix, out_stream, err_stream)
-    run = Launch(plan, machines, security, run_dir, record, output)
-    started = time.monotonic()
-    try:
-        run.start_store_and_rendezvous()
-        run.start_coordinator()
-        with run.trap:
-            run.spawn()
-            run.monitor()
-            run.settle()
-            run.stop()
-    finally:
-        run.release()
-    return run.summarise(time.monotonic() - started)
+    with claim:  # the run directory is this launch's until its summary is written
+        run_dir = claim.path
+        output.show_progress(run_dir, list(plan.nodes.ranks), spec.progress and spec.prefix, out_stream, err_stream)
+        run = Launch(plan, machines, security, run_dir, record, output)
+        started = time.monotonic()
+        try:
+            run.start_store_and_rendezvous()
+            run.start_coordinator()
+            with run.trap:
+                run.spawn()
+                run.monitor()
+                run.settle()
+                run.stop()
+        finally:
+            run.release()
+        return run.summarise(time.monotonic() - started)
 
 
 def launch(
@@ -577,7 +584,8 @@ def launch(
     workers end on their own after a failure before it stops them, to see who blames whom.
     ``progress`` shows a live status line when stderr or stdout is a terminal (and ``prefix``).
     A ``run_dir`` that already holds a run is refused unless ``overwrite`` (which removes
-    that run's hopnet files, see :mod:`hopnet.launch.run_dir`).
+    that run's hopnet files, see :mod:`hopnet.launch.run_dir`); one that a running launch
+    holds is refused even then.
     Sockets bound to anything but loopback use CurveZMQ with a key made for the run, or
     read from ``key_file``; ``secure`` uses it on loopback too; ``insecure`` turns it off
     (with a warning when ``bind`` is not loopback).

@@ -31,7 +31,8 @@ def blame_run(run_dir: Path, state: RunState) -> Blame:
         facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
         ends.append(RankEnd(rank=rank, exit_code=code, stopped=rank in stopped,
                             order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter,
-                            silent=state.silent.get(rank)))
+                            silent=state.silent.get(rank),
+                            declared_dead=facts.declared_dead))
     blame = explain(ends)
     if blame is not None:
         return blame

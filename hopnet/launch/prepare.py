@@ -23,7 +23,7 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
-from hopnet.launch.run_dir import clear_previous_run, graph_label, make_run_dir
+from hopnet.launch.run_dir import RunDirClaim, claim_run_dir, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
 from hopnet.launch.store import parse_endpoint
 from hopnet.launch.threads import limit_worker_threads
@@ -85,15 +85,27 @@ def secure_run(plan: LaunchPlan, machines: JoinedMachines | None) -> RunSecurity
 
 
 # ------------------------------------------------------------------------ run directory
-def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str], None]) -> Path:
-    """Create the run directory (refusing one that holds a run unless ``--overwrite``), write
+def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str], None]) -> RunDirClaim:
+    """Create and claim the run directory (refusing one that holds a run unless ``--overwrite``,
+    and one a running launch holds: :func:`~hopnet.launch.run_dir.claim_run_dir`), write
     ``graph.json`` into it, and ``say`` the notes on the run: what ``--overwrite`` removed,
-    security warnings, the config checks' notes."""
+    security warnings, the config checks' notes. The launch holds the returned claim
+    until it ends; a refusal writes nothing into the directory."""
     spec = plan.spec
-    cleared = clear_previous_run(spec.run_dir, spec.overwrite) if spec.run_dir is not None else None
     path = make_run_dir(spec.run_dir, plan.config.protocol, graph_label(plan.graph, spec.graph))
-    if cleared:
-        say(cleared)
+    claim = claim_run_dir(path if spec.run_dir is None else spec.run_dir, spec.overwrite)  # named as given
+    try:
+        _write_graph_and_notes(plan, security, say, claim)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _write_graph_and_notes(plan: LaunchPlan, security: RunSecurity, say: Callable[[str], None],
+                           claim: RunDirClaim) -> None:
+    if claim.cleared:
+        say(claim.cleared)
     if security.warning:
         say(f"warning: {security.warning}")
     if security.keys is not None and not is_loopback(plan.bind) and plan.config.bulk != "zmq":
@@ -101,8 +113,7 @@ def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str]
             "torch plane (gloo/NCCL) are not encrypted (use --bulk zmq on untrusted networks)")
     for note in plan.notes:
         say(f"note: {note}")
-    plan.graph.to_json(path / "graph.json")
-    return path
+    plan.graph.to_json(claim.path / "graph.json")
 
 
 class LaunchRecord:

@@ -6,20 +6,47 @@ behind for analysis to trip over. `hopnet launch --run-dir DIR` therefore refuse
 directory that already holds a run, and with ``--overwrite`` removes that run's
 hopnet files first: the ones listed in :data:`RUN_FILE_PATTERNS`, nothing else.
 Without ``--run-dir`` a fresh ``runs/<time>-<protocol>-<graph>`` is made (:func:`make_run_dir`).
+
+Claiming a directory is atomic (:func:`claim_run_dir`): of two launches started at the
+same instant on one directory, one wins and the other is refused before it writes
+anything. The claim is ``launch.lock``, held with ``flock`` for as long as the launch
+runs:
+
+* without ``--overwrite`` a launch refuses a directory holding any run file, the lock
+  included, then creates the lock with ``O_CREAT | O_EXCL``: of two launches that both
+  found the directory empty, only one creates it;
+* with ``--overwrite`` it opens (or creates) the lock and takes the ``flock`` without
+  waiting: a directory whose lock is held belongs to a running launch and is refused;
+  otherwise the earlier run's files go, all but the lock, which is never removed (a
+  launch holding a removed lock would hold nothing the next one could see).
+
+The kernel drops the ``flock`` of a launcher that dies, even by SIGKILL, so the lock it
+leaves is an earlier run's like its other files: refused without ``--overwrite``,
+replaced with it. The lock's content (the launcher's pid and host) is only for the
+message naming a running launch. Where the file system has no ``flock``, the exclusive
+create still keeps two launches without ``--overwrite`` apart.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import re
+import socket
 from datetime import datetime
 from pathlib import Path
+from types import TracebackType
 
 from hopnet.graph import Graph
 
 from hopnet.errors import ConfigError
 
-RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", "graph.json", "rank*.jsonl", "coordinator.jsonl", "model.pt")
+CLAIM_FILE = "launch.lock"
+"""The launch that holds this file's ``flock`` owns the directory (see the module docstring)."""
+RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", CLAIM_FILE, "graph.json", "rank*.jsonl",
+                     "coordinator.jsonl", "model.pt")
 """The files a launch writes into its run directory (scripts may add their own, which stay)."""
 RUNS_DIR = "runs"
 
@@ -35,26 +62,84 @@ def previous_run_files(path: str | os.PathLike[str]) -> list[Path]:
 
 def _describe(files: list[Path]) -> str:
     logs = [f for f in files if f.suffix == ".jsonl"]
-    named = [f.name for f in files if f.suffix != ".jsonl" and not f.name.endswith(".tmp")]
+    named = [f.name for f in files
+             if f.suffix != ".jsonl" and not f.name.endswith(".tmp") and f.name != CLAIM_FILE]
     if logs:
         named.append(f"{len(logs)} event log{'' if len(logs) == 1 else 's'}")
     return ", ".join(named) if named else ", ".join(f.name for f in files)
 
 
-def clear_previous_run(run_dir: str | os.PathLike[str], overwrite: bool) -> str | None:
-    """Refuse a ``run_dir`` that holds a run, or (``overwrite``) remove that run's files.
+def _refuse(shown: str, files: list[Path]) -> ConfigError:
+    return ConfigError(f"--run-dir {shown} already holds a run ({_describe(files)}): choose another directory "
+                       "or pass --overwrite to replace it")
 
-    Returns a line saying what was removed, or ``None`` when there was nothing to remove.
-    Raises :class:`ConfigError` when the directory holds a run and ``overwrite`` is false.
-    """
-    files = previous_run_files(run_dir)
-    if not files:
-        return None
-    shown = os.fspath(run_dir)
-    what = _describe(files)
-    if not overwrite:
-        raise ConfigError(f"--run-dir {shown} already holds a run ({what}): choose another directory "
-                          "or pass --overwrite to replace it")
+
+class RunDirClaim:
+    """A launch's hold on its run directory: :attr:`path`, until :meth:`release` (or the
+    process's end). A context manager that releases on exit."""
+
+    def __init__(self, path: Path, fd: int, cleared: str | None) -> None:
+        self.path = path
+        self.cleared = cleared
+        """What ``--overwrite`` removed, in one line (``None``: nothing)."""
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Give the directory up (closing the lock drops the ``flock``); the lock file stays."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> RunDirClaim:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the ``flock`` without waiting: ``False`` when another launch holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+            return True  # no flock here: the exclusive create is all the protection there is
+        raise
+    return True
+
+
+def _holder(fd: int) -> str:
+    """`` (pid N on HOST)`` from the lock's content, or nothing when it cannot be read."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return ""
+    if isinstance(data, dict) and isinstance(data.get("pid"), int):
+        host = f" on {data['host']}" if isinstance(data.get("host"), str) else ""
+        return f" (pid {data['pid']}{host})"
+    return ""
+
+
+def _stamp(fd: int) -> None:
+    data = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode() + b"\n"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except OSError:
+        pass  # only the message to a launch refused later loses its pid
+
+
+def _remove(files: list[Path]) -> None:
     for f in files:
         try:
             f.unlink()
@@ -62,9 +147,54 @@ def clear_previous_run(run_dir: str | os.PathLike[str], overwrite: bool) -> str 
             pass
         except OSError as exc:
             raise ConfigError(f"--overwrite: cannot remove {os.fspath(f)}: {exc.strerror or exc}") from None
-    kept = sorted(p.name for p in Path(run_dir).iterdir())
-    tail = f"; kept {len(kept)} other file{'' if len(kept) == 1 else 's'}" if kept else ""
-    return f"--overwrite: removed the previous run's {what} from {shown}{tail}"
+
+
+def claim_run_dir(run_dir: str | os.PathLike[str], overwrite: bool) -> RunDirClaim:
+    """Claim the existing directory ``run_dir`` for one launch (see the module docstring);
+    messages name it as given, :attr:`RunDirClaim.path` is resolved.
+
+    Raises :class:`ConfigError`, having written nothing, when it holds a run and
+    ``overwrite`` is false, or when a running launch holds it. With ``overwrite`` the
+    earlier run's files are removed; :attr:`RunDirClaim.cleared` says which.
+    """
+    path = Path(run_dir).resolve()
+    shown = os.fspath(run_dir)
+    lock = path / CLAIM_FILE
+    cleared: str | None = None
+    if not overwrite:
+        files = previous_run_files(path)
+        if files:
+            raise _refuse(shown, files)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            raise _refuse(shown, previous_run_files(path) or [lock]) from None
+        except OSError as exc:
+            raise ConfigError(f"--run-dir {shown}: cannot create {CLAIM_FILE}: {exc.strerror or exc}") from None
+        if not _try_lock(fd):  # an --overwrite launch opened it first
+            os.close(fd)
+            raise _refuse(shown, [lock])
+    else:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"--run-dir {shown}: cannot open {CLAIM_FILE}: {exc.strerror or exc}") from None
+        if not _try_lock(fd):
+            holder = _holder(fd)
+            os.close(fd)
+            raise ConfigError(f"--run-dir {shown} is in use by a running launch{holder}: choose another directory")
+        files = [f for f in previous_run_files(path) if f.name != CLAIM_FILE]
+        if files:
+            try:
+                _remove(files)
+            except BaseException:
+                os.close(fd)
+                raise
+            kept = sorted(p.name for p in path.iterdir() if p.name != CLAIM_FILE)
+            tail = f"; kept {len(kept)} other file{'' if len(kept) == 1 else 's'}" if kept else ""
+            cleared = f"--overwrite: removed the previous run's {_describe(files)} from {shown}{tail}"
+    _stamp(fd)
+    return RunDirClaim(path, fd, cleared)
 
 
 def _slug(text: str) -> str:
