@@ -342,6 +342,7 @@ class Launch:
         for found in self.death_watch.poll(running):
             self.state.silent[found.rank] = found.reason
             kill_group(running[found.rank], signal.SIGKILL)
+            self.output.say(f"rank {found.rank} went silent ({found.reason}); killed it")
 
     def _announce_options(self) -> None:
         """Once every rank registered: print and record the options that actually run."""
