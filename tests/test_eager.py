@@ -401,3 +401,15 @@ def test_simulated_solo_beats_allreduce_under_a_random_straggler() -> None:
         rates[name] = sum(result.rates) / n
     assert rates["solo"] > 1.3 * rates["allreduce"], rates
     assert rates["majority"] > rates["allreduce"], rates
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_majority_rounds_with_full_syncs_never_wait_on_an_initiator_inside_the_sync(seed: int) -> None:
+    """A rank that took a round's result late is a round behind: the others wait in iteration k
+    for the round it is to start at its next call, while it waits in iteration k's full sync (a
+    barrier). Its "in the sync" notice lets them start that round themselves."""
+    n, steps = 4, 40
+    run = run_workers(n, steps, eager("majority", full_sync_every=3),
+                      compute=random_straggler(n, 0.01, 0.05, seed=seed))
+    assert not run.errors, run.errors
+    assert all(len(run.steps[r]) == steps for r in range(n))

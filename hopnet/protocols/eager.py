@@ -59,7 +59,9 @@ from hopnet.wire import Header, Message
 ACTIVATION_KIND = "eager"
 """An activation: ``iter`` is the round id, ``meta["r"]`` the root (initiator) of its tree.
 With ``meta["fin"]`` instead: the sender has finished its iterations (majority rounds it
-was to start are then started by whoever waits for them)."""
+was to start are then started by whoever waits for them). With ``meta["sync"] = k``: the
+sender is in the full synchronisation of iteration k, a barrier, so a majority round it
+was to start is started by whoever waits for it in iteration k."""
 TAG_PREFIX = "eager"
 
 
@@ -115,6 +117,7 @@ class EagerProtocol(Protocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self.left_early: dict[int, int] = {}
         self.finished: set[int] = set()  # ranks that said they finished their iterations
+        self.syncing: dict[int, int] = {}  # rank -> the iteration whose full sync it entered
         self._finished_with_everyone = False  # passed the closing barrier (quiesce or stop)
         self._waiting_for: int | None = None  # the round the trainer's call waits for
         self.synchronized = -1       # the last iteration whose gradient went into a round
@@ -198,7 +201,7 @@ class EagerProtocol(Protocol):
         if self.requested >= round_id:
             return False
         who = self.initiator(round_id)
-        return who == self.rank or who in self.finished
+        return who == self.rank or who in self.finished or self.syncing.get(who) == self.iteration
 
     def _allocate(self, like: torch.Tensor) -> None:
         self.pend = torch.zeros_like(like)
@@ -256,6 +259,14 @@ class EagerProtocol(Protocol):
             self._buffers_result = None
 
     async def _full_sync(self, iteration: int) -> None:
+        if self.mode == "majority":
+            # A barrier: a rank that took a round's result late is a round behind the others,
+            # which may now wait in this iteration for the round it is to start at its next
+            # call. Tell them, so they start it themselves (the engine still serves it here).
+            others = [r for r in self.everyone if r != self.rank]
+            await self.node.connect_to(others)
+            for peer in others:
+                self.node.post(Message(ACTIVATION_KIND, self.rank, peer, self.executed, None, {"sync": iteration}))
         await allreduce_each(self.collective, self.everyone, self.flats, "mean", tag=f"{TAG_PREFIX}/sync/{iteration}")
 
     def _gradient_buffer(self) -> torch.Tensor:
@@ -270,6 +281,9 @@ class EagerProtocol(Protocol):
     def on_message(self, msg: Message) -> None:
         if msg.kind == ACTIVATION_KIND and msg.meta and msg.meta.get("fin") == 1:
             self._peer_finished(msg.src)
+            return
+        if msg.kind == ACTIVATION_KIND and msg.meta and isinstance(msg.meta.get("sync"), int):
+            self._peer_syncing(msg.src, msg.meta["sync"])
             return
         root = msg.meta.get("r") if msg.meta else None
         if msg.kind != ACTIVATION_KIND or not isinstance(root, int) or not 0 <= root < self.world_size \
@@ -379,8 +393,16 @@ class EagerProtocol(Protocol):
             raise exc
         raise ProtocolError(f"rank {self.rank}: eager-SGD round {self.executed} failed: {exc}") from exc
 
+    def _peer_syncing(self, peer: int, iteration: int) -> None:
+        self.syncing[peer] = iteration
+        self._start_for_waiting()
+
     def _peer_finished(self, peer: int) -> None:
         self.finished.add(peer)
+        self._start_for_waiting()
+
+    def _start_for_waiting(self) -> None:
+        """The round the trainer waits for may have lost its initiator (finished, or in a sync)."""
         waiting = self._waiting_for
         if waiting is not None and self.mode == "majority" and self._starts(waiting):
             self.initiated += 1
