@@ -123,3 +123,13 @@ def test_exec_start_method_trains_and_is_recorded(tmp_path: Path) -> None:
     assert sorted(record["worker_pids"]) == ["0", "1"]
     for pid in record["worker_pids"].values():
         assert not _alive(pid)
+
+
+def test_a_forked_worker_writing_to_a_closed_pipe_gets_an_error_not_a_silent_death(server: ForkServer,
+                                                                                  tmp_path: Path) -> None:
+    """As in a fresh interpreter, SIGPIPE stays ignored: the write raises BrokenPipeError."""
+    script = tmp_path / "pipe.py"
+    script.write_text("import os, sys\nr, w = os.pipe()\nos.close(r)\n"
+                      "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    sys.exit(7)\n")
+    worker = server.spawn(0, [str(script)], clean_env(), piped=True)
+    assert worker.wait(timeout=60) == 7

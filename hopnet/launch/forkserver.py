@@ -103,8 +103,10 @@ def _exit_worker(code: int) -> NoReturn:
 def _become_worker(request: Mapping[str, object], fds: list[int], parent_pid: int) -> list[str]:
     """In the forked child: take the request's session, streams and environment."""
     os.setsid()
-    for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    # What a fresh interpreter has (SIGPIPE stays ignored, as Python sets it at start-up).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
