@@ -57,6 +57,10 @@ READY_TIMEOUT_S = 120.0
 """How long the launcher waits for the fork server to answer a request before starting
 that worker, and the rest, with ``exec``."""
 PRELOAD = ("torch", "torch._dynamo", "hopnet", "hopnet.api", "hopnet.launch.worker_main")
+SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""The fork server must never initialise CUDA (a forked child could not use it): should an
+import ask ``torch.cuda.is_available()``, torch answers through NVML instead. The workers
+get their own environment, without it."""
 
 
 def available() -> bool:
@@ -270,7 +274,7 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hopnet.launch.forkserver", str(theirs.fileno())],
-                env=dict(env), pass_fds=(theirs.fileno(), *pass_fds), stdin=subprocess.DEVNULL,
+                env={**env, **SERVER_ENV}, pass_fds=(theirs.fileno(), *pass_fds), stdin=subprocess.DEVNULL,
                 start_new_session=True)
         finally:
             theirs.close()
