@@ -2,7 +2,8 @@
 under every protocol, as a user would meet it.
 
 Each trial starts ``hopnet launch --nproc 4 --protocol P --peer-timeout 3 --timeout 20``
-on ``examples/synthetic.py`` (sleep-emulated compute, a small real parameter vector), with
+on ``examples/synthetic.py`` (sleep-emulated compute, a small real parameter vector; the
+gradient-averaging protocols, which need a model, on ``examples/train_digits.py``), with
 the protocol's tolerant configuration where it has one (:data:`CONFIGS`), waits until the
 ranks log iterations, waits a random 0.5-3 s more, and hits a random rank with one fault:
 
@@ -43,9 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from faults import FAULTS, ROOT, LaunchRun, alive, first_naming, group_members, inject, max_iteration  # noqa: E402
+from faults import FAULTS, LaunchRun, alive, first_naming, group_members, inject, max_iteration, workload  # noqa: E402
 
-SYNTHETIC = str(ROOT / "examples" / "synthetic.py")
 NPROC = 4
 
 
@@ -106,8 +106,7 @@ def run_trial(protocol: str, fault: str, victim: int, rng: random.Random, run_di
     trial = Trial(protocol, fault, victim, " ".join(config.flags), config.expect)
     run = LaunchRun.start(["--nproc", str(NPROC), "--protocol", protocol, "--peer-timeout", str(args.peer_timeout),
                            "--timeout", str(args.timeout), "--seed", str(rng.randrange(1 << 16)), *config.flags,
-                           SYNTHETIC, "--compute-ms", str(args.compute_ms), "--model-mb", "0.01",
-                           "--iterations", str(args.iterations), "--warmup", "0", "--quiet"], run_dir)
+                           *workload(protocol, args.iterations, args.compute_ms)], run_dir)
     pids: dict[int, int] = {}
     try:
         setup_deadline = time.monotonic() + args.start_timeout
@@ -169,7 +168,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown protocol or fault: {', '.join(unknown)}")
     rng = random.Random(args.seed)
-    print(f"{NPROC} workers, examples/synthetic.py --compute-ms {args.compute_ms:g} --iterations {args.iterations}, "
+    print(f"{NPROC} workers, examples/synthetic.py --compute-ms {args.compute_ms:g} --iterations {args.iterations} "
+          f"(allreduce, eager-sgd, pipe-sgd: examples/train_digits.py --iterations {4 * args.iterations}), "
           f"--peer-timeout {args.peer_timeout:g} --timeout {args.timeout:g}, hang after {args.hang_after:g} s, "
           f"seed {args.seed}", flush=True)
     header = ("protocol", "flags", "fault", "victim", "at iter", "exit", "fault->exit s", "named", "fault->named s",

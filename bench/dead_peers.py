@@ -2,8 +2,9 @@
 
 **Through the launcher** (``--mode launcher``; issue 17: "a silent worker is named within
 --peer-timeout + 2 s"): ``hopnet launch --nproc 4 --protocol P --peer-timeout T`` on
-``examples/synthetic.py`` (an iteration count it never reaches), for P in hop (standard:
-no backup workers, so the run stops) and allreduce. Once the ranks log iterations, plus a
+``examples/synthetic.py`` (allreduce, which needs a model: ``examples/train_digits.py``),
+with an iteration count it never reaches, for P in hop (standard: no backup workers, so
+the run stops) and allreduce. Once the ranks log iterations, plus a
 random 0.5-3 s, a random rank gets SIGKILL or SIGSTOP (never continued). Measured from the
 signal: ``named_s``, until the launcher prints its first line naming the victim (its
 stderr read line by line, each line stamped on arrival), and ``exit_s``, until it exits.
@@ -44,13 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from faults import LaunchRun, first_naming, inject  # noqa: E402
+from faults import LaunchRun, first_naming, inject, workload  # noqa: E402
 from hopnet import Graph, ProtocolConfig  # noqa: E402
 from hopnet.launch.env import ENV_VARS, WorkerEnv  # noqa: E402
 from hopnet.launch.rendezvous import RendezvousServer  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "peer_worker.py"
-SYNTHETIC = str(ROOT / "examples" / "synthetic.py")
 HANG_AFTER_S = 90.0
 
 
@@ -59,8 +59,7 @@ def launcher_trial(protocol: str, fault: str, victim: int, peer_timeout: float, 
     """One launch, one fault: seconds from the signal to the launcher's line naming the victim and
     to its exit (None where that never came)."""
     run = LaunchRun.start(["--nproc", "4", "--protocol", protocol, "--peer-timeout", str(peer_timeout),
-                           "--timeout", "60", SYNTHETIC, "--compute-ms", "20", "--model-mb", "0.01",
-                           "--iterations", "100000", "--warmup", "0", "--quiet"], run_dir)
+                           "--timeout", "60", *workload(protocol, 100_000, 20.0)], run_dir)
     pids: dict[int, int] = {}
     result: dict = {"protocol": protocol, "fault": fault, "victim": victim, "named_s": None, "exit_s": None,
                     "exit": None, "line": ""}
@@ -87,7 +86,8 @@ def launcher_trial(protocol: str, fault: str, victim: int, peer_timeout: float, 
 def launcher_mode(args: argparse.Namespace, tmp: Path) -> None:
     rng = random.Random(args.seed)
     target = args.peer_timeout + 2
-    print(f"hopnet launch --nproc 4 (ring), examples/synthetic.py --compute-ms 20, --peer-timeout "
+    print(f"hopnet launch --nproc 4 (ring), examples/synthetic.py --compute-ms 20 (allreduce: "
+          f"examples/train_digits.py), --peer-timeout "
           f"{args.peer_timeout:g} (target: named within {target:g} s), {args.trials} trials per row, random victim "
           "and time; min / median / max", flush=True)
     print("| protocol | signal | signal -> launcher names the victim, s | within target | "

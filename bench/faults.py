@@ -211,3 +211,19 @@ def first_naming(lines: list[Line], rank: int, after: float) -> Line | None:
         if line.t >= after and names_rank(line.text[len(LAUNCHER_PREFIX):], rank):
             return line
     return None
+
+
+NEEDS_A_MODEL = frozenset({"allreduce", "eager-sgd", "pipe-sgd"})
+"""Protocols that average gradients: they need a model and an optimizer (hopnet.init(model)
+with a DistributedOptimizer), which examples/synthetic.py's bare vector is not."""
+
+
+def workload(protocol: str, iterations: int, compute_ms: float) -> list[str]:
+    """The script and its arguments: examples/synthetic.py (sleep-emulated compute, a 0.01 MB
+    vector), or examples/train_digits.py (a small MLP, CPU-bound, about 4x the iterations
+    in the same time) for the protocols in :data:`NEEDS_A_MODEL`."""
+    if protocol in NEEDS_A_MODEL:
+        n = str(4 * iterations)
+        return [str(ROOT / "examples" / "train_digits.py"), "--iterations", n, "--eval-every", n]
+    return [str(ROOT / "examples" / "synthetic.py"), "--compute-ms", str(compute_ms), "--model-mb", "0.01",
+            "--iterations", str(iterations), "--warmup", "0", "--quiet"]
