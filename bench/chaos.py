@@ -141,7 +141,7 @@ def run_trial(protocol: str, fault: str, victim: int, rng: random.Random, run_di
         trial.lost_line = any(f"lost rank {victim} " in ln.text for ln in lines)
         came_back = fault == "SIGSTOP+CONT" and trial.exit == 0 and not trial.named
         trial.ok = (not trial.hang and trial.orphans == 0 and (trial.named or came_back)
-                    and (not config.tolerant or config.expect != "exit 0" or trial.exit == 0))
+                    and (config.expect != "exit 0" or trial.exit == 0))
         return trial
     finally:
         run.end(pids)
