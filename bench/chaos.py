@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from faults import FAULTS, LaunchRun, alive, first_naming, group_members, inject, max_iteration, workload  # noqa: E402
+from faults import FAULTS, NEEDS_A_MODEL, LaunchRun, alive, first_naming, group_members, inject, max_iteration, workload  # noqa: E402
 
 NPROC = 4
 
@@ -119,6 +119,10 @@ def run_trial(protocol: str, fault: str, victim: int, rng: random.Random, run_di
             trial.note = "finished before the fault"
             return trial
         trial.at_iter = max_iteration(run_dir)
+        last = (4 if protocol in NEEDS_A_MODEL else 1) * args.iterations - 1
+        if trial.at_iter >= last:
+            trial.note = "training was over before the fault (more --iterations)"
+            return trial
         timer = inject(fault, pids[victim])
         t_fault = time.monotonic()
         trial.exit = run.wait(t_fault + args.hang_after - time.monotonic())
