@@ -168,6 +168,7 @@ def test_the_buffers_option_of_the_gradient_protocols(protocol: str) -> None:
 MIXING_GAIN = {"hop": ("end", 10), "prague": ("end", 10), "ad-psgd": ("end", 5), "partial-reduce": ("during", 4)}
 
 
+@pytest.mark.slow  # 4 ranks x 60 CNN steps, twice, per protocol: about a minute of the inner loop
 @pytest.mark.parametrize("protocol", sorted(MIXING_GAIN))
 def test_model_averaging_mixes_the_buffers_with_the_parameters(protocol: str) -> None:
     world, steps = 4, 60
