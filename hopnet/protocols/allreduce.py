@@ -28,6 +28,7 @@ TAG_PREFIX = "allreduce"
 
 class AllReduceProtocol(AllRanksGradientProtocol):
     name = "allreduce"
+    resumable = True
 
     async def synchronize(self) -> None:
         k = self.iteration
