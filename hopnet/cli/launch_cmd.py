@@ -160,9 +160,9 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     if not argv:
         raise ConfigError(f"--resume {args.resume}: launch.json records no resumable command line")
     recorded = _parse_launch(argv)
-    defaults = _parse_launch(["x"])
+    defaults = _parse_launch([])
     for name, value in vars(args).items():
-        if name in ("resume", "func", "script_args") or name in RESUME_DISPLAY_FLAGS:
+        if name in ("resume", "func", "script_args") or name in RESUME_DISPLAY_FLAGS or not hasattr(defaults, name):
             continue
         if value != getattr(defaults, name, None) and value != getattr(recorded, name, None):
             flag = "SCRIPT" if name == "script" else "--" + name.replace("_", "-")
