@@ -161,10 +161,12 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--resume {args.resume}: launch.json records no resumable command line")
     recorded = _parse_launch(argv)
     defaults = _parse_launch([])
+    protocol_options = set(explicit_options(args))  # present only when given
     for name, value in vars(args).items():
-        if name in ("resume", "func", "script_args") or name in RESUME_DISPLAY_FLAGS or not hasattr(defaults, name):
+        if name in ("resume", "func", "script_args") or name in RESUME_DISPLAY_FLAGS:
             continue
-        if value != getattr(defaults, name, None) and value != getattr(recorded, name, None):
+        given = name in protocol_options or (hasattr(defaults, name) and value != getattr(defaults, name))
+        if given and value != getattr(recorded, name, None):
             flag = "SCRIPT" if name == "script" else "--" + name.replace("_", "-")
             raise ConfigError(f"--resume {args.resume}: {flag} conflicts with the recorded run "
                               "(a resumed run takes its script, arguments and options from launch.json)")
