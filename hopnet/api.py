@@ -227,15 +227,19 @@ class Worker:
         """Write the state after ``iteration``: the model (parameters and buffers), the registered
         state (the optimizer's included), the RNG states. :meth:`step` calls it every
         ``--checkpoint-every`` iterations, once the protocol has finished the iteration and
-        before the trainer computes the next: the model then holds that iteration's result."""
+        before the trainer computes the next: the model then holds that iteration's result.
+        The trainer pays for a copy of the state; a thread writes it (:class:`hopnet.checkpoint.Checkpointer`),
+        and the next checkpoint, or :meth:`close`, waits for that write."""
         if self.checkpointer is None:
             raise HopnetError("save_checkpoint() needs a checkpoint directory (--checkpoint-every)")
+        self.checkpointer.wait()  # the previous write: the copy below must not wait on the disk twice
         with self.model_lock:  # ad-psgd averages on the event loop
-            payload = {"iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
-                       "model": self._model_state(),
-                       "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
-                       "rng": checkpoint.rng_states()}
-            path = self.checkpointer.save(iteration, payload)
+            payload = checkpoint.copied({
+                "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
+                "model": self._model_state(),
+                "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
+                "rng": checkpoint.rng_states()})
+        path = self.checkpointer.submit(iteration, payload)  # written in the background
         self.record("checkpoint", iter=iteration, path=path.name)
         return path
 
@@ -244,7 +248,7 @@ class Worker:
             state = self.module.state_dict()
         else:
             state = {f"params{i}": t for i, t in enumerate(self.node.protocol.model_tensors())}
-        return {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+        return dict(state)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
@@ -346,6 +350,8 @@ class Worker:
         self._closed = True
         shutdown.untrack(self)
         try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
             self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()

@@ -27,6 +27,7 @@ import os
 import random
 import re
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,14 +191,55 @@ class CheckpointSettings:
         return int(self.resume)
 
 
+def copied(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied to the CPU: a snapshot training cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: copied(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copied(value) for value in obj)
+    return obj
+
+
 class Checkpointer:
-    """Writes one rank's checkpoints every ``every`` iterations, keeping the :data:`KEEP` newest."""
+    """Writes one rank's checkpoints every ``every`` iterations, keeping the :data:`KEEP` newest.
+
+    :meth:`submit` writes in a thread of its own, so the trainer (and the neighbours waiting on
+    it) pay only for the copy; a write still in progress at the next submit, or at :meth:`wait`,
+    is waited for, and its error raised there."""
 
     def __init__(self, directory: Path, rank: int, every: int) -> None:
         self.directory = directory
         self.rank = rank
         self.every = every
         directory.mkdir(parents=True, exist_ok=True)
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, iteration: int, payload: dict[str, Any]) -> Path:
+        """Write ``payload`` (already a snapshot: :func:`copied`) in the background."""
+        self.wait()
+        path = self.directory / checkpoint_name(self.rank, iteration)
+
+        def write() -> None:
+            try:
+                self.save(iteration, payload)
+            except BaseException as exc:  # raised to the trainer at the next submit or wait
+                self._error = exc
+
+        self._pending = threading.Thread(target=write, name=f"hopnet-checkpoint-rank{self.rank}", daemon=True)
+        self._pending.start()
+        return path
+
+    def wait(self) -> None:
+        """Wait for the write in progress, if any; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def due(self, iteration: int) -> bool:
         return self.every > 0 and (iteration + 1) % self.every == 0

@@ -67,16 +67,16 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     save_model: bool = False
     """The lowest live rank writes the consensus model to ``model.pt`` (``HOPNET_SAVE_MODEL``)."""
+    start_method: str | None = None
+    """``"forkserver"`` (workers forked from a process that imported torch once,
+    :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
+    ``None``: forkserver where the platform has it."""
     checkpoint_every: int = 0
     """Every worker saves its state every N iterations (:mod:`hopnet.checkpoint`); 0: never."""
     checkpoint_dir: str | os.PathLike[str] | None = None
     """Where (default: ``RUN_DIR/checkpoints``)."""
     resume: bool = False
     """Reuse ``run_dir`` (an earlier run's, stopped or crashed) and resume from its checkpoints."""
-    start_method: str | None = None
-    """``"forkserver"`` (workers forked from a process that imported torch once,
-    :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
-    ``None``: forkserver where the platform has it."""
 
     @property
     def single_machine(self) -> bool:
