@@ -106,6 +106,20 @@ def test_resume_refuses_a_conflicting_flag_in_one_line(tmp_path: Path) -> None:
     assert not (run_dir / "attempts").exists()
 
 
+def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "ad-psgd", '
+                                         f'"--run-dir", "{run_dir}", "{DIGITS}"]}}')
+    (run_dir / "rank0.jsonl").write_text("")
+    result = launch_in_process(["--resume", str(run_dir)])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hopnet launch: error: --resume: --protocol ad-psgd cannot resume from checkpoints yet "
+        "(hop, notify-ack and allreduce can)"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
+
+
 def test_resume_refuses_a_directory_without_a_run(tmp_path: Path) -> None:
     result = launch_in_process(["--resume", str(tmp_path)])
     assert result.returncode == 2

@@ -28,7 +28,6 @@ TAG_PREFIX = "allreduce"
 
 class AllReduceProtocol(AllRanksGradientProtocol):
     name = "allreduce"
-    resumable = True
 
     async def synchronize(self) -> None:
         k = self.iteration
@@ -63,4 +62,5 @@ register(ProtocolSpec(
     build=lambda config, options, model, grads: AllReduceProtocol(config, grads, model, options),
     averages=Averages.GRADIENTS,
     uses_graph=False,
+    resumable=True,
 ))

@@ -18,6 +18,7 @@ from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
+from hopnet.registry import lookup
 from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
@@ -58,13 +59,11 @@ class Protocol(abc.ABC):
         worker has no model (the simulator's gradient protocols)."""
         return list(self.model.flats) if self.model is not None else []
 
-    resumable = False
-    """Whether :meth:`resume_at` can start this protocol from a checkpoint's iteration."""
-
     def resume_at(self, iteration: int) -> None:
         """Start at ``iteration`` instead of 0 (every rank resuming from a checkpoint of
-        ``iteration - 1``, with empty queues): called before :meth:`start`."""
-        if not self.resumable:
+        ``iteration - 1``, with empty queues): called before :meth:`start`, only for the
+        protocols whose declaration says ``resumable``."""
+        if not lookup(self.config.protocol).resumable:
             raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet "
                               "(hop, notify-ack and allreduce can)")
         self.iteration = iteration

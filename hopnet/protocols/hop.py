@@ -203,8 +203,6 @@ class HopProtocol(Protocol):
     async def start(self) -> None:
         """Nothing yet: iteration 0 is entered (and the model sent) in :meth:`begin`."""
 
-    resumable = True
-
     def resume_at(self, iteration: int) -> None:
         super().resume_at(iteration)
         # Every rank resumes at ``iteration``: no ack of an earlier one will come.
@@ -746,6 +744,7 @@ register(ProtocolSpec(
     gap_bound=gap_bound,
     gap_rule=gap_rule,
     simulated_without_tensors=True,
+    resumable=True,
 ))
 
 register(ProtocolSpec(
@@ -759,4 +758,5 @@ register(ProtocolSpec(
     gap_bound=notify_ack_gap_bound,
     gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
     simulated_without_tensors=True,
+    resumable=True,
 ))
