@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,10 @@ import torch
 
 from hopnet import checkpoint
 
+from support.env import clean_env
 from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
 from support.paths import EXAMPLES
+from support.records import records
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -56,7 +60,7 @@ def test_a_writer_process_sigkilled_while_writing_leaves_no_checkpoint_name(tmp_
             "    stream.write(b'x' * 100000); stream.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
             "checkpoint.torch.save = dies\n"
             f"checkpoint.Checkpointer(Path({str(tmp_path)!r}), 0, 1).save(1, {{}})\n")
-    proc = subprocess.run([*_python(), "-c", code], env=_env(), capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert checkpoint.rank_iterations(tmp_path, 0) == [0]
     assert checkpoint.load(tmp_path, 0, 0) == {"iteration": 0}
@@ -127,18 +131,6 @@ def test_resume_refuses_a_directory_without_a_run(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------- real runs
-def _python() -> list[str]:
-    import sys
-
-    return [sys.executable]
-
-
-def _env() -> dict[str, str]:
-    from support.env import clean_env
-
-    return clean_env()
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -206,3 +198,38 @@ def test_hop_resumed_after_a_sigkilled_launcher_reaches_95_percent(tmp_path: Pat
     assert min(accuracies.values()) >= 0.95, accuracies
     resumed_at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
     assert resumed_at is not None and 149 <= int(resumed_at.group(1)) < 999
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:
+    env = {**clean_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HOPNET_RUN_DIR": str(run_dir),
+           "HOPNET_PROTOCOL": "allreduce", "HOPNET_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **variables}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           DIGITS, "--iterations", "200", "--eval-every", "100000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_under_torchrun_hopnet_resume_auto_continues_from_the_common_checkpoint(tmp_path: Path) -> None:
+    _torchrun(tmp_path, tmp_path / "first", HOPNET_CHECKPOINT_EVERY="50")
+    assert checkpoint.common_iteration(tmp_path / "checkpoints", 3) == 149
+    _torchrun(tmp_path, tmp_path / "resumed", HOPNET_RESUME="auto")
+    assert [r["iter"] for r in records(tmp_path / "resumed", 0, "resumed")] == [149]
+    for rank in range(3):
+        assert torch.equal(torch.load(tmp_path / "resumed" / f"final_rank{rank}.pt"),
+                           torch.load(tmp_path / "first" / f"final_rank{rank}.pt")), rank
