@@ -1,0 +1,222 @@
+"""Chaos battery (issue 17, "No hang, ever"): one fault in one of 4 workers, at a random time,
+under every protocol, as a user would meet it.
+
+Each trial starts ``hopnet launch --nproc 4 --protocol P --peer-timeout 3 --timeout 20``
+on ``examples/synthetic.py`` (sleep-emulated compute, a small real parameter vector; the
+gradient-averaging protocols, which need a model, on ``examples/train_digits.py``), with
+the protocol's tolerant configuration where it has one (:data:`CONFIGS`), waits until the
+ranks log iterations, waits a random 0.5-3 s more, and hits a random rank with one fault:
+
+* ``SIGKILL``;
+* ``SIGSTOP``, never continued;
+* ``SIGSTOP+CONT``: SIGSTOP, then SIGCONT 3 s later (as long as --peer-timeout: it may or
+  may not be declared dead first).
+
+Then it waits for the launcher to exit, at most ``--hang-after`` seconds (90) after the
+fault; past that the trial is a HANG and everything is killed (the launcher's process
+group, and the recorded worker pids, SIGCONT first). Per trial it records:
+
+* ``exit``: the launcher's exit status; ``exit_s``: seconds from the fault to its exit;
+* ``named``: a launcher line after the fault names the victim (``rank V`` / ``worker V``),
+  ``named_s`` seconds after the fault (stderr read line by line, stamped on arrival);
+* ``orphans``: recorded worker pids, or other members of the launcher's process group,
+  still alive (not zombies) 2 s after the launcher exited;
+* ``ok``: no hang, no orphans, the victim named (a SIGSTOP+CONT victim that came back
+  in time and let the run finish with exit 0 needs no naming), and exit 0 where the
+  configuration is expected to survive the loss (:data:`CONFIGS`).
+
+    python bench/chaos.py                          # 24 trials: 8 protocols x 3 faults (~10 min on 2 cores)
+    python bench/chaos.py --trials 8 --seed 2 --json chaos.json
+    python bench/chaos.py --protocols hop,partial-reduce --faults SIGSTOP --trials 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from faults import FAULTS, NEEDS_A_MODEL, LaunchRun, alive, first_naming, group_members, inject, max_iteration, workload  # noqa: E402
+
+NPROC = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    flags: tuple[str, ...]
+    expect: str
+    """What the README and docs/design.md promise when one worker is lost:
+    ``exit 0`` (the others finish, a 'lost rank' line), ``exit 0 or named`` (the others
+    finish unless the victim was inside a group/averaging in progress, which fails with
+    it), ``named`` (a strict protocol: the run stops naming the victim)."""
+
+    @property
+    def tolerant(self) -> bool:
+        return self.expect != "named"
+
+
+CONFIGS: dict[str, Config] = {
+    # ring:4 gives each worker 2 in-neighbours; one backup worker lets it go on with one.
+    "hop": Config(("--backup-workers", "1", "--max-failures", "1"), "exit 0"),
+    "notify-ack": Config((), "named"),
+    # design.md: a passive declared dead while an active waits on it fails that active.
+    "ad-psgd": Config(("--max-failures", "1"), "exit 0 or named"),
+    # design.md: a group formed with a dead member fails at once; the others carry on.
+    "prague": Config(("--max-failures", "1"), "exit 0 or named"),
+    "eager-sgd": Config((), "named"),
+    # design.md: killed while computing or queued, it is dropped; inside a group, it fails it.
+    "partial-reduce": Config(("--max-failures", "1"), "exit 0 or named"),
+    "pipe-sgd": Config((), "named"),
+    "allreduce": Config((), "named"),
+}
+PROTOCOLS = tuple(CONFIGS)
+
+
+@dataclass
+class Trial:
+    protocol: str
+    fault: str
+    victim: int
+    flags: str
+    expect: str
+    at_iter: int = -1
+    exit: int | None = None
+    exit_s: float | None = None
+    named: bool = False
+    named_s: float | None = None
+    naming_line: str = ""
+    lost_line: bool = False
+    orphans: int = 0
+    hang: bool = False
+    ok: bool = False
+    note: str = ""
+
+
+def run_trial(protocol: str, fault: str, victim: int, rng: random.Random, run_dir: Path,
+              args: argparse.Namespace) -> Trial:
+    config = CONFIGS[protocol]
+    trial = Trial(protocol, fault, victim, " ".join(config.flags), config.expect)
+    run = LaunchRun.start(["--nproc", str(NPROC), "--protocol", protocol, "--peer-timeout", str(args.peer_timeout),
+                           "--timeout", str(args.timeout), "--seed", str(rng.randrange(1 << 16)), *config.flags,
+                           *workload(protocol, args.iterations, args.compute_ms)], run_dir)
+    pids: dict[int, int] = {}
+    try:
+        setup_deadline = time.monotonic() + args.start_timeout
+        pids = run.worker_pids(NPROC, setup_deadline)
+        if len(pids) < NPROC or not run.wait_training(setup_deadline):
+            trial.note = "never started training: " + " / ".join(ln.text for ln in run.lines()[-3:])
+            return trial
+        time.sleep(rng.uniform(0.5, 3.0))
+        if run.proc.poll() is not None:
+            trial.note = "finished before the fault"
+            return trial
+        trial.at_iter = max_iteration(run_dir)
+        last = (4 if protocol in NEEDS_A_MODEL else 1) * args.iterations - 1
+        if trial.at_iter >= last:
+            trial.note = "training was over before the fault (more --iterations)"
+            return trial
+        timer = inject(fault, pids[victim])
+        t_fault = time.monotonic()
+        trial.exit = run.wait(t_fault + args.hang_after - time.monotonic())
+        if trial.exit is None:
+            trial.hang = True
+            if timer is not None:
+                timer.cancel()
+            run.end(pids)
+        else:
+            trial.exit_s = time.monotonic() - t_fault
+            if timer is not None:
+                timer.cancel()
+            time.sleep(2.0)
+        left = set(alive(pids).values()) | set(group_members(run.proc.pid))
+        trial.orphans = len(left)
+        lines = run.launcher_lines()
+        naming = first_naming(lines, victim, t_fault)
+        if naming is not None:
+            trial.named, trial.named_s, trial.naming_line = True, naming.t - t_fault, naming.text
+        trial.lost_line = any(f"lost rank {victim} " in ln.text for ln in lines)
+        came_back = fault == "SIGSTOP+CONT" and trial.exit == 0 and not trial.named
+        trial.ok = (not trial.hang and trial.orphans == 0 and (trial.named or came_back)
+                    and (config.expect != "exit 0" or trial.exit == 0))
+        return trial
+    finally:
+        run.end(pids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=24, help="trials, cycling protocol x fault (default: 24)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--peer-timeout", type=float, default=3.0)
+    parser.add_argument("--timeout", type=float, default=20.0, help="the workers' --timeout")
+    parser.add_argument("--iterations", type=int, default=400)
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--hang-after", type=float, default=90.0, help="seconds after the fault that make a HANG")
+    parser.add_argument("--start-timeout", type=float, default=90.0, help="seconds the workers get to start training")
+    parser.add_argument("--json", type=Path, default=None, help="write every trial here")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this directory")
+    args = parser.parse_args()
+    protocols = args.protocols.split(",")
+    faults = args.faults.split(",")
+    unknown = [p for p in protocols if p not in CONFIGS] + [f for f in faults if f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown protocol or fault: {', '.join(unknown)}")
+    rng = random.Random(args.seed)
+    print(f"{NPROC} workers, examples/synthetic.py --compute-ms {args.compute_ms:g} --iterations {args.iterations} "
+          f"(allreduce, eager-sgd, pipe-sgd: examples/train_digits.py --iterations {4 * args.iterations}), "
+          f"--peer-timeout {args.peer_timeout:g} --timeout {args.timeout:g}, hang after {args.hang_after:g} s, "
+          f"seed {args.seed}", flush=True)
+    header = ("protocol", "flags", "fault", "victim", "at iter", "exit", "fault->exit s", "named", "fault->named s",
+              "orphans", "hang", "expect", "ok")
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+    trials: list[Trial] = []
+    base = args.keep or Path(tempfile.mkdtemp(prefix="hopnet-chaos-"))
+    for i in range(args.trials):
+        protocol = protocols[i % len(protocols)]
+        fault = faults[(i // len(protocols)) % len(faults)]
+        victim = rng.randrange(NPROC)
+        t = run_trial(protocol, fault, victim, rng, base / f"{i:03d}-{protocol}-{fault}", args)
+        trials.append(t)
+        cells = (t.protocol, t.flags or "-", t.fault, str(t.victim), str(t.at_iter), str(t.exit),
+                 _f(t.exit_s), "yes" if t.named else "no", _f(t.named_s), str(t.orphans),
+                 "HANG" if t.hang else "-", t.expect, "ok" if t.ok else "FAIL")
+        print("| " + " | ".join(cells) + " |" + (f"  ({t.note})" if t.note else ""), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(x) for x in trials], indent=1))
+    print(summary(trials), flush=True)
+    if not args.keep:
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def summary(trials: list[Trial]) -> str:
+    ran = [t for t in trials if not t.note]
+    must_name = [t for t in ran if not (t.fault == "SIGSTOP+CONT" and t.exit == 0 and not t.named)]
+    tolerant = [t for t in ran if CONFIGS[t.protocol].tolerant]
+    named_s = [t.named_s for t in ran if t.named_s is not None and t.fault != "SIGSTOP+CONT"]
+    spread = (f"{min(named_s):.1f} / {statistics.median(named_s):.1f} / {max(named_s):.1f}" if named_s else "-")
+    return (f"summary: {len(ran)} of {len(trials)} trials ran; {sum(t.hang for t in ran)} hangs; "
+            f"{sum(t.orphans for t in ran)} orphans; victim named {sum(t.named for t in must_name)} of {len(must_name)} "
+            f"(the others came back from SIGSTOP+CONT and the run finished); tolerant configs exited 0 "
+            f"{sum(t.exit == 0 for t in tolerant)} of {len(tolerant)} (hop, which promises it: "
+            f"{sum(t.exit == 0 for t in tolerant if t.protocol == 'hop')} of "
+            f"{sum(t.protocol == 'hop' for t in tolerant)}); fault -> naming line (SIGKILL, SIGSTOP) "
+            f"min / median / max {spread} s; trials ok {sum(t.ok for t in ran)} of {len(ran)}")
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+if __name__ == "__main__":
+    main()
