@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,7 +151,8 @@ def _parse_launch(argv: Sequence[str]) -> argparse.Namespace:
 
 def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     """The recorded run's arguments (``RUN_DIR/launch.json``), for ``--resume RUN_DIR``; a flag of
-    ``args`` that differs from both its default and the recorded value raises ConfigError."""
+    ``args`` that differs from both its default and the recorded value raises ConfigError. The
+    launcher moves to the recorded working directory, where the recorded relative paths point."""
     run_dir = Path(args.resume)
     try:
         record = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))
@@ -174,7 +176,10 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError(f"--resume {args.resume}: script arguments conflict with the recorded run")
     for name in RESUME_DISPLAY_FLAGS:
         setattr(recorded, name, getattr(args, name))
-    recorded.run_dir = args.resume
+    recorded.run_dir = str(run_dir.resolve())
+    cwd = record.get("cwd")
+    if isinstance(cwd, str) and Path(cwd).is_dir():
+        os.chdir(cwd)  # the recorded paths (script, --graph, --checkpoint-dir) may be relative to it
     recorded.overwrite = False
     recorded.resume = args.resume
     recorded.recorded_argv = record.get("argv") or ["hopnet", "launch", *argv]
