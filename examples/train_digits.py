@@ -64,6 +64,7 @@ def main() -> None:
     x_train, y_train, x_test, y_test = load_shard(worker.rank, worker.graph.n, args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(args.seed * 1000 + worker.rank)
+    worker.register_state("batch_generator", generator)  # checkpointed; restored on resume
 
     for step in worker.iterations(args.iterations):
         for group in optimizer.param_groups:

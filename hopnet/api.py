@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hopnet import checkpoint
 from hopnet.collectives.base import ReduceOp
 from hopnet.collectives.consensus import ConsensusResult, consensus
 from hopnet.config import ProtocolConfig
@@ -98,8 +99,9 @@ class Worker:
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None,
-                 coordinator: CoordinatorClient | None = None) -> None:
-        """``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
+                 coordinator: CoordinatorClient | None = None, start_iteration: int = 0) -> None:
+        """``start_iteration``: resume there (after a checkpoint of the iteration before it).
+        ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
         (``hopnet.init`` builds it from ``HOPNET_COORDINATOR``; group protocols reach it as
         ``node.coordinator``)."""
@@ -135,6 +137,13 @@ class Worker:
         self.saved_model: Path | None = None
         """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
         self.consensus_calls = 0
+        self.checkpointer: checkpoint.Checkpointer | None = None
+        """Saves this worker's state every N iterations (:func:`init` sets it from ``HOPNET_CHECKPOINT_EVERY``)."""
+        self._states: dict[str, Any] = {}
+        self._resumed: dict[str, Any] = {}
+        """The user state of the checkpoint this worker resumed from, loaded as it registers."""
+        if start_iteration:
+            self.node.protocol.resume_at(start_iteration)
         try:
             self._thread.run(self.node.start(exchange))
         except BaseException:
@@ -192,13 +201,69 @@ class Worker:
             self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
         compute_s = time.monotonic() - self._compute_started
+        finished = self.iteration
         try:
             self._thread.run(self.node.run_step(apply, last=last, compute_s=compute_s))
         except Exception as exc:
             self.failure = exc
             raise
         self.steps += 1
+        if self.checkpointer is not None and self.checkpointer.due(finished) and not last:
+            self.save_checkpoint(finished)
         self._compute_started = time.monotonic()
+
+    # ------------------------------------------------------------------ checkpoints
+    def register_state(self, name: str, obj: Any) -> None:
+        """Save ``obj`` in this worker's checkpoints under ``name``, and load it back on resume
+        (now, when the checkpoint resumed from holds it). ``obj``: anything with
+        ``state_dict()``/``load_state_dict()``, a ``torch.Generator``, or a dict (updated in place).
+        A :class:`~hopnet.optim.DistributedOptimizer` registers itself."""
+        checkpoint.state_of(obj)  # refuses an object it could not save
+        self._states[name] = obj
+        if name in self._resumed:
+            checkpoint.load_state_into(obj, self._resumed.pop(name))
+
+    def save_checkpoint(self, iteration: int) -> Path:
+        """Write the state after ``iteration``: the model (parameters and buffers), the registered
+        state (the optimizer's included), the RNG states. :meth:`step` calls it every
+        ``--checkpoint-every`` iterations, once the protocol has finished the iteration and
+        before the trainer computes the next: the model then holds that iteration's result.
+        The trainer pays for a copy of the state; a thread writes it (:class:`hopnet.checkpoint.Checkpointer`),
+        and the next checkpoint, or :meth:`close`, waits for that write."""
+        if self.checkpointer is None:
+            raise HopnetError("save_checkpoint() needs a checkpoint directory (--checkpoint-every)")
+        self.checkpointer.wait()  # the previous write: the copy below must not wait on the disk twice
+        with self.model_lock:  # ad-psgd averages on the event loop
+            payload = checkpoint.copied({
+                "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
+                "model": self._model_state(),
+                "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
+                "rng": checkpoint.rng_states()})
+        path = self.checkpointer.submit(iteration, payload)  # written in the background
+        self.record("checkpoint", iter=iteration, path=path.name)
+        return path
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        if self.module is not None:
+            state = self.module.state_dict()
+        else:
+            state = {f"params{i}": t for i, t in enumerate(self.node.protocol.model_tensors())}
+        return dict(state)
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
+        state now or when it registers."""
+        if self.module is not None:
+            self.module.load_state_dict(state["model"])
+        else:
+            for i, tensor in enumerate(self.node.protocol.model_tensors()):
+                tensor.copy_(state["model"][f"params{i}"])
+        checkpoint.restore_rng_states(state["rng"])
+        self._resumed = dict(state["states"])
+        for name in list(self._resumed):
+            if name in self._states:
+                checkpoint.load_state_into(self._states[name], self._resumed.pop(name))
+        self.record("resumed", iter=state["iteration"])
 
     def synchronize(self) -> None:
         """Average this iteration's gradient now, into each ``.grad``, under the protocols that
@@ -285,6 +350,8 @@ class Worker:
         self._closed = True
         shutdown.untrack(self)
         try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
             self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
@@ -432,15 +499,24 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     tensors = ModelTensors.of(spec.model, spec.params)
     transport, factory = connect(context, cfg, tensors)
     try:
+        settings = checkpoint.CheckpointSettings.from_environ(os.environ, run.run_dir)
+        resume_after = settings.resume_iteration(context.graph.n)
+        saved = (checkpoint.load(settings.directory, context.rank, resume_after)
+                 if resume_after is not None and settings.directory is not None else None)
         worker = Worker(rank=context.rank, graph=context.graph, config=cfg, params=tensors.params,
                         transport=transport, exchange=context.exchange(cfg),
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
-                        collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s))
+                        collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
+                        start_iteration=0 if resume_after is None else resume_after + 1)
     except BaseException:
         run.finish(aborted=True)
         raise
     worker.after_close.append(run.finish)
     worker.module = spec.model
+    if settings.every and settings.directory is not None:
+        worker.checkpointer = checkpoint.Checkpointer(settings.directory, context.rank, settings.every)
+    if saved is not None:
+        worker.load_checkpoint(saved)
     if save_model_requested(os.environ):
         worker.save_model_to = Path(run.run_dir) / MODEL_FILE
     return worker

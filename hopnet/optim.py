@@ -44,6 +44,9 @@ from hopnet.finite import all_finite, all_finite_in
 from hopnet.params import FlatGradients
 from hopnet.registry import Averages, lookup
 
+OPTIMIZER_STATE = "hopnet.optimizer"
+"""The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`)."""
+
 Hyperparameters = list[dict[str, Any]]
 """Every param group's settings but its parameters (``lr``, ``momentum``...), in group order."""
 
@@ -75,6 +78,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._settings: dict[int, Hyperparameters] = {}  # iteration -> its settings, kept for a pipeline
         self.skipped: list[int] = []
         """The iterations whose step was skipped because the gradient to apply was not finite."""
+        worker.register_state(OPTIMIZER_STATE, self)  # saved in checkpoints, loaded on resume
 
     def _share(self) -> None:
         self.param_groups = self.optimizer.param_groups

@@ -108,6 +108,9 @@ class ProtocolSpec(Generic[OptionsT]):
     protocol has one."""
     gap_rule: Callable[[OptionsT], str] | None = None
     """:attr:`gap_bound` in words, for the report."""
+    resumable: bool = False
+    """Its workers can resume from checkpoints (:meth:`hopnet.protocols.base.Protocol.resume_at`;
+    docs/design.md, "Checkpoints: consistent points")."""
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from hopnet.config import add_protocol_arguments, config_from_args, explicit_options
+from hopnet.errors import ConfigError
 
 DEFAULT_GRACE_S = 5.0
 
@@ -96,6 +101,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--save-model", action="store_true",
                           help="write the consensus model's state_dict to RUN_DIR/model.pt (the script calls "
                                "worker.consensus() after training; the lowest live rank writes it)")
+    launcher.add_argument("--checkpoint-every", type=_count, default=0, metavar="N",
+                          help="every worker saves its model, optimizer, RNG and registered state every N "
+                               "iterations (default: 0, never)")
+    launcher.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                          help="where the checkpoints go (default: RUN_DIR/checkpoints)")
+    launcher.add_argument("--resume", default=None, metavar="RUN_DIR",
+                          help="restart the stopped or crashed run in RUN_DIR with its recorded script, "
+                               "arguments and options, from the last iteration every rank has a checkpoint of "
+                               "(no SCRIPT; a flag that conflicts with the recorded run is refused)")
     launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
@@ -118,13 +132,67 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--insecure", action="store_true",
                           help="plain ZeroMQ sockets even off loopback: no authentication, no encryption")
     add_protocol_arguments(parser)
-    parser.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
+    parser.add_argument("script", metavar="SCRIPT", nargs="?", default=None,
+                        help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed through untouched")
     parser.set_defaults(func=run)
 
 
+RESUME_DISPLAY_FLAGS = frozenset({"progress", "prefix", "grace"})
+"""What a resume may set afresh: how the launcher shows and stops the run, not what it runs."""
+
+
+def _parse_launch(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hopnet")
+    register(parser.add_subparsers())
+    return parser.parse_args(["launch", *argv])
+
+
+def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The recorded run's arguments (``RUN_DIR/launch.json``), for ``--resume RUN_DIR``; a flag of
+    ``args`` that differs from both its default and the recorded value raises ConfigError. The
+    launcher moves to the recorded working directory, where the recorded relative paths point."""
+    run_dir = Path(args.resume)
+    try:
+        record = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume {args.resume}: cannot read its launch.json ({exc})") from None
+    argv = list(record.get("resumable_argv") or [])
+    if not argv:
+        raise ConfigError(f"--resume {args.resume}: launch.json records no resumable command line")
+    recorded = _parse_launch(argv)
+    defaults = _parse_launch([])
+    protocol_options = set(explicit_options(args))  # present only when given
+    for name, value in vars(args).items():
+        if name in ("resume", "func", "script_args") or name in RESUME_DISPLAY_FLAGS:
+            continue
+        given = name in protocol_options or (hasattr(defaults, name) and value != getattr(defaults, name))
+        if given and value != getattr(recorded, name, None):
+            flag = "SCRIPT" if name == "script" else "--" + name.replace("_", "-")
+            raise ConfigError(f"--resume {args.resume}: {flag} conflicts with the recorded run "
+                              "(a resumed run takes its script, arguments and options from launch.json)")
+    if args.script_args and list(args.script_args) != list(recorded.script_args):
+        raise ConfigError(f"--resume {args.resume}: script arguments conflict with the recorded run")
+    for name in RESUME_DISPLAY_FLAGS:
+        setattr(recorded, name, getattr(args, name))
+    recorded.run_dir = str(run_dir.resolve())
+    cwd = record.get("cwd")
+    if isinstance(cwd, str) and Path(cwd).is_dir():
+        os.chdir(cwd)  # the recorded paths (script, --graph, --checkpoint-dir) may be relative to it
+    recorded.overwrite = False
+    recorded.resume = args.resume
+    recorded.recorded_argv = record.get("argv") or ["hopnet", "launch", *argv]
+    return recorded
+
+
 def run(args: argparse.Namespace) -> int:
+    argv = list(sys.argv)
+    if args.resume is not None:
+        args = resumed_args(args)
+        argv = list(args.recorded_argv)
+    elif args.script is None:
+        raise ConfigError("hopnet launch: SCRIPT is required (or --resume RUN_DIR)")
     config = config_from_args(args)
     from hopnet.launch.launcher import launch
 
@@ -139,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         module=args.module,
         grace_s=args.grace,
-        argv=sys.argv,
+        argv=argv,
         max_failures=args.max_failures,
         explicit_options=sorted(explicit_options(args)),
         progress=args.progress,
@@ -152,5 +220,8 @@ def run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         save_model=args.save_model,
         start_method=args.start_method,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume is not None,
     )
     return result.returncode

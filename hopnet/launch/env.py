@@ -27,6 +27,10 @@ the same script can also run stand-alone.
 launcher): the lowest live rank writes the consensus model's ``state_dict`` to
 ``model.pt`` in the run directory when ``worker.consensus()`` returns.
 
+``HOPNET_CHECKPOINT_EVERY``, ``HOPNET_CHECKPOINT_DIR`` and ``HOPNET_RESUME`` (set by ``hopnet launch
+--checkpoint-every/--checkpoint-dir/--resume``, or by hand under torchrun and srun) ask for
+checkpoints and a resume: see :mod:`hopnet.checkpoint`.
+
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
 launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
 CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured

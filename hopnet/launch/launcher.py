@@ -66,6 +66,7 @@ from hopnet.launch.outcome import blame_run, conclude
 from hopnet.launch.prepare import (
     JoinedMachines,
     LaunchRecord,
+    checkpoint_env,
     host_name,
     join_launchers,
     launch_record,
@@ -175,6 +176,7 @@ class Launch:
         self.trap = SignalTrap()
         self.rdzv_host = rendezvous_host(plan.bind, machines)
         self.base_env, self.threads_note = worker_base_env(plan, security, os.environ)
+        self.base_env.update(checkpoint_env(plan, run_dir, output.say))
         self.err_lines = LineWriter(output.err)
         # The launcher watch: workers hold the read end, only this process the write end.
         self.watch_read, self.watch_write = os.pipe()
@@ -570,6 +572,9 @@ def launch(
     rdzv_endpoint: str | None = None,
     save_model: bool = False,
     start_method: str | None = None,
+    checkpoint_every: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    resume: bool = False,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -596,6 +601,9 @@ def launch(
     machine) and the rendezvous; a failure anywhere stops every machine's workers.
     With ``save_model`` the workers' ``worker.consensus()`` writes the consensus model to
     ``model.pt`` in the run directory (``HOPNET_SAVE_MODEL``).
+    ``checkpoint_every`` N: every worker saves its state every N iterations into ``checkpoint_dir``
+    (default ``RUN_DIR/checkpoints``); ``resume``: ``run_dir`` is an earlier run's, whose workers
+    resume from their checkpoints (:mod:`hopnet.checkpoint`).
     ``start_method`` ``"forkserver"`` (the default on Linux) forks the workers from one process
     that imported torch once (:mod:`hopnet.launch.forkserver`); ``"exec"`` starts each worker as
     a new interpreter. ``launch.json`` records the method and each worker's pid.
@@ -608,7 +616,8 @@ def launch(
                       explicit_options=explicit_options, settle_s=settle_s, progress=progress,
                       insecure=insecure, secure=secure, key_file=key_file, nnodes=nnodes, node_rank=node_rank,
                       rdzv_endpoint=rdzv_endpoint, save_model=save_model,
-                      start_method=start_method)
+                      start_method=start_method, checkpoint_every=checkpoint_every,
+                      checkpoint_dir=checkpoint_dir, resume=resume)
     return run_launch(spec, stdout=stdout, stderr=stderr)
 
 

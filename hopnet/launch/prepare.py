@@ -19,11 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hopnet import checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.env import SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
-from hopnet.launch.run_dir import RunDirClaim, claim_run_dir, graph_label, make_run_dir
+from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
 from hopnet.launch.store import parse_endpoint
 from hopnet.launch.threads import limit_worker_threads
@@ -93,7 +94,10 @@ def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str]
     until it ends; a refusal writes nothing into the directory."""
     spec = plan.spec
     path = make_run_dir(spec.run_dir, plan.config.protocol, graph_label(plan.graph, spec.graph))
-    claim = claim_run_dir(path if spec.run_dir is None else spec.run_dir, spec.overwrite)  # named as given
+    if spec.resume:
+        claim = claim_for_resume(spec.run_dir if spec.run_dir is not None else path)
+    else:
+        claim = claim_run_dir(path if spec.run_dir is None else spec.run_dir, spec.overwrite)  # named as given
     try:
         _write_graph_and_notes(plan, security, say, claim)
     except BaseException:
@@ -141,8 +145,10 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
     spec, nodes = plan.spec, plan.nodes
     config = json.loads(plan.config.to_json())
     graph = spec.graph
+    argv = list(spec.argv) if spec.argv is not None else list(sys.argv)
     return LaunchRecord(run_dir / "launch.json", {
-        "argv": list(spec.argv) if spec.argv is not None else list(sys.argv),
+        "argv": list(argv),
+        "resumable_argv": argv[argv.index("launch") + 1:] if "launch" in argv else None,
         "command": plan.command,
         "script": os.fspath(spec.script),
         "script_args": list(spec.script_args),
@@ -153,6 +159,9 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
         "explicit_options": sorted(spec.explicit_options),
         "max_failures": spec.max_failures,
         "save_model": spec.save_model,
+        "checkpoint_every": spec.checkpoint_every,
+        "checkpoint_dir": os.fspath(spec.checkpoint_dir) if spec.checkpoint_dir is not None else None,
+        "resumed": spec.resume,
         "graph": graph.name if isinstance(graph, Graph) else (os.fspath(graph) if graph is not None else None),
         "graph_name": plan.graph.name,
         "world_size": plan.world_size,
@@ -220,3 +229,24 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
 
 __all__ = ["JOIN_TIMEOUT_S", "JoinedMachines", "LaunchRecord", "host_name", "join_launchers", "launch_record",
            "prepare_run_dir", "rendezvous_host", "secure_run", "worker_base_env", "worker_pythonpath"]
+
+
+def checkpoint_env(plan: LaunchPlan, run_dir: Path, say: Callable[[str], None]) -> dict[str, str]:
+    """The workers' ``HOPNET_CHECKPOINT_*`` and ``HOPNET_RESUME`` variables; on resume, the
+    iteration every rank resumes after: the highest that every rank has a complete checkpoint
+    of (:func:`hopnet.checkpoint.common_iteration`), said in one line."""
+    spec = plan.spec
+    directory = Path(spec.checkpoint_dir).resolve() if spec.checkpoint_dir is not None \
+        else run_dir / checkpoint.DEFAULT_SUBDIR
+    env = {checkpoint.CHECKPOINT_DIR: str(directory)}
+    if spec.checkpoint_every:
+        env[checkpoint.CHECKPOINT_EVERY] = str(spec.checkpoint_every)
+    if spec.resume:
+        after = checkpoint.common_iteration(directory, plan.world_size)
+        if after is None:
+            say(f"resume: no iteration has a checkpoint of every rank in {directory}: starting from iteration 0")
+        else:
+            env[checkpoint.RESUME] = str(after)
+            say(f"resume: every rank resumes from its checkpoint of iteration {after} "
+                f"(training continues at iteration {after + 1})")
+    return env

@@ -149,6 +149,44 @@ def _remove(files: list[Path]) -> None:
             raise ConfigError(f"--overwrite: cannot remove {os.fspath(f)}: {exc.strerror or exc}") from None
 
 
+PREVIOUS_DIR = "attempts"
+"""Where a resumed run moves the earlier attempts' logs (``attempts/1/rank0.jsonl``...)."""
+
+
+def claim_for_resume(run_dir: str | os.PathLike[str]) -> RunDirClaim:
+    """Claim ``run_dir``, an earlier run's, to resume it: refused when it holds no
+    ``launch.json`` or a running launch holds it. Its logs (``rank*.jsonl``, ``coordinator.jsonl``,
+    ``model.pt``) move to ``attempts/N/``, so the resumed run's logs start afresh; ``launch.json``
+    (copied there too), ``graph.json`` and everything else stay."""
+    path = Path(run_dir).resolve()
+    shown = os.fspath(run_dir)
+    if not (path / "launch.json").is_file():
+        raise ConfigError(f"--resume {shown}: no launch.json there (not a hopnet run directory)")
+    try:
+        fd = os.open(path / CLAIM_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"--resume {shown}: cannot open {CLAIM_FILE}: {exc.strerror or exc}") from None
+    if not _try_lock(fd):
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(f"--resume {shown}: a running launch holds it{holder}")
+    try:
+        attempt = 1
+        while (path / PREVIOUS_DIR / str(attempt)).exists():
+            attempt += 1
+        previous = path / PREVIOUS_DIR / str(attempt)
+        previous.mkdir(parents=True)
+        (previous / "launch.json").write_bytes((path / "launch.json").read_bytes())
+        for f in previous_run_files(path):
+            if f.name not in (CLAIM_FILE, "launch.json", "graph.json"):
+                os.replace(f, previous / f.name)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"--resume {shown}: cannot move the earlier logs: {exc.strerror or exc}") from None
+    _stamp(fd)
+    return RunDirClaim(path, fd, f"resume: moved the earlier attempt's logs to {previous}")
+
+
 def claim_run_dir(run_dir: str | os.PathLike[str], overwrite: bool) -> RunDirClaim:
     """Claim the existing directory ``run_dir`` for one launch (see the module docstring);
     messages name it as given, :attr:`RunDirClaim.path` is resolved.

@@ -23,6 +23,7 @@ from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.nodes import place_ranks
 from hopnet.launch.options import option_names
+from hopnet.registry import lookup
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -71,6 +72,12 @@ class LaunchSpec:
     """``"forkserver"`` (workers forked from a process that imported torch once,
     :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
     ``None``: forkserver where the platform has it."""
+    checkpoint_every: int = 0
+    """Every worker saves its state every N iterations (:mod:`hopnet.checkpoint`); 0: never."""
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    """Where (default: ``RUN_DIR/checkpoints``)."""
+    resume: bool = False
+    """Reuse ``run_dir`` (an earlier run's, stopped or crashed) and resume from its checkpoints."""
 
     @property
     def single_machine(self) -> bool:
@@ -187,6 +194,13 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
         raise ConfigError(f"--bind {spec.bind!r}: expected a host name or address")
     if spec.grace_s < 0:
         raise ConfigError(f"grace period must be >= 0 (got {spec.grace_s})")
+    if spec.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0 (got {spec.checkpoint_every})")
+    if spec.resume and (spec.run_dir is None or spec.overwrite):
+        raise ConfigError("resume needs the run directory to resume, and cannot --overwrite it")
+    if spec.resume and not lookup(config.protocol).resumable:
+        raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet "
+                          "(hop, notify-ack and allreduce can)")
     if spec.start_method not in (None, *START_METHODS):
         raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))

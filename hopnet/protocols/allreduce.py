@@ -62,4 +62,5 @@ register(ProtocolSpec(
     build=lambda config, options, model, grads: AllReduceProtocol(config, grads, model, options),
     averages=Averages.GRADIENTS,
     uses_graph=False,
+    resumable=True,
 ))

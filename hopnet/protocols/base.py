@@ -16,7 +16,9 @@ import torch
 
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
+from hopnet.registry import lookup
 from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
@@ -56,6 +58,15 @@ class Protocol(abc.ABC):
         buffers, one tensor per dtype (see :class:`hopnet.model_state.ModelState`); empty when the
         worker has no model (the simulator's gradient protocols)."""
         return list(self.model.flats) if self.model is not None else []
+
+    def resume_at(self, iteration: int) -> None:
+        """Start at ``iteration`` instead of 0 (every rank resuming from a checkpoint of
+        ``iteration - 1``, with empty queues): called before :meth:`start`, only for the
+        protocols whose declaration says ``resumable``."""
+        if not lookup(self.config.protocol).resumable:
+            raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet "
+                              "(hop, notify-ack and allreduce can)")
+        self.iteration = iteration
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -47,7 +47,7 @@ class AllRanksGradientProtocol(Protocol):
         self.buffer_sync = BufferSync(self.buffers_mode, self.model_buffers, self.rank, node.graph.n)
 
     async def start(self) -> None:
-        self.node.entered(0, self)
+        self.node.entered(self.iteration, self)
 
     def _gradient_buffer(self) -> torch.Tensor:
         if isinstance(self.grads, FlatGradients):

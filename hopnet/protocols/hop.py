@@ -203,8 +203,15 @@ class HopProtocol(Protocol):
     async def start(self) -> None:
         """Nothing yet: iteration 0 is entered (and the model sent) in :meth:`begin`."""
 
+    def resume_at(self, iteration: int) -> None:
+        super().resume_at(iteration)
+        # Every rank resumes at ``iteration``: no ack of an earlier one will come.
+        self.acks = {j: iteration - 1 for j in self.acks}
+        self.last_used = {j: iteration - 1 for j in self.last_used}
+        self.newest_received = {j: iteration - 1 for j in self.newest_received}
+
     async def begin(self) -> None:
-        await self._enter(0, 1)
+        await self._enter(self.iteration, 1)
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
@@ -737,6 +744,7 @@ register(ProtocolSpec(
     gap_bound=gap_bound,
     gap_rule=gap_rule,
     simulated_without_tensors=True,
+    resumable=True,
 ))
 
 register(ProtocolSpec(
@@ -750,4 +758,5 @@ register(ProtocolSpec(
     gap_bound=notify_ack_gap_bound,
     gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
     simulated_without_tensors=True,
+    resumable=True,
 ))

@@ -1,0 +1,252 @@
+"""Per-rank checkpoints: atomic files, the common resume point, and the RNG states.
+
+Each rank writes ``rank{R}-iter{K:08d}.pt`` into the checkpoint directory after finishing
+iteration ``K`` (:class:`Checkpointer`). A file is written under a temporary name, fsynced and
+renamed into place (``os.replace``), then the directory is fsynced: a name of that form
+always holds a complete checkpoint, and a kill during a write leaves only a ``.tmp`` file
+that nothing reads. The :data:`KEEP` newest checkpoints of each rank are kept, so that ranks a
+few iterations apart (Hop) still share one.
+
+The resume point (:func:`common_iteration`) is the highest iteration for which every rank has
+a complete checkpoint: the synchronous protocols need all ranks to resume from the same one.
+
+Variables (set by ``hopnet launch --checkpoint-every/--checkpoint-dir/--resume``, or by hand
+under torchrun and srun):
+
+=============================  ===========================================================
+``HOPNET_CHECKPOINT_EVERY``    save every N iterations (0 or unset: never)
+``HOPNET_CHECKPOINT_DIR``      where (default: ``RUN_DIR/checkpoints``)
+``HOPNET_RESUME``              an iteration to resume from (the launcher sets it), or
+                               ``auto``: each rank finds the common resume point itself
+=============================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hopnet.errors import ConfigError
+
+CHECKPOINT_EVERY = "HOPNET_CHECKPOINT_EVERY"
+CHECKPOINT_DIR = "HOPNET_CHECKPOINT_DIR"
+RESUME = "HOPNET_RESUME"
+DEFAULT_SUBDIR = "checkpoints"
+KEEP = 3
+"""Checkpoints kept per rank (the newest): enough for ranks a few iterations apart to share one."""
+_NAME = re.compile(r"rank(\d+)-iter(\d+)\.pt")
+
+
+def checkpoint_name(rank: int, iteration: int) -> str:
+    return f"rank{rank}-iter{iteration:08d}.pt"
+
+
+def rank_iterations(directory: Path, rank: int) -> list[int]:
+    """The iterations of ``rank``'s complete checkpoints in ``directory``, ascending."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _NAME.fullmatch(path.name)
+        if match and int(match.group(1)) == rank:
+            found.append(int(match.group(2)))
+    return sorted(found)
+
+
+def common_iteration(directory: Path, world_size: int) -> int | None:
+    """The highest iteration that every rank ``0 .. world_size-1`` has a complete checkpoint of."""
+    common: set[int] | None = None
+    for rank in range(world_size):
+        mine = set(rank_iterations(directory, rank))
+        common = mine if common is None else common & mine
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def write_atomic(payload: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file in the same directory: fsync, rename,
+    fsync the directory. ``path`` is either absent or complete, whenever the writer dies."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(partial, "wb") as stream:
+            torch.save(payload, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(directory: Path, rank: int, iteration: int) -> dict[str, Any]:
+    path = directory / checkpoint_name(rank, iteration)
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise ConfigError(f"resume: rank {rank} has no checkpoint of iteration {iteration} in {directory}") from None
+    return state
+
+
+def rng_states() -> dict[str, Any]:
+    """The generators a trainer draws from: torch (CPU, and CUDA when initialised), ``random``,
+    and numpy's global one when numpy is imported."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def restore_rng_states(states: Mapping[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+
+
+def state_of(obj: Any) -> Any:
+    """What :meth:`hopnet.api.Worker.register_state` saves of ``obj``."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    if isinstance(obj, dict):
+        return dict(obj)
+    raise ConfigError(f"register_state: {type(obj).__name__} has no state_dict()/load_state_dict() "
+                      "and is not a dict or a torch.Generator")
+
+
+def load_state_into(obj: Any, state: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif isinstance(obj, dict):
+        obj.clear()
+        obj.update(state)
+    else:
+        raise ConfigError(f"register_state: cannot load into {type(obj).__name__}")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What the ``HOPNET_CHECKPOINT_*`` and ``HOPNET_RESUME`` variables ask for."""
+
+    every: int = 0
+    directory: Path | None = None
+    resume: int | str | None = None
+    """An iteration, ``"auto"``, or ``None`` (a fresh start)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], run_dir: str) -> CheckpointSettings:
+        text = environ.get(CHECKPOINT_EVERY, "").strip() or "0"
+        try:
+            every = int(text)
+        except ValueError:
+            raise ConfigError(f"{CHECKPOINT_EVERY}={text!r} is not an integer") from None
+        if every < 0:
+            raise ConfigError(f"{CHECKPOINT_EVERY}={every} must be >= 0")
+        folder = environ.get(CHECKPOINT_DIR, "").strip()
+        directory = Path(folder) if folder else (Path(run_dir) / DEFAULT_SUBDIR if run_dir else None)
+        resume_text = environ.get(RESUME, "").strip().lower()
+        resume: int | str | None = None
+        if resume_text in ("auto", "1", "true", "yes"):
+            resume = "auto"
+        elif resume_text not in ("", "0", "false", "no"):
+            try:
+                resume = int(resume_text)
+            except ValueError:
+                raise ConfigError(f"{RESUME}={resume_text!r}: expected auto or an iteration") from None
+        if (every or resume is not None) and directory is None:
+            raise ConfigError(f"{CHECKPOINT_EVERY}/{RESUME} need {CHECKPOINT_DIR} (or HOPNET_RUN_DIR)")
+        return cls(every=every, directory=directory, resume=resume)
+
+    def resume_iteration(self, world_size: int) -> int | None:
+        """The iteration this rank resumes after (its checkpoint's), or ``None``: start afresh."""
+        if self.resume is None or self.directory is None:
+            return None
+        if self.resume == "auto":
+            return common_iteration(self.directory, world_size)
+        return int(self.resume)
+
+
+def copied(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied to the CPU: a snapshot training cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: copied(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copied(value) for value in obj)
+    return obj
+
+
+class Checkpointer:
+    """Writes one rank's checkpoints every ``every`` iterations, keeping the :data:`KEEP` newest.
+
+    :meth:`submit` writes in a thread of its own, so the trainer (and the neighbours waiting on
+    it) pay only for the copy; a write still in progress at the next submit, or at :meth:`wait`,
+    is waited for, and its error raised there."""
+
+    def __init__(self, directory: Path, rank: int, every: int) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.every = every
+        directory.mkdir(parents=True, exist_ok=True)
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, iteration: int, payload: dict[str, Any]) -> Path:
+        """Write ``payload`` (already a snapshot: :func:`copied`) in the background."""
+        self.wait()
+        path = self.directory / checkpoint_name(self.rank, iteration)
+
+        def write() -> None:
+            try:
+                self.save(iteration, payload)
+            except BaseException as exc:  # raised to the trainer at the next submit or wait
+                self._error = exc
+
+        self._pending = threading.Thread(target=write, name=f"hopnet-checkpoint-rank{self.rank}", daemon=True)
+        self._pending.start()
+        return path
+
+    def wait(self) -> None:
+        """Wait for the write in progress, if any; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def due(self, iteration: int) -> bool:
+        return self.every > 0 and (iteration + 1) % self.every == 0
+
+    def save(self, iteration: int, payload: dict[str, Any]) -> Path:
+        path = self.directory / checkpoint_name(self.rank, iteration)
+        write_atomic(payload, path)
+        for old in rank_iterations(self.directory, self.rank)[:-KEEP]:
+            (self.directory / checkpoint_name(self.rank, old)).unlink(missing_ok=True)
+        return path

@@ -1,0 +1,235 @@
+"""Checkpoints and resume: atomic files, the common resume point, and `hopnet launch --resume`
+after the launcher was SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hopnet import checkpoint
+
+from support.env import clean_env
+from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
+from support.paths import EXAMPLES
+from support.records import records
+
+DIGITS = str(EXAMPLES / "train_digits.py")
+ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
+
+
+# ------------------------------------------------------------------------- the files
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = checkpoint.Checkpointer(tmp_path, rank=0, every=10)
+    writer.save(9, {"iteration": 9, "w": torch.arange(4.0)})
+    real_save = torch.save
+
+    def dies_midway(obj: Any, stream: Any) -> None:
+        real_save(obj, stream)
+        stream.truncate(stream.tell() // 2)  # half the bytes are out when the writer dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        writer.save(19, {"iteration": 19, "w": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert checkpoint.rank_iterations(tmp_path, 0) == [9]
+    assert checkpoint.common_iteration(tmp_path, 1) == 9
+    assert torch.equal(checkpoint.load(tmp_path, 0, 9)["w"], torch.arange(4.0))
+
+
+def test_a_writer_process_sigkilled_while_writing_leaves_no_checkpoint_name(tmp_path: Path) -> None:
+    """A real kill: the writer dies with its temporary file half written; the name of a
+    checkpoint only ever holds a complete one."""
+    writer = checkpoint.Checkpointer(tmp_path, rank=0, every=1)
+    writer.save(0, {"iteration": 0})
+    code = ("import os, signal, torch\n"
+            "from pathlib import Path\n"
+            "from hopnet import checkpoint\n"
+            "def dies(obj, stream):\n"
+            "    stream.write(b'x' * 100000); stream.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "checkpoint.torch.save = dies\n"
+            f"checkpoint.Checkpointer(Path({str(tmp_path)!r}), 0, 1).save(1, {{}})\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert checkpoint.rank_iterations(tmp_path, 0) == [0]
+    assert checkpoint.load(tmp_path, 0, 0) == {"iteration": 0}
+
+
+def test_the_resume_point_is_the_newest_iteration_every_rank_has(tmp_path: Path) -> None:
+    for rank, iterations in {0: [49, 99, 149], 1: [49, 99], 2: [99, 149, 199]}.items():
+        for it in iterations:
+            checkpoint.write_atomic({"iteration": it}, tmp_path / checkpoint.checkpoint_name(rank, it))
+    assert checkpoint.common_iteration(tmp_path, 3) == 99
+    assert checkpoint.common_iteration(tmp_path, 4) is None  # rank 3 has none
+
+
+def test_only_the_newest_checkpoints_of_a_rank_are_kept(tmp_path: Path) -> None:
+    writer = checkpoint.Checkpointer(tmp_path, rank=2, every=5)
+    for it in (4, 9, 14, 19, 24):
+        writer.save(it, {"iteration": it})
+    assert checkpoint.rank_iterations(tmp_path, 2) == [14, 19, 24][-checkpoint.KEEP:]
+
+
+def test_registered_states_round_trip() -> None:
+    generator = torch.Generator().manual_seed(3)
+    position = {"epoch": 2, "batch": 17}
+    layer = torch.nn.Linear(2, 2)
+    saved = [checkpoint.state_of(obj) for obj in (generator, position, layer)]
+    expected = torch.rand(3, generator=generator)
+    position["epoch"] = 9
+    torch.nn.init.zeros_(layer.weight)
+    for obj, state in zip((generator, position, layer), saved):
+        checkpoint.load_state_into(obj, state)
+    assert torch.equal(torch.rand(3, generator=generator), expected)
+    assert position == {"epoch": 2, "batch": 17}
+    assert torch.equal(layer.weight, saved[2]["weight"])
+
+
+# ------------------------------------------------------------------------- refusals
+def test_resume_refuses_a_conflicting_flag_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "3", "--protocol", "allreduce", '
+                                         f'"--run-dir", "{run_dir}", "{DIGITS}"]}}')
+    result = launch_in_process(["--resume", str(run_dir), "--protocol", "hop"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hopnet launch: error: --resume {run_dir}: --protocol conflicts with the recorded run "
+        "(a resumed run takes its script, arguments and options from launch.json)"]
+    assert not (run_dir / "attempts").exists()
+
+
+def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "ad-psgd", '
+                                         f'"--run-dir", "{run_dir}", "{DIGITS}"]}}')
+    (run_dir / "rank0.jsonl").write_text("")
+    result = launch_in_process(["--resume", str(run_dir)])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hopnet launch: error: --resume: --protocol ad-psgd cannot resume from checkpoints yet "
+        "(hop, notify-ack and allreduce can)"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
+
+
+def test_resume_refuses_a_directory_without_a_run(tmp_path: Path) -> None:
+    result = launch_in_process(["--resume", str(tmp_path)])
+    assert result.returncode == 2
+    assert f"--resume {tmp_path}: cannot read its launch.json" in result.stderr
+
+
+# ------------------------------------------------------------------------- real runs
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_launcher_after_checkpoint(run_dir: Path, args: list[str], nproc: int, after: int) -> None:
+    """Start a launch, SIGKILL the launcher once every rank has a checkpoint of ``after``
+    or later, and wait for its workers to die with it."""
+    proc = start_launch(args, new_session=True)
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while (checkpoint.common_iteration(run_dir / "checkpoints", nproc) or -1) < after:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.05)
+        pids = recorded_worker_pids(run_dir)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids.values() if _alive(p)] == []
+    finally:
+        for pid in pids.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        kill(proc)
+
+
+@pytest.mark.slow
+def test_allreduce_resumed_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    script = [DIGITS, "--iterations", "1500", "--eval-every", "100000"]
+    common = ["--nproc", "3", "--protocol", "allreduce", "--checkpoint-every", "50", "--no-progress"]
+    whole = run_launch([*common, "--run-dir", str(tmp_path / "whole"), *script])
+    assert whole.returncode == 0, whole.stderr
+
+    run_dir = tmp_path / "killed"
+    _kill_launcher_after_checkpoint(run_dir, [*common, "--run-dir", str(run_dir), *script], 3, after=199)
+    assert not (run_dir / "final_rank0.pt").exists()
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resume: every rank resumes from its checkpoint of iteration" in resumed.stderr
+    for rank in range(3):
+        assert torch.equal(torch.load(run_dir / f"final_rank{rank}.pt"),
+                           torch.load(tmp_path / "whole" / f"final_rank{rank}.pt")), rank
+
+
+@pytest.mark.slow
+def test_hop_resumed_after_a_sigkilled_launcher_reaches_95_percent(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--nproc", "4", "--checkpoint-every", "50", "--no-progress", "--run-dir", str(run_dir),
+            DIGITS, "--iterations", "1000", "--eval-every", "100000"]
+    _kill_launcher_after_checkpoint(run_dir, args, 4, after=149)
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
+    assert sorted(accuracies) == [0, 1, 2, 3]
+    assert min(accuracies.values()) >= 0.95, accuracies
+    resumed_at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
+    assert resumed_at is not None and 149 <= int(resumed_at.group(1)) < 999
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:
+    env = {**clean_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HOPNET_RUN_DIR": str(run_dir),
+           "HOPNET_PROTOCOL": "allreduce", "HOPNET_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **variables}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           DIGITS, "--iterations", "200", "--eval-every", "100000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_under_torchrun_hopnet_resume_auto_continues_from_the_common_checkpoint(tmp_path: Path) -> None:
+    _torchrun(tmp_path, tmp_path / "first", HOPNET_CHECKPOINT_EVERY="50")
+    assert checkpoint.common_iteration(tmp_path / "checkpoints", 3) == 149
+    _torchrun(tmp_path, tmp_path / "resumed", HOPNET_RESUME="auto")
+    assert [r["iter"] for r in records(tmp_path / "resumed", 0, "resumed")] == [149]
+    for rank in range(3):
+        assert torch.equal(torch.load(tmp_path / "resumed" / f"final_rank{rank}.pt"),
+                           torch.load(tmp_path / "first" / f"final_rank{rank}.pt")), rank
