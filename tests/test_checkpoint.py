@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from support.env import clean_env
 from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
 from support.paths import EXAMPLES
 from support.records import records
+from support.ports import free_port
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -200,17 +200,12 @@ def test_hop_resumed_after_a_sigkilled_launcher_reaches_95_percent(tmp_path: Pat
     assert resumed_at is not None and 149 <= int(resumed_at.group(1)) < 999
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:
     env = {**clean_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HOPNET_RUN_DIR": str(run_dir),
            "HOPNET_PROTOCOL": "allreduce", "HOPNET_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **variables}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            DIGITS, "--iterations", "200", "--eval-every", "100000"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from support.paths import EXAMPLES, ROOT, WORKERS
 from support.launch import launch_in_process
+from support.ports import free_port
 
 COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -77,7 +77,7 @@ def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: P
     assert result.returncode == 0, result.stderr
     ddp_out = tmp_path / "ddp.pt"
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                           str(WORKERS / "ddp_digits.py"), str(ddp_out), "--iterations", "50"],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert ddp.returncode == 0, ddp.stderr
@@ -94,7 +94,3 @@ def _initial_digits_params() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from support.env import clean_env
 from support.paths import EXAMPLES
 from support.records import coordinator_records, records
+from support.ports import free_port
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
@@ -104,11 +104,6 @@ def test_protocol_options_from_variables_count_as_explicit() -> None:
 
 
 # ------------------------------------------------------------------------- real runs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
@@ -130,7 +125,7 @@ def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            DIGITS, "--iterations", "70", "--eval-every", "1000"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -153,7 +148,7 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     """Three plain processes with the variables srun sets: the store on the first host of the
     nodelist, the graph and the options from HOPNET_* variables, the default run directory, and
     the coordinator of a group protocol hosted by rank 0."""
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(3):

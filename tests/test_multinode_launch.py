@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from hopnet.launch.nodes import place_ranks
 
 from support.env import clean_env
 from support.launch import kill, start_launch
+from support.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 HOP_WORKER = str(REPO / "tests" / "workers" / "hop_worker.py")
@@ -43,14 +43,9 @@ def test_nnodes_without_rdzv_endpoint_is_refused_before_anything_starts(tmp_path
 
 
 # --------------------------------------------------------------------------- two launchers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _two_launchers(tmp_path: Path, graph: str, extra: list[str], worker_args: list[str]) -> list[tuple[int, str, str]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for node in (0, 1):

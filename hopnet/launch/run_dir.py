@@ -33,6 +33,7 @@ import errno
 import fcntl
 import json
 import os
+from collections.abc import Callable
 import re
 import socket
 from datetime import datetime
@@ -118,6 +119,20 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def _open_and_lock(lock: Path, flag: str, held: Callable[[str], str]) -> int:
+    """Open (creating) the claim file and lock it; ``held(holder)`` is the refusal when a running
+    launch holds it."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot open {CLAIM_FILE}: {exc.strerror or exc}") from None
+    if not _try_lock(fd):
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(held(holder))
+    return fd
+
+
 def _holder(fd: int) -> str:
     """`` (pid N on HOST)`` from the lock's content, or nothing when it cannot be read."""
     try:
@@ -162,14 +177,8 @@ def claim_for_resume(run_dir: str | os.PathLike[str]) -> RunDirClaim:
     shown = os.fspath(run_dir)
     if not (path / "launch.json").is_file():
         raise ConfigError(f"--resume {shown}: no launch.json there (not a hopnet run directory)")
-    try:
-        fd = os.open(path / CLAIM_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise ConfigError(f"--resume {shown}: cannot open {CLAIM_FILE}: {exc.strerror or exc}") from None
-    if not _try_lock(fd):
-        holder = _holder(fd)
-        os.close(fd)
-        raise ConfigError(f"--resume {shown}: a running launch holds it{holder}")
+    fd = _open_and_lock(path / CLAIM_FILE, f"--resume {shown}",
+                        lambda holder: f"--resume {shown}: a running launch holds it{holder}")
     try:
         attempt = 1
         while (path / PREVIOUS_DIR / str(attempt)).exists():
@@ -213,14 +222,8 @@ def claim_run_dir(run_dir: str | os.PathLike[str], overwrite: bool) -> RunDirCla
             os.close(fd)
             raise _refuse(shown, [lock])
     else:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"--run-dir {shown}: cannot open {CLAIM_FILE}: {exc.strerror or exc}") from None
-        if not _try_lock(fd):
-            holder = _holder(fd)
-            os.close(fd)
-            raise ConfigError(f"--run-dir {shown} is in use by a running launch{holder}: choose another directory")
+        fd = _open_and_lock(lock, f"--run-dir {shown}", lambda holder: (
+            f"--run-dir {shown} is in use by a running launch{holder}: choose another directory"))
         files = [f for f in previous_run_files(path) if f.name != CLAIM_FILE]
         if files:
             try:
