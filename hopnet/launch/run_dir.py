@@ -33,9 +33,9 @@ import errno
 import fcntl
 import json
 import os
-from collections.abc import Callable
 import re
 import socket
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
