@@ -169,7 +169,7 @@ def _kill_launcher_after_checkpoint(run_dir: Path, args: list[str], nproc: int, 
 @pytest.mark.slow
 def test_allreduce_resumed_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uninterrupted_run(
         tmp_path: Path) -> None:
-    script = [DIGITS, "--iterations", "1500", "--eval-every", "100000"]
+    script = [DIGITS, "--iterations", "800", "--eval-every", "100000"]
     common = ["--nproc", "3", "--protocol", "allreduce", "--checkpoint-every", "50", "--no-progress"]
     whole = run_launch([*common, "--run-dir", str(tmp_path / "whole"), *script])
     assert whole.returncode == 0, whole.stderr
