@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hopnet.launch.death_watch import process_state
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = (sys.executable, "-m", "hopnet.cli.main", "launch")
 LAUNCHER_PREFIX = "hopnet launch: "
@@ -147,15 +149,6 @@ def max_iteration(run_dir: Path) -> int:
                 except ValueError:
                     pass  # a line half written
     return best
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of ``/proc/PID/stat`` (R, S, T, Z...), None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def group_members(pgid: int) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hopnet.launch.death_watch import process_state
 from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
@@ -106,11 +107,7 @@ def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return process_state(pid) not in (None, "Z")
 
 
 def test_exec_start_method_trains_and_is_recorded(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ class DeathWatch:
 
     def __init__(self, run_dir: Path, ranks: Iterable[int], stopped_limit_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.tails = {rank: LogTail(run_dir / f"rank{rank}.jsonl") for rank in ranks}
+        self.tails = {rank: LogTail(run_dir / f"rank{rank}.jsonl", containing=b"peer_dead") for rank in ranks}
         self.stopped_limit_s = stopped_limit_s
         self.clock = clock
         self.found: dict[int, Declaration] = {}

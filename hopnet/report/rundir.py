@@ -128,10 +128,13 @@ def _config(launch: dict[str, Any], events: dict[int, list[Record]]) -> Protocol
 
 class LogTail:
     """Follows one event log as it grows: :meth:`read` returns the records of the lines
-    completed since the last call (nothing while the file does not exist yet)."""
+    completed since the last call (nothing while the file does not exist yet). With
+    ``containing``, only lines holding those bytes are parsed (a reader after one rare event
+    need not decode every iteration record of a fast run)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, containing: bytes | None = None) -> None:
         self.path = path
+        self.containing = containing
         self._offset = 0
         self._partial = b""
 
@@ -149,7 +152,7 @@ class LogTail:
         complete, _, self._partial = data.rpartition(b"\n")
         records: list[Record] = []
         for line in complete.split(b"\n"):
-            if not line.strip():
+            if not line.strip() or (self.containing is not None and self.containing not in line):
                 continue
             try:
                 record = json.loads(line)
