@@ -210,7 +210,9 @@ class TorchCollective(Collective):
         vote_keys = [f"{base}/decide/{i}" for i in range(len(members))]
         try:
             store.set(vote_keys[index], "1" if room else "0")
-            votes = store.multi_get(vote_keys)  # blocks until every member voted, or the timeout
+            # multi_get alone would block for the store's own timeout, not this collective's
+            store.wait(vote_keys, timedelta(seconds=self.timeout_s))
+            votes = store.multi_get(vote_keys)
         except Exception as exc:
             with self._lock:
                 self._reserved -= int(room)
