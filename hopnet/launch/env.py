@@ -31,6 +31,12 @@ launcher): the lowest live rank writes the consensus model's ``state_dict`` to
 --checkpoint-every/--checkpoint-dir/--resume``, or by hand under torchrun and srun) ask for
 checkpoints and a resume: see :mod:`hopnet.checkpoint`.
 
+``HOPNET_MAX_RESTARTS`` (set by ``hopnet launch --max-restarts K``): the launcher replaces up to
+``K`` workers that die while the run goes on, so a worker's peers (and the coordinator) wait for
+a dead rank to come back instead of failing. ``HOPNET_RESTART=N`` is set in the environment of a
+replacement only: the ``N``-th process of its rank after the first (1, 2, ...). It joins the
+running job and takes a neighbour's model instead of starting from its own initial weights.
+
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
 launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
 CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured
@@ -62,6 +68,8 @@ BIND = "HOPNET_BIND"
 EXPLICIT = "HOPNET_EXPLICIT"
 STORE = "HOPNET_STORE"
 SAVE_MODEL = "HOPNET_SAVE_MODEL"
+MAX_RESTARTS = "HOPNET_MAX_RESTARTS"
+RESTART = "HOPNET_RESTART"
 MODEL_FILE = "model.pt"
 """Where ``--save-model`` puts the consensus model, in the run directory."""
 
