@@ -92,7 +92,7 @@ def test_a_replacement_is_not_killed_for_what_was_said_about_the_process_it_repl
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.0, "iter": 4, "mono": 100.0})
     (found,) = watch.poll(running)
     assert found.rank == 1
-    watch.restarted(1, mono=101.0)
+    watch.restarted(1, mono=101.0, number=1)
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.5, "iter": 4, "mono": 100.5})
     assert watch.poll(running) == []  # written before the replacement started: about the old process
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.0, "iter": 9, "mono": 120.0})

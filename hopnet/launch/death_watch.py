@@ -65,21 +65,27 @@ class DeathWatch:
         self.clock = clock
         self.found: dict[int, Declaration] = {}
         self._stopped_since: dict[int, float] = {}
-        self._replaced_at: dict[int, float] = {}
-        """Rank -> ``mono`` at which its current process (a replacement) started."""
+        self._replaced_at: dict[int, tuple[float, int]] = {}
+        """Rank -> ``mono`` at which its current process (a replacement) started, and its restart number."""
 
-    def restarted(self, rank: int, mono: float) -> None:
-        """``rank`` runs again in a new process started at ``mono`` (``time.monotonic()``):
-        watch it afresh, ignoring what was said about the process it replaces."""
+    def restarted(self, rank: int, mono: float, number: int) -> None:
+        """``rank`` runs again in a new process, its ``number``-th replacement, started at ``mono``
+        (``time.monotonic()``): watch it afresh, ignoring what was said about the processes it replaces."""
         self.found.pop(rank, None)
         self._stopped_since.pop(rank, None)
-        self._replaced_at[rank] = mono
+        self._replaced_at[rank] = (mono, number)
 
     def _about_replaced(self, peer: int, record: Mapping[str, object]) -> bool:
-        """Whether ``record`` is about a process of ``peer`` older than its current one."""
-        since = self._replaced_at.get(peer)
-        if since is None:
+        """Whether ``record`` is about a process of ``peer`` older than its current one: by the
+        restart number it names (a peer may hear of the old one's death after the new one started),
+        else by its time."""
+        current = self._replaced_at.get(peer)
+        if current is None:
             return False
+        since, number = current
+        about = record.get("restart")
+        if isinstance(about, int) and not isinstance(about, bool):
+            return about < number
         mono = record.get("mono")
         return not isinstance(mono, (int, float)) or mono < since
 
