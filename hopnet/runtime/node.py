@@ -414,23 +414,18 @@ class Node(Generic[P]):
         self.done_peers.pop(peer, None)
         if self.addresses is not None:
             self.addresses[peer] = address
-        self.transport.readmit_peer(peer)
+        # Connected at once: the messages right behind the rejoin may need an answer.
+        self.transport.readmit_peer(peer, address if peer in self._connected else None)
         self.mailbox.peer_rejoined(peer)
         if self.liveness is not None and peer in self.graph.peers(self.rank):
             self.liveness.watch(peer, self.clock.now())
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
-        reconnect = peer in self._connected
-        self._connected.discard(peer)
-        task = asyncio.get_running_loop().create_task(self._admit(peer, restart, reconnect))
-        task.add_done_callback(_ignore_result)
-
-    async def _admit(self, peer: int, restart: int, reconnect: bool) -> None:
-        if reconnect:
-            await self.connect_to([peer])
         self.record("peer_rejoined", peer=peer, restart=restart, iter=self.protocol.iteration)
         self.events.flush()
         self.protocol.on_peer_rejoined(peer)
+        if self.quiesced and peer in self.graph.peers(self.rank):
+            self.post(Message("done", self.rank, peer, self.protocol.iteration))  # it must not wait on this one
 
     async def rejoin(self, restart: int, ranks: Iterable[int], donors: Iterable[int], wait_s: float) -> Handover:
         """This process replaces its rank's dead worker: say ``rejoin`` to ``ranks`` and take the state of
