@@ -54,7 +54,8 @@ def _read_log(path: Path, rank: int) -> list[dict[str, Any]]:
         if record.get("rank", rank) != rank:
             raise RunLogError(f"{path}:{lineno}: a record of rank {record.get('rank')} in rank {rank}'s log")
         records.append(record)
-    starts = sum(1 for r in records if r.get("event") == "start")
+    # a replacement's start (``restart``: hopnet launch --max-restarts) continues the same run
+    starts = sum(1 for r in records if r.get("event") == "start" and not r.get("restart"))
     if starts > 1:
         raise RunLogError(f"{path} holds {starts} runs ({starts} start records): the run directory was reused; "
                           "launch into a fresh --run-dir or pass --overwrite")
