@@ -24,6 +24,8 @@ from support.launch import launch_in_process, run_launch, start_launch
 from support.paths import ROOT
 
 CRASH_ONCE = str(ROOT / "tests" / "scripts" / "crash_once.py")
+RESTARTABLE = ("--protocol", "partial-reduce")
+"""--max-restarts needs a protocol that can take a replacement back (crash_once.py never runs it)."""
 
 
 # --------------------------------------------------------------------------- the budget
@@ -155,7 +157,7 @@ def _launch(tmp_path: Path, *flags: str, victim: int = 1, script_args: tuple[str
     out = tmp_path / "out"
     out.mkdir()
     run_dir = tmp_path / "run"
-    proc = run_launch(["--nproc", "3", *flags, "--run-dir", str(run_dir), "--no-progress", CRASH_ONCE,
+    proc = run_launch(["--nproc", "3", *RESTARTABLE, *flags, "--run-dir", str(run_dir), "--no-progress", CRASH_ONCE,
                        str(victim), str(out), *script_args], timeout=120)
     return proc.returncode, proc.stderr, json.loads((run_dir / "launch.json").read_text())
 
@@ -218,7 +220,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    proc = start_launch(["--nproc", "3", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
+    proc = start_launch(["--nproc", "3", *RESTARTABLE, "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
                          CRASH_ONCE, "1", str(out), "--sleep", "60", "--hold", "60"], new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -3,7 +3,7 @@
 - ``paths``: the repository, the test worker scripts, the examples;
 - ``env``: the clean environment a test gives the processes it starts;
 - ``launch``: `hopnet launch` as a user runs it, to its end or left running;
-- ``records``: a run's event records, read with :func:`hopnet.analysis.load_run`;
+- ``records``: a run's event records, read with :func:`hopnet.analysis.load_run`, or followed as a log grows;
 - ``cluster``: workers as processes without a launcher, or in-process on the test's loop;
 - ``faults``: a transport wrapper that drops, delays or cuts a rank's messages;
 - ``transport_checks``: the conformance checks every transport passes;

@@ -38,3 +38,24 @@ def coordinator_records(run_dir: Path, event: str | None = None) -> list[dict[st
         if event is None or record.get("event") == event:
             out.append(record)
     return out
+
+
+class LogFollower:
+    """A rank's event log read as it grows: each :meth:`new` returns the records written since
+    the last call (a last line still being written waits for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,211 @@
+"""A dead worker replaced live (`hopnet launch --max-restarts K`), with real processes: the
+launcher starts a new process for the rank, which takes a neighbour's model and iteration
+(:mod:`hopnet.runtime.rejoin`) while the others train on, and the run ends with every rank.
+
+Every run here is examples/train_digits.py on 4 workers; the victim is signalled once its own
+event log shows it past an iteration, so the fault always lands mid-run. The launcher's own side
+(the budget, the flag, the records, the death watch) is in test_restarts_launcher.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hopnet.analysis import load_run
+from hopnet.registry import specs
+
+from support.launch import kill, launch_in_process, recorded_worker_pids, start_launch, worker_pids
+from support.paths import EXAMPLES
+from support.records import LogFollower, coordinator_records
+
+DIGITS = str(EXAMPLES / "train_digits.py")
+WORLD = 4
+ITERATIONS = 600
+KILL_AT = 150
+"""The victim is signalled once it logged this iteration (of :data:`ITERATIONS`)."""
+TRAINING = frozenset({"enter", "iteration", "p_reduce", "group"})
+"""Records of a worker that trains: none may come before a replacement's ``rejoined``."""
+VICTIMS = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1}
+"""Under ad-psgd on a ring, odd ranks are passive and run ahead of the actives; a passive victim
+hands over from an active neighbour that is still training (see the report on a passive donor
+that already finished)."""
+COORDINATED = frozenset({"partial-reduce", "prague"})
+
+Record = dict[str, Any]
+
+
+@contextmanager
+def _launched(tmp_path: Path, protocol: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """`hopnet launch` of the digits example with ``--max-restarts 1``, in a process group of its
+    own that the test ends whatever happens."""
+    run_dir = tmp_path / "run"
+    proc = start_launch(["--nproc", str(WORLD), "--protocol", protocol, "--max-restarts", "1", *flags,
+                         "--no-progress", "--run-dir", str(run_dir), DIGITS, "--iterations", str(ITERATIONS)],
+                        new_session=True)
+    try:
+        yield proc, run_dir
+    finally:
+        kill(proc)
+
+
+def _wait_for(proc: subprocess.Popen[str], log: LogFollower, found: Callable[[Record], bool], what: str,
+              timeout_s: float = 120.0) -> Record:
+    """The first new record of ``log`` that is ``found``, read as the log grows."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for rec in log.new():
+            if found(rec):
+                return rec
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the launch ended ({proc.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} in {log.path} after {timeout_s}s")
+        time.sleep(0.02)
+
+
+def _signal_in_iteration(proc: subprocess.Popen[str], run_dir: Path, rank: int, sig: signal.Signals) -> int:
+    """Send ``sig`` to ``rank``'s worker once its log shows iteration :data:`KILL_AT`; its pid."""
+    log = LogFollower(run_dir / f"rank{rank}.jsonl")
+    _wait_for(proc, log, lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= KILL_AT,
+              f"rank {rank}'s iteration {KILL_AT}")
+    pid = worker_pids(run_dir, WORLD)[rank]
+    os.kill(pid, sig)
+    return pid
+
+
+def _incarnations(recs: list[Record]) -> list[list[Record]]:
+    """A rank's log cut at each ``start``: its first process's records, then each replacement's."""
+    parts: list[list[Record]] = []
+    for rec in recs:
+        if rec.get("event") == "start":
+            parts.append([])
+        if parts:
+            parts[-1].append(rec)
+    return parts
+
+
+def _events(recs: list[Record], event: str) -> list[Record]:
+    return [r for r in recs if r.get("event") == event]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _check_finished_with_every_rank(run_dir: Path, code: int, out: str, err: str) -> dict[int, list[Record]]:
+    assert code == 0, f"{out}\n{err}"
+    logs = load_run(run_dir)
+    assert sorted(logs) == list(range(WORLD))
+    for rank, recs in logs.items():
+        assert _events(_incarnations(recs)[-1], "stop"), f"rank {rank} did not finish"
+    result = json.loads((run_dir / "launch.json").read_text())["result"]
+    assert result["lost_ranks"] == [] and set(result["worker_returncodes"].values()) == {0}
+    (consensus,) = [r for r in _events(logs[0], "eval") if r.get("consensus")]
+    assert consensus["accuracy"] >= 0.95, consensus
+    return logs
+
+
+def _check_replacement(run_dir: Path, logs: dict[int, list[Record]], victim: int) -> Record:
+    """The replacement took its donor's model before it trained; every survivor admitted it."""
+    first, second = _incarnations(logs[victim])
+    assert second[0].get("restart") == 1  # the replacement's start record says it continues the run
+    (rejoined,) = _events(second, "rejoined")
+    before = second[:second.index(rejoined)]
+    assert not [r for r in before if r.get("event") in TRAINING], before
+    assert rejoined["restart"] == 1 and rejoined["peer"] != victim
+    (handed,) = [r for r in _events(logs[rejoined["peer"]], "handed_over") if r["peer"] == victim]
+    assert rejoined["fingerprint"] == rejoined["donor_fingerprint"] == handed["fingerprint"]
+    assert rejoined["fingerprint"] != rejoined["initial_fingerprint"]  # not its own initial weights
+    assert rejoined["iter"] == handed["iter"] >= KILL_AT - 1
+    for rank in set(range(WORLD)) - {victim}:
+        assert [(r["peer"], r["restart"]) for r in _events(logs[rank], "peer_rejoined")] == [(victim, 1)], rank
+    return rejoined
+
+
+# --------------------------------------------------------------------- a refused protocol
+@pytest.mark.parametrize("protocol", [s.name for s in specs() if not s.restartable])
+def test_a_protocol_that_cannot_take_a_replacement_is_refused_before_anything_starts(
+        tmp_path: Path, protocol: str) -> None:
+    takers = [s.name for s in specs() if s.restartable]
+    assert set(takers) >= {"partial-reduce", "prague", "ad-psgd"}
+    result = launch_in_process(["--protocol", protocol, "--max-restarts", "1", "--run-dir", str(tmp_path / "run"),
+                                DIGITS])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hopnet launch: error: --max-restarts: --protocol {protocol} cannot replace a dead worker yet "
+        f"({', '.join(takers)} can)"]
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------ real processes
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", sorted(VICTIMS))
+def test_a_killed_worker_is_replaced_from_a_neighbours_model(tmp_path: Path, protocol: str) -> None:
+    victim = VICTIMS[protocol]
+    with _launched(tmp_path, protocol) as (proc, run_dir):
+        old_pid = _signal_in_iteration(proc, run_dir, victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    logs = _check_finished_with_every_rank(run_dir, proc.returncode, out, err)
+    _check_replacement(run_dir, logs, victim)
+    record = json.loads((run_dir / "launch.json").read_text())
+    (restart,) = record["restarts"]
+    assert (restart["rank"], restart["restart"], restart["reason"], restart["old_pid"]) == (
+        victim, 1, "killed by SIGKILL", old_pid)
+    assert restart["new_pid"] == int(record["worker_pids"][str(victim)])
+    assert f"hopnet launch: rank {victim} died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
+    if protocol in COORDINATED:  # the coordinator counted the rank out, then in again
+        assert [r["worker"] for r in coordinator_records(run_dir, "worker_replaced")] == [victim]
+        assert [r["worker"] for r in coordinator_records(run_dir, "worker_rejoined")] == [victim]
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_declared_dead_killed_and_replaced(tmp_path: Path) -> None:
+    victim = 2
+    with _launched(tmp_path, "partial-reduce", "--peer-timeout", "2") as (proc, run_dir):
+        stopped = _signal_in_iteration(proc, run_dir, victim, signal.SIGSTOP)  # never continued
+        out, err = proc.communicate(timeout=180)
+    assert not _alive(stopped)
+    logs = _check_finished_with_every_rank(run_dir, proc.returncode, out, err)
+    _check_replacement(run_dir, logs, victim)
+    (restart,) = json.loads((run_dir / "launch.json").read_text())["restarts"]
+    assert (restart["rank"], restart["old_pid"]) == (victim, stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_failures", [0, 1])
+def test_a_replacement_killed_past_the_budget_is_a_loss(tmp_path: Path, max_failures: int) -> None:
+    victim = 2
+    with _launched(tmp_path, "partial-reduce", "--max-failures", str(max_failures)) as (proc, run_dir):
+        first = _signal_in_iteration(proc, run_dir, victim, signal.SIGKILL)
+        log = LogFollower(run_dir / f"rank{victim}.jsonl")
+        _wait_for(proc, log, lambda r: r.get("event") == "rejoined", f"rank {victim}'s rejoined record")
+        second = recorded_worker_pids(run_dir)[victim]
+        assert second != first
+        os.kill(second, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    lines = err.splitlines()
+    assert f"hopnet launch: rank {victim} died (killed by SIGKILL); restarting it (restart 1 of 1)" in lines
+    result = json.loads((run_dir / "launch.json").read_text())["result"]
+    if max_failures == 0:
+        assert proc.returncode != 0, err
+        assert f"hopnet launch: worker {victim} failed (killed by SIGKILL)" in lines, err
+        assert result["failed_rank"] == victim
+    else:
+        assert proc.returncode == 0, err
+        assert any(line.startswith(f"hopnet launch: lost rank {victim} ") for line in lines), err
+        assert result["lost_ranks"] == [victim]
