@@ -33,6 +33,7 @@ WORLD = 4
 ITERATIONS = 600
 KILL_AT = 150
 """The victim is signalled once it logged this iteration (of :data:`ITERATIONS`)."""
+STOPPED_ITERATIONS = 1000
 TRAINING = frozenset({"enter", "iteration", "p_reduce", "group"})
 """Records of a worker that trains: none may come before a replacement's ``rejoined``."""
 VICTIMS = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1}
@@ -47,12 +48,13 @@ Record = dict[str, Any]
 
 
 @contextmanager
-def _launched(tmp_path: Path, protocol: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+def _launched(tmp_path: Path, protocol: str, *flags: str,
+              iterations: int = ITERATIONS) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """`hopnet launch` of the digits example with ``--max-restarts 1``, in a process group of its
     own that the test ends whatever happens."""
     run_dir = tmp_path / "run"
     proc = start_launch(["--nproc", str(WORLD), "--protocol", protocol, "--max-restarts", "1", *flags,
-                         "--no-progress", "--run-dir", str(run_dir), DIGITS, "--iterations", str(ITERATIONS)],
+                         "--no-progress", "--run-dir", str(run_dir), DIGITS, "--iterations", str(iterations)],
                         new_session=True)
     try:
         yield proc, run_dir
@@ -183,7 +185,11 @@ def test_a_killed_worker_is_replaced_from_a_neighbours_model(tmp_path: Path, pro
 @pytest.mark.slow
 def test_a_stopped_worker_is_declared_dead_killed_and_replaced(tmp_path: Path) -> None:
     victim = 2
-    with _launched(tmp_path, "partial-reduce", "--peer-timeout", "2") as (proc, run_dir):
+    # The others train on while it is silent (groups of 3 out of 4): enough iterations that they are
+    # still training when it is declared dead and its replacement comes (see the report on a
+    # replacement that comes after every other worker finished).
+    with _launched(tmp_path, "partial-reduce", "--peer-timeout", "2",
+                   iterations=STOPPED_ITERATIONS) as (proc, run_dir):
         stopped = _signal_in_iteration(proc, run_dir, victim, signal.SIGSTOP)  # never continued
         out, err = proc.communicate(timeout=180)
     assert not _alive(stopped)
@@ -191,6 +197,7 @@ def test_a_stopped_worker_is_declared_dead_killed_and_replaced(tmp_path: Path) -
     _check_replacement(run_dir, logs, victim)
     (restart,) = json.loads((run_dir / "launch.json").read_text())["restarts"]
     assert (restart["rank"], restart["old_pid"]) == (victim, stopped)
+    assert restart["reason"].startswith("went silent: declared dead by rank "), restart
 
 
 @pytest.mark.slow
