@@ -15,6 +15,7 @@ the records):
 
     python bench/restarts.py                                  # 3 trials x 3 protocols, ~2 min on 2 cores
     python bench/restarts.py --trials 5 --protocols prague --iterations 2000 --json restarts.json
+    python bench/restarts.py --start-method exec       # each worker a new interpreter: it imports torch
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def _first(recs: list[Record], event: str) -> Record | None:
     return next((r for r in recs if r.get("event") == event), None)
 
 
-def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path) -> dict[str, Any]:
+def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path, start_method: str | None) -> dict[str, Any]:
     victim = VICTIM[protocol]
     result: dict[str, Any] = {"protocol": protocol, "victim": victim, "spawn_s": None, "rejoin_s": None,
                               "iter_s": None, "exit": None, "accuracy": None, "donor": None, "from_iter": None,
                               "note": ""}
-    run = LaunchRun.start(["--nproc", "4", "--protocol", protocol, "--max-restarts", "1", DIGITS,
+    method = ["--start-method", start_method] if start_method else []
+    run = LaunchRun.start(["--nproc", "4", "--protocol", protocol, "--max-restarts", "1", *method, DIGITS,
                            "--iterations", str(iterations)], run_dir)
     pids: dict[int, int] = {}
     try:
@@ -95,7 +97,9 @@ def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path) -> dict[s
         pids = run.worker_pids(4, deadline)
         ready = len(pids) == 4 and all(_until_iteration(run, r, 1, deadline) for r in TRAINING_FIRST.get(protocol, ()))
         if not ready or not _until_iteration(run, victim, kill_at, deadline):
-            result["note"] = "never reached the kill"
+            last = run.launcher_lines()[-1:]
+            result["note"] = (f"never reached the kill (launcher exit {run.proc.poll()}"
+                              f"{': ' + last[0].text if last else ''})")
             return result
         killed = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
@@ -138,15 +142,20 @@ def main() -> None:
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
     parser.add_argument("--iterations", type=int, default=1500, help="training iterations per run (default: 1500)")
     parser.add_argument("--kill-at", type=int, default=200, help="SIGKILL once the victim logged this iteration")
+    parser.add_argument("--start-method", choices=("forkserver", "exec"),
+                        help="how the launcher starts workers, the replacement too (default: the launcher's)")
+    parser.add_argument("--keep", help="run in this directory and keep the runs (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write every trial's numbers here")
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="hopnet-restarts-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hopnet-restarts-") as temporary:
+        tmp = args.keep or temporary
+        os.makedirs(tmp, exist_ok=True)
         for protocol in args.protocols:
             for i in range(args.trials):
-                row = trial(protocol, args.iterations, args.kill_at, Path(tmp) / f"{protocol}-{i}")
+                row = trial(protocol, args.iterations, args.kill_at, Path(tmp) / f"{protocol}-{i}", args.start_method)
                 rows.append(row)
                 print(f"{protocol:15s} trial {i}: spawn {_fmt(row['spawn_s'])} s, rejoin {_fmt(row['rejoin_s'])} s, "
                       f"first iteration {_fmt(row['iter_s'])} s, exit {row['exit']}, "
