@@ -150,7 +150,8 @@ class Node(Generic[P]):
             await self.connect_to(self.graph.peers(self.rank))
         if self.coordinator is not None:
             await self.coordinator.start()
-        self.record("start", address=self.address, **self.protocol.start_record())
+        restart = {"restart": self.restart} if self.restart else {}  # a replacement (hopnet.runtime.rejoin)
+        self.record("start", address=self.address, **restart, **self.protocol.start_record())
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)
