@@ -368,7 +368,7 @@ class Launch:
             self.output.say(f"rank {rank} could not be restarted: {exc.strerror or exc}")
             return False
         state.silent.pop(rank, None)
-        self.death_watch.restarted(rank, started_mono)
+        self.death_watch.restarted(rank, started_mono, restart.number)
         self.restarts.done(restart, old_pid=old_pid, new_pid=self.workers.procs[rank].pid,
                            time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"), mono=started_mono)
         self._record_pids()

@@ -21,7 +21,7 @@ parser.add_argument("victim", type=int)
 parser.add_argument("out_dir")
 parser.add_argument("--how", choices=("kill", "exit"), default="kill")
 parser.add_argument("--always", action="store_true", help="replacements die as well")
-parser.add_argument("--sleep", type=float, default=0.5, help="how long the other ranks run")
+parser.add_argument("--sleep", type=float, default=1.0, help="how long the other ranks run")
 parser.add_argument("--hold", type=float, default=0.0, help="how long a replacement runs")
 args = parser.parse_args()
 
