@@ -192,6 +192,18 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path) -> No
     assert record["result"]["lost_ranks"] == [] and record["result"]["worker_returncodes"] == {"0": 0, "1": 0, "2": 0}
 
 
+def test_a_stopped_worker_killed_by_the_launcher_is_restarted(tmp_path: Path) -> None:
+    code, err, record = _launch(tmp_path, "--max-restarts", "1", "--peer-timeout", "1",
+                                script_args=("--how", "stop", "--sleep", "3"))
+    assert code == 0, err
+    (line,) = [line for line in err.splitlines() if "restarting it" in line]
+    assert line.startswith("hopnet launch: rank 1 died (went silent: stopped (state T) for 1."), line
+    assert line.endswith("; killed); restarting it (restart 1 of 1)")
+    assert record["restarts"][0]["reason"].startswith("went silent: stopped (state T)")
+    assert (tmp_path / "out" / "rank1.restart1.json").exists()
+    assert record["result"]["worker_returncodes"] == {"0": 0, "1": 0, "2": 0}
+
+
 def test_without_restarts_a_dead_worker_fails_the_run_as_before(tmp_path: Path) -> None:
     code, err, record = _launch(tmp_path, script_args=("--how", "exit"))
     assert code == 1, err
