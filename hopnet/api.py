@@ -102,7 +102,7 @@ class Worker:
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
-                 max_restarts: int = 0, restart: int = 0) -> None:
+                 max_restarts: int = 0, restart: int = 0, module: torch.nn.Module | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
@@ -133,7 +133,7 @@ class Worker:
         self.steps = 0
         self.after_close: list[Callable[[bool], None]] = []
         """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
-        self.module: torch.nn.Module | None = None
+        self.module: torch.nn.Module | None = module
         """The module :func:`init` was given, if any: what :meth:`consensus` saves (else
         ``{"params": the flat parameters}``)."""
         self.save_model_to: Path | None = None
@@ -239,7 +239,7 @@ class Worker:
         self._load_model(state["model"])
         self._resumed = dict(state.get("states", {}))
         node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
-        node.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
+        self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
                     fingerprint=rejoin.fingerprint(node.protocol.model_tensors()), initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
 
@@ -577,12 +577,11 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
-                        max_restarts=restarts.allowed, restart=restarts.this)
+                        max_restarts=restarts.allowed, restart=restarts.this, module=spec.model)
     except BaseException:
         run.finish(aborted=True)
         raise
     worker.after_close.append(run.finish)
-    worker.module = spec.model
     if settings.every and settings.directory is not None:
         worker.checkpointer = checkpoint.Checkpointer(settings.directory, context.rank, settings.every)
     if saved is not None and not restarts.this:  # a replacement takes a neighbour's state instead

@@ -103,10 +103,10 @@ def test_a_replacement_is_not_killed_for_what_was_said_about_the_process_it_repl
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.5, "iter": 4, "mono": 100.5})
     assert watch.poll(running) == []  # written before the replacement started: about the old process
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.5, "iter": 4, "mono": 106.0,
-                                      "peer_restart": 0})
+                                      "restart": 0})
     assert watch.poll(running) == []  # later, but about the process its declarer had heard from: the old one
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.0, "iter": 9, "mono": 120.0,
-                                      "peer_restart": 1})
+                                      "restart": 1})
     (again,) = watch.poll(running)  # the replacement itself went silent later
     assert again.rank == 1 and again.iteration == 9
 

@@ -15,9 +15,8 @@ on), and the worker counts as lost: within ``--max-failures`` the others go on; 
 ``--max-restarts`` it may be replaced instead (:mod:`hopnet.launch.restarts`). After
 :meth:`DeathWatch.restarted`, the ``peer_dead`` records about the rank written before its
 replacement started (their ``mono`` is older: the clock is shared by the processes of one
-machine) are about the dead process and are ignored, and so is one whose ``peer_restart``
-(optional: the restart number of the peer's process the declarer had heard from, 0 for the
-first) is below the rank's current one; the stopped-process check follows the new pid.
+machine) are about the dead process and are ignored, and the stopped-process check follows
+the new pid.
 """
 
 from __future__ import annotations
@@ -66,24 +65,28 @@ class DeathWatch:
         self.clock = clock
         self.found: dict[int, Declaration] = {}
         self._stopped_since: dict[int, float] = {}
-        self._replaced: dict[int, tuple[float, int]] = {}
-        """Rank -> (``mono`` at which its current process, a replacement, started; its restart number)."""
+        self._replaced_at: dict[int, tuple[float, int]] = {}
+        """Rank -> ``mono`` at which its current process (a replacement) started, and its restart number."""
 
     def restarted(self, rank: int, mono: float, number: int) -> None:
         """``rank`` runs again in a new process, its ``number``-th replacement, started at ``mono``
-        (``time.monotonic()``): watch it afresh, ignoring what was said about the ones before."""
+        (``time.monotonic()``): watch it afresh, ignoring what was said about the processes it replaces."""
         self.found.pop(rank, None)
         self._stopped_since.pop(rank, None)
-        self._replaced[rank] = (mono, number)
+        self._replaced_at[rank] = (mono, number)
 
     def _about_replaced(self, peer: int, record: Mapping[str, object]) -> bool:
-        """Whether ``record`` is about a process of ``peer`` older than its current one."""
-        if peer not in self._replaced:
+        """Whether ``record`` is about a process of ``peer`` older than its current one: by the
+        restart number it names (a peer may hear of the old one's death after the new one started),
+        else by its time."""
+        current = self._replaced_at.get(peer)
+        if current is None:
             return False
-        since, number = self._replaced[peer]
-        mono, seen = record.get("mono"), record.get("peer_restart")
-        if isinstance(seen, int) and not isinstance(seen, bool) and seen < number:
-            return True
+        since, number = current
+        about = record.get("restart")
+        if isinstance(about, int) and not isinstance(about, bool):
+            return about < number
+        mono = record.get("mono")
         return not isinstance(mono, (int, float)) or mono < since
 
     def poll(self, running: Mapping[int, int]) -> list[Declaration]:

@@ -297,8 +297,10 @@ class Node(Generic[P]):
         self.dead[peer] = silent_s
         if peer == self._handover_from and self._handover is not None and not self._handover.done():
             self._handover.set_exception(_DonorGone())
+        # "restart": which process of the rank died (the launcher's death watch must not take it for
+        # a replacement that already started)
         self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
-                    mono=time.monotonic())
+                    mono=time.monotonic(), restart=self.restarts_seen.get(peer, 0))
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
