@@ -285,7 +285,7 @@ def _restarted_run(run_dir: Path) -> Path:
         rec("start", 0, 100.0), rec("plan", 0, 100.0, total=5), *steps(0, range(5), 100.0), rec("stop", 0, 106.0)]))
     (run_dir / "rank1.jsonl").write_text("".join([
         rec("start", 1, 100.0), rec("plan", 1, 100.0, total=5), *steps(1, range(1), 100.0),
-        rec("start", 1, 103.1, restart=1), rec("rejoined", 1, 103.5, restart=1, **{"from": 0}, iter=2),
+        rec("start", 1, 103.1, restart=1), rec("rejoined", 1, 103.5, restart=1, peer=0, iter=2),
         rec("plan", 1, 103.5, total=5), *steps(1, range(2, 5), 103.5), rec("stop", 1, 107.0)]))
     return run_dir
 

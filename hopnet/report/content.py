@@ -93,6 +93,11 @@ def launch_restarts(run: RunData) -> list[dict[str, Any]]:
                   key=lambda r: r["mono"] if isinstance(r.get("mono"), (int, float)) else 0.0)
 
 
+def _donor(rejoined: dict[str, Any]) -> Any:
+    """The rank a replacement took its model from: ``from`` in its ``rejoined`` record (or ``peer``)."""
+    return rejoined.get("from", rejoined.get("peer"))
+
+
 def restart_table(run: RunData, t0: float) -> Table:
     """One row per replacement: when, why, the pids, and where it rejoined (its ``rejoined`` record)."""
     rejoined = {(rec.get("rank"), rec.get("restart")): rec for records in run.events.values() for rec in records
@@ -102,7 +107,7 @@ def restart_table(run: RunData, t0: float) -> Table:
         mono = r.get("mono")
         at = f"{mono - t0:.2f} s" if isinstance(mono, (int, float)) else "?"
         joined = rejoined.get((r.get("rank"), r.get("restart")))
-        where = (f"iteration {joined.get('iter')}, model of rank {joined.get('from')}" if joined is not None
+        where = (f"iteration {joined.get('iter')}, model of rank {_donor(joined)}" if joined is not None
                  else "no rejoined record")
         rows.append([str(r.get("rank")), str(r.get("restart")), at, str(r.get("reason")),
                      f"{r.get('old_pid')} → {r.get('new_pid')}", where])
@@ -153,7 +158,7 @@ def _describe(rec: dict[str, Any], t0: float) -> str:
         return f"{when}: rank {rank} saw peer {rec.get('peer')} leave after iteration {rec.get('last_iter')}"
     if kind == "rejoined":
         return (f"{when}: rank {rank} (restart {rec.get('restart')}) rejoined in iteration {rec.get('iter')} "
-                f"with rank {rec.get('from')}'s model")
+                f"with rank {_donor(rec)}'s model")
     if kind == "peer_dead":
         return (f"{when}: rank {rank} found peer {rec.get('peer')} dead (silent {rec.get('silent_s')} s, "
                 f"iteration {rec.get('iter')})")
