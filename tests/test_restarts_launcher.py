@@ -175,8 +175,9 @@ def _pid(out: Path, rank: int, incarnation: int) -> int:
     return int((out / f"rank{rank}.{incarnation}.pid").read_text())
 
 
-def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
-    code, err, record = _launch(tmp_path, "--max-restarts", "1")
+@pytest.mark.parametrize("start_method", ["forkserver", "exec"])
+def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path, start_method: str) -> None:
+    code, err, record = _launch(tmp_path, "--max-restarts", "1", "--start-method", start_method)
     assert code == 0, err
     assert "hopnet launch: rank 1 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
     assert "hopnet launch: 1 restart: rank 1 (killed by SIGKILL)" in err.splitlines()
