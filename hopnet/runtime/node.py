@@ -305,6 +305,8 @@ class Node(Generic[P]):
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
         self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
+        if self.max_restarts:
+            self.mailbox.break_rounds_with(peer, "died")
 
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
