@@ -352,8 +352,11 @@ class Launch:
         """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
         its new process is pending like the first one. Whether it was restarted."""
         state = self.state
+        # With every other rank of this machine done there is no neighbour left to take a model from
+        # (on one machine: the run is over), so the death counts as it would without restarts.
+        others = self.group is not None or any(r != rank for r in state.pending)
         restart = self.restarts.decide(rank, code, state.describe_end(rank, code),
-                                       ending=state.ending or self._signalled())
+                                       ending=state.ending or self._signalled() or not others)
         if restart is None:
             return False
         self.output.say(restart.line())

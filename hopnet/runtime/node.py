@@ -352,6 +352,8 @@ class Node(Generic[P]):
                 final = final if isinstance(final, int) else None
                 self.departed[src] = msg.iter
                 self.final_iterations[src] = final
+                if src == self._handover_from and self._handover is not None and not self._handover.done():
+                    self._handover.set_exception(_DonorGone())
                 if self.liveness is not None:
                     self.liveness.forget(src)
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
