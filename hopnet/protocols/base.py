@@ -149,6 +149,10 @@ class Protocol(abc.ABC):
             raise ConfigError(f"--protocol {self.name} cannot replace a dead worker yet")
         self.iteration = iteration
 
+    async def after_rejoin(self) -> None:
+        """This replacement loaded its neighbour's state (after :meth:`rejoin_at`), before its trainer
+        computes anything: what the protocol must do with the others first."""
+
     def on_peer_dead(self, peer: int) -> None:
         """``peer`` went silent and was declared dead: it will send nothing more.
 
