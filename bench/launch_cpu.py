@@ -3,8 +3,9 @@ workers: every process the launch starts).
 
     python bench/launch_cpu.py [--runs 3] [-- LAUNCH ARGS...]
 
-Each run is a fresh `python -m hopnet.cli.main launch ARGS` in the current environment;
-its CPU time is what ``getrusage(RUSAGE_CHILDREN)`` gains over it (user + system of every
+Each run is a fresh `python -m hopnet.cli.main launch ARGS` in the current environment,
+started in a temporary directory so that ``PYTHONPATH`` picks the hopnet measured; its CPU
+time is what ``getrusage(RUSAGE_CHILDREN)`` gains over it (user + system of every
 descendant that was waited for). Without ARGS it runs a coordinated launch: 4 workers of
 tests/workers/hop_worker.py, 30 iterations, ``--protocol partial-reduce``.
 """
@@ -29,11 +30,11 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def one_run(args: list[str], run_dir: Path) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) of one launch; raises if it fails."""
-    command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir), "--overwrite", *args]
+def one_run(args: list[str], tmp: Path) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one launch in ``tmp``; raises if it fails."""
+    command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(tmp / "run"), "--overwrite", *args]
     cpu, wall = children_cpu_s(), time.monotonic()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
     wall, cpu = time.monotonic() - wall, children_cpu_s() - cpu
     if proc.returncode != 0:
         raise SystemExit(f"launch failed ({proc.returncode}):\n{proc.stderr}")
@@ -47,7 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     launch_args = [a for a in args.launch_args if a != "--"] or DEFAULT
     with tempfile.TemporaryDirectory(prefix="hopnet-launch-cpu-") as tmp:
-        results = [one_run(launch_args, Path(tmp) / "run") for _ in range(args.runs)]
+        results = [one_run(launch_args, Path(tmp)) for _ in range(args.runs)]
     for i, (cpu, wall) in enumerate(results):
         print(f"run {i}: {cpu:.2f} CPU-s, {wall:.2f} s wall")
     cpus, walls = sorted(r[0] for r in results), sorted(r[1] for r in results)
