@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,22 @@ from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
-from hopnet.launch.env import MODEL_FILE, save_model_requested
+from hopnet.launch.env import MODEL_FILE, Restarts, save_model_requested
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
-from hopnet.runtime import shutdown
+from hopnet.runtime import rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.transports.base import Transport
+from hopnet.wire import Message
 from hopnet.worker_init import (
     InitSpec,
     ModelTensors,
     check_inputs,
+    check_restarts,
     connect,
     find_launcher,
     open_run,
@@ -99,12 +101,15 @@ class Worker:
                  exchange: AddressExchange | None = None, events: EventLog | None = None,
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None,
-                 coordinator: CoordinatorClient | None = None, start_iteration: int = 0) -> None:
+                 coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
+                 max_restarts: int = 0, restart: int = 0, module: torch.nn.Module | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
         (``hopnet.init`` builds it from ``HOPNET_COORDINATOR``; group protocols reach it as
-        ``node.coordinator``)."""
+        ``node.coordinator``). ``max_restarts``: dead workers the launcher may replace (peers then
+        wait for them to come back); ``restart``: this process replaces its rank's dead worker (the
+        ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`)."""
         model = ModelState.wrap(params)
         if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
@@ -128,7 +133,7 @@ class Worker:
         self.steps = 0
         self.after_close: list[Callable[[bool], None]] = []
         """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
-        self.module: torch.nn.Module | None = None
+        self.module: torch.nn.Module | None = module
         """The module :func:`init` was given, if any: what :meth:`consensus` saves (else
         ``{"params": the flat parameters}``)."""
         self.save_model_to: Path | None = None
@@ -142,10 +147,15 @@ class Worker:
         self._states: dict[str, Any] = {}
         self._resumed: dict[str, Any] = {}
         """The user state of the checkpoint this worker resumed from, loaded as it registers."""
+        self.node.max_restarts = max_restarts
+        self.node.restart = restart
         if start_iteration:
             self.node.protocol.resume_at(start_iteration)
         try:
-            self._thread.run(self.node.start(exchange))
+            self._thread.run(self.node.open(exchange))
+            if restart:
+                self._take_over(restart)
+            self._thread.run(self.node.protocol.start())
         except BaseException:
             try:
                 self._thread.run(self.node.close(leave=False), timeout_s=CLOSE_TIMEOUT_S)
@@ -210,7 +220,60 @@ class Worker:
         self.steps += 1
         if self.checkpointer is not None and self.checkpointer.due(finished) and not last:
             self.save_checkpoint(finished)
+        if self.node.handover_requests:
+            self._hand_over(finished + 1 if last else self.iteration)
         self._compute_started = time.monotonic()
+
+    # ------------------------------------------------------------------ replacements
+    def _take_over(self, restart: int) -> None:
+        """Replace this rank's dead worker: rejoin the run and load a neighbour's state."""
+        node = self.node
+        before = rejoin.fingerprint(node.protocol.model_tensors())
+        spec = self.config.spec
+        everyone = [r for r in range(self.graph.n) if r != self.rank]
+        neighbours = sorted(self.graph.peers(self.rank))
+        donors = neighbours + [r for r in everyone if r not in neighbours]
+        handover = self._thread.run(node.rejoin(restart, neighbours if spec.uses_graph else everyone, donors,
+                                                wait_s=self.config.timeout_s))
+        state = handover.state
+        self._load_model(state["model"])
+        self._resumed = dict(state.get("states", {}))
+        node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
+        self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
+                    fingerprint=rejoin.fingerprint(node.protocol.model_tensors()), initial_fingerprint=before,
+                    donor_fingerprint=handover.fingerprint)
+
+    def _hand_over(self, iteration: int) -> None:
+        """Send this worker's state to the replacements that asked for it (at a step boundary, or
+        once training is over: the model is consistent)."""
+        requests = self._thread.run(self._take_requests())
+        if not requests:
+            return
+        with self.model_lock:
+            state = {"model": self._model_state(),
+                     "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()
+                                if name != checkpoint.OPTIMIZER_STATE}}
+            model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
+            protocol_state = self.node.protocol.handover_state()
+            messages = [rejoin.handover_message(self.rank, peer, iteration, protocol_state, state, model_print)
+                        for peer in requests]
+        self._thread.run(self._send_handovers(messages, model_print))
+
+    async def _take_requests(self) -> list[int]:
+        return self.node.take_handover_requests()
+
+    async def _send_handovers(self, messages: list[Message], model_print: float) -> None:
+        for msg in messages:
+            await self.node.connect_to([msg.dst])
+            self.node.post(msg)
+            self.node.record("handed_over", peer=msg.dst, iter=msg.iter, fingerprint=model_print)
+        await self.node.flush()
+
+    def _answer_late_handovers(self) -> None:
+        """Training is over here: a replacement that asked now starts after the last iteration."""
+        if self.node.handover_requests and self._thread.alive:
+            final = self._final_iteration
+            self._hand_over(final + 1 if final is not None else self.iteration)
 
     # ------------------------------------------------------------------ checkpoints
     def register_state(self, name: str, obj: Any) -> None:
@@ -250,14 +313,17 @@ class Worker:
             state = {f"params{i}": t for i, t in enumerate(self.node.protocol.model_tensors())}
         return dict(state)
 
+    def _load_model(self, state: Mapping[str, torch.Tensor]) -> None:
+        if self.module is not None:
+            self.module.load_state_dict(state)
+        else:
+            for i, tensor in enumerate(self.node.protocol.model_tensors()):
+                tensor.copy_(state[f"params{i}"])
+
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
         state now or when it registers."""
-        if self.module is not None:
-            self.module.load_state_dict(state["model"])
-        else:
-            for i, tensor in enumerate(self.node.protocol.model_tensors()):
-                tensor.copy_(state["model"][f"params{i}"])
+        self._load_model(state["model"])
         checkpoint.restore_rng_states(state["rng"])
         self._resumed = dict(state["states"])
         for name in list(self._resumed):
@@ -301,6 +367,7 @@ class Worker:
         """
         if self._closed:
             raise HopnetError("consensus() on a closed worker")
+        self._answer_late_handovers()
         call = self.consensus_calls
         self.consensus_calls += 1
         try:
@@ -352,6 +419,7 @@ class Worker:
         try:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
+            self._answer_late_handovers()
             self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
@@ -497,25 +565,26 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     check_inputs(spec, context, cfg)
     run = open_run(context, cfg)
     tensors = ModelTensors.of(spec.model, spec.params)
-    transport, factory = connect(context, cfg, tensors)
+    restarts = check_restarts(Restarts.from_environ(os.environ), cfg, context, tensors)
+    transport, factory = connect(context, cfg, tensors, replaceable=restarts.allowed > 0)
     try:
         settings = checkpoint.CheckpointSettings.from_environ(os.environ, run.run_dir)
         resume_after = settings.resume_iteration(context.graph.n)
         saved = (checkpoint.load(settings.directory, context.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
         worker = Worker(rank=context.rank, graph=context.graph, config=cfg, params=tensors.params,
-                        transport=transport, exchange=context.exchange(cfg),
+                        transport=transport, exchange=context.exchange(cfg, restarts.this),
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
-                        start_iteration=0 if resume_after is None else resume_after + 1)
+                        start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
+                        max_restarts=restarts.allowed, restart=restarts.this, module=spec.model)
     except BaseException:
         run.finish(aborted=True)
         raise
     worker.after_close.append(run.finish)
-    worker.module = spec.model
     if settings.every and settings.directory is not None:
         worker.checkpointer = checkpoint.Checkpointer(settings.directory, context.rank, settings.every)
-    if saved is not None:
+    if saved is not None and not restarts.this:  # a replacement takes a neighbour's state instead
         worker.load_checkpoint(saved)
     if save_model_requested(os.environ):
         worker.save_model_to = Path(run.run_dir) / MODEL_FILE

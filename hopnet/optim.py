@@ -39,13 +39,12 @@ from typing import Any
 import torch
 
 from hopnet.api import Worker
+from hopnet.checkpoint import OPTIMIZER_STATE
 from hopnet.errors import HopnetError, NonFiniteError
 from hopnet.finite import all_finite, all_finite_in
 from hopnet.params import FlatGradients
 from hopnet.registry import Averages, lookup
 
-OPTIMIZER_STATE = "hopnet.optimizer"
-"""The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`)."""
 
 Hyperparameters = list[dict[str, Any]]
 """Every param group's settings but its parameters (``lr``, ``momentum``...), in group order."""

@@ -111,6 +111,9 @@ class ProtocolSpec(Generic[OptionsT]):
     resumable: bool = False
     """Its workers can resume from checkpoints (:meth:`hopnet.protocols.base.Protocol.resume_at`;
     docs/design.md, "Checkpoints: consistent points")."""
+    restartable: bool = False
+    """A dead worker can be replaced while the others train (``hopnet launch --max-restarts``;
+    :mod:`hopnet.runtime.rejoin`): the others keep going without it, then take it back."""
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""

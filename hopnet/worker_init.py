@@ -31,12 +31,13 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch.attach import AttachedRun, attach
 from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
-from hopnet.launch.env import WorkerEnv
+from hopnet.launch.env import Restarts, WorkerEnv
 from hopnet.launch.external import detect
 from hopnet.launch.options import check_coordinator_options, check_explicit
 from hopnet.launch.rendezvous import exchange_addresses_async
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
+from hopnet.registry import specs
 from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
 from hopnet.transports.base import Transport
@@ -77,8 +78,9 @@ class WorkerContext:
     attached: AttachedRun | None = None
     """Set under torchrun or srun."""
 
-    def exchange(self, config: ProtocolConfig) -> AddressExchange:
-        """The address exchange of the node's start, announcing ``config`` to the other ranks."""
+    def exchange(self, config: ProtocolConfig, restart: int = 0) -> AddressExchange:
+        """The address exchange of the node's start, announcing ``config`` to the other ranks.
+        ``restart``: this process replaces its rank's dead worker, in a run whose table is complete."""
         announced = json.loads(config.to_json())
         attached, launched = self.attached, self.launched
 
@@ -87,7 +89,8 @@ class WorkerContext:
                 return await attached.exchange(address, announced, config.timeout_s)
             assert launched is not None
             return await exchange_addresses_async(launched.rendezvous, launched.rank, launched.world_size, address,
-                                                  config.timeout_s, config=announced, curve=self.curve)
+                                                  config.timeout_s, config=announced, curve=self.curve,
+                                                  restart=restart)
         return exchange
 
 
@@ -218,17 +221,37 @@ class ModelTensors:
         return self.params.device if self.params is not None else torch.device("cpu")
 
 
+def check_restarts(restarts: Restarts, config: ProtocolConfig, context: WorkerContext,
+                   tensors: ModelTensors) -> Restarts:
+    """``--max-restarts`` needs a protocol that can take a replacement back, `hopnet launch` (which
+    restarts the worker) and the ZeroMQ plane (the torch plane's process groups are fixed)."""
+    if not restarts.allowed:
+        return restarts
+    takers = ", ".join(spec.name for spec in specs() if spec.restartable)
+    if not config.spec.restartable:
+        raise ConfigError(f"--max-restarts: --protocol {config.protocol} cannot replace a dead worker yet "
+                          f"({takers} can)")
+    if context.launched is None:
+        raise ConfigError("--max-restarts needs `hopnet launch`, which starts the replacements")
+    if tensors.device.type != "cpu" or config.bulk == "torch":
+        raise ConfigError("--max-restarts needs the ZeroMQ plane (CPU tensors, --bulk zmq or auto): "
+                          "the torch plane's process groups cannot take a new process in")
+    return restarts
+
+
 def connect(context: WorkerContext, config: ProtocolConfig,
-            tensors: ModelTensors) -> tuple[Transport, CollectiveFactory | None]:
+            tensors: ModelTensors, *, replaceable: bool = False) -> tuple[Transport, CollectiveFactory | None]:
     """The transport to the graph's neighbours and the factory of the node's collectives,
-    sized for the model's tensors on its device."""
+    sized for the model's tensors on its device. ``replaceable``: dead workers may come back as new
+    processes (``--max-restarts``): everything then goes over ZeroMQ."""
     params, grads = tensors.params, tensors.grads
+    bulk = "zmq" if replaceable else config.bulk
     transport = make_transport(rank=context.rank, peers=frozenset(context.graph.peers(context.rank)),
-                               bind_host=context.bind_host, bulk=config.bulk, device=tensors.device,
+                               bind_host=context.bind_host, bulk=bulk, device=tensors.device,
                                store_endpoint=context.store_endpoint, timeout_s=config.timeout_s,
                                message_bytes=None if params is None else params.nbytes,
-                               curve=context.curve)
-    factory = collective_factory(rank=context.rank, world_size=context.world_size, bulk=config.bulk,
+                               curve=context.curve, handover=replaceable)
+    factory = collective_factory(rank=context.rank, world_size=context.world_size, bulk=bulk,
                                  device=tensors.device, store_endpoint=context.store_endpoint,
                                  timeout_s=config.timeout_s, bind_host=context.bind_host,
                                  tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
@@ -237,4 +260,5 @@ def connect(context: WorkerContext, config: ProtocolConfig,
 
 
 __all__ = ["COORDINATOR_STOP_GRACE_S", "InitSpec", "ModelTensors", "WorkerContext", "WorkerRun", "check_inputs",
+           "check_restarts",
            "check_same_graph", "connect", "find_launcher", "host_coordinator", "open_run", "resolve_options"]

@@ -113,6 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     launcher.add_argument("--max-failures", type=_count, default=0, metavar="K",
                           help="let up to K workers fail while the others finish training "
                                "(default: 0, stop the run at the first failure)")
+    launcher.add_argument("--max-restarts", type=_count, default=0, metavar="K",
+                          help="replace a worker that dies (crash, kill, declared dead by its peers) with a new "
+                               "process that rejoins the running job, up to K times per launcher "
+                               "(default: 0, a dead worker is lost)")
     machines = parser.add_argument_group("several machines (one launcher per machine)")
     machines.add_argument("--nnodes", type=_nproc, default=1, metavar="N",
                           help="number of machines, each running its own `hopnet launch` (default: 1)")
@@ -209,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         argv=argv,
         max_failures=args.max_failures,
+        max_restarts=args.max_restarts,
         explicit_options=sorted(explicit_options(args)),
         progress=args.progress,
         overwrite=args.overwrite,

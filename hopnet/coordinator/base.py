@@ -53,6 +53,11 @@ class Coordinator(abc.ABC):
         """Worker ``rank`` left or died: forget its pending requests; the messages to send now."""
         return []
 
+    def on_worker_rejoined(self, rank: int) -> list[Send]:
+        """A new process replaced worker ``rank``, which was gone (``--max-restarts``): count it in
+        again; the messages to send now."""
+        return []
+
     def summary(self) -> dict[str, Any]:
         """End-of-run counters for the coordinator's record (groups formed, waits, repairs...)."""
         return {}

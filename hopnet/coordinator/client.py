@@ -109,7 +109,8 @@ class CoordinatorClient:
         now = self._now()
         self._last_heard = self._last_sent = now
         self.link.start(self._deliver)
-        self.send({"t": HELLO})
+        restart = self.node.restart if self.node is not None else 0
+        self.send({"t": HELLO, "restart": restart} if restart else {"t": HELLO})
         if self.peer_timeout_s is not None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_coordinator())
 
@@ -166,6 +167,8 @@ class CoordinatorClient:
         kind = message.get("t")
         if kind == PONG:
             return
+        if kind in (PEER_DEAD, PEER_FAILED) and self._stale_notice(message):
+            return
         if kind == PEER_DEAD:
             rank, silent_s = message.get("rank"), message.get("silent_s")
             if (isinstance(rank, int) and rank != self.rank and self.node is not None
@@ -193,6 +196,13 @@ class CoordinatorClient:
             waiter.set_result(message)
         else:
             self._inbox.append(message)
+
+    def _stale_notice(self, message: Mapping[str, Any]) -> bool:
+        """A notice about a process of a rank that this worker already saw replaced."""
+        rank, restart = message.get("rank"), message.get("restart", 0)
+        node = self.node
+        return (node is not None and isinstance(rank, int) and isinstance(restart, int)
+                and node.restarts_seen.get(rank, 0) > restart)
 
     # ------------------------------------------------------------------ the watch
     async def _watch_coordinator(self) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.wire import (BYE, BYE_OK, EXPELLED, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG, SYNC,
+from hopnet.coordinator.wire import (BYE, BYE_OK, EXPELLED, HELLO, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG, SYNC,
                                      SYNCED)
 from hopnet.runtime.liveness import Liveness
 
@@ -59,6 +59,7 @@ class CoordinatorHost:
         self.groups_logged = 0
         self._logged_gids: set[Any] = set()
         self._dead_why: dict[int, str] = {}
+        self.restarts: dict[int, int] = {}  # rank -> the restart number of its worker now (0: the first)
         self.liveness = (Liveness((), timeout_s=peer_timeout_s, now=now)
                          if peer_timeout_s is not None else None)
 
@@ -69,6 +70,10 @@ class CoordinatorHost:
     def handle(self, sender: int, message: Mapping[str, Any], now: float) -> list[Send]:
         """React to one decoded message from worker ``sender``; the messages to send now."""
         self.messages_in += 1
+        restart = message.get("restart") if message.get("t") == HELLO else None
+        readmitted: list[Send] = []
+        if isinstance(restart, int) and restart > self.restarts.get(sender, 0):
+            readmitted = self._readmit(sender, restart, now)
         if sender in self.left or sender in self.dead:
             self.drop("from_gone_worker")
             if sender in self.dead and message.get("t") != BYE:  # it was silent, not gone: say so
@@ -84,6 +89,8 @@ class CoordinatorHost:
                 self.liveness.watch(sender, now)
             self.record("worker_joined", worker=sender)
         if kind in HOST_KINDS:
+            if readmitted:
+                return self._out(readmitted)
             if kind == PING:
                 return self._out([Send(sender, {"t": PONG})])
             if kind == BYE:
@@ -107,6 +114,22 @@ class CoordinatorHost:
             self.messages_out += 1
             sends.append(Send(sender, {"t": SYNCED, "id": synced}))
         return sends
+
+    def _readmit(self, rank: int, restart: int, now: float) -> list[Send]:
+        """A replacement of worker ``rank`` said hello (``--max-restarts``): end its predecessor here if
+        that had not happened yet, then count the rank in again."""
+        sends: list[Send] = []
+        if rank in self.joined and rank not in self.left and rank not in self.dead:
+            sends += self._gone(rank, "dead", self.liveness.silence(rank, now) if self.liveness is not None else 0.0)
+        self.restarts[rank] = restart
+        self.left.discard(rank)
+        self.dead.discard(rank)
+        self._dead_why.pop(rank, None)
+        self.joined.add(rank)
+        if self.liveness is not None:
+            self.liveness.watch(rank, now)
+        self.record("worker_rejoined", worker=rank, restart=restart)
+        return sends + list(self.machine.on_worker_rejoined(rank))
 
     # ------------------------------------------------------------------ liveness
     def check(self, now: float) -> list[Send]:
@@ -138,8 +161,12 @@ class CoordinatorHost:
         # A worker that left cleanly is waited on by no one (it ran its groups before its bye);
         # telling the others could overtake its last messages to them. One that died or is
         # failing may be waited on: whatever waits on it must fail now, naming it.
-        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3)} if how == "dead"
-                  else {"t": PEER_FAILED, "rank": rank} if how == "failed" else None)
+        # "restart": which process of the rank this is about; a worker that already took a later one
+        # back ignores the notice.
+        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3),
+                   "restart": self.restarts.get(rank, 0)} if how == "dead"
+                  else {"t": PEER_FAILED, "rank": rank, "restart": self.restarts.get(rank, 0)} if how == "failed"
+                  else None)
         if notice is not None:
             sends += [Send(r, dict(notice)) for r in sorted(self.joined - self.left - self.dead)]
         return sends
@@ -166,4 +193,5 @@ class CoordinatorHost:
         return {"coordinator": self.machine.name, "groups_formed": self.groups_logged, "messages_in": self.messages_in,
                 "messages_out": self.messages_out, "dropped": dict(self.dropped),
                 "workers_joined": len(self.joined), "workers_left": sorted(self.left),
-                "workers_dead": sorted(self.dead), **self.machine.summary()}
+                "workers_dead": sorted(self.dead), "workers_restarted": {str(r): n for r, n in sorted(self.restarts.items())},
+                **self.machine.summary()}

@@ -157,6 +157,10 @@ class PartialReduceController(Coordinator):
             self.queue = deque(entry for entry in self.queue if entry[0] != rank)
         return self._form_groups()  # fewer workers left: the groups may shrink to what is queued
 
+    def on_worker_rejoined(self, rank: int) -> list[Send]:
+        self.gone.discard(rank)
+        return []
+
     def _ready(self, sender: int, iteration: Any) -> list[Send]:
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise BadCoordinatorMessage(f"{self.name}: worker {sender} sent ready with iter {iteration!r} "

@@ -41,7 +41,9 @@ class CoordinatorServer:
 
     def __init__(self, machine: Coordinator, *, bind_host: str = "127.0.0.1", port: int = 0,
                  peer_timeout_s: float | None = None, run_dir: str | Path | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, restarts: bool = False) -> None:
+        """``restarts``: workers may be replaced by new processes (``--max-restarts``): a replacement's
+        connection takes over its rank's routing id, and its ``hello`` brings the rank back."""
         self.machine = machine
         self._t0 = time.monotonic()
         self.events = JsonlEventLog(Path(run_dir) / LOG_NAME) if run_dir is not None else None
@@ -51,6 +53,7 @@ class CoordinatorServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to an unknown worker raises: keep it for later
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 64)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if restarts else 0)
         self._handshakes = secure_server(sock, curve)
         try:
             sock.bind(f"tcp://{bind_host}:{port or '*'}")

@@ -13,6 +13,7 @@ launcher. Exit status: 0 after SIGTERM, 2 for bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from types import FrameType
@@ -23,6 +24,7 @@ from hopnet.coordinator.server import ADDRESS_PREFIX, CoordinatorServer
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.launch import parent_watch
+from hopnet.launch.env import Restarts
 from hopnet.security import keys_from_environ
 
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if machine is None:
             raise ConfigError(f"--protocol {config.protocol} needs no coordinator")
         server = CoordinatorServer(machine, bind_host=args.bind, peer_timeout_s=config.peer_timeout_s,
-                                   run_dir=args.run_dir, curve=keys_from_environ())
+                                   run_dir=args.run_dir, curve=keys_from_environ(),
+                                   restarts=Restarts.from_environ(os.environ).allowed > 0)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"hopnet coordinator: error: {exc}", file=sys.stderr, flush=True)
         return 2

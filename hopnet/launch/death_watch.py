@@ -11,7 +11,12 @@ ever. Two things tell the launcher about such a worker:
   ``--peer-timeout`` is silent to everyone, whether or not a peer is left to notice.
 
 The launcher then kills the process with SIGKILL (the only signal a stopped process acts
-on), and the worker counts as lost: within ``--max-failures`` the others go on.
+on), and the worker counts as lost: within ``--max-failures`` the others go on; with
+``--max-restarts`` it may be replaced instead (:mod:`hopnet.launch.restarts`). After
+:meth:`DeathWatch.restarted`, the ``peer_dead`` records about the rank written before its
+replacement started (their ``mono`` is older: the clock is shared by the processes of one
+machine) are about the dead process and are ignored, and the stopped-process check follows
+the new pid.
 """
 
 from __future__ import annotations
@@ -60,6 +65,29 @@ class DeathWatch:
         self.clock = clock
         self.found: dict[int, Declaration] = {}
         self._stopped_since: dict[int, float] = {}
+        self._replaced_at: dict[int, tuple[float, int]] = {}
+        """Rank -> ``mono`` at which its current process (a replacement) started, and its restart number."""
+
+    def restarted(self, rank: int, mono: float, number: int) -> None:
+        """``rank`` runs again in a new process, its ``number``-th replacement, started at ``mono``
+        (``time.monotonic()``): watch it afresh, ignoring what was said about the processes it replaces."""
+        self.found.pop(rank, None)
+        self._stopped_since.pop(rank, None)
+        self._replaced_at[rank] = (mono, number)
+
+    def _about_replaced(self, peer: int, record: Mapping[str, object]) -> bool:
+        """Whether ``record`` is about a process of ``peer`` older than its current one: by the
+        restart number it names (a peer may hear of the old one's death after the new one started),
+        else by its time."""
+        current = self._replaced_at.get(peer)
+        if current is None:
+            return False
+        since, number = current
+        about = record.get("restart")
+        if isinstance(about, int) and not isinstance(about, bool):
+            return about < number
+        mono = record.get("mono")
+        return not isinstance(mono, (int, float)) or mono < since
 
     def poll(self, running: Mapping[int, int]) -> list[Declaration]:
         """New declarations about the ranks of ``running`` (rank -> pid)."""
@@ -69,7 +97,8 @@ class DeathWatch:
                 if record.get("event") != "peer_dead":
                     continue
                 peer = record.get("peer")
-                if not isinstance(peer, int) or peer in self.found or peer not in running:
+                if not isinstance(peer, int) or peer in self.found or peer not in running \
+                        or self._about_replaced(peer, record):
                     continue
                 iteration = record.get("iter")
                 silent_s = record.get("silent_s")

@@ -106,6 +106,25 @@ def save_model_requested(environ: Mapping[str, str]) -> bool:
     return environ.get(SAVE_MODEL, "").strip().lower() in ("1", "true", "yes")
 
 
+@dataclass(frozen=True)
+class Restarts:
+    """``HOPNET_MAX_RESTARTS`` and ``HOPNET_RESTART`` as one worker reads them."""
+
+    allowed: int = 0
+    """Dead workers the launcher may replace (0: none; peers then never wait for one to come back)."""
+    this: int = 0
+    """This process's restart number: 0 for the first process of its rank, N for its N-th replacement."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Restarts:
+        allowed, this = _int(environ, MAX_RESTARTS, 0), _int(environ, RESTART, 0)
+        if allowed < 0 or this < 0:
+            raise ConfigError(f"{MAX_RESTARTS} and {RESTART} must be >= 0 (got {allowed} and {this})")
+        if this and not allowed:
+            raise ConfigError(f"{RESTART}={this} without {MAX_RESTARTS}: a replacement needs peers that wait for it")
+        return cls(allowed, this)
+
+
 def _names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
     text = environ.get(name, "").strip()
     if not text:

@@ -59,7 +59,7 @@ from hopnet.launch import forkserver, parent_watch
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, STORE
+from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, RESTART, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe, differences
 from hopnet.launch.outcome import blame_run, conclude
@@ -77,6 +77,7 @@ from hopnet.launch.prepare import (
 )
 from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, kill_group, signal_name
 from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.launch.restarts import RestartBudget
 from hopnet.launch.run_dir import RunDirClaim
 from hopnet.launch.spec import (
     DEFAULT_GRACE_S,
@@ -121,6 +122,8 @@ class LaunchResult:
     """The line naming what went wrong (the rank at the root of a failure), or the lost ranks."""
     lost_ranks: list[int] = field(default_factory=list)
     """Ranks that failed (with ``max_failures``, possibly while the run still succeeded)."""
+    restarts: list[dict[str, object]] = field(default_factory=list)
+    """The workers replaced (``max_restarts``), as ``launch.json`` records them under ``restarts``."""
 
     @property
     def ok(self) -> bool:
@@ -196,6 +199,7 @@ class Launch:
         self.store_endpoint = ""
         self._announced = False
         self.death_watch = DeathWatch(run_dir, plan.nodes.ranks, stopped_limit_s=plan.config.peer_timeout_s)
+        self.restarts = RestartBudget(self.spec.max_restarts)
         self._next_death_check = 0.0
 
     @property
@@ -270,30 +274,40 @@ class Launch:
     # ------------------------------------------------------------------------ spawn
     def spawn(self) -> None:
         """Start one worker per rank of this machine (stopping at a signal or a failure to start)."""
-        plan = self.plan
-        for rank in plan.nodes.ranks:
+        for rank in self.plan.nodes.ranks:
             if self._signalled() or self.state.summary is not None:
                 break
-            worker_env = plan.nodes.worker_env(rank, graph_path=str(self.run_dir / "graph.json"),
-                                               rendezvous=self.rendezvous_endpoint, run_dir=str(self.run_dir),
-                                               config_json=plan.config.to_json(), bind=plan.bind,
-                                               explicit_options=plan.explicit_options)
-            env = dict(self.base_env)
-            env.update(worker_env.to_environ())
-            env[STORE] = self.store_endpoint
             try:
-                self.workers.spawn(rank, plan.command, env, pass_fds=(self.watch_read,))
+                self.workers.spawn(rank, self.plan.command, self._worker_env(rank), pass_fds=(self.watch_read,))
             except OSError as exc:
                 reason = f"could not start: {exc.strerror or exc}"
                 self.state.fail(rank, reason, f"worker {rank} failed ({reason})")
                 break
             self.state.started(rank)
-        os.close(self.watch_read)  # the workers have it; the launcher keeps only the write end
-        self.watch_read = -1
+        if self.restarts.limit == 0:
+            os.close(self.watch_read)  # the workers have it; the launcher keeps only the write end
+            self.watch_read = -1  # (a launcher that restarts workers keeps it for the replacements)
         if self.workers.forkserver_failure is not None:
             self.output.say(f"{self.workers.forkserver_failure}; workers started with exec")
         self.record.data["start_method"] = self.start_method if self.workers.forking else "exec"
+        self._record_pids()
+
+    def _worker_env(self, rank: int) -> dict[str, str]:
+        plan = self.plan
+        worker_env = plan.nodes.worker_env(rank, graph_path=str(self.run_dir / "graph.json"),
+                                           rendezvous=self.rendezvous_endpoint, run_dir=str(self.run_dir),
+                                           config_json=plan.config.to_json(), bind=plan.bind,
+                                           explicit_options=plan.explicit_options)
+        env = dict(self.base_env)
+        env.update(worker_env.to_environ())
+        env[STORE] = self.store_endpoint
+        return env
+
+    def _record_pids(self) -> None:
+        """``launch.json``'s ``worker_pids`` (each rank's current process) and ``restarts``."""
         self.record.data["worker_pids"] = {str(r): p.pid for r, p in self.workers.procs.items()}
+        if self.restarts.records:
+            self.record.data["restarts"] = self.restarts.to_json()
         self.record.try_write()
 
     # ---------------------------------------------------------------------- monitor
@@ -327,6 +341,8 @@ class Launch:
             if exited is None:
                 continue
             rank, code = exited
+            if self._restart(rank, code):
+                continue
             state.ended(rank, code)
             if code != 0:
                 total_lost = self.group.lose() if self.group is not None else len(state.lost)
@@ -335,6 +351,32 @@ class Launch:
                 else:
                     self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}); the others go on "
                                     f"({len(state.lost)} of --max-failures {spec.max_failures})")
+
+    def _restart(self, rank: int, code: int) -> bool:
+        """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
+        its new process is pending like the first one. Whether it was restarted."""
+        state = self.state
+        restart = self.restarts.decide(rank, code, state.describe_end(rank, code),
+                                       ending=state.ending or self._signalled())
+        if restart is None:
+            return False
+        self.output.say(restart.line())
+        old_pid = self.workers.procs[rank].pid
+        kill_group(old_pid, signal.SIGKILL)  # whatever the dead worker left in its process group
+        env = self._worker_env(rank)
+        env[RESTART] = str(restart.number)
+        started_mono = time.monotonic()
+        try:
+            self.workers.spawn(rank, self.plan.command, env, pass_fds=(self.watch_read,))
+        except OSError as exc:
+            self.output.say(f"rank {rank} could not be restarted: {exc.strerror or exc}")
+            return False
+        state.silent.pop(rank, None)
+        self.death_watch.restarted(rank, started_mono, restart.number)
+        self.restarts.done(restart, old_pid=old_pid, new_pid=self.workers.procs[rank].pid,
+                           time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"), mono=started_mono)
+        self._record_pids()
+        return True
 
     def _kill_silent(self) -> None:
         """SIGKILL every running worker its peers declared dead, or stopped for longer than
@@ -475,13 +517,16 @@ class Launch:
                  machine=machine)
         if state.summary is not None:
             self.output.say(state.summary)
+        restarted = self.restarts.summary()
+        if restarted is not None:
+            self.output.say(restarted)
         refused = self.server.refused_handshakes if self.server is not None else 0  # node 0's launcher hosts it
         if refused:
             self.output.say(f"the rendezvous refused {refused} connection attempt(s) without the run key")
         lost = sorted(state.lost)
         result = LaunchResult(returncode=state.returncode, run_dir=str(self.run_dir), failed_rank=state.failed_rank,
                               reason=state.reason, worker_returncodes=state.returncodes, wall_s=wall_s,
-                              summary=state.summary, lost_ranks=lost)
+                              summary=state.summary, lost_ranks=lost, restarts=self.restarts.to_json())
         self.record.data["result"] = {
             "returncode": state.returncode,
             "failed_rank": state.failed_rank,
@@ -580,6 +625,7 @@ def launch(
     checkpoint_every: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     resume: bool = False,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
 
@@ -609,6 +655,10 @@ def launch(
     ``checkpoint_every`` N: every worker saves its state every N iterations into ``checkpoint_dir``
     (default ``RUN_DIR/checkpoints``); ``resume``: ``run_dir`` is an earlier run's, whose workers
     resume from their checkpoints (:mod:`hopnet.checkpoint`).
+    ``max_restarts`` K: a worker that dies (exits non-zero, is killed, or is declared dead by its
+    peers) is started again, with ``HOPNET_RESTART=N``, while fewer than K restarts were used on
+    this machine and the run is not ending (:mod:`hopnet.launch.restarts`); past K, ``max_failures``
+    decides as without it.
     ``start_method`` ``"forkserver"`` (the default on Linux) forks the workers from one process
     that imported torch once (:mod:`hopnet.launch.forkserver`); ``"exec"`` starts each worker as
     a new interpreter. ``launch.json`` records the method and each worker's pid.
@@ -622,7 +672,7 @@ def launch(
                       insecure=insecure, secure=secure, key_file=key_file, nnodes=nnodes, node_rank=node_rank,
                       rdzv_endpoint=rdzv_endpoint, save_model=save_model,
                       start_method=start_method, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume)
+                      checkpoint_dir=checkpoint_dir, resume=resume, max_restarts=max_restarts)
     return run_launch(spec, stdout=stdout, stderr=stderr)
 
 

@@ -38,14 +38,15 @@ def cpu_min_bytes(bulk: str) -> int | None:
 
 def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: str, device: torch.device,
                    store_endpoint: str, timeout_s: float, message_bytes: int | None = None,
-                   curve: CurveKeys | None = None) -> Transport:
+                   curve: CurveKeys | None = None, handover: bool = False) -> Transport:
     """The transport for a worker whose parameters live on ``device``.
 
     ``message_bytes``: the size of the worker's updates when known (the flat parameters);
     ``auto`` then skips the torch plane altogether for CPU updates below its threshold,
     and also when no store is at hand (a launcher other than `hopnet launch`).
-    ``curve``: the run key; the ZeroMQ sockets then use CurveZMQ (see :mod:`hopnet.security`)."""
-    control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*", curve=curve)
+    ``curve``: the run key; the ZeroMQ sockets then use CurveZMQ (see :mod:`hopnet.security`).
+    ``handover``: peers may be replaced by new processes (see :class:`ZmqTransport`)."""
+    control = ZmqTransport(rank, peers, bind=f"tcp://{bind_host}:*", curve=curve, handover=handover)
     if device.type == "cpu":
         min_bytes = cpu_min_bytes(bulk)
         if min_bytes is None:

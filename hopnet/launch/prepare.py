@@ -22,7 +22,7 @@ from typing import Any
 from hopnet import checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import SAVE_MODEL
+from hopnet.launch.env import MAX_RESTARTS, RESTART, SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
@@ -158,6 +158,7 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
         "config_source": "flags",
         "explicit_options": sorted(spec.explicit_options),
         "max_failures": spec.max_failures,
+        "max_restarts": spec.max_restarts,
         "save_model": spec.save_model,
         "checkpoint_every": spec.checkpoint_every,
         "checkpoint_dir": os.fspath(spec.checkpoint_dir) if spec.checkpoint_dir is not None else None,
@@ -217,9 +218,12 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
     env["PYTHONPATH"] = worker_pythonpath(env)
     if plan.spec.env_extra:
         env.update({str(k): str(v) for k, v in plan.spec.env_extra.items()})
-    env.pop(SAVE_MODEL, None)  # the launcher's flag decides, not a variable left in its environment
+    for name in (SAVE_MODEL, MAX_RESTARTS, RESTART):  # the launcher's flags decide, not its own environment
+        env.pop(name, None)
     if plan.spec.save_model:
         env[SAVE_MODEL] = "1"
+    if plan.spec.max_restarts > 0:
+        env[MAX_RESTARTS] = str(plan.spec.max_restarts)
     threads_note = limit_worker_threads(env, plan.nodes.nproc)
     env.pop(KEY_ENV, None)
     if security.keys is not None:

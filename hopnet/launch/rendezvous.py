@@ -14,12 +14,18 @@ Wire format: one msgpack map per request and per reply (a request that is a JSON
 gets a JSON reply, for clients in other languages). Requests::
 
     {"rank": R, "address": "tcp://...", "world_size": N,
-     "config": {...}}                                        -> {"addresses": {R: address, ...}}
+     "config": {...}, "restart": N}                          -> {"addresses": {R: address, ...}}
     {"rank": R, "barrier": "name"}                          -> {"barrier": "name"}
     {"status": true}                                        -> {"status": {...}}
 
 and any request may be answered ``{"error": "one line"}`` (rank out of range, a rank
 registered twice with different addresses, a world size that disagrees, ...).
+
+``restart`` (optional, an integer >= 1) marks the registration of a replacement worker
+(``HOPNET_RESTART``, see :mod:`hopnet.launch.restarts`): once the table is complete, it
+replaces the rank's address and is answered at once with the whole table (without it, a
+second address for a rank is refused as a rank registered twice). Before the table is
+complete it is an ordinary registration.
 
 ``config`` (optional) is the protocol configuration the rank will run. Every rank must
 run the same one: the first rank that registers a different one fails the whole
@@ -292,7 +298,12 @@ class RendezvousServer:
         if "address" in msg:
             if not self._check_config(sock, identity, rank, msg.get("config"), as_json):
                 return
-            self._register(sock, identity, rank, msg["address"], as_json)
+            restart = msg.get("restart", 0)
+            if not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
+                self._refuse(sock, identity, f"rendezvous: rank {rank} sent a bad restart number {restart!r}",
+                             as_json)
+                return
+            self._register(sock, identity, rank, msg["address"], as_json, restart=restart)
         elif "barrier" in msg:
             self._enter_barrier(sock, identity, rank, msg["barrier"], as_json)
         else:
@@ -318,13 +329,23 @@ class RendezvousServer:
             self._refuse(sock, ident, message, js)
         return False
 
-    def _register(self, sock: zmq.Socket, identity: bytes, rank: int, address: Any, as_json: bool) -> None:
+    def _register(self, sock: zmq.Socket, identity: bytes, rank: int, address: Any, as_json: bool,
+                  restart: int = 0) -> None:
         if not isinstance(address, str) or not address:
             self._refuse(sock, identity, f"rendezvous: rank {rank} sent a bad address {address!r}", as_json)
             return
+        table: dict[int, str] | None
+        waiting: dict[int, tuple[bytes, bool]]
         with self._lock:
             known = self._addresses.get(rank)
-            if known is not None and known != address:
+            rejoin = restart > 0 and self.complete.is_set()
+            if rejoin:
+                # a replacement of a dead worker: its address is the rank's from now on
+                message = None
+                self._addresses[rank] = address
+                table = dict(self._addresses)
+                waiting = {rank: (identity, as_json)}
+            elif known is not None and known != address:
                 message = (f"rendezvous: rank {rank} registered twice ({known} and {address}); "
                            "are two workers using the same HOPNET_RANK?")
             else:
@@ -476,7 +497,7 @@ def _barrier_what(endpoint: str, name: str, status: dict[str, Any] | None) -> st
 
 
 def _exchange_request(rank: int, world_size: int, address: str,
-                      config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      config: Mapping[str, Any] | None = None, restart: int = 0) -> dict[str, Any]:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be an integer >= 1 (got {world_size!r})")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -486,6 +507,10 @@ def _exchange_request(rank: int, world_size: int, address: str,
     request: dict[str, Any] = {"rank": rank, "world_size": world_size, "address": address}
     if config is not None:
         request["config"] = dict(config)
+    if not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
+        raise ConfigError(f"rank {rank}: bad restart number {restart!r} (expected an integer >= 0)")
+    if restart > 0:
+        request["restart"] = restart
     return request
 
 
@@ -502,17 +527,19 @@ def _address_table(reply: dict[str, Any], endpoint: str, world_size: int) -> dic
 
 def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
                        timeout_s: float, config: Mapping[str, Any] | None = None,
-                       curve: CurveKeys | None = None) -> dict[int, str]:
+                       curve: CurveKeys | None = None, *, restart: int = 0) -> dict[int, str]:
     """Register ``address`` for ``rank``; block until every rank has; return ``{rank: address}``.
 
     Raises :class:`WaitTimeout` (naming the rendezvous and the missing ranks) after
     ``timeout_s``, and :class:`RendezvousError` when the server refuses the request
     (also when ``config``, the protocol configuration this rank runs, differs from another
     rank's). ``curve``: the run key, when the server was started with one.
+    ``restart`` N > 0 (``HOPNET_RESTART``): this process replaces rank ``rank``'s dead one; once
+    every rank registered, its address replaces the old one and the table comes back at once.
     """
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address, config)
+    request = _exchange_request(rank, world_size, address, config, restart)
     start = time.monotonic()
     reply = _request_sync(endpoint, request, timeout_s, curve)
     if reply is None:
@@ -524,11 +551,11 @@ def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
 
 async def exchange_addresses_async(endpoint: str, rank: int, world_size: int, address: str,
                                    timeout_s: float, config: Mapping[str, Any] | None = None,
-                                   curve: CurveKeys | None = None) -> dict[int, str]:
+                                   curve: CurveKeys | None = None, *, restart: int = 0) -> dict[int, str]:
     """:func:`exchange_addresses` for an asyncio event loop (uses ``zmq.asyncio``)."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address, config)
+    request = _exchange_request(rank, world_size, address, config, restart)
     start = time.monotonic()
     reply = await _request_async(endpoint, request, timeout_s, curve)
     if reply is None:

@@ -78,6 +78,9 @@ class LaunchSpec:
     """Where (default: ``RUN_DIR/checkpoints``)."""
     resume: bool = False
     """Reuse ``run_dir`` (an earlier run's, stopped or crashed) and resume from its checkpoints."""
+    max_restarts: int = 0
+    """This launcher replaces up to this many of its workers that die while the run goes on
+    (:mod:`hopnet.launch.restarts`); 0: a dead worker is lost (``max_failures`` decides)."""
 
     @property
     def single_machine(self) -> bool:
@@ -194,6 +197,9 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
         raise ConfigError(f"--bind {spec.bind!r}: expected a host name or address")
     if spec.grace_s < 0:
         raise ConfigError(f"grace period must be >= 0 (got {spec.grace_s})")
+    max_restarts = spec.max_restarts
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be an integer >= 0 (got {max_restarts!r})")
     if spec.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be >= 0 (got {spec.checkpoint_every})")
     if spec.resume and (spec.run_dir is None or spec.overwrite):

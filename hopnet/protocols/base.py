@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -132,6 +132,22 @@ class Protocol(abc.ABC):
 
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         """``peer`` will send nothing for iterations after ``last_iteration``."""
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        """A new process took over ``peer``'s rank (``--max-restarts``; it was handled as dead
+        before): take it back. Only protocols whose declaration says ``restartable`` are called."""
+
+    def handover_state(self) -> dict[str, Any]:
+        """What a replacement needs of this protocol's state besides the model and the iteration,
+        taken at a step boundary (plain values: it travels in a message's metadata)."""
+        return {}
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
+        """This process replaces a dead worker: start at ``iteration`` with a neighbour's model and
+        the neighbour's :meth:`handover_state` (called before :meth:`start`)."""
+        if not lookup(self.config.protocol).restartable:
+            raise ConfigError(f"--protocol {self.name} cannot replace a dead worker yet")
+        self.iteration = iteration
 
     def on_peer_dead(self, peer: int) -> None:
         """``peer`` went silent and was declared dead: it will send nothing more.

@@ -103,6 +103,8 @@ class PartialReduceProtocol(Protocol):
         self._abort: asyncio.Future[PeerFailure] | None = None
         self._aborted: dict[int, tuple[int, int, str]] = {}  # gid -> (reporter, peer, state)
         self._last_gid = -1
+        self.groups_failed = 0  # groups a dead member took with it (--max-restarts: rolled back)
+        self._before: list[torch.Tensor] | None = None  # the model before the running group (--max-restarts)
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -154,6 +156,9 @@ class PartialReduceProtocol(Protocol):
         beta = weights[members.index(self.rank)]
         if len(members) == 1:
             self.groups_alone += 1
+        elif self.node.max_restarts:
+            if not await self._reduce_or_roll_back(members, gid, beta, k):
+                return
         else:
             await self._reduce(members, gid, beta, k)
         self.groups += 1
@@ -205,6 +210,29 @@ class PartialReduceProtocol(Protocol):
             self._broken = True
             await self._tell_members(gid, members, self.rank, "departed")
             raise
+
+    async def _reduce_or_roll_back(self, members: tuple[int, ...], gid: int, beta: float, k: int) -> bool:
+        """With ``--max-restarts`` a member that dies takes the group with it, not the run: the model
+        goes back to what it was before the group and this worker carries on, as if it had been
+        grouped alone (the controller groups the others without the dead one, and takes its
+        replacement back). Whether the group ran."""
+        if self._before is None:
+            self._before = [torch.empty_like(flat) for flat in self.flats]
+        for saved, flat in zip(self._before, self.flats):
+            saved.copy_(flat)
+        try:
+            await self._reduce(members, gid, beta, k)
+        except PeerFailure as exc:
+            if exc.peer is None or exc.peer == self.rank:
+                raise
+            for saved, flat in zip(self._before, self.flats):
+                flat.copy_(saved)
+            self._broken = False
+            self.groups_failed += 1
+            self.node.record("group_failed", iter=k, gid=gid, members=list(members), peer=exc.peer,
+                             peer_state=exc.peer_state)
+            return False
+        return True
 
     async def _tell_members(self, gid: int, members: tuple[int, ...], peer: int | None, state: str) -> None:
         others = [m for m in members if m != self.rank and m not in self.node.dead and m not in self.node.departed]
@@ -299,13 +327,22 @@ class PartialReduceProtocol(Protocol):
         """Group ids are increasing: an abort for a group older than the last one run is stale."""
         return self._last_gid + 1
 
+    # ------------------------------------------------------------------ replacements
+    def handover_state(self) -> dict[str, Any]:
+        return {"counter": self.counter}
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
+        super().rejoin_at(iteration, state)
+        counter = state.get("counter")
+        self.counter = counter if isinstance(counter, int) and counter >= 0 else iteration
+
     # ------------------------------------------------------------------ records
     def snapshot(self) -> dict[str, Any]:
         return {"group": self.last_group, "counter": self.counter}
 
     def summary(self) -> dict[str, Any]:
         return {"groups": self.groups, "groups_alone": self.groups_alone,
-                "groups_while_leaving": self.groups_while_leaving}
+                "groups_while_leaving": self.groups_while_leaving, "groups_failed": self.groups_failed}
 
 
 async def _cancel(task: asyncio.Task[Any], within_s: float) -> None:
@@ -362,4 +399,5 @@ register(ProtocolSpec(
     coordinator=CoordinatorSpec(build=make_controller,
                                 options=("group_size", "weights", "ema_decay", "missing_policy", "frozen_window")),
     message_kinds=(MessageKind(ABORT, any_rank=True),),
+    restartable=True,
 ))

@@ -106,6 +106,10 @@ class Mailbox:
                 del self._waiting[key]
                 waiter.set_exception(self._departure(key, (why, state)))
 
+    def peer_rejoined(self, peer: int) -> None:
+        """A new process took over ``peer``'s rank: receives from it wait again."""
+        self._departed.pop(peer, None)
+
     # ------------------------------------------------------------------ the collective's side
     def post(self, kind: str, tag: Any, src: int, seq: int, tensors: list[torch.Tensor]) -> bool:
         """Receive the message with this key straight into ``tensors`` (if its payload matches

@@ -28,6 +28,7 @@ from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.liveness import Liveness
 from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
+from hopnet.runtime.rejoin import HANDOVER, HANDOVER_REQUEST, REJOIN, REJOIN_KINDS, Handover, read_handover
 from hopnet.runtime.services import (AddressExchange, AllReduce, CollectiveFactory, CoordinatorChannel, Timer,
                                      TrainingProtocol)
 from hopnet.transports.base import DISCARD, Transport
@@ -113,6 +114,14 @@ class Node(Generic[P]):
         self._collective_factory = collective_factory
         self._collective: AllReduce | None = None
         self.coordinator = coordinator
+        self.max_restarts = 0
+        """Workers the launcher may replace (``--max-restarts``): peers declared dead may come back."""
+        self.restart = 0
+        """This process's restart number: 0 for the first process of its rank, N for its N-th replacement."""
+        self.restarts_seen: dict[int, int] = {}  # peer -> the restart number of its process now
+        self.handover_requests: list[int] = []  # replacements waiting for this worker's state
+        self._handover: asyncio.Future[Handover] | None = None
+        self._handover_from: int | None = None
         if coordinator is not None:
             coordinator.bind(self)
         protocol.bind(self)
@@ -286,8 +295,12 @@ class Node(Generic[P]):
         if peer in self.dead or peer in self.departed:
             return
         self.dead[peer] = silent_s
+        if peer == self._handover_from and self._handover is not None and not self._handover.done():
+            self._handover.set_exception(_DonorGone())
+        # "restart": which process of the rank died (the launcher's death watch must not take it for
+        # a replacement that already started)
         self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
-                    mono=time.monotonic())
+                    mono=time.monotonic(), restart=self.restarts_seen.get(peer, 0))
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
@@ -304,6 +317,8 @@ class Node(Generic[P]):
 
     # ------------------------------------------------------------------ the Receiver side
     def buffers_for(self, header: Header) -> Any:
+        if header.kind in REJOIN_KINDS:
+            return None
         if header.src in self.dead:
             return DISCARD
         self._heard.add(header.src)  # a late update that is discarded is still a sign of life
@@ -315,6 +330,9 @@ class Node(Generic[P]):
 
     def deliver(self, msg: Message) -> None:
         src = msg.src
+        if msg.kind in REJOIN_KINDS:
+            self._on_rejoin_kind(msg)
+            return
         if src in self.dead:
             self.count_drop("from_dead_peer")  # written off already; it must not rejoin half-way
             return
@@ -349,6 +367,106 @@ class Node(Generic[P]):
 
     def count_drop(self, reason: str) -> None:
         self.dropped[reason] += 1
+
+    # ------------------------------------------------------------------ replacements (hopnet.runtime.rejoin)
+    def _on_rejoin_kind(self, msg: Message) -> None:
+        meta = msg.meta or {}
+        if msg.kind == HANDOVER:
+            waiter = self._handover
+            if waiter is None or waiter.done() or msg.src != self._handover_from:
+                self.count_drop("unexpected_handover")
+                return
+            try:
+                waiter.set_result(read_handover(msg))
+            except HopnetError as exc:
+                waiter.set_exception(exc)
+            return
+        restart = meta.get("restart")
+        if self.max_restarts == 0 or not isinstance(restart, int) or restart < 1:
+            self.count_drop("unexpected_rejoin")
+            return
+        if msg.kind == HANDOVER_REQUEST:
+            if self.restarts_seen.get(msg.src, 0) != restart:  # its rejoin comes first on the same link
+                self.count_drop("handover_request_before_rejoin")
+                return
+            if msg.src not in self.handover_requests:
+                self.handover_requests.append(msg.src)
+                self.record("handover_requested", peer=msg.src, restart=restart, iter=self.protocol.iteration)
+            return
+        address = meta.get("address")
+        if not isinstance(address, str) or self.restarts_seen.get(msg.src, 0) >= restart:
+            self.count_drop("stale_rejoin")
+            return
+        self._readmit(msg.src, restart, address)
+
+    def _readmit(self, peer: int, restart: int, address: str) -> None:
+        """A new process of ``peer``'s rank joined: end the old one here, if that had not happened
+        yet, then take the rank back (its address, the liveness watch, the protocol)."""
+        if peer not in self.dead and peer not in self.departed:
+            silence = self.liveness.silence(peer, self.clock.now()) if self.liveness is not None else None
+            self.peer_dead(peer, silence or 0.0)
+        self.restarts_seen[peer] = restart
+        self.dead.pop(peer, None)
+        self.departed.pop(peer, None)
+        self.final_iterations.pop(peer, None)
+        self.done_peers.pop(peer, None)
+        if self.addresses is not None:
+            self.addresses[peer] = address
+        self.transport.readmit_peer(peer)
+        self.mailbox.peer_rejoined(peer)
+        if self.liveness is not None and peer in self.graph.peers(self.rank):
+            self.liveness.watch(peer, self.clock.now())
+            if self._watch is None or self._watch.done():
+                self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
+        reconnect = peer in self._connected
+        self._connected.discard(peer)
+        task = asyncio.get_running_loop().create_task(self._admit(peer, restart, reconnect))
+        task.add_done_callback(_ignore_result)
+
+    async def _admit(self, peer: int, restart: int, reconnect: bool) -> None:
+        if reconnect:
+            await self.connect_to([peer])
+        self.record("peer_rejoined", peer=peer, restart=restart, iter=self.protocol.iteration)
+        self.events.flush()
+        self.protocol.on_peer_rejoined(peer)
+
+    async def rejoin(self, restart: int, ranks: Iterable[int], donors: Iterable[int], wait_s: float) -> Handover:
+        """This process replaces its rank's dead worker: say ``rejoin`` to ``ranks`` and take the state of
+        the first of ``donors`` that hands it over within ``wait_s`` (a donor this node declares dead
+        meanwhile is passed over at once)."""
+        self.restart = restart
+        ranks = [r for r in ranks if r != self.rank]
+        await self.connect_to(ranks)
+        for rank in ranks:
+            self.post(Message(REJOIN, self.rank, rank, self.protocol.iteration,
+                              meta={"restart": restart, "address": self.address}))
+        await self.flush()
+        tried = []
+        for donor in donors:
+            if donor == self.rank:
+                continue
+            tried.append(donor)
+            await self.connect_to([donor])
+            self._handover = asyncio.get_running_loop().create_future()
+            self._handover_from = donor
+            self.post(Message(HANDOVER_REQUEST, self.rank, donor, self.protocol.iteration, meta={"restart": restart}))
+            try:
+                async with asyncio.timeout(wait_s):
+                    return await self._handover
+            except TimeoutError:
+                self.record("handover_missing", peer=donor, waited_s=wait_s)
+            except _DonorGone:
+                self.record("handover_missing", peer=donor, state=self.peer_state(donor))
+            finally:
+                self._handover = None
+                self._handover_from = None
+        raise HopnetError(f"rank {self.rank}: restart {restart}: no neighbour handed its state over "
+                          f"(asked {tried})")
+
+    def take_handover_requests(self) -> list[int]:
+        """The replacements waiting for this worker's state (each is answered once)."""
+        requests, self.handover_requests = self.handover_requests, []
+        return [r for r in requests if r not in self.dead and r not in self.departed]
 
     def dropped_all(self) -> Counter[str]:
         """Drops counted by the transport and by the protocol together."""
@@ -506,6 +624,10 @@ class Node(Generic[P]):
         if self._logging:
             self.events.write({"event": event, "rank": self.rank,
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
+
+
+class _DonorGone(Exception):
+    """The neighbour asked for a handover was declared dead."""
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:

@@ -84,6 +84,14 @@ class NodeServices(Protocol):
     model_lock: threading.Lock
     """Held around every write to the model made off the trainer's thread, and around the
     optimizer step; a trainer holds it to read a consistent model."""
+    max_restarts: int
+    """How many dead workers the launcher may replace (``--max-restarts``): with any, a peer
+    declared dead may come back (:mod:`hopnet.runtime.rejoin`), so a protocol that can keep
+    going without it does, rather than fail."""
+    restart: int
+    """This process's restart number (0: the first process of its rank; N: its N-th replacement)."""
+    restarts_seen: dict[int, int]
+    """The restart number of each peer's process now, for the peers seen replaced."""
 
     @property
     def iteration(self) -> int:
@@ -153,6 +161,12 @@ class TrainingProtocol(Protocol):
     def on_peer_departed(self, peer: int, last_iteration: int) -> None: ...
 
     def on_peer_dead(self, peer: int) -> None: ...
+
+    def on_peer_rejoined(self, peer: int) -> None: ...
+
+    def handover_state(self) -> dict[str, Any]: ...
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None: ...
 
     def on_peer_done(self, peer: int) -> None: ...
 

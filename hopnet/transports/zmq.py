@@ -326,7 +326,9 @@ class ZmqTransport(Transport):
     def __init__(self, rank: int, allowed_senders: frozenset[int], *, bind: str = "tcp://127.0.0.1:*",
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
                  context: zmq.asyncio.Context | None = None, tune_malloc: bool = True,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, handover: bool = False) -> None:
+        """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``): a
+        connection presenting a connected peer's routing id then takes over from the old one."""
         super().__init__(rank, frozenset(allowed_senders))
         _check_address(bind, "bind address")
         if send_timeout <= 0:
@@ -348,6 +350,7 @@ class ZmqTransport(Transport):
         self._stage_pool = _BufferPool(STAGE_POOL_BYTES)
         self._closed = False
         self._curve = curve
+        self._handover = handover
         self._handshakes: HandshakeWatch | None = None
         self._handshakes_fd: int | None = None
         self.address: str | None = None
@@ -369,8 +372,10 @@ class ZmqTransport(Transport):
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)  # type: ignore[arg-type, assignment]
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, HWM)
-        # ROUTER_HANDOVER stays off: a second connection presenting a connected peer's
-        # routing id is ignored rather than allowed to cut off the real peer's pipe.
+        # ROUTER_HANDOVER stays off unless peers may be replaced: a second connection presenting
+        # a connected peer's routing id is ignored rather than allowed to cut off the real peer's
+        # pipe. A replacement must get through even while its dead predecessor's pipe lingers.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if self._handover else 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer sending more is disconnected
         if self._curve is not None:
             make_curve_server(sock, self._curve)
@@ -467,6 +472,10 @@ class ZmqTransport(Transport):
             # Closing without linger discards what is queued for the departed peer, which
             # releases the tensor memory that zero-copy sends to it are waiting on.
             peer.close(0)
+
+    def readmit_peer(self, rank: int) -> None:
+        """See :meth:`Transport.readmit_peer`."""
+        self._departed.discard(rank)
 
     def backlogged(self, rank: int) -> bool:
         """Whether a message with tensors to ``rank`` has not left this process yet."""
