@@ -44,6 +44,7 @@ from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime import rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
+from hopnet.runtime.services import CoordinatorChannel
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.worker_init import (
@@ -229,19 +230,24 @@ class Worker:
         """Replace this rank's dead worker: rejoin the run and load a neighbour's state."""
         node = self.node
         before = rejoin.fingerprint(node.protocol.model_tensors())
-        spec = self.config.spec
+        # Every rank hears of it: groups and collectives are drawn from the whole run, not the graph only.
         everyone = [r for r in range(self.graph.n) if r != self.rank]
         neighbours = sorted(self.graph.peers(self.rank))
         donors = neighbours + [r for r in everyone if r not in neighbours]
-        handover = self._thread.run(node.rejoin(restart, neighbours if spec.uses_graph else everyone, donors,
-                                                wait_s=self.config.timeout_s))
+        handover = self._thread.run(node.rejoin(restart, everyone, donors, wait_s=self.config.timeout_s))
         state = handover.state
         self._load_model(state["model"])
         self._resumed = dict(state.get("states", {}))
         node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
+        if node.coordinator is not None:
+            self._thread.run(self._rejoin_coordinator(node.coordinator))
         self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
                     fingerprint=rejoin.fingerprint(node.protocol.model_tensors()), initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
+
+    @staticmethod
+    async def _rejoin_coordinator(coordinator: CoordinatorChannel) -> None:
+        coordinator.send({"t": "rejoin"})  # count this rank in again (hopnet.coordinator.wire)
 
     def _hand_over(self, iteration: int) -> None:
         """Send this worker's state to the replacements that asked for it (at a step boundary, or

@@ -113,12 +113,14 @@ class RingCollective(Collective):
         if len(members) == 1:
             return tensor
         self._active.add(tag)
+        self.node.mailbox.open_round(COLLECTIVE_KIND, tag, members)
         try:
             await _RingRound(self, members, tensor.view(-1), op, tag).run()
         except BaseException:
             self.node.mailbox.discard_tag(COLLECTIVE_KIND, tag)
             raise
         finally:
+            self.node.mailbox.close_round(COLLECTIVE_KIND, tag)
             self._active.discard(tag)
         self.rounds += 1
         return tensor

@@ -30,7 +30,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.wire import (BYE, BYE_OK, EXPELLED, HELLO, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG, SYNC,
+from hopnet.coordinator.wire import (BYE, BYE_OK, EXPELLED, HELLO, HOST_KINDS, PEER_DEAD, PEER_FAILED, PING, PONG,
+                                     REJOIN, SYNC,
                                      SYNCED)
 from hopnet.runtime.liveness import Liveness
 
@@ -91,6 +92,9 @@ class CoordinatorHost:
         if kind in HOST_KINDS:
             if readmitted:
                 return self._out(readmitted)
+            if kind == REJOIN:
+                self.record("worker_rejoined", worker=sender, restart=self.restarts.get(sender, 0))
+                return self._out(list(self.machine.on_worker_rejoined(sender)))
             if kind == PING:
                 return self._out([Send(sender, {"t": PONG})])
             if kind == BYE:
@@ -117,7 +121,8 @@ class CoordinatorHost:
 
     def _readmit(self, rank: int, restart: int, now: float) -> list[Send]:
         """A replacement of worker ``rank`` said hello (``--max-restarts``): end its predecessor here if
-        that had not happened yet, then count the rank in again."""
+        that had not happened yet, and watch the new process. The machine takes the rank back at its
+        ``rejoin``, once it holds a neighbour's state (until then it could only hold up groups)."""
         sends: list[Send] = []
         if rank in self.joined and rank not in self.left and rank not in self.dead:
             sends += self._gone(rank, "dead", self.liveness.silence(rank, now) if self.liveness is not None else 0.0)
@@ -128,8 +133,8 @@ class CoordinatorHost:
         self.joined.add(rank)
         if self.liveness is not None:
             self.liveness.watch(rank, now)
-        self.record("worker_rejoined", worker=rank, restart=restart)
-        return sends + list(self.machine.on_worker_rejoined(rank))
+        self.record("worker_replaced", worker=rank, restart=restart)
+        return sends
 
     # ------------------------------------------------------------------ liveness
     def check(self, now: float) -> list[Send]:
@@ -161,12 +166,11 @@ class CoordinatorHost:
         # A worker that left cleanly is waited on by no one (it ran its groups before its bye);
         # telling the others could overtake its last messages to them. One that died or is
         # failing may be waited on: whatever waits on it must fail now, naming it.
-        # "restart": which process of the rank this is about; a worker that already took a later one
-        # back ignores the notice.
-        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3),
-                   "restart": self.restarts.get(rank, 0)} if how == "dead"
-                  else {"t": PEER_FAILED, "rank": rank, "restart": self.restarts.get(rank, 0)} if how == "failed"
-                  else None)
+        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3)} if how == "dead"
+                  else {"t": PEER_FAILED, "rank": rank} if how == "failed" else None)
+        if notice is not None and self.restarts.get(rank):
+            # which process of the rank it is about: a worker that took a later one back ignores it
+            notice["restart"] = self.restarts[rank]
         if notice is not None:
             sends += [Send(r, dict(notice)) for r in sorted(self.joined - self.left - self.dead)]
         return sends

@@ -104,6 +104,11 @@ class RandomGroupGenerator(Coordinator):
                 self._release(group, rank)
         return self._retry()
 
+    def on_worker_rejoined(self, rank: int) -> list[Send]:
+        self.gone.discard(rank)
+        self.locked[rank] = False
+        return []
+
     # ------------------------------------------------------------------ the algorithm
     def _request(self, worker: int, iteration: int) -> list[Send]:
         if worker in self.gone:

@@ -27,7 +27,7 @@ import zmq
 
 from hopnet.coordinator.base import Coordinator, Send
 from hopnet.coordinator.host import CoordinatorHost
-from hopnet.coordinator.wire import MAX_MESSAGE_BYTES, BadFrame, decode, encode, rank_of, routing_id
+from hopnet.coordinator.wire import HELLO, MAX_MESSAGE_BYTES, BadFrame, decode, encode, rank_of, routing_id
 from hopnet.runtime.events import JsonlEventLog
 from hopnet.security import CurveKeys, secure_server
 
@@ -124,6 +124,8 @@ class CoordinatorServer:
             self.bad_frames += 1
             self.host.drop("bad_frame")
             return
+        if message.get("t") == HELLO and message.get("restart"):
+            self._backlog.pop(sender, None)  # meant for the process this one replaces
         backlog = self._backlog.get(sender)
         if backlog:
             self._flush(sender)  # it is connected now: what waited for it goes first

@@ -246,6 +246,12 @@ class SmartGroupGenerator(Coordinator):
                 self._try_start(self._queue[worker][0], sends)
         return sends
 
+    def on_worker_rejoined(self, rank: int) -> list[Send]:
+        self.check_sender(rank)
+        self._gone.discard(rank)
+        self._waiting[rank] = False
+        return []
+
     # -- the lock vector and the queues ---------------------------------------------------
 
     def _release(self, worker: int, group: _Group) -> None:

@@ -11,9 +11,13 @@ Kinds the host itself answers and never passes to the state machine (:data:`HOST
 ==========  ==================  ===================================================
 kind        direction           meaning
 ==========  ==================  ===================================================
-``hello``   worker -> host      first message of a worker: it is connected
+``hello``   worker -> host      first message of a worker: it is connected (``"restart": N``:
+                                it replaces the rank's dead worker, see ``rejoin``)
 ``ping``    worker -> host      are you there? answered with ``pong``
 ``beat``    worker -> host      a sign of life, sent when nothing else went out lately
+``rejoin``  worker -> host      a replacement (its ``hello`` carried ``"restart": N``, which
+                                ended its predecessor here) has taken a neighbour's state:
+                                the machine takes the rank back (``on_worker_rejoined``)
 ``bye``     worker -> host      leaving: the host calls ``on_worker_gone`` and answers
                                 ``bye_ok`` after every message it sent before; with
                                 ``"failed": true`` the worker is failing, and the others
@@ -54,7 +58,8 @@ EXPELLED = "expelled"
 SYNC = "sync"
 """A key any worker message may carry: the host answers ``synced`` after the machine's reply."""
 SYNCED = "synced"
-HOST_KINDS = frozenset({HELLO, PING, BEAT, BYE})
+REJOIN = "rejoin"
+HOST_KINDS = frozenset({HELLO, PING, BEAT, BYE, REJOIN})
 """Worker -> host kinds the host handles itself."""
 
 _ROUTING_ID = re.compile(rb"w(0|[1-9][0-9]{0,8})")

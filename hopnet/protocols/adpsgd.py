@@ -46,7 +46,8 @@ Failures: a passive that said ``bye`` is no longer chosen. If it says ``bye`` wh
 active waits for its reply, the request was never served (replies go out before the
 goodbye), so the averaging is skipped and recorded, naming the passive. A passive
 declared dead during the wait fails the active with :class:`PeerFailure` naming it (the
-averaging may or may not have happened on its side). An active with no passive neighbour
+averaging may or may not have happened on its side); under ``--max-restarts`` the active
+skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
 """
 
@@ -145,7 +146,7 @@ class AdPsgdProtocol(Protocol):
     async def start(self) -> None:
         self._activity = asyncio.Event()
         self.node.record("role", role=self.role, neighbours=list(self.neighbours))
-        self.node.entered(0, self)
+        self.node.entered(self.iteration, self)
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -299,11 +300,20 @@ class AdPsgdProtocol(Protocol):
             return
         if state == "departed":
             self._reply.set_result(False)  # it replies before saying bye: our request was never served
+        elif self.node.max_restarts:
+            # Its side may have averaged, but that side is gone: a replacement takes a live neighbour's
+            # model. This model is as the averaging found it: skip it and go on.
+            self._reply.set_result(False)
         else:
             self._reply.set_exception(PeerFailure(
                 f"rank {self.rank}: passive partner {peer} went silent (dead) during the averaging of "
                 f"iteration {self.iteration}; its side may or may not have averaged",
                 peer=peer, peer_state="dead", iteration=self.iteration))
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        self.gone.pop(peer, None)
+        self.done.discard(peer)
+        self._note_activity()
 
     # ------------------------------------------------------------------ receiving
     def buffers_for(self, header: Header) -> Any:
@@ -380,4 +390,5 @@ register(ProtocolSpec(
     uses_graph=True,
     message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
+    restartable=True,
 ))

@@ -56,7 +56,7 @@ from hopnet.coordinator.random_gg import RandomGroupGenerator
 from hopnet.coordinator.smart_gg import SmartGroupGenerator
 from hopnet.coordinator.static_schedule import check_static_schedule, static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
-from hopnet.errors import ConfigError, HopnetError, ProtocolError
+from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
@@ -93,6 +93,8 @@ class PragueProtocol(Protocol):
         self._served_this_iteration = 0
         self._said_bye = False
         self._failed = False  # a step raised: leave without waiting for the GG, and say so
+        self.groups_failed = 0  # P-Reduces a dead member took with it (--max-restarts: rolled back)
+        self._before: list[torch.Tensor] | None = None  # the model before the running P-Reduce (--max-restarts)
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -114,8 +116,11 @@ class PragueProtocol(Protocol):
         return coordinator
 
     async def start(self) -> None:
-        self.node.entered(0, self)
-        self._request(0)
+        if self.static and self.node.max_restarts:
+            raise ConfigError("--max-restarts: --protocol prague --group-generator static cannot replace a dead "
+                              "worker (its schedule counts on every rank in every iteration); use random or smart")
+        self.node.entered(self.iteration, self)
+        self._request(self.iteration)
 
     def _request(self, k: int) -> None:
         if not self.static:
@@ -201,11 +206,32 @@ class PragueProtocol(Protocol):
             raise ProtocolError(f"rank {self.rank}: the coordinator sent a GO it cannot run: {message!r}")
         if len(members) == 1:
             self.no_sync += 1
+        elif self.node.max_restarts:
+            await self._reduce_or_roll_back(members, gid)
         else:
             await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}")
         self.groups_run += 1
         self._gg.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
         return gid, members
+
+    async def _reduce_or_roll_back(self, members: list[int], gid: int) -> None:
+        """With ``--max-restarts`` a member that dies takes the P-Reduce with it, not the run: the model
+        goes back to what it was before the group, and the group is acknowledged as run (the GG
+        releases the dead member itself, and takes its replacement back)."""
+        if self._before is None:
+            self._before = [torch.empty_like(flat) for flat in self.flats]
+        for saved, flat in zip(self._before, self.flats):
+            saved.copy_(flat)
+        try:
+            await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}")
+        except PeerFailure as exc:
+            if exc.peer is None or exc.peer == self.rank:
+                raise
+            for saved, flat in zip(self._before, self.flats):
+                flat.copy_(saved)
+            self.groups_failed += 1
+            self.node.record("group_failed", iter=self.iteration, gid=gid, members=members, peer=exc.peer,
+                             peer_state=exc.peer_state)
 
     async def _static_sync(self, k: int) -> None:
         group = static_group(self.rank, k, self.machines)
@@ -272,7 +298,7 @@ class PragueProtocol(Protocol):
     def summary(self) -> dict[str, Any]:
         own = len(self.groups)
         return {"groups_run": self.groups_run, "own_groups": own, "served_groups": self.served,
-                "no_sync": self.no_sync,
+                "no_sync": self.no_sync, "groups_failed": self.groups_failed,
                 "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
 
 
@@ -329,4 +355,5 @@ register(ProtocolSpec(
         options=("group_generator", "group_size", "group_buffer", "global_division", "inter_intra", "slow_filter"),
         needed=lambda options: options.group_generator != "static"),
     check_graph=check_prague_graph,
+    restartable=True,
 ))

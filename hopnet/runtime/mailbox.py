@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -72,6 +73,8 @@ class Mailbox:
         self._waiting: dict[MailKey, asyncio.Future[Message]] = {}
         self._posted: dict[MailKey, list[torch.Tensor]] = {}
         self._departed: dict[int, tuple[str, str]] = {}
+        self._rounds: dict[tuple[str, Any], frozenset[int]] = {}  # open rounds' members, by (kind, tag)
+        self._broken: dict[tuple[str, Any], PeerFailure] = {}  # open rounds a dead member broke
 
     def __len__(self) -> int:
         return len(self._arrived)
@@ -106,6 +109,30 @@ class Mailbox:
                 del self._waiting[key]
                 waiter.set_exception(self._departure(key, (why, state)))
 
+    def open_round(self, kind: str, tag: Any, members: Iterable[int]) -> None:
+        """A round among ``members`` starts (:meth:`break_rounds_with` fails it if one of them dies)."""
+        self._rounds[(kind, tag)] = frozenset(members)
+
+    def close_round(self, kind: str, tag: Any) -> None:
+        self._rounds.pop((kind, tag), None)
+        self._broken.pop((kind, tag), None)
+
+    def break_rounds_with(self, peer: int, why: str) -> None:
+        """``peer`` died: fail every open round it is a member of, whoever each member waits on now,
+        so that no member waits for a round that cannot finish (a dead member's replacement never
+        takes up its predecessor's rounds). Only with replacements about (``--max-restarts``): a
+        round a member died in may otherwise still finish."""
+        for (kind, tag), members in self._rounds.items():
+            if peer not in members or (kind, tag) in self._broken:
+                continue
+            failure = PeerFailure(f"rank {peer} {why} in round {tag!r} among {sorted(members)}",
+                                  peer=peer, peer_state="dead")
+            self._broken[(kind, tag)] = failure
+            for key, waiter in list(self._waiting.items()):
+                if key[0] == kind and key[1] == tag and not waiter.done():
+                    del self._waiting[key]
+                    waiter.set_exception(failure)
+
     def peer_rejoined(self, peer: int) -> None:
         """A new process took over ``peer``'s rank: receives from it wait again."""
         self._departed.pop(peer, None)
@@ -137,6 +164,9 @@ class Mailbox:
         why = self._departed.get(src)
         if why is not None:
             raise self._departure(key, why)
+        broken = self._broken.get((kind, tag))
+        if broken is not None:
+            raise broken
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Message] = loop.create_future()
         self._waiting[key] = waiter

@@ -150,7 +150,8 @@ class Node(Generic[P]):
             await self.connect_to(self.graph.peers(self.rank))
         if self.coordinator is not None:
             await self.coordinator.start()
-        self.record("start", address=self.address, **self.protocol.start_record())
+        restart = {"restart": self.restart} if self.restart else {}  # a replacement (hopnet.runtime.rejoin)
+        self.record("start", address=self.address, **restart, **self.protocol.start_record())
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)
@@ -305,6 +306,8 @@ class Node(Generic[P]):
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
         self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
+        if self.max_restarts:
+            self.mailbox.break_rounds_with(peer, "died")
 
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
@@ -412,23 +415,18 @@ class Node(Generic[P]):
         self.done_peers.pop(peer, None)
         if self.addresses is not None:
             self.addresses[peer] = address
-        self.transport.readmit_peer(peer)
+        # Connected at once: the messages right behind the rejoin may need an answer.
+        self.transport.readmit_peer(peer, address if peer in self._connected else None)
         self.mailbox.peer_rejoined(peer)
         if self.liveness is not None and peer in self.graph.peers(self.rank):
             self.liveness.watch(peer, self.clock.now())
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
-        reconnect = peer in self._connected
-        self._connected.discard(peer)
-        task = asyncio.get_running_loop().create_task(self._admit(peer, restart, reconnect))
-        task.add_done_callback(_ignore_result)
-
-    async def _admit(self, peer: int, restart: int, reconnect: bool) -> None:
-        if reconnect:
-            await self.connect_to([peer])
         self.record("peer_rejoined", peer=peer, restart=restart, iter=self.protocol.iteration)
         self.events.flush()
         self.protocol.on_peer_rejoined(peer)
+        if self.quiesced and peer in self.graph.peers(self.rank):
+            self.post(Message("done", self.rank, peer, self.protocol.iteration))  # it must not wait on this one
 
     async def rejoin(self, restart: int, ranks: Iterable[int], donors: Iterable[int], wait_s: float) -> Handover:
         """This process replaces its rank's dead worker: say ``rejoin`` to ``ranks`` and take the state of

@@ -128,9 +128,10 @@ class Transport(abc.ABC):
         Messages sent to it later are dropped and counted (``peer_left``), not errors: a
         send may already be on its way when the news of the departure arrives."""
 
-    def readmit_peer(self, rank: int) -> None:
+    def readmit_peer(self, rank: int, address: str | None) -> None:
         """``rank``, forgotten before, came back as a new process (a replacement the launcher
-        started): send to it again once :meth:`connect` gave its new address."""
+        started): send to it again, at ``address`` when given (now, without waiting: messages
+        that follow may be answered at once), else once :meth:`connect` gives it."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -263,6 +263,9 @@ class TorchBulkTransport(Transport):
             if peer != self.rank:
                 self._channel(peer, backend)  # build every neighbour's channel now, in the background
 
+    def readmit_peer(self, rank: int, address: str | None) -> None:
+        self.control.readmit_peer(rank, address)
+
     def forget_peer(self, rank: int) -> None:
         self._departed.add(rank)
         self.control.forget_peer(rank)

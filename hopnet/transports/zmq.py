@@ -473,9 +473,15 @@ class ZmqTransport(Transport):
             # releases the tensor memory that zero-copy sends to it are waiting on.
             peer.close(0)
 
-    def readmit_peer(self, rank: int) -> None:
+    def readmit_peer(self, rank: int, address: str | None) -> None:
         """See :meth:`Transport.readmit_peer`."""
         self._departed.discard(rank)
+        if address is not None and not self._closed and self._ctx is not None:
+            _check_address(address, f"address of rank {rank}")
+            old = self._peers.pop(rank, None)
+            if old is not None:
+                old.close(0)
+            self._peers[rank] = self._open_peer(rank, address)
 
     def backlogged(self, rank: int) -> bool:
         """Whether a message with tensors to ``rank`` has not left this process yet."""
