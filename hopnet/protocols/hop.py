@@ -445,13 +445,27 @@ class HopProtocol(Protocol):
         if self.staleness is not None:
             return await self._recv_stale(k)
         need = len(self.in_peers) - self.n_buw
-        await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
-                         or self._short_of_peers(k, need), self.queue,
-                         lambda: ("updates", self._missing_updates(k)), k)
-        if self._short_of_peers(k, need) and self.queue.size(iter=k) < need:
-            raise self._peer_failure(k, need)
+        while True:
+            await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
+                             or self._short_of_peers(k, need), self.queue,
+                             lambda: ("updates", self._missing_updates(k)), k)
+            if not (self._short_of_peers(k, need) and self.queue.size(iter=k) < need):
+                break
+            await self._await_replacements(k, need)
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
+
+    async def _await_replacements(self, k: int, need: int) -> None:
+        """Iteration ``k`` needs the update of a dead in-neighbour: under ``--max-restarts`` wait for its
+        replacement (``--timeout`` at most), which sends what the dead process owed; else fail naming it."""
+        dead = [j for j in self.in_peers if j in self.node.dead]
+        if not self.node.max_restarts or not dead:
+            raise self._peer_failure(k, need)
+        self.node.handover_point()
+        try:
+            await self.node.wait_for_rejoins(f"rank {self.rank}'s updates of iteration {k}")
+        finally:
+            self.node.handover_point(False)
 
     def _short_of_peers(self, k: int, need: int) -> bool:
         return len(self._expected(k)) < need
@@ -505,11 +519,13 @@ class HopProtocol(Protocol):
         def satisfied() -> bool:
             return len(fresh_peers()) >= min(need, len(self._expected(k)))
 
-        await self._wait(satisfied, self.queue,
-                         lambda: ("an update no older than iteration %d" % oldest,
-                                  [j for j in self._expected(k) if j not in fresh_peers()]), k)
-        if len(self._expected(k)) < need and len(fresh_peers()) < need:
-            raise self._peer_failure(k, need)
+        while True:
+            await self._wait(satisfied, self.queue,
+                             lambda: ("an update no older than iteration %d" % oldest,
+                                      [j for j in self._expected(k) if j not in fresh_peers()]), k)
+            if not (len(self._expected(k)) < need and len(fresh_peers()) < need):
+                break
+            await self._await_replacements(k, need)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:
@@ -536,6 +552,9 @@ class HopProtocol(Protocol):
             return
         node = self.node
         began = node.timer()
+        # Waiting here, the model is consistent (the reduce comes after): a neighbour's replacement may
+        # take it now (in a strict run it may be what this worker waits for).
+        node.handover_point()
         try:
             await node.clock.wait(waitable.wait_until(ready), "", iteration=k)
         except WaitTimeout as exc:
@@ -545,6 +564,7 @@ class HopProtocol(Protocol):
                               peer_state=self.node.peer_state(peer) if peer is not None else None,
                               iteration=k, waited_s=exc.waited_s) from None
         finally:
+            node.handover_point(False)
             node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began)
 
     # ------------------------------------------------------------------ mixing
