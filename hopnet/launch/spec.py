@@ -23,7 +23,7 @@ from hopnet.graph import Graph
 from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.nodes import place_ranks
 from hopnet.launch.options import option_names
-from hopnet.registry import lookup
+from hopnet.registry import lookup, specs
 
 DEFAULT_NPROC = 4
 DEFAULT_GRACE_S = 5.0
@@ -205,8 +205,8 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     if spec.resume and (spec.run_dir is None or spec.overwrite):
         raise ConfigError("resume needs the run directory to resume, and cannot --overwrite it")
     if spec.resume and not lookup(config.protocol).resumable:
-        raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet "
-                          "(hop, notify-ack and allreduce can)")
+        takers = ", ".join(s.name for s in specs() if s.resumable)
+        raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet ({takers} can)")
     if spec.start_method not in (None, *START_METHODS):
         raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))

@@ -390,5 +390,6 @@ register(ProtocolSpec(
     uses_graph=True,
     message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
+    resumable=True,
     restartable=True,
 ))

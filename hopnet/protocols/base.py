@@ -18,7 +18,7 @@ from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
-from hopnet.registry import lookup
+from hopnet.registry import lookup, specs
 from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
@@ -64,8 +64,8 @@ class Protocol(abc.ABC):
         ``iteration - 1``, with empty queues): called before :meth:`start`, only for the
         protocols whose declaration says ``resumable``."""
         if not lookup(self.config.protocol).resumable:
-            raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet "
-                              "(hop, notify-ack and allreduce can)")
+            takers = ", ".join(spec.name for spec in specs() if spec.resumable)
+            raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet ({takers} can)")
         self.iteration = iteration
 
     @abc.abstractmethod
