@@ -28,7 +28,6 @@ a member that was behind, or of the replacement (fresh), differs from the others
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
-from hopnet.protocols.base import ApplyFn, allreduce_each
+from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
 from hopnet.registry import Averages, ProtocolSpec, register
@@ -48,16 +47,13 @@ TAG_PREFIX = "allreduce"
 class AllReduceProtocol(AllRanksGradientProtocol):
     name = "allreduce"
 
+    tag_prefix = TAG_PREFIX
+
     def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None,
                  model: ModelState | None = None, options: GradientOptions | None = None) -> None:
         super().__init__(config, grads, model, options)
-        self.resync_needed = False  # a replacement joined, or a round broke: resynchronize before the next
         self.voided: int | None = None  # the iteration a resync found this worker behind in
-        self.resyncs = 0
         self._saved: torch.Tensor | None = None  # the gradient before its round (--max-restarts)
-
-    def _tag(self, what: str) -> str:
-        return f"{TAG_PREFIX}/{what}@{self.node.epoch}" if self.node.max_restarts else f"{TAG_PREFIX}/{what}"
 
     async def synchronize(self) -> None:
         k = self.iteration
@@ -96,14 +92,13 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         self.node.entered(k + 1, self)
 
     # ------------------------------------------------------------------ replacements
-    def _survivable(self, failure: PeerFailure) -> bool:
-        return bool(self.node.max_restarts) and failure.peer is not None and failure.peer != self.rank
-
     async def _reduce_surviving(self, grads: torch.Tensor) -> bool:
         """The round of this iteration's gradient, retried after a resync while members die and are
         replaced. False when the resync moved this worker on (its gradient is void)."""
         while True:
+            k = self.iteration
             if self.resync_needed and await self._resync():
+                self.voided = k
                 return False
             if self._saved is None or self._saved.shape != grads.shape:
                 self._saved = torch.empty_like(grads)
@@ -117,68 +112,14 @@ class AllReduceProtocol(AllRanksGradientProtocol):
                 grads.copy_(self._saved)
                 self.resync_needed = True
 
-    async def _resync(self) -> bool:
-        """Every rank takes the model of the lowest rank of the furthest iteration, and that iteration
-        (see the module's docstring). Whether this worker was behind and moved on."""
-        node = self.node
-        node.handover_point()  # a replacement may ask this worker for its state while it waits here
-        try:
-            while True:
-                await node.wait_for_rejoins(f"rank {self.rank}'s all-reduce of iteration {self.iteration}")
-                flats = self.model_tensors()
-                saved = [f.clone() for f in flats]
-                try:
-                    leader, furthest = await self._agree()
-                    if furthest > self.iteration and node.load_state is not None:
-                        # A step behind: the leader's optimizer state too, or the models part again.
-                        node.load_state(await node.fetch_state(leader, self.config.timeout_s))
-                    if self.rank != leader:
-                        for flat in flats:
-                            flat.zero_()
-                    await allreduce_each(node.collective, self.everyone, flats, "sum", tag=self._tag("resync/model"))
-                    break
-                except PeerFailure as exc:
-                    if not self._survivable(exc):
-                        raise
-                    for flat, copy in zip(flats, saved):
-                        flat.copy_(copy)
-        finally:
-            node.handover_point(False)
-        self.resync_needed = False
-        self.resyncs += 1
-        node.record("resynced", iter=self.iteration, to=furthest, leader=leader, epoch=node.epoch)
-        if furthest <= self.iteration:
-            return False
-        self.voided = self.iteration
-        self.iteration = furthest
-        self.synchronized = -1
-        return True
-
-    async def _agree(self) -> tuple[int, int]:
-        """All-reduce every rank's iteration: the leader (the lowest rank of the furthest) and that iteration."""
-        iterations = torch.zeros(len(self.everyone), dtype=torch.float64)
-        iterations[self.rank] = self.iteration
-        await self.node.collective.allreduce(self.everyone, iterations, "sum", tag=self._tag("resync"))
-        furthest = int(iterations.max())
-        return int((iterations == furthest).nonzero()[0]), furthest
-
     def _void(self) -> None:
         """The resync found this worker a step behind: its iteration is void, it now is where the others are."""
         void, self.voided = self.voided, None
         self.node.record("iteration_voided", iter=void, to=self.iteration)
         self.node.entered(self.iteration, self)
 
-    def on_peer_rejoined(self, peer: int) -> None:
-        self.resync_needed = True
-        self.left_early.pop(peer, None)
-
-    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
-        super().rejoin_at(iteration, state)
-        self.resync_needed = True
-
     async def after_rejoin(self) -> None:
-        """The replacement resynchronizes with the others before its trainer computes a gradient."""
-        await self._resync()
+        await super().after_rejoin()
         self.voided = None
 
     def summary(self) -> dict[str, Any]:
