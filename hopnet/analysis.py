@@ -54,19 +54,39 @@ def _read_log(path: Path, rank: int) -> list[dict[str, Any]]:
         if record.get("rank", rank) != rank:
             raise RunLogError(f"{path}:{lineno}: a record of rank {record.get('rank')} in rank {rank}'s log")
         records.append(record)
-    # a replacement's start (``restart``: hopnet launch --max-restarts) continues the same run
-    starts = sum(1 for r in records if r.get("event") == "start" and not r.get("restart"))
-    if starts > 1:
-        raise RunLogError(f"{path} holds {starts} runs ({starts} start records): the run directory was reused; "
-                          "launch into a fresh --run-dir or pass --overwrite")
+    starts = [r for r in records if r.get("event") == "start"]
+    # a replacement of a dead worker (hopnet launch --max-restarts) appends to its rank's log,
+    # starting with a start record that carries "restart": N
+    fresh = [r for r in starts[1:] if not _is_restart(r.get("restart"))]
+    if fresh:
+        runs = 1 + len(fresh)
+        raise RunLogError(f"{path} holds {runs} runs ({runs} start records without \"restart\"): the run "
+                          "directory was reused; launch into a fresh --run-dir or pass --overwrite")
     return records
+
+
+def _is_restart(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def incarnations(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """One rank's records split by process: the first one's, then each replacement's (from its
+    ``start`` record with ``"restart": N``, see ``hopnet launch --max-restarts``)."""
+    parts: list[list[dict[str, Any]]] = [[]]
+    for record in records:
+        if record.get("event") == "start" and _is_restart(record.get("restart")) and parts[-1]:
+            parts.append([])
+        parts[-1].append(record)
+    return parts
 
 
 def load_run(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Every rank's event log in a run directory, by rank, checked to be one run.
 
     Raises :class:`RunLogError` for a log that is not JSON lines, holds several runs, or
-    belongs to a rank that the run's ``graph.json`` does not have.
+    belongs to a rank that the run's ``graph.json`` does not have. A rank replaced while the
+    run went on (``--max-restarts``) has one log holding each of its processes in turn, each
+    replacement's from a ``start`` record with ``"restart": N`` (:func:`incarnations`).
     """
     folder = Path(run_dir)
     runs: dict[int, list[dict[str, Any]]] = {}

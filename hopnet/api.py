@@ -150,6 +150,9 @@ class Worker:
         """The user state of the checkpoint this worker resumed from, loaded as it registers."""
         self.node.max_restarts = max_restarts
         self.node.restart = restart
+        self.node.mailbox.replaceable = max_restarts > 0
+        self.node.handover_now = self._hand_over_on_loop
+        self.node.load_state = self._load_handover
         if start_iteration:
             self.node.protocol.resume_at(start_iteration)
         try:
@@ -238,9 +241,12 @@ class Worker:
         state = handover.state
         self._load_model(state["model"])
         self._resumed = dict(state.get("states", {}))
+        seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
+        node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != self.rank})
         node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
         if node.coordinator is not None:
             self._thread.run(self._rejoin_coordinator(node.coordinator))
+        self._thread.run(node.protocol.after_rejoin())
         self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
                     fingerprint=rejoin.fingerprint(node.protocol.model_tensors()), initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
@@ -256,23 +262,46 @@ class Worker:
         if not requests:
             return
         with self.model_lock:
-            state = {"model": self._model_state(),
-                     "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()
-                                if name != checkpoint.OPTIMIZER_STATE}}
-            model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
-            protocol_state = self.node.protocol.handover_state()
-            messages = [rejoin.handover_message(self.rank, peer, iteration, protocol_state, state, model_print)
-                        for peer in requests]
-        self._thread.run(self._send_handovers(messages, model_print))
+            messages = self._handover_messages(requests, iteration)
+        self._thread.run(self._send_handovers(messages))
+
+    def _load_handover(self, handover: rejoin.Handover) -> None:
+        """A resync found this worker behind ``handover.donor``: take its model and registered state
+        (the optimizer's: the models stay identical only if the steps do), on the event loop with the
+        trainer blocked in its step."""
+        self._load_model(handover.state["model"])
+        for name, state in handover.state.get("states", {}).items():
+            if name in self._states:
+                checkpoint.load_state_into(self._states[name], state)
+
+    def _hand_over_on_loop(self, requests: list[int]) -> None:
+        """The same on the event loop, while the protocol waits with the trainer blocked in its step
+        (:meth:`hopnet.runtime.node.Node.handover_point`)."""
+        messages = self._handover_messages(requests, self.node.protocol.iteration)
+        task = self._thread.loop.create_task(self._send_handovers(messages))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _handover_messages(self, requests: list[int], iteration: int) -> list[Message]:
+        # A random stream is each rank's own (taking a neighbour's would make the replacement draw
+        # the neighbour's batches): the replacement keeps its own generators.
+        state = {"model": self._model_state(),
+                 "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()
+                            if not isinstance(obj, torch.Generator)}}
+        model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
+        protocol_state = {**self.node.protocol.handover_state(),
+                          rejoin.RESTARTS_SEEN: {str(r): n for r, n in self.node.restarts_seen.items()}}
+        return [rejoin.handover_message(self.rank, peer, iteration, protocol_state, state, model_print)
+                for peer in requests]
 
     async def _take_requests(self) -> list[int]:
         return self.node.take_handover_requests()
 
-    async def _send_handovers(self, messages: list[Message], model_print: float) -> None:
+    async def _send_handovers(self, messages: list[Message]) -> None:
         for msg in messages:
             await self.node.connect_to([msg.dst])
             self.node.post(msg)
-            self.node.record("handed_over", peer=msg.dst, iter=msg.iter, fingerprint=model_print)
+            self.node.record("handed_over", peer=msg.dst, iter=msg.iter,
+                             fingerprint=(msg.meta or {}).get("fingerprint"))
         await self.node.flush()
 
     def _answer_late_handovers(self) -> None:

@@ -42,9 +42,7 @@ CHECKPOINT_DIR = "HOPNET_CHECKPOINT_DIR"
 RESUME = "HOPNET_RESUME"
 DEFAULT_SUBDIR = "checkpoints"
 OPTIMIZER_STATE = "hopnet.optimizer"
-"""The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`).
-A replacement (``--max-restarts``) takes a neighbour's registered state but this one: it starts
-with a fresh optimizer state."""
+"""The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`)."""
 KEEP = 3
 """Checkpoints kept per rank (the newest): enough for ranks a few iterations apart to share one."""
 _NAME = re.compile(r"rank(\d+)-iter(\d+)\.pt")

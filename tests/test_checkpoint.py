@@ -113,14 +113,14 @@ def test_resume_refuses_a_conflicting_flag_in_one_line(tmp_path: Path) -> None:
 def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "ad-psgd", '
+    (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "eager-sgd", '
                                          f'"--run-dir", "{run_dir}", "{DIGITS}"]}}')
     (run_dir / "rank0.jsonl").write_text("")
     result = launch_in_process(["--resume", str(run_dir)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "hopnet launch: error: --resume: --protocol ad-psgd cannot resume from checkpoints yet "
-        "(hop, notify-ack and allreduce can)"]
+        "hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet "
+        "(ad-psgd, allreduce, hop, notify-ack, partial-reduce, prague can)"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
 
 

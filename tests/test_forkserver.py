@@ -1,6 +1,7 @@
 """The fork server: a forked worker is what an exec'd one would be (environment, session,
 streams, exit status), and a fork server that dies takes its workers with it and leaves the
-launcher starting workers with exec."""
+launcher starting workers with exec. The coordinator forks from it too, and goes with a
+killed launcher."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from hopnet.config import ProtocolConfig
+from hopnet.graph import Graph
+from hopnet.launch.coordinator_proc import CoordinatorProcess
 from hopnet.launch.death_watch import process_state
 from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
 
 from support.env import clean_env
-from support.launch import run_launch
+from support.launch import kill, run_launch, start_launch
 from support.paths import WORKERS
+from support.records import coordinator_records
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, pidfd_open)")
 
@@ -104,6 +109,7 @@ def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp
     assert workers.procs[1].wait(timeout=60) == 0
     assert workers.forkserver_failure is not None and not workers.forking
     workers.reap(timeout_s=10)
+    workers.close_forkserver()
 
 
 def _alive(pid: int) -> bool:
@@ -130,3 +136,68 @@ def test_a_forked_worker_writing_to_a_closed_pipe_gets_an_error_not_a_silent_dea
                       "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    sys.exit(7)\n")
     worker = server.spawn(0, [str(script)], clean_env(), piped=True)
     assert worker.wait(timeout=60) == 7
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _start_coordinator(tmp_path: Path, server: ForkServer, relayed: list[bytes]) -> CoordinatorProcess:
+    graph = tmp_path / "graph.json"
+    Graph.ring(2).to_json(graph)
+    config = ProtocolConfig(protocol="prague", group_generator="random").to_json()
+    return CoordinatorProcess.start("prague random group generator", graph_path=str(graph), config_json=config,
+                                    run_dir=str(tmp_path), bind_host="127.0.0.1", env=clean_env(), pass_fds=(),
+                                    relay=relayed.append, forkserver=server)
+
+
+def test_the_coordinator_forks_from_the_fork_server_and_execs_once_it_is_gone(server: ForkServer,
+                                                                             tmp_path: Path) -> None:
+    relayed: list[bytes] = []
+    forked = _start_coordinator(tmp_path, server, relayed)
+    try:
+        assert forked.forked and forked.forkserver_failure is None
+        assert _ppid(forked.pid) == server.pid and os.getsid(forked.pid) == forked.pid
+        assert forked.address.startswith("tcp://127.0.0.1:") and forked.exited() is None
+    finally:
+        code = forked.stop(grace_s=20)
+    assert code == 0  # SIGTERM: it wrote its summary and left the normal way
+    logged = coordinator_records(tmp_path)
+    assert logged[0]["event"] == "start" and logged[-1]["event"] == "stop"
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    execd = _start_coordinator(tmp_path, server, relayed)
+    try:
+        assert not execd.forked and execd.forkserver_failure is not None
+        assert _ppid(execd.pid) == os.getpid()
+    finally:
+        assert execd.stop(grace_s=20) == 0
+    assert relayed == []  # nothing on its stderr: nothing relayed
+
+
+def test_a_forked_coordinator_ends_with_a_killed_launcher(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--protocol", "prague", "--group-generator", "random", "--nproc", "2",
+                             "--run-dir", str(run_dir), "--no-progress", str(WORKERS / "prague_worker.py"),
+                             "--iterations", "100000", "--compute-ms", "5"], new_session=True)
+    coordinator = 0
+    try:
+        deadline = time.monotonic() + 120
+        while len(coordinator_records(run_dir, "group")) < 5:  # the workers train through it
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        record = json.loads((run_dir / "launch.json").read_text())
+        coordinator = record["coordinator"]["pid"]
+        assert record["start_method"] == "forkserver"
+        assert _ppid(coordinator) == _ppid(record["worker_pids"]["0"]) != launcher.pid  # the fork server's
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        killed_at = time.monotonic()
+        while _alive(coordinator) and time.monotonic() < killed_at + 5.0:
+            time.sleep(0.05)
+        assert not _alive(coordinator)
+        assert coordinator_records(run_dir)[-1]["event"] == "stop"  # it got SIGTERM, not SIGKILL
+    finally:
+        if coordinator and _alive(coordinator):
+            os.killpg(coordinator, signal.SIGKILL)
+        kill(launcher)

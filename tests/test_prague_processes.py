@@ -69,10 +69,11 @@ def test_the_launcher_runs_the_coordinator_and_it_logs_the_groups(prague_run) ->
 
 
 def _processes_of(run_dir: Path) -> list[int]:
-    """Pids of live processes of this run: the workers launch.json lists, and any whose
-    environment or command line names the run directory (the coordinator)."""
+    """Pids of live processes of this run: the workers and the coordinator launch.json lists,
+    and any whose environment or command line names the run directory."""
     needle = str(run_dir).encode()
     workers = set(recorded_worker_pids(run_dir).values())
+    workers.add(json.loads((run_dir / "launch.json").read_text())["coordinator"]["pid"])
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

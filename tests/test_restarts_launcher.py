@@ -14,18 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from hopnet import Graph
+from hopnet.analysis import RunLogError, incarnations, load_run
 from hopnet.cli.launch_cmd import _parse_launch, resumed_args
 from hopnet.errors import ConfigError
 from hopnet.launch.death_watch import DeathWatch
 from hopnet.launch.rendezvous import RendezvousError, RendezvousServer, exchange_addresses, exchange_addresses_async
+from hopnet.launch.launcher import launch
 from hopnet.launch.restarts import RestartBudget
+from hopnet.report.content import build_content
+from hopnet.report.html import render_html
+from hopnet.report.markdown import write_markdown
+from hopnet.report.rundir import load_run_dir
+from hopnet.report.stats import run_stats
+from hopnet.report.trace import chrome_trace
 
 from support.launch import launch_in_process, run_launch, start_launch
 from support.paths import ROOT
 
 CRASH_ONCE = str(ROOT / "tests" / "scripts" / "crash_once.py")
-RESTARTABLE = ("--protocol", "partial-reduce")
-"""--max-restarts needs a protocol that can take a replacement back (crash_once.py never runs it)."""
 
 
 # --------------------------------------------------------------------------- the budget
@@ -58,8 +65,6 @@ def test_a_bad_max_restarts_is_one_line(tmp_path: Path, value: str) -> None:
 
 
 def test_the_api_refuses_a_negative_max_restarts(tmp_path: Path) -> None:
-    from hopnet.launch import launch
-
     with pytest.raises(ConfigError, match="--max-restarts must be an integer >= 0"):
         launch(CRASH_ONCE, ["0", "x"], run_dir=tmp_path / "run", max_restarts=-1)
     assert not (tmp_path / "run").exists()
@@ -97,7 +102,11 @@ def test_a_replacement_is_not_killed_for_what_was_said_about_the_process_it_repl
     watch.restarted(1, mono=101.0, number=1)
     _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.5, "iter": 4, "mono": 100.5})
     assert watch.poll(running) == []  # written before the replacement started: about the old process
-    _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.0, "iter": 9, "mono": 120.0})
+    _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.5, "iter": 4, "mono": 106.0,
+                                      "restart": 0})
+    assert watch.poll(running) == []  # later, but about the process its declarer had heard from: the old one
+    _write(tmp_path / "rank0.jsonl", {"event": "peer_dead", "peer": 1, "silent_s": 5.0, "iter": 9, "mono": 120.0,
+                                      "restart": 1})
     (again,) = watch.poll(running)  # the replacement itself went silent later
     assert again.rank == 1 and again.iteration == 9
 
@@ -157,7 +166,7 @@ def _launch(tmp_path: Path, *flags: str, victim: int = 1, script_args: tuple[str
     out = tmp_path / "out"
     out.mkdir()
     run_dir = tmp_path / "run"
-    proc = run_launch(["--nproc", "3", *RESTARTABLE, *flags, "--run-dir", str(run_dir), "--no-progress", CRASH_ONCE,
+    proc = run_launch(["--nproc", "3", *flags, "--run-dir", str(run_dir), "--no-progress", CRASH_ONCE,
                        str(victim), str(out), *script_args], timeout=120)
     return proc.returncode, proc.stderr, json.loads((run_dir / "launch.json").read_text())
 
@@ -166,8 +175,9 @@ def _pid(out: Path, rank: int, incarnation: int) -> int:
     return int((out / f"rank{rank}.{incarnation}.pid").read_text())
 
 
-def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
-    code, err, record = _launch(tmp_path, "--max-restarts", "1")
+@pytest.mark.parametrize("start_method", ["forkserver", "exec"])
+def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path, start_method: str) -> None:
+    code, err, record = _launch(tmp_path, "--max-restarts", "1", "--start-method", start_method)
     assert code == 0, err
     assert "hopnet launch: rank 1 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
     assert "hopnet launch: 1 restart: rank 1 (killed by SIGKILL)" in err.splitlines()
@@ -181,6 +191,18 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path: Path) -> No
     assert record["worker_pids"] == {"0": _pid(out, 0, 0), "1": _pid(out, 1, 1), "2": _pid(out, 2, 0)}
     assert record["max_restarts"] == 1
     assert record["result"]["lost_ranks"] == [] and record["result"]["worker_returncodes"] == {"0": 0, "1": 0, "2": 0}
+
+
+def test_a_stopped_worker_killed_by_the_launcher_is_restarted(tmp_path: Path) -> None:
+    code, err, record = _launch(tmp_path, "--max-restarts", "1", "--peer-timeout", "1",
+                                script_args=("--how", "stop", "--sleep", "3"))
+    assert code == 0, err
+    (line,) = [line for line in err.splitlines() if "restarting it" in line]
+    assert line.startswith("hopnet launch: rank 1 died (went silent: stopped (state T) for 1."), line
+    assert line.endswith("; killed); restarting it (restart 1 of 1)")
+    assert record["restarts"][0]["reason"].startswith("went silent: stopped (state T)")
+    assert (tmp_path / "out" / "rank1.restart1.json").exists()
+    assert record["result"]["worker_returncodes"] == {"0": 0, "1": 0, "2": 0}
 
 
 def test_without_restarts_a_dead_worker_fails_the_run_as_before(tmp_path: Path) -> None:
@@ -220,7 +242,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    proc = start_launch(["--nproc", "3", *RESTARTABLE, "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
+    proc = start_launch(["--nproc", "3", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
                          CRASH_ONCE, "1", str(out), "--sleep", "60", "--hold", "60"], new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -240,3 +262,64 @@ def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> N
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids)
+
+
+# ---------------------------------------------------------------------- the report
+def _restarted_run(run_dir: Path) -> Path:
+    """A hand-written run of 2 ranks in which rank 1 died in iteration 1 (SIGKILL, no record)
+    and a replacement rejoined in iteration 2 with rank 0's model."""
+    run_dir.mkdir()
+    Graph.ring(2).to_json(run_dir / "graph.json")
+    (run_dir / "launch.json").write_text(json.dumps({
+        "result": {"returncode": 0}, "restarts": [
+            {"rank": 1, "restart": 1, "reason": "killed by SIGKILL", "old_pid": 10, "new_pid": 11,
+             "time": "2026-01-01T00:00:03+00:00", "mono": 103.0}]}))
+
+    def rec(event: str, rank: int, mono: float, **fields: object) -> str:
+        return json.dumps({"event": event, "rank": rank, "mono": mono, **fields}) + "\n"
+
+    def steps(rank: int, iterations: range, begin: float) -> list[str]:
+        return [rec("iteration", rank, begin + i - iterations.start + 1, iter=i, compute_s=0.5, wait_updates_s=0.5,
+                    wait_tokens_s=0.0, mix_s=0.0) for i in iterations]
+
+    (run_dir / "rank0.jsonl").write_text("".join([
+        rec("start", 0, 100.0), rec("plan", 0, 100.0, total=5), *steps(0, range(5), 100.0), rec("stop", 0, 106.0)]))
+    (run_dir / "rank1.jsonl").write_text("".join([
+        rec("start", 1, 100.0), rec("plan", 1, 100.0, total=5), *steps(1, range(1), 100.0),
+        rec("start", 1, 103.1, restart=1), rec("rejoined", 1, 103.5, restart=1, peer=0, iter=2),
+        rec("plan", 1, 103.5, total=5), *steps(1, range(2, 5), 103.5), rec("stop", 1, 107.0)]))
+    return run_dir
+
+
+def test_a_rank_log_with_a_replacement_is_one_run(tmp_path: Path) -> None:
+    run_dir = _restarted_run(tmp_path / "run")
+    logs = load_run(run_dir)
+    first, second = incarnations(logs[1])
+    assert [r["event"] for r in first] == ["start", "plan", "iteration"]
+    assert second[0] == {"event": "start", "rank": 1, "mono": 103.1, "restart": 1}
+    assert len(incarnations(logs[0])) == 1
+    with (run_dir / "rank0.jsonl").open("a") as handle:  # a second start without "restart": a reused dir
+        handle.write(json.dumps({"event": "start", "rank": 0, "mono": 200.0}) + "\n")
+    with pytest.raises(RunLogError, match="holds 2 runs"):
+        load_run(run_dir)
+
+
+def test_the_report_and_the_trace_show_the_restart(tmp_path: Path) -> None:
+    run = load_run_dir(_restarted_run(tmp_path / "run"))
+    stats = run_stats(run)
+    assert stats.ranks[1].status == "finished, restarted 1x" and stats.ranks[1].iterations == 5
+    assert stats.ranks[1].steps == 4 and stats.ranks[0].status == "finished"
+    content = build_content(run)
+    assert ["restarts", "1: rank 1 (killed by SIGKILL)"] in content.overview.rows
+    (restarts,) = [s for s in content.sections if s.title == "Restarts"]
+    assert restarts.tables[0].rows == [["1", "1", "3.00 s", "killed by SIGKILL", "10 → 11",
+                                        "iteration 2, model of rank 0"]]
+    (notes,) = [s for s in content.sections if s.title.startswith("Departures")]
+    assert notes.paragraphs == ["3.50 s: rank 1 (restart 1) rejoined in iteration 2 with rank 0's model"]
+    trace = chrome_trace(run)["traceEvents"]
+    (restart,) = [e for e in trace if e["name"] == "restart"]
+    assert (restart["pid"], restart["ts"], restart["ph"]) == (1, 3_000_000, "i")
+    assert restart["args"]["reason"] == "killed by SIGKILL"
+    assert [e["ts"] for e in trace if e["name"] == "rejoined"] == [3_500_000]
+    assert "<h2>Restarts</h2>" in render_html(content)
+    assert "## Restarts" in write_markdown(content, tmp_path / "report.md")[0].read_text()

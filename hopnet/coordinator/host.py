@@ -166,12 +166,11 @@ class CoordinatorHost:
         # A worker that left cleanly is waited on by no one (it ran its groups before its bye);
         # telling the others could overtake its last messages to them. One that died or is
         # failing may be waited on: whatever waits on it must fail now, naming it.
-        # "restart": which process of the rank this is about; a worker that already took a later one
-        # back ignores the notice.
-        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3),
-                   "restart": self.restarts.get(rank, 0)} if how == "dead"
-                  else {"t": PEER_FAILED, "rank": rank, "restart": self.restarts.get(rank, 0)} if how == "failed"
-                  else None)
+        notice = ({"t": PEER_DEAD, "rank": rank, "silent_s": round(silent_s or 0.0, 3)} if how == "dead"
+                  else {"t": PEER_FAILED, "rank": rank} if how == "failed" else None)
+        if notice is not None and self.restarts.get(rank):
+            # which process of the rank it is about: a worker that took a later one back ignores it
+            notice["restart"] = self.restarts[rank]
         if notice is not None:
             sends += [Send(r, dict(notice)) for r in sorted(self.joined - self.left - self.dead)]
         return sends

@@ -8,6 +8,12 @@ its own (a Ctrl-C on the terminal reaches the launcher only) and holds the launc
 watch's pipe, so it never outlives the launcher. Its stderr is relayed as
 ``[coordinator] ...`` lines. If it exits while workers still run, the launch fails with a
 line naming it; at the end of the run it gets SIGTERM and writes its summary.
+
+Given the launch's fork server (:mod:`hopnet.launch.forkserver`), the coordinator is forked
+from it instead of exec'd: same argv, environment, working directory, inherited launcher
+watch and pipes, without importing torch again (about 1.3 CPU-s). Its parent is then the
+fork server, which ends it with the workers when the launcher dies. A fork server that
+does not answer leaves it exec'd (:attr:`CoordinatorProcess.forkserver_failure` says why).
 """
 
 from __future__ import annotations
@@ -20,14 +26,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from typing import IO, TypeAlias
 
 from hopnet.coordinator.client import COORDINATOR_ENV, COORDINATOR_NAME_ENV
 from hopnet.coordinator.server import ADDRESS_PREFIX
 from hopnet.errors import HopnetError
+from hopnet.launch.forkserver import COORDINATOR, ForkedWorker, ForkServer, ForkServerGone
 
 START_TIMEOUT_S = 60.0
 """Longest the coordinator may take to print its address (imports on a loaded machine)."""
+ENTRY = ("-m", "hopnet.launch.coordinator_main")
+FORK_KEY = -1
+"""The coordinator's request number at the fork server (workers use their ranks)."""
+
+ProcessHandle: TypeAlias = "subprocess.Popen[bytes] | ForkedWorker"
 
 
 class CoordinatorStartError(HopnetError):
@@ -37,10 +49,20 @@ class CoordinatorStartError(HopnetError):
 class CoordinatorProcess:
     """A running ``python -m hopnet.launch.coordinator_main``."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], name: str, address: str) -> None:
+    def __init__(self, proc: ProcessHandle, name: str, address: str, forkserver_failure: str | None = None) -> None:
         self.proc = proc
         self.name = name
         self.address = address
+        self.forkserver_failure = forkserver_failure
+        """Why it was exec'd although a fork server was given (``None``: it was not, or forked)."""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def forked(self) -> bool:
+        return isinstance(self.proc, ForkedWorker)
 
     @property
     def label(self) -> str:
@@ -49,11 +71,21 @@ class CoordinatorProcess:
     @classmethod
     def start(cls, name: str, *, graph_path: str, config_json: str, run_dir: str, bind_host: str,
               env: Mapping[str, str], pass_fds: Sequence[int], relay: Callable[[bytes], None] | None,
-              timeout_s: float = START_TIMEOUT_S) -> CoordinatorProcess:
-        command = [sys.executable, "-m", "hopnet.launch.coordinator_main", "--graph", graph_path, "--config", config_json,
-                   "--run-dir", run_dir, "--bind", bind_host]
-        proc = subprocess.Popen(command, env=dict(env), pass_fds=tuple(pass_fds), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+              timeout_s: float = START_TIMEOUT_S, forkserver: ForkServer | None = None) -> CoordinatorProcess:
+        """Start it and wait for its address. ``forkserver``: fork it from there (it must have been
+        started with ``pass_fds`` too, which a forked process inherits at the same numbers)."""
+        args = ["--graph", graph_path, "--config", config_json, "--run-dir", run_dir, "--bind", bind_host]
+        proc: ProcessHandle | None = None
+        forkserver_failure: str | None = None
+        if forkserver is not None:
+            try:
+                proc = forkserver.spawn(FORK_KEY, args, env, piped=True, entry=COORDINATOR)
+            except ForkServerGone as exc:
+                forkserver_failure = str(exc)
+        if proc is None:
+            proc = subprocess.Popen([sys.executable, *ENTRY, *args], env=dict(env), pass_fds=tuple(pass_fds),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
         assert proc.stdout is not None and proc.stderr is not None
         lines: queue.Queue[bytes] = queue.Queue()
         errors: list[bytes] = []
@@ -83,7 +115,7 @@ class CoordinatorProcess:
                 break
         if relay is not None:
             _thread(_drain_queue, lines, proc, relay)
-        return cls(proc, name, address)
+        return cls(proc, name, address, forkserver_failure)
 
     def worker_env(self) -> dict[str, str]:
         return {COORDINATOR_ENV: self.address, COORDINATOR_NAME_ENV: self.name}
@@ -115,7 +147,7 @@ def _pump_lines(pipe: IO[bytes], sink: Callable[[bytes], None]) -> None:
         pass
 
 
-def _drain_queue(lines: queue.Queue[bytes], proc: subprocess.Popen[bytes], relay: Callable[[bytes], None]) -> None:
+def _drain_queue(lines: queue.Queue[bytes], proc: ProcessHandle, relay: Callable[[bytes], None]) -> None:
     while True:
         try:
             relay(b"[coordinator] " + lines.get(timeout=0.5))
@@ -131,7 +163,7 @@ def _signal(pgid: int, signum: int) -> None:
         pass
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def _kill(proc: ProcessHandle) -> None:
     _signal(proc.pid, signal.SIGKILL)
     try:
         proc.wait(timeout=10.0)

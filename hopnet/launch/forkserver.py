@@ -9,15 +9,17 @@ starts one *fork server* first::
     python -m hopnet.launch.forkserver FD
 
 which imports torch, ``torch._dynamo`` and hopnet once, then forks one worker per request
-that arrives on the Unix socket ``FD``. The forked worker is what an exec'd one would be:
+that arrives on the Unix socket ``FD``; the protocol's coordinator is forked from it too
+(:data:`COORDINATOR`). The forked worker is what an exec'd one would be:
 
 * its own session and process group (the launcher signals the group);
 * the environment of the request (``os.environ``; torch's thread count is set from
   ``OMP_NUM_THREADS``, which torch read when the fork server imported it);
 * stdin from ``/dev/null``, stdout and stderr on the pipes the request carries
   (``SCM_RIGHTS``), or the fork server's own;
-* :mod:`hopnet.launch.worker_main` runs the script, and the process exits the normal way
-  (atexit handlers, threads joined) with the script's status.
+* :mod:`hopnet.launch.worker_main` runs the script (:mod:`hopnet.launch.coordinator_main`
+  the coordinator), and the process exits the normal way (atexit handlers, threads
+  joined) with the script's status.
 
 The fork server reports each worker's pid, and later its exit status, on the same socket
 (:class:`ForkServer` is the launcher's side). It keeps no thread of its own, so a fork
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import os
 import select
 import selectors
@@ -56,7 +59,11 @@ MAX_MESSAGE = 1 << 20
 READY_TIMEOUT_S = 120.0
 """How long the launcher waits for the fork server to answer a request before starting
 that worker, and the rest, with ``exec``."""
-PRELOAD = ("torch", "torch._dynamo", "hopnet", "hopnet.api", "hopnet.launch.worker_main")
+WORKER = "worker"
+COORDINATOR = "coordinator"
+ENTRIES = {WORKER: "hopnet.launch.worker_main", COORDINATOR: "hopnet.launch.coordinator_main"}
+"""What a forked process runs: the ``main(argv)`` of the module its request's ``entry`` names."""
+PRELOAD = ("torch", "torch._dynamo", "hopnet", "hopnet.api", *ENTRIES.values())
 SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 """The fork server must never initialise CUDA (a forked child could not use it): should an
 import ask ``torch.cuda.is_available()``, torch answers through NVML instead. The workers
@@ -70,10 +77,11 @@ def available() -> bool:
 
 # --------------------------------------------------------------------------- the server
 class _Forked(Exception):
-    """Raised in a freshly forked worker to leave the server's loop: carries the argv to run."""
+    """Raised in a freshly forked worker to leave the server's loop: carries what to run."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, entry: str, argv: list[str]) -> None:
         super().__init__("forked")
+        self.entry = entry
         self.argv = argv
 
 
@@ -192,7 +200,8 @@ def serve(sock: socket.socket) -> None:
                     selector.close()
                     parent = os.getppid()
                     sock.close()
-                    raise _Forked(_become_worker(request, fds, parent))
+                    argv = _become_worker(request, fds, parent)
+                    raise _Forked(str(request.get("entry", WORKER)), argv)
                 for fd in fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
@@ -225,11 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serve(sock)
     except _Forked as forked:
-        from hopnet.launch import worker_main
-
         code = 1
         try:
-            code = worker_main.main(forked.argv)
+            code = importlib.import_module(ENTRIES[forked.entry]).main(forked.argv)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         finally:
@@ -325,8 +332,11 @@ class ForkServer:
                 pass
             worker._exited(-signal.SIGKILL)
 
-    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], piped: bool) -> ForkedWorker:
-        """Fork the worker for ``rank`` (``argv``: what follows ``worker_main`` on its command line).
+    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], piped: bool,
+              entry: str = WORKER) -> ForkedWorker:
+        """Fork the worker for ``rank`` (``argv``: what follows ``worker_main`` on its command line),
+        or with ``entry`` :data:`COORDINATOR` the coordinator (``argv``: ``coordinator_main``'s;
+        ``rank``: any number no worker of this fork server uses, such as -1).
 
         Raises :class:`ForkServerGone` when the fork server cannot (dead, or silent for
         :data:`READY_TIMEOUT_S`) and ``OSError`` when the fork itself failed."""
@@ -337,7 +347,10 @@ class ForkServer:
                 r, w = os.pipe()
                 read_ends.append(r)
                 write_ends.append(w)
-        request = {"rank": rank, "argv": list(argv), "env": dict(env), "cwd": os.getcwd(), "piped": piped}
+        if entry not in ENTRIES:
+            raise ValueError(f"the fork server runs {sorted(ENTRIES)}, not {entry!r}")
+        request = {"rank": rank, "entry": entry, "argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+                   "piped": piped}
         try:
             with self._lock:
                 if self._gone:

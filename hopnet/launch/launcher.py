@@ -247,13 +247,17 @@ class Launch:
                     plan.coordinator_name, graph_path=str(self.run_dir / "graph.json"),
                     config_json=plan.config.to_json(), run_dir=str(self.run_dir), bind_host=self.rdzv_host,
                     env=self.base_env, pass_fds=(self.watch_read,),
-                    relay=self.err_lines.write if self.spec.prefix else None)
+                    relay=self.err_lines.write if self.spec.prefix else None,
+                    forkserver=self.workers.forkserver if self.workers.forking else None)
             except CoordinatorStartError as exc:
                 self.state.fail(None, "coordinator did not start", str(exc))
             else:
                 self.coordinator = coordinator
+                if coordinator.forkserver_failure is not None:
+                    self.workers.stop_forking(coordinator.forkserver_failure)
                 self.base_env.update(coordinator.worker_env())
-                self.record.data["coordinator"] = {"name": coordinator.name, "address": coordinator.address}
+                self.record.data["coordinator"] = {"name": coordinator.name, "address": coordinator.address,
+                                                   "pid": coordinator.pid}
                 self.record.write()
                 self.output.say(f"{coordinator.label} started")
         if self.machines is not None and self.node_rank == 0:
@@ -352,8 +356,11 @@ class Launch:
         """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
         its new process is pending like the first one. Whether it was restarted."""
         state = self.state
+        # With every other rank of this machine done there is no neighbour left to take a model from
+        # (on one machine: the run is over), so the death counts as it would without restarts.
+        others = self.group is not None or any(r != rank for r in state.pending)
         restart = self.restarts.decide(rank, code, state.describe_end(rank, code),
-                                       ending=state.ending or self._signalled())
+                                       ending=state.ending or self._signalled() or not others)
         if restart is None:
             return False
         self.output.say(restart.line())
@@ -490,6 +497,7 @@ class Launch:
         self.state.reaped(self.workers.reap())
         if self.coordinator is not None:  # after the workers, which may need it until they end
             self.coordinator.stop(self.spec.grace_s)  # SIGTERM: it writes its summary
+        self.workers.close_forkserver()  # which would end a forked coordinator still running
         self.workers.drain(2.0)
         if self.server is not None:
             self.server.close()

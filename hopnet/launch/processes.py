@@ -123,8 +123,7 @@ class WorkerProcesses:
             try:
                 proc = self.forkserver.spawn(rank, argv[entry:], env, piped)
             except ForkServerGone as exc:
-                self.forkserver_failure = str(exc)
-                self.forking = False
+                self.stop_forking(str(exc))
         if proc is None:
             proc = subprocess.Popen(
                 argv,
@@ -142,6 +141,11 @@ class WorkerProcesses:
             for pipe, target in ((proc.stdout, self.out), (proc.stderr, self.err)):
                 self._thread(pump_lines, (pipe, prefix, target), f"hopnet-pump-{rank}", keep=True)
         self._thread(self._wait, (rank, proc), f"hopnet-wait-{rank}", keep=False)
+
+    def stop_forking(self, why: str) -> None:
+        """Start every later worker with exec: the fork server failed to answer (``why``)."""
+        self.forkserver_failure = why
+        self.forking = False
 
     def _thread(self, target: Callable[..., None], args: tuple[Any, ...], name: str, *, keep: bool) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -188,9 +192,13 @@ class WorkerProcesses:
                 codes[rank] = None
         for proc in self.procs.values():
             kill_group(proc.pid, signal.SIGKILL)
+        return codes
+
+    def close_forkserver(self) -> None:
+        """Close the fork server, which ends what it forked and still runs: call it after
+        :meth:`reap`, and after stopping anything else it forked (the coordinator)."""
         if self.forkserver is not None:
             self.forkserver.close()
-        return codes
 
     def drain(self, timeout_s: float) -> None:
         """Wait for the output pumps to reach EOF (bounded: a stray process may hold a pipe)."""

@@ -205,8 +205,8 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     if spec.resume and (spec.run_dir is None or spec.overwrite):
         raise ConfigError("resume needs the run directory to resume, and cannot --overwrite it")
     if spec.resume and not lookup(config.protocol).resumable:
-        raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet "
-                          "(hop, notify-ack and allreduce can)")
+        takers = ", ".join(s.name for s in specs() if s.resumable)
+        raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet ({takers} can)")
     if max_restarts and not lookup(config.protocol).restartable:
         takers = ", ".join(s.name for s in specs() if s.restartable)
         raise ConfigError(f"--max-restarts: --protocol {config.protocol} cannot replace a dead worker yet "

@@ -274,6 +274,17 @@ class AdPsgdProtocol(Protocol):
         assert activity is not None
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # The trainer is blocked and every averaging served here is atomic on the loop: between two,
+        # the model is consistent, and a neighbour's replacement may take it (a passive's donor has
+        # often run its loop to the end before an active dies).
+        self.node.handover_point()
+        try:
+            await self._serve_until_none_left(activity)
+        finally:
+            self.node.handover_point(False)
+        self.node.waited("updates", loop.time() - began)
+
+    async def _serve_until_none_left(self, activity: asyncio.Event) -> None:
         while remaining := [p for p in self.neighbours if p not in self.gone and p not in self.done]:
             activity.clear()
             try:
@@ -283,7 +294,6 @@ class AdPsgdProtocol(Protocol):
             except WaitTimeout as exc:
                 raise WaitTimeout(exc.what, peer=remaining[0], iteration=self.iteration, waited_s=exc.waited_s,
                                   peer_state=self.node.peer_state(remaining[0])) from None
-        self.node.waited("updates", loop.time() - began)
 
     # ------------------------------------------------------------------ peers leaving
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
@@ -390,5 +400,6 @@ register(ProtocolSpec(
     uses_graph=True,
     message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
+    resumable=True,
     restartable=True,
 ))

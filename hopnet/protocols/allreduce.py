@@ -12,12 +12,30 @@ All workers start from the same parameters (the trainer seeds its model the same
 on every rank), reduce to bit-identical gradients and apply the same step, so their
 models stay identical. The communication graph plays no part: the all-reduce runs among
 all ranks, in rank order, over the node's collective.
+
+A dead worker replaced live (``hopnet launch --max-restarts``): a round that a dead member
+broke cannot finish, and the ring may have finished it on some members and not on others.
+Every member of a broken round puts its gradient back as it was, waits (``--timeout`` at
+most) until the dead rank's replacement has joined, then all ranks, the replacement
+included, *resynchronize*: they all-reduce their iterations, and the lowest rank of the
+furthest iteration broadcasts its model (parameters and buffers). A member that was a step
+behind takes that model and that iteration (its own step is void: recorded as
+``iteration_voided``); the others retry the round. Rounds are tagged with the number of
+replacements every rank has taken back (``Node.epoch``), so no chunk of a broken round
+mixes into a later one. The models are identical again afterwards; the optimizer state of
+a member that was behind, or of the replacement (fresh), differs from the others'.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import PeerFailure
+from hopnet.model_state import ModelState
+from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
@@ -29,29 +47,83 @@ TAG_PREFIX = "allreduce"
 class AllReduceProtocol(AllRanksGradientProtocol):
     name = "allreduce"
 
+    tag_prefix = TAG_PREFIX
+
+    def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None,
+                 model: ModelState | None = None, options: GradientOptions | None = None) -> None:
+        super().__init__(config, grads, model, options)
+        self.voided: int | None = None  # the iteration a resync found this worker behind in
+        self._saved: torch.Tensor | None = None  # the gradient before its round (--max-restarts)
+
     async def synchronize(self) -> None:
         k = self.iteration
         if self.synchronized == k:
             return
         grads = self._gradient_buffer()
-        await self.node.collective.allreduce(self.everyone, grads, "mean", tag=f"{TAG_PREFIX}/{k}")
+        if self.node.max_restarts:
+            if not await self._reduce_surviving(grads):
+                return
+        else:
+            await self.node.collective.allreduce(self.everyone, grads, "mean", tag=self._tag(str(k)))
         self._unpack_gradients(grads)
         self.synchronized = k
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
         await self.synchronize()
+        if self.voided is not None:
+            self._void()
+            return
         if apply is not None:
             apply()
-        await self.buffer_sync.sync(self.node.collective, self.everyone, tag=f"{TAG_PREFIX}/{k}/buffers")
+        try:
+            await self.buffer_sync.sync(self.node.collective, self.everyone, tag=self._tag(f"{k}/buffers"))
+        except PeerFailure as exc:
+            if not self._survivable(exc):
+                raise
+            if await self._resync():  # the step is applied: a member ahead had applied it too
+                self.node.iteration_done(k, self)
+                self.node.entered(self.iteration, self)
+                return
         self.node.iteration_done(k, self)
         if last:
             return
         self.iteration = k + 1
         self.node.entered(k + 1, self)
 
+    # ------------------------------------------------------------------ replacements
+    async def _reduce_surviving(self, grads: torch.Tensor) -> bool:
+        """The round of this iteration's gradient, retried after a resync while members die and are
+        replaced. False when the resync moved this worker on (its gradient is void)."""
+        while True:
+            k = self.iteration
+            if self.resync_needed and await self._resync():
+                self.voided = k
+                return False
+            if self._saved is None or self._saved.shape != grads.shape:
+                self._saved = torch.empty_like(grads)
+            self._saved.copy_(grads)
+            try:
+                await self.node.collective.allreduce(self.everyone, grads, "mean", tag=self._tag(str(self.iteration)))
+                return True
+            except PeerFailure as exc:
+                if not self._survivable(exc):
+                    raise
+                grads.copy_(self._saved)
+                self.resync_needed = True
+
+    def _void(self) -> None:
+        """The resync found this worker a step behind: its iteration is void, it now is where the others are."""
+        void, self.voided = self.voided, None
+        self.node.record("iteration_voided", iter=void, to=self.iteration)
+        self.node.entered(self.iteration, self)
+
+    async def after_rejoin(self) -> None:
+        await super().after_rejoin()
+        self.voided = None
+
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.iteration + 1}
+        return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
 
 
 register(ProtocolSpec(
@@ -63,4 +135,5 @@ register(ProtocolSpec(
     averages=Averages.GRADIENTS,
     uses_graph=False,
     resumable=True,
+    restartable=True,
 ))

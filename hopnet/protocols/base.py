@@ -18,7 +18,7 @@ from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
-from hopnet.registry import lookup
+from hopnet.registry import lookup, specs
 from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
@@ -64,8 +64,8 @@ class Protocol(abc.ABC):
         ``iteration - 1``, with empty queues): called before :meth:`start`, only for the
         protocols whose declaration says ``resumable``."""
         if not lookup(self.config.protocol).resumable:
-            raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet "
-                              "(hop, notify-ack and allreduce can)")
+            takers = ", ".join(spec.name for spec in specs() if spec.resumable)
+            raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet ({takers} can)")
         self.iteration = iteration
 
     @abc.abstractmethod
@@ -148,6 +148,10 @@ class Protocol(abc.ABC):
         if not lookup(self.config.protocol).restartable:
             raise ConfigError(f"--protocol {self.name} cannot replace a dead worker yet")
         self.iteration = iteration
+
+    async def after_rejoin(self) -> None:
+        """This replacement loaded its neighbour's state (after :meth:`rejoin_at`), before its trainer
+        computes anything: what the protocol must do with the others first."""
 
     def on_peer_dead(self, peer: int) -> None:
         """``peer`` went silent and was declared dead: it will send nothing more.

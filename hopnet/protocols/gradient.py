@@ -9,15 +9,16 @@ their own: the collective's go through the node's mailbox) are the same.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.errors import ConfigError
+from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
-from hopnet.protocols.base import Protocol
+from hopnet.protocols.base import Protocol, allreduce_each
 from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
@@ -39,6 +40,8 @@ class AllRanksGradientProtocol(Protocol):
         self.left_early: dict[int, int] = {}
         self.synchronized = -1
         """The last iteration whose gradient :meth:`synchronize` averaged (the trainer's call, or the step's)."""
+        self.resync_needed = False  # a replacement joined, or a round broke: resynchronize before the next
+        self.resyncs = 0
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -75,6 +78,75 @@ class AllRanksGradientProtocol(Protocol):
 
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         self.left_early[peer] = last_iteration  # the collective fails the waits on it
+
+    # ------------------------------------------------------------------ replacements (--max-restarts)
+    tag_prefix = "grad"
+
+    def _tag(self, what: str) -> str:
+        """A round's tag; under ``--max-restarts`` with the replacements every rank took back
+        (``Node.epoch``), so that no chunk of a round a dead member broke meets a retried one."""
+        return f"{self.tag_prefix}/{what}@{self.node.epoch}" if self.node.max_restarts \
+            else f"{self.tag_prefix}/{what}"
+
+    def _survivable(self, failure: PeerFailure) -> bool:
+        return bool(self.node.max_restarts) and failure.peer is not None and failure.peer != self.rank
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        self.resync_needed = True
+        self.left_early.pop(peer, None)
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
+        super().rejoin_at(iteration, state)
+        self.resync_needed = True
+
+    async def after_rejoin(self) -> None:
+        """The replacement resynchronizes with the others before its trainer computes a gradient."""
+        await self._resync()
+
+    async def _resync(self) -> bool:
+        """Every rank takes the model of the lowest rank of the furthest iteration, and that iteration:
+        a rank a step behind first takes that rank's state (its optimizer's included) by a handover,
+        so that the steps, and so the models, stay the same everywhere. Whether this worker was behind
+        and moved on (docs/design.md, "A dead worker replaced live")."""
+        node = self.node
+        node.handover_point()  # a replacement, or a rank behind, may ask for this worker's state here
+        try:
+            while True:
+                await node.wait_for_rejoins(f"rank {self.rank}'s all-reduce of iteration {self.iteration}")
+                flats = self.model_tensors()
+                saved = [f.clone() for f in flats]
+                try:
+                    leader, furthest = await self._agree()
+                    if furthest > self.iteration and node.load_state is not None:
+                        node.load_state(await node.fetch_state(leader, self.config.timeout_s))
+                    if self.rank != leader:
+                        for flat in flats:
+                            flat.zero_()
+                    await allreduce_each(node.collective, self.everyone, flats, "sum", tag=self._tag("resync/model"))
+                    break
+                except PeerFailure as exc:
+                    if not self._survivable(exc):
+                        raise
+                    for flat, copy in zip(flats, saved):
+                        flat.copy_(copy)
+        finally:
+            node.handover_point(False)
+        self.resync_needed = False
+        self.resyncs += 1
+        node.record("resynced", iter=self.iteration, to=furthest, leader=leader, epoch=node.epoch)
+        if furthest <= self.iteration:
+            return False
+        self.iteration = furthest
+        self.synchronized = -1
+        return True
+
+    async def _agree(self) -> tuple[int, int]:
+        """All-reduce every rank's iteration: the leader (the lowest rank of the furthest) and that iteration."""
+        iterations = torch.zeros(len(self.everyone), dtype=torch.float64)
+        iterations[self.rank] = self.iteration
+        await self.node.collective.allreduce(self.everyone, iterations, "sum", tag=self._tag("resync"))
+        furthest = int(iterations.max())
+        return int((iterations == furthest).nonzero()[0]), furthest
 
     def buffers_for(self, header: Header) -> Any:
         return None

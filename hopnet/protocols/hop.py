@@ -31,8 +31,9 @@ round trip.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +42,22 @@ import torch
 
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
-from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
+from hopnet.errors import ConfigError, PeerFailure, ProtocolError, WaitTimeout
 from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
 
 CREDIT = "c"
+WELCOME = "hop_welcome"
+"""Worker -> a neighbour's replacement (``--max-restarts``): the iteration it is in, and, when it
+sends updates to that neighbour, its update of that iteration (the one the dead process got)."""
 
 
 class HopProtocol(Protocol):
@@ -108,6 +112,12 @@ class HopProtocol(Protocol):
         self.last_used: dict[int, int] = {j: -1 for j in self.in_peers}
         self.newest_received: dict[int, int] = {j: -1 for j in self.in_peers}
         self.departed_after: dict[int, int] = {}
+        # --max-restarts: peers that came back as new processes; a replacement's view of its neighbours
+        self._joined_late: set[int] = set()
+        self.welcomes: dict[int, int] = {}
+        self._welcomed: asyncio.Event | None = None
+        self._rejoin_from = 0
+        self._started_at: int | None = None
 
     def _slots_needed(self, graph: Graph) -> int:
         """Rotating slots: how far ahead an in-neighbour can be, plus how far back we still look."""
@@ -122,7 +132,9 @@ class HopProtocol(Protocol):
 
     # ------------------------------------------------------------------ receiving
     def buffers_for(self, header: Header) -> Any:
-        if header.kind != "update":
+        if header.kind == WELCOME and not header.specs:
+            return None
+        if header.kind not in ("update", WELCOME):
             return None
         if header.src not in self._in_peer_set:
             self.node.count_drop("update_from_non_in_neighbor")
@@ -139,6 +151,16 @@ class HopProtocol(Protocol):
 
     def on_message(self, msg: Message) -> None:
         kind = msg.kind
+        if kind == WELCOME:
+            self._on_welcome(msg)
+            return
+        if kind == "update" and msg.src in self._joined_late and self._beyond_window(msg.iter):
+            # a replacement that started further ahead than this worker's queue reaches (it took the
+            # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
+            self.node.count_drop("update_beyond_window")
+            self.pool.release(msg.src, msg.tensors if self.specs else None)
+            self._on_credit(msg)
+            return
         if kind == "update":
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
@@ -191,6 +213,108 @@ class HopProtocol(Protocol):
     def on_peer_dead(self, peer: int) -> None:
         # Nothing is on its way from a dead peer: the newest update it sent is its last.
         self.on_peer_departed(peer, self.newest_received.get(peer, -1))
+
+    # ------------------------------------------------------------------ replacements (--max-restarts)
+    def _check_restartable(self) -> None:
+        if not self.use_tokens or self.options.serial:
+            raise ConfigError("--max-restarts: --protocol hop replaces a dead worker with token queues on and "
+                              "without --serial")
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        """A neighbour's replacement joined: count it in again as if it were in this worker's iteration
+        (its own grants correct that), and tell it where this worker is, with the update of this
+        iteration that the dead process got (the model has not changed since: the reduce comes at
+        the end of the iteration)."""
+        self._check_restartable()
+        if peer not in self.peers:
+            return
+        k = self.iteration
+        self.departed_after.pop(peer, None)
+        self._joined_late.add(peer)
+        if peer in self._out_peer_set:
+            self.tokens.readmit(peer, entered=k + 1)
+            self.acks[peer] = k - 1
+        if peer in self._in_peer_set:
+            self.last_used[peer] = min(self.last_used[peer], k - 1)
+        tensors = list(self.flats) if peer in self._out_peer_set and self.flats else []
+        self.node.post(Message(WELCOME, self.rank, peer, k, tensors=tensors))
+        self.queue.wake()
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
+        self._check_restartable()
+        super().rejoin_at(iteration, state)
+        self._rejoin_from = iteration
+
+    def _on_welcome(self, msg: Message) -> None:
+        if msg.src not in self.peers:
+            self.node.count_drop("unexpected_welcome")
+            return
+        self.welcomes[msg.src] = msg.iter
+        if msg.tensors and msg.src in self._in_peer_set:
+            try:
+                self.queue.enqueue(Update(msg.iter, msg.src, msg.tensors if self.specs else None))
+            except ProtocolError:  # neighbours further apart than the queue reaches: this one is not needed
+                self.node.count_drop("welcome_beyond_window")
+                self.pool.release(msg.src, msg.tensors)
+            else:
+                self.newest_received[msg.src] = max(self.newest_received[msg.src], msg.iter)
+        elif msg.tensors:
+            self.pool.release(msg.src, msg.tensors)
+        if self._started_at is not None:  # late: it gets its fillers now
+            self._fill(msg.src, msg.iter, self._started_at)
+        if self._welcomed is not None:
+            self._welcomed.set()
+
+    async def after_rejoin(self) -> None:
+        """The replacement hears where each neighbour is (``--peer-timeout`` at most), starts at the
+        furthest in-neighbour's iteration, so that every in-neighbour still sends it that iteration's
+        update, and sends each out-neighbour behind it what the dead process owed: its model as the
+        updates of the iterations between (with their tokens)."""
+        node = self.node
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.peer_timeout_s
+        while True:
+            live = [p for p in self.peers if p not in node.dead and p not in node.departed]
+            missing = [p for p in live if p not in self.welcomes]
+            if not missing or loop.time() >= deadline:
+                break
+            self._welcomed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._welcomed.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                break
+        self._welcomed = None
+        ahead = [self.welcomes[p] for p in self.in_peers if p in self.welcomes]
+        start = max([self._rejoin_from, *ahead])
+        self.iteration = start
+        self.acks = {j: start - 1 for j in self.acks}
+        self.last_used = {j: start - 1 for j in self.last_used}
+        self.newest_received = {j: max(start - 1, self.newest_received[j]) for j in self.newest_received}
+        self.tokens.restart_at(start, {p: self.welcomes[p] + 1 for p in self.out_peers if p in self.welcomes})
+        for peer in self.peers:
+            if peer not in self.welcomes:
+                self.departed_after[peer] = start - 1  # gone, or silent: handled as gone until it speaks
+        self._started_at = start
+        for peer, at in self.welcomes.items():
+            self._fill(peer, at, start)
+        node.record("hop_rejoined", iter=start, welcomes={str(p): k for p, k in sorted(self.welcomes.items())})
+
+    def _fill(self, peer: int, at: int, start: int) -> None:
+        """Send ``peer`` (in iteration ``at``) this worker's updates of ``at .. start - 1`` and the tokens of
+        the iterations between, so that neither waits for what the dead process would have sent."""
+        if at >= start:
+            return
+        credit = start - at - 1  # the entry into ``start`` grants its own token (begin)
+        if peer in self._out_peer_set:
+            first = max(at, start - self.num_slots + 1)
+            for tag in range(first, start):
+                meta = {CREDIT: credit} if credit and peer in self._in_peer_set and tag == first else None
+                self.node.post(Message("update", self.rank, peer, tag, meta=meta, tensors=list(self.flats)))
+        elif credit and peer in self._in_peer_set:
+            self.node.post(Message("token", self.rank, peer, start - 1, meta={CREDIT: credit}))
+
+    def _beyond_window(self, iteration: int) -> bool:
+        return iteration >= self.iteration + self.num_slots - (self.staleness or 0)
 
     def _expected(self, k: int) -> Sequence[int]:
         """In-neighbours that will still send an update of iteration ``k``."""
@@ -321,13 +445,27 @@ class HopProtocol(Protocol):
         if self.staleness is not None:
             return await self._recv_stale(k)
         need = len(self.in_peers) - self.n_buw
-        await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
-                         or self._short_of_peers(k, need), self.queue,
-                         lambda: ("updates", self._missing_updates(k)), k)
-        if self._short_of_peers(k, need) and self.queue.size(iter=k) < need:
-            raise self._peer_failure(k, need)
+        while True:
+            await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
+                             or self._short_of_peers(k, need), self.queue,
+                             lambda: ("updates", self._missing_updates(k)), k)
+            if not (self._short_of_peers(k, need) and self.queue.size(iter=k) < need):
+                break
+            await self._await_replacements(k, need)
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
+
+    async def _await_replacements(self, k: int, need: int) -> None:
+        """Iteration ``k`` needs the update of a dead in-neighbour: under ``--max-restarts`` wait for its
+        replacement (``--timeout`` at most), which sends what the dead process owed; else fail naming it."""
+        dead = [j for j in self.in_peers if j in self.node.dead]
+        if not self.node.max_restarts or not dead:
+            raise self._peer_failure(k, need)
+        self.node.handover_point()
+        try:
+            await self.node.wait_for_rejoins(f"rank {self.rank}'s updates of iteration {k}")
+        finally:
+            self.node.handover_point(False)
 
     def _short_of_peers(self, k: int, need: int) -> bool:
         return len(self._expected(k)) < need
@@ -381,11 +519,13 @@ class HopProtocol(Protocol):
         def satisfied() -> bool:
             return len(fresh_peers()) >= min(need, len(self._expected(k)))
 
-        await self._wait(satisfied, self.queue,
-                         lambda: ("an update no older than iteration %d" % oldest,
-                                  [j for j in self._expected(k) if j not in fresh_peers()]), k)
-        if len(self._expected(k)) < need and len(fresh_peers()) < need:
-            raise self._peer_failure(k, need)
+        while True:
+            await self._wait(satisfied, self.queue,
+                             lambda: ("an update no older than iteration %d" % oldest,
+                                      [j for j in self._expected(k) if j not in fresh_peers()]), k)
+            if not (len(self._expected(k)) < need and len(fresh_peers()) < need):
+                break
+            await self._await_replacements(k, need)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:
@@ -412,6 +552,9 @@ class HopProtocol(Protocol):
             return
         node = self.node
         began = node.timer()
+        # Waiting here, the model is consistent (the reduce comes after): a neighbour's replacement may
+        # take it now (in a strict run it may be what this worker waits for).
+        node.handover_point()
         try:
             await node.clock.wait(waitable.wait_until(ready), "", iteration=k)
         except WaitTimeout as exc:
@@ -421,6 +564,7 @@ class HopProtocol(Protocol):
                               peer_state=self.node.peer_state(peer) if peer is not None else None,
                               iteration=k, waited_s=exc.waited_s) from None
         finally:
+            node.handover_point(False)
             node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began)
 
     # ------------------------------------------------------------------ mixing
@@ -745,6 +889,8 @@ register(ProtocolSpec(
     gap_rule=gap_rule,
     simulated_without_tensors=True,
     resumable=True,
+    restartable=True,
+    message_kinds=(MessageKind(WELCOME),),
 ))
 
 register(ProtocolSpec(

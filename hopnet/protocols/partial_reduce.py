@@ -119,7 +119,11 @@ class PartialReduceProtocol(Protocol):
 
     async def start(self) -> None:
         self._client()
-        self.node.entered(0, self)
+        self.node.entered(self.iteration, self)
+
+    def resume_at(self, iteration: int) -> None:
+        super().resume_at(iteration)
+        self.counter = iteration  # every rank resumes at the same iteration: equal counters, a fresh controller
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -399,5 +403,6 @@ register(ProtocolSpec(
     coordinator=CoordinatorSpec(build=make_controller,
                                 options=("group_size", "weights", "ema_decay", "missing_policy", "frozen_window")),
     message_kinds=(MessageKind(ABORT, any_rank=True),),
+    resumable=True,
     restartable=True,
 ))

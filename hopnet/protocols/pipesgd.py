@@ -61,7 +61,7 @@ from hopnet.collectives.ring import RingCollective
 from hopnet.collectives.codec import IdentityCodec
 from hopnet.collectives.compression import COMPRESSIONS, make_codec
 from hopnet.config import ProtocolConfig
-from hopnet.errors import ConfigError
+from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.options import option
 from hopnet.params import FlatGradients
@@ -76,6 +76,7 @@ TAG_PREFIX = "pipe"
 
 class PipeSgdProtocol(AllRanksGradientProtocol):
     name = "pipe-sgd"
+    tag_prefix = TAG_PREFIX
 
     def __init__(self, config: ProtocolConfig, options: PipeSgdOptions,
                  grads: FlatGradients | torch.Tensor | None, model: ModelState | None = None) -> None:
@@ -93,6 +94,10 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
         self.discarded = 0
+        self.pipeline_start = 0
+        """The first iteration whose gradient is applied: 0, or where a resync restarted the pipeline."""
+        self.voided: int | None = None  # the iteration a resync threw away (--max-restarts)
+        self._rejoined: int | None = None  # the last peer taken back (--max-restarts)
         self.comm_times: list[tuple[int, float, float, float]] = []
         """Per all-reduce ``(t, launched, began, ended)`` on ``node.timer`` (the system's monotonic
         clock in real runs, shared by the ranks of one machine): launched by the trainer's step,
@@ -104,13 +109,22 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         """Steps 1 and 2 up to ``apply``: launch iteration ``t``'s all-reduce, wait for ``t+1-K``'s
         and make it each ``.grad`` (zeros in the warm-up)."""
         t = self.iteration
-        if self.synchronized == t:
+        if self.synchronized == t or self.voided is not None:
             return
         grads = self._gradient_buffer()
+        if self.resync_needed:
+            await self._restart_pipeline(t)
+            return
         self._launch_allreduce(t, grads)
         due = self.gradient_of(t)
-        if due >= 0:
-            await self._wait_for(due)
+        if due >= self.pipeline_start:
+            try:
+                await self._wait_for(due)
+            except PeerFailure as exc:
+                if not self._survivable(exc):
+                    raise
+                await self._restart_pipeline(t)
+                return
             self._take_result(due, grads)
         else:
             self._take_result(None, grads)
@@ -122,8 +136,13 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         t = self.iteration
         await self.synchronize()
+        if self.voided is not None:
+            void, self.voided = self.voided, None
+            self.node.record("iteration_voided", iter=void, to=self.iteration)
+            self.node.entered(self.iteration, self)  # computed again, from the model the resync gave
+            return
         due = self.gradient_of(t)
-        if due >= 0:
+        if due >= self.pipeline_start:
             if apply is not None:
                 apply()
             self.applied.append(due)
@@ -135,6 +154,33 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             return
         self.iteration = t + 1
         self.node.entered(t + 1, self)
+
+    # ------------------------------------------------------------------ replacements (--max-restarts)
+    async def _restart_pipeline(self, t: int) -> None:
+        """A dead member broke the pipeline (or a replacement joined): drop every all-reduce in flight,
+        resynchronize (every rank takes the furthest rank's model and iteration), and start the
+        pipeline again from there, empty: this step is void, its iteration computed again, and the
+        next ``K-1`` steps warm up as the first ones did. The gradients in flight are lost."""
+        for task in self._reductions.values():
+            task.cancel()
+        if self._reductions:
+            await asyncio.wait(list(self._reductions.values()), timeout=self.config.peer_timeout_s)
+        self._reductions.clear()
+        self._buffers.clear()
+        for snapshot in self._model_buffers.values():
+            self.buffer_sync.release(snapshot)
+        self._model_buffers.clear()
+        await self._resync()
+        self.pipeline_start = self.iteration
+        self.voided = t
+
+    async def after_rejoin(self) -> None:
+        await super().after_rejoin()
+        self.pipeline_start = self.iteration
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        super().on_peer_rejoined(peer)
+        self._rejoined = peer
 
     def _launch_allreduce(self, t: int, grads: torch.Tensor) -> None:
         """All-reduce iteration ``t``'s gradient on the loop, after ``t-1``'s.
@@ -191,14 +237,19 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
 
     async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None,
                          launched: float, model_buffers: list[torch.Tensor] | None = None) -> None:
+        epoch = self.node.epoch
+        tag = self._tag(str(t))  # tagged as launched: a round left over from before a replacement never runs
         if previous is not None:
             await asyncio.shield(previous)  # in iteration order; its failure is this one's too
+        if self.node.epoch != epoch and self._rejoined is not None:
+            raise PeerFailure(f"rank {self.rank}: rank {self._rejoined} was replaced while the all-reduce of "
+                              f"iteration {t} waited for its turn", peer=self._rejoined, peer_state="dead")
         began = self.node.timer()
-        await self.collective.allreduce(self.everyone, slot, "mean", tag=f"{TAG_PREFIX}/{t}")
+        await self.collective.allreduce(self.everyone, slot, "mean", tag=tag)
         self.comm_times.append((t, launched, began, self.node.timer()))
         if model_buffers is not None:  # uncompressed: running statistics are no gradient
             await self.buffer_sync.reduce(self.node.collective, self.everyone, model_buffers,
-                                          tag=f"{TAG_PREFIX}/{t}/buffers")
+                                          tag=f"{tag}/buffers")
 
     async def _wait_for(self, t: int) -> None:
         task = self._reductions[t]
@@ -290,4 +341,5 @@ register(ProtocolSpec(
     build=lambda config, options, model, grads: PipeSgdProtocol(config, options, grads, model),
     averages=Averages.GRADIENTS,
     uses_graph=False,
+    restartable=True,
 ))

@@ -355,5 +355,6 @@ register(ProtocolSpec(
         options=("group_generator", "group_size", "group_buffer", "global_division", "inter_intra", "slow_filter"),
         needed=lambda options: options.group_generator != "static"),
     check_graph=check_prague_graph,
+    resumable=True,
     restartable=True,
 ))

@@ -76,8 +76,42 @@ def _overview(run: RunData, stats: RunStats) -> Table:
         elif result.get("reason"):
             outcome += f", {result['reason']}"
         rows.append(["launch result", outcome])
+    restarts = launch_restarts(run)
+    if restarts:
+        rows.append(["restarts", f"{len(restarts)}: " + ", ".join(
+            f"rank {r.get('rank')} ({r.get('reason') or 'died'})" for r in restarts)])
     rows.append(["skips", f"{stats.skips} ({sum(s.skipped_iterations for s in stats.ranks.values())} iterations skipped)"])
     return Table(["", ""], rows)
+
+
+def launch_restarts(run: RunData) -> list[dict[str, Any]]:
+    """``launch.json``'s ``restarts`` (the workers ``--max-restarts`` replaced), in time order."""
+    restarts = run.launch.get("restarts")
+    if not isinstance(restarts, list):
+        return []
+    return sorted((r for r in restarts if isinstance(r, dict)),
+                  key=lambda r: r["mono"] if isinstance(r.get("mono"), (int, float)) else 0.0)
+
+
+def _donor(rejoined: dict[str, Any]) -> Any:
+    """The rank a replacement took its model from: ``from`` in its ``rejoined`` record (or ``peer``)."""
+    return rejoined.get("from", rejoined.get("peer"))
+
+
+def restart_table(run: RunData, t0: float) -> Table:
+    """One row per replacement: when, why, the pids, and where it rejoined (its ``rejoined`` record)."""
+    rejoined = {(rec.get("rank"), rec.get("restart")): rec for records in run.events.values() for rec in records
+                if rec.get("event") == "rejoined"}
+    rows = []
+    for r in launch_restarts(run):
+        mono = r.get("mono")
+        at = f"{mono - t0:.2f} s" if isinstance(mono, (int, float)) else "?"
+        joined = rejoined.get((r.get("rank"), r.get("restart")))
+        where = (f"iteration {joined.get('iter')}, model of rank {_donor(joined)}" if joined is not None
+                 else "no rejoined record")
+        rows.append([str(r.get("rank")), str(r.get("restart")), at, str(r.get("reason")),
+                     f"{r.get('old_pid')} → {r.get('new_pid')}", where])
+    return Table(["rank", "restart", "at", "how it died", "pid", "rejoined"], rows)
 
 
 def rank_table(stats: RunStats) -> Table:
@@ -122,6 +156,9 @@ def _describe(rec: dict[str, Any], t0: float) -> str:
     rank = rec.get("rank")
     if kind == "peer_left":
         return f"{when}: rank {rank} saw peer {rec.get('peer')} leave after iteration {rec.get('last_iter')}"
+    if kind == "rejoined":
+        return (f"{when}: rank {rank} (restart {rec.get('restart')}) rejoined in iteration {rec.get('iter')} "
+                f"with rank {_donor(rec)}'s model")
     if kind == "peer_dead":
         return (f"{when}: rank {rank} found peer {rec.get('peer')} dead (silent {rec.get('silent_s')} s, "
                 f"iteration {rec.get('iter')})")
@@ -158,12 +195,17 @@ def build_content(run: RunData) -> ReportContent:
     if gaps:
         gap_section.tables.append(gap_table(gaps))
     sections = [progress, split, gap_section]
+    if launch_restarts(run):
+        sections.append(Section("Restarts", tables=[restart_table(run, stats.t0)], paragraphs=[
+            "Workers that died and were started again (hopnet launch --max-restarts), from launch.json; "
+            "at: when the replacement started; rejoined: the iteration it joined the run in and the "
+            "neighbour whose model it took (its rejoined record)."]))
     last_iteration = max((s.iterations for s in stats.ranks.values()), default=0) - 1
     notable = [rec for rec in stats.notable
                if rec.get("event") != "peer_left" or not isinstance(rec.get("last_iter"), int)
                or rec["last_iter"] < last_iteration]  # leaving after the last iteration is the normal end
     if notable:
-        sections.append(Section("Departures, dead peers and errors",
+        sections.append(Section("Departures, dead peers, errors and rejoins",
                                 paragraphs=[_describe(rec, stats.t0) for rec in notable]))
     title = f"hopnet run {run.path.name}"
     return ReportContent(title=title, overview=_overview(run, stats), sections=sections)

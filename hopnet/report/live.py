@@ -85,6 +85,8 @@ class ProgressState:
                 state.stopped = True
             elif event == "error":
                 state.failed = True
+            elif event == "start" and rec.get("restart"):
+                state.stopped = state.failed = False  # a replacement (--max-restarts) runs on
 
     @property
     def total(self) -> int | None:

@@ -3,7 +3,9 @@
 Everything here is computed from the records alone (docs/events.md): ``iteration``
 records give progress (``iter``, ``mono``), the time split (``compute_s``,
 ``wait_updates_s``, ``wait_tokens_s``, ``mix_s``) and the trainer's metrics (``loss``);
-``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest.
+``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest. A rank
+replaced while the run went on (``--max-restarts``) logs each of its processes in turn in one
+log, each replacement from a ``start`` record with ``"restart": N``: its numbers cover them all.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hopnet.report.rundir import Record, RunData
 TIME_PARTS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
 PART_LABELS = {"compute_s": "compute", "wait_updates_s": "wait for updates",
                "wait_tokens_s": "wait for tokens", "mix_s": "mixing"}
-NOTABLE_EVENTS = ("peer_left", "peer_dead", "error")
+NOTABLE_EVENTS = ("peer_left", "peer_dead", "error", "rejoined")
 
 
 @dataclass
@@ -44,6 +46,9 @@ class RankStats:
     last_loss: float | None = None
     stopped: bool = False
     error: Record | None = None
+    """The last process's error record (a replacement starts without one)."""
+    restarts: int = 0
+    """Replacement processes of this rank (``start`` records with ``"restart"``, ``--max-restarts``)."""
     progress: list[tuple[float, int]] = field(default_factory=list)
     """(``mono``, ``iter``) at the end of each computed iteration."""
     losses: list[tuple[float, float]] = field(default_factory=list)
@@ -74,8 +79,12 @@ class RankStats:
     @property
     def status(self) -> str:
         if self.error is not None:
-            return f"failed ({self.error.get('error', 'error')})"
-        return "finished" if self.stopped else "no stop record"
+            status = f"failed ({self.error.get('error', 'error')})"
+        else:
+            status = "finished" if self.stopped else "no stop record"
+        if self.restarts:
+            status += f", restarted {self.restarts}x"
+        return status
 
 
 def _number(value: Any) -> float | None:
@@ -116,6 +125,11 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                 entered_mono = mono
         elif event == "start":
             start_mono = mono if start_mono is None else start_mono
+            restart = rec.get("restart")
+            if isinstance(restart, int) and not isinstance(restart, bool) and restart >= 1:
+                # a replacement: what the dead process logged last is not how the rank ends
+                stats.restarts += 1
+                stats.error, stats.stopped = None, False
         elif event == "plan":
             total = rec.get("total")
             if isinstance(total, int):
@@ -146,7 +160,7 @@ class RunStats:
     t0: float
     ranks: dict[int, RankStats]
     notable: list[Record]
-    """``peer_left``, ``peer_dead`` and ``error`` records of every rank, in time order."""
+    """``peer_left``, ``peer_dead``, ``error`` and ``rejoined`` records of every rank, in time order."""
 
     @property
     def total(self) -> int | None:

@@ -5,7 +5,8 @@ complete ("X") spans laid end to end, ending at the iteration record's ``mono``:
 compute, wait for updates, mixing, wait for tokens. Their lengths are the measured
 ones; their order inside a step is nominal (with the parallel approach the optimizer
 step, counted as compute, actually runs after the mix). Skips, departures, dead peers
-and errors are instant ("i") events.
+errors and rejoins are instant ("i") events, and so is each restart of a rank by the launcher
+(``launch.json``'s ``restarts``, ``--max-restarts``), on the rank's track when its replacement started.
 """
 
 from __future__ import annotations
@@ -59,9 +60,20 @@ def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float) -> li
         elif kind == "skip":
             events.append(_instant(f"skip {rec.get('iter')}→{rec.get('to')}", rank, end,
                                    {"iter": rec.get("iter"), "to": rec.get("to"), "behind": rec.get("behind")}))
-        elif kind in ("peer_left", "peer_dead", "error"):
+        elif kind in ("peer_left", "peer_dead", "error", "rejoined"):
             args = {k: v for k, v in rec.items() if k not in ("event", "rank", "t", "mono")}
             events.append(_instant(str(kind), rank, end, args))
+    return events
+
+
+def restart_events(run: RunData, t0: float) -> list[dict[str, Any]]:
+    """A "restart" instant on the rank's track for each replacement the launcher started."""
+    restarts = run.launch.get("restarts")
+    events = []
+    for r in restarts if isinstance(restarts, list) else []:
+        if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("mono"), (int, float)):
+            args = {k: r.get(k) for k in ("restart", "reason", "old_pid", "new_pid")}
+            events.append(_instant("restart", r["rank"], _us(r["mono"] - t0), args))
     return events
 
 
@@ -71,6 +83,7 @@ def chrome_trace(run: RunData) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rank, records in sorted(run.events.items()):
         events.extend(rank_trace_events(rank, records, t0))
+    events.extend(restart_events(run, t0))
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run_dir": str(run.path)}}
 
 

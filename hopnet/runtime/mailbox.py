@@ -75,6 +75,8 @@ class Mailbox:
         self._departed: dict[int, tuple[str, str]] = {}
         self._rounds: dict[tuple[str, Any], frozenset[int]] = {}  # open rounds' members, by (kind, tag)
         self._broken: dict[tuple[str, Any], PeerFailure] = {}  # open rounds a dead member broke
+        self.replaceable = False
+        """Dead peers may be replaced (``--max-restarts``): a round with a dead member fails rather than wait."""
 
     def __len__(self) -> int:
         return len(self._arrived)
@@ -110,8 +112,16 @@ class Mailbox:
                 waiter.set_exception(self._departure(key, (why, state)))
 
     def open_round(self, kind: str, tag: Any, members: Iterable[int]) -> None:
-        """A round among ``members`` starts (:meth:`break_rounds_with` fails it if one of them dies)."""
-        self._rounds[(kind, tag)] = frozenset(members)
+        """A round among ``members`` starts (:meth:`break_rounds_with` fails it if one of them dies;
+        with ``replaceable``, one that starts with a dead member fails at once)."""
+        key = (kind, tag)
+        self._rounds[key] = frozenset(members)
+        if self.replaceable:
+            dead = sorted(m for m in self._rounds[key] if self._departed.get(m, ("", ""))[1] == "dead")
+            if dead:
+                self._broken[key] = PeerFailure(f"rank {dead[0]} is dead (waiting for its replacement): round "
+                                                f"{tag!r} among {sorted(self._rounds[key])} cannot run",
+                                                peer=dead[0], peer_state="dead")
 
     def close_round(self, kind: str, tag: Any) -> None:
         self._rounds.pop((kind, tag), None)

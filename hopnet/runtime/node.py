@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, PeerFailure
 from hopnet.graph import Graph
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
@@ -120,8 +120,16 @@ class Node(Generic[P]):
         """This process's restart number: 0 for the first process of its rank, N for its N-th replacement."""
         self.restarts_seen: dict[int, int] = {}  # peer -> the restart number of its process now
         self.handover_requests: list[int] = []  # replacements waiting for this worker's state
+        self.load_state: Callable[[Handover], None] | None = None
+        """Loads a fetched state (:meth:`fetch_state`) into the model and the trainer's registered state,
+        with the trainer blocked in its step; set by :class:`hopnet.api.Worker`."""
+        self.handover_now: Callable[[list[int]], None] | None = None
+        """Answers handover requests on the event loop while the trainer is blocked and the model
+        consistent (:meth:`handover_point`); set by :class:`hopnet.api.Worker`."""
+        self._rejoined: asyncio.Event | None = None  # set at each readmission (wait_for_rejoins)
         self._handover: asyncio.Future[Handover] | None = None
         self._handover_from: int | None = None
+        self._at_handover_point = False
         if coordinator is not None:
             coordinator.bind(self)
         protocol.bind(self)
@@ -150,9 +158,8 @@ class Node(Generic[P]):
             await self.connect_to(self.graph.peers(self.rank))
         if self.coordinator is not None:
             await self.coordinator.start()
-        # A replacement appends to its rank's log: "restart" tells that start from a second run's.
-        replacement = {"restart": self.restart} if self.restart else {}
-        self.record("start", address=self.address, **replacement, **self.protocol.start_record())
+        restart = {"restart": self.restart} if self.restart else {}  # a replacement (hopnet.runtime.rejoin)
+        self.record("start", address=self.address, **restart, **self.protocol.start_record())
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)
@@ -353,6 +360,8 @@ class Node(Generic[P]):
                 final = final if isinstance(final, int) else None
                 self.departed[src] = msg.iter
                 self.final_iterations[src] = final
+                if src == self._handover_from and self._handover is not None and not self._handover.done():
+                    self._handover.set_exception(_DonorGone())
                 if self.liveness is not None:
                     self.liveness.forget(src)
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
@@ -386,6 +395,9 @@ class Node(Generic[P]):
                 waiter.set_exception(exc)
             return
         restart = meta.get("restart")
+        if msg.kind == HANDOVER_REQUEST and self.max_restarts and meta.get("epoch") == self.epoch:
+            self._requested(msg.src, meta)  # a live peer catching up in a resync (fetch_state)
+            return
         if self.max_restarts == 0 or not isinstance(restart, int) or restart < 1:
             self.count_drop("unexpected_rejoin")
             return
@@ -393,15 +405,21 @@ class Node(Generic[P]):
             if self.restarts_seen.get(msg.src, 0) != restart:  # its rejoin comes first on the same link
                 self.count_drop("handover_request_before_rejoin")
                 return
-            if msg.src not in self.handover_requests:
-                self.handover_requests.append(msg.src)
-                self.record("handover_requested", peer=msg.src, restart=restart, iter=self.protocol.iteration)
+            self._requested(msg.src, meta)
             return
         address = meta.get("address")
         if not isinstance(address, str) or self.restarts_seen.get(msg.src, 0) >= restart:
             self.count_drop("stale_rejoin")
             return
         self._readmit(msg.src, restart, address)
+
+    def _requested(self, peer: int, meta: Mapping[str, Any]) -> None:
+        if peer not in self.handover_requests:
+            self.handover_requests.append(peer)
+            self.record("handover_requested", peer=peer, iter=self.protocol.iteration,
+                        **{k: v for k, v in meta.items() if k in ("restart", "epoch")})
+        if self._at_handover_point:
+            self.handover_point()
 
     def _readmit(self, peer: int, restart: int, address: str) -> None:
         """A new process of ``peer``'s rank joined: end the old one here, if that had not happened
@@ -423,8 +441,13 @@ class Node(Generic[P]):
             self.liveness.watch(peer, self.clock.now())
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
+        # A round it was a member of cannot finish: its predecessor's part is lost, and the new process
+        # takes up no round it did not start.
+        self.mailbox.break_rounds_with(peer, "was replaced")
         self.record("peer_rejoined", peer=peer, restart=restart, iter=self.protocol.iteration)
         self.events.flush()
+        if self._rejoined is not None:
+            self._rejoined.set()
         self.protocol.on_peer_rejoined(peer)
         if self.quiesced and peer in self.graph.peers(self.rank):
             self.post(Message("done", self.rank, peer, self.protocol.iteration))  # it must not wait on this one
@@ -445,22 +468,58 @@ class Node(Generic[P]):
             if donor == self.rank:
                 continue
             tried.append(donor)
-            await self.connect_to([donor])
-            self._handover = asyncio.get_running_loop().create_future()
-            self._handover_from = donor
-            self.post(Message(HANDOVER_REQUEST, self.rank, donor, self.protocol.iteration, meta={"restart": restart}))
-            try:
-                async with asyncio.timeout(wait_s):
-                    return await self._handover
-            except TimeoutError:
-                self.record("handover_missing", peer=donor, waited_s=wait_s)
-            except _DonorGone:
-                self.record("handover_missing", peer=donor, state=self.peer_state(donor))
-            finally:
-                self._handover = None
-                self._handover_from = None
+            handover = await self._ask_for_state(donor, {"restart": restart}, wait_s)
+            if handover is not None:
+                return handover
         raise HopnetError(f"rank {self.rank}: restart {restart}: no neighbour handed its state over "
                           f"(asked {tried})")
+
+    async def fetch_state(self, donor: int, wait_s: float) -> Handover:
+        """Take ``donor``'s state as a replacement would, this worker being live (a resync found it a
+        step behind ``donor``, who answers while it waits in the same resync)."""
+        handover = await self._ask_for_state(donor, {"epoch": self.epoch}, wait_s)
+        if handover is None:
+            raise PeerFailure(f"rank {self.rank}: rank {donor} did not hand its state over (in resync {self.epoch})",
+                              peer=donor, peer_state=self.peer_state(donor))
+        return handover
+
+    async def _ask_for_state(self, donor: int, meta: dict[str, Any], wait_s: float) -> Handover | None:
+        await self.connect_to([donor])
+        self._handover = asyncio.get_running_loop().create_future()
+        self._handover_from = donor
+        self.post(Message(HANDOVER_REQUEST, self.rank, donor, self.protocol.iteration, meta=meta))
+        try:
+            async with asyncio.timeout(wait_s):
+                return await self._handover
+        except TimeoutError:
+            self.record("handover_missing", peer=donor, waited_s=wait_s)
+        except _DonorGone:
+            self.record("handover_missing", peer=donor, state=self.peer_state(donor))
+        finally:
+            self._handover = None
+            self._handover_from = None
+        return None
+
+    @property
+    def epoch(self) -> int:
+        """How many replacements this worker knows of, its own included: the same number on every
+        worker once they all took the same replacements back (collectives tag their rounds with it)."""
+        return self.restart + sum(self.restarts_seen.values())
+
+    async def wait_for_rejoins(self, what: str) -> None:
+        """Wait until every peer declared dead has been replaced (``--timeout`` at most)."""
+        while self.dead:
+            self._rejoined = event = asyncio.Event()
+            missing = sorted(self.dead)
+            await self.clock.wait(event.wait(), f"{what}: the replacement of rank(s) {missing}",
+                                  peer=missing[0], iteration=self.protocol.iteration)
+
+    def handover_point(self, reached: bool = True) -> None:
+        """The protocol is blocked where its model is consistent (``reached``) or goes on: answer the
+        replacements waiting for this worker's state now, rather than at the next step boundary."""
+        self._at_handover_point = reached
+        if reached and self.handover_requests and self.handover_now is not None:
+            self.handover_now(self.take_handover_requests())
 
     def take_handover_requests(self) -> list[int]:
         """The replacements waiting for this worker's state (each is answered once)."""

@@ -225,6 +225,26 @@ class TokenCredits:
         self.departed.add(peer)
         self.wake()
 
+    def readmit(self, peer: int, entered: int) -> None:
+        """``peer`` runs again (a replacement), counted as having entered ``entered`` iterations; its own
+        grants bring the count to where it starts."""
+        self.departed.discard(peer)
+        self._granted[peer] = self.max_ig - 1 + entered
+        self.known_iter[peer] = entered - 1
+        self.wake()
+
+    def restart_at(self, iteration: int, entered: dict[int, int]) -> None:
+        """This worker starts at ``iteration`` (a replacement): it has consumed as many tokens, and each
+        out-neighbour has entered ``entered[peer]`` iterations (one not in it is gone)."""
+        self._consumed = iteration
+        for peer in self._granted:
+            if peer in entered:
+                self._granted[peer] = self.max_ig - 1 + entered[peer]
+                self.known_iter[peer] = entered[peer] - 1
+            else:
+                self.departed.add(peer)
+        self.wake()
+
     def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -37,6 +37,9 @@ HANDOVER = "handover"
 """Neighbour -> replacement: one uint8 tensor (the serialized state); ``meta``: ``iter`` to start
 from, ``protocol`` (the protocol's own state), ``fingerprint`` of the model sent."""
 REJOIN_KINDS = frozenset({REJOIN, HANDOVER_REQUEST, HANDOVER})
+RESTARTS_SEEN = "restarts_seen"
+"""In a handover's protocol state: the donor's ``Node.restarts_seen``, so that the replacement counts
+the same replacements (``Node.epoch``) as everyone else."""
 for _kind in REJOIN_KINDS:
     register_kind(_kind, any_rank=True)
 
@@ -92,5 +95,5 @@ def read_handover(msg: Message) -> Handover:
     return Handover(msg.src, iteration, dict(protocol_state), unpack(msg.tensors[0]), float(print_))
 
 
-__all__ = ["HANDOVER", "HANDOVER_REQUEST", "REJOIN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
+__all__ = ["HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
            "read_handover"]

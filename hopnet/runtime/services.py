@@ -21,6 +21,7 @@ from hopnet.graph import Graph
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
 from hopnet.runtime.mailbox import Mailbox
+from hopnet.runtime.rejoin import Handover
 from hopnet.wire import Header, Message
 
 ReduceOp = Literal["mean", "sum"]
@@ -92,6 +93,19 @@ class NodeServices(Protocol):
     """This process's restart number (0: the first process of its rank; N: its N-th replacement)."""
     restarts_seen: dict[int, int]
     """The restart number of each peer's process now, for the peers seen replaced."""
+
+    @property
+    def epoch(self) -> int:
+        """Replacements known, this worker's own included (see :class:`hopnet.runtime.node.Node`)."""
+        ...
+
+    async def wait_for_rejoins(self, what: str) -> None: ...
+
+    async def fetch_state(self, donor: int, wait_s: float) -> Handover: ...
+
+    load_state: Callable[[Handover], None] | None
+
+    def handover_point(self, reached: bool = True) -> None: ...
 
     @property
     def iteration(self) -> int:
@@ -167,6 +181,8 @@ class TrainingProtocol(Protocol):
     def handover_state(self) -> dict[str, Any]: ...
 
     def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None: ...
+
+    async def after_rejoin(self) -> None: ...
 
     def on_peer_done(self, peer: int) -> None: ...
 

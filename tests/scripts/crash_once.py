@@ -1,6 +1,6 @@
 """A worker for tests/test_restarts_launcher.py that needs no rendezvous and no hopnet runtime.
 
-Rank VICTIM dies (SIGKILL, or exit 3) unless it is a replacement (``HOPNET_RESTART`` set;
+Rank VICTIM dies (SIGKILL, exit 3, or SIGSTOP until the launcher kills it) unless it is a replacement (``HOPNET_RESTART`` set;
 with ``--always`` replacements die too); the other ranks sleep a little and exit 0. A
 replacement writes ``rank{R}.restart{N}.json`` into OUT_DIR (its pid and the restart
 variables it saw), sleeps ``--hold`` seconds and exits 0. Every process writes its pid to
@@ -19,9 +19,9 @@ from pathlib import Path
 parser = argparse.ArgumentParser()
 parser.add_argument("victim", type=int)
 parser.add_argument("out_dir")
-parser.add_argument("--how", choices=("kill", "exit"), default="kill")
+parser.add_argument("--how", choices=("kill", "exit", "stop"), default="kill")
 parser.add_argument("--always", action="store_true", help="replacements die as well")
-parser.add_argument("--sleep", type=float, default=0.5, help="how long the other ranks run")
+parser.add_argument("--sleep", type=float, default=1.0, help="how long the other ranks run")
 parser.add_argument("--hold", type=float, default=0.0, help="how long a replacement runs")
 args = parser.parse_args()
 
@@ -41,6 +41,8 @@ write(f"rank{rank}.{restart or 0}.pid", str(os.getpid()))
 if rank == args.victim and (restart is None or args.always):
     if args.how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif args.how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # silent until the launcher kills it
     os._exit(3)
 if restart is not None:
     write(f"rank{rank}.restart{restart}.json", json.dumps({

@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from hopnet.cli.main import main as cli_main
@@ -23,10 +23,33 @@ LAUNCH = (sys.executable, "-m", "hopnet.cli.main", "launch")
 
 
 def run_launch(args: Sequence[str], *, cwd: Path = ROOT, timeout: float = 240,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`hopnet launch ARGS` to its end, capturing output; the launcher ends its workers itself."""
-    return subprocess.run([*LAUNCH, *args], cwd=cwd, env=clean_env() if env is None else env,
-                          capture_output=True, text=True, timeout=timeout)
+               env: dict[str, str] | None = None, fresh_interpreter: bool = False) -> subprocess.CompletedProcess[str]:
+    """`hopnet launch ARGS` to its end, capturing output; the launcher ends its workers itself.
+
+    The launcher runs through the command's entry point in this process, in ``env`` and ``cwd``
+    (restored afterwards): its fork server, coordinator and workers are real processes as ever,
+    and the interpreter start and torch import of a launcher process are saved, the larger part
+    of a short launch's CPU. ``fresh_interpreter`` runs it as a user does, in a process of its own
+    (``timeout`` applies there). Tests that signal the launcher use :func:`start_launch`."""
+    env = clean_env() if env is None else env
+    if fresh_interpreter:
+        return subprocess.run([*LAUNCH, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with _environment(env, cwd):
+        return launch_in_process(args)
+
+
+@contextmanager
+def _environment(env: dict[str, str], cwd: Path) -> Iterator[None]:
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def launch_in_process(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
