@@ -3,17 +3,19 @@
 Per trial: ``hopnet launch --nproc 4 --protocol P --max-restarts 1 examples/train_digits.py``
 (ring:4), and once the victim's own event log shows iteration ``--kill-at``, SIGKILL to it.
 The victim is rank 2, under ad-psgd rank 1 (a passive, signalled once the actives 0 and 2
-train too: passives wait for nobody and run far ahead, and a passive donor that finished its
-loop does not answer a handover). Measured from the signal, on the monotonic clock that the
+train too: passives wait for nobody and run far ahead). Hop runs standard (strict: its
+neighbours wait for the replacement). Measured from the signal, on the monotonic clock that the
 processes of one machine share (the bench's own ``time.monotonic()`` at the kill; ``mono`` in
 the records):
 
 * ``spawn_s``: to the launcher's start of the replacement (``launch.json`` ``restarts[].mono``);
 * ``rejoin_s``: to the replacement's ``rejoined`` record (it holds its donor's model);
 * ``iter_s``: to the replacement's first ``iteration`` record (its first step done);
+* ``stall_s``: the longest pause of a surviving rank's ``iteration`` records across the kill (how
+  long the others waited: the strict protocols wait for the replacement);
 * ``exit`` and the consensus accuracy of the run (rank 0's ``eval`` record with ``consensus``).
 
-    python bench/restarts.py                                  # 3 trials x 3 protocols, ~2 min on 2 cores
+    python bench/restarts.py                                  # 3 trials x 6 protocols, ~4 min on 2 cores
     python bench/restarts.py --trials 5 --protocols prague --iterations 2000 --json restarts.json
     python bench/restarts.py --start-method exec       # each worker a new interpreter: it imports torch
 """
@@ -37,8 +39,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from faults import LaunchRun  # noqa: E402
 
 DIGITS = str(ROOT / "examples" / "train_digits.py")
-PROTOCOLS = ("partial-reduce", "prague", "ad-psgd")
-VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1}
+PROTOCOLS = ("partial-reduce", "prague", "ad-psgd", "hop", "allreduce", "pipe-sgd")
+VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2}
 TRAINING_FIRST = {"ad-psgd": (0, 2)}
 HANG_AFTER_S = 180.0
 
@@ -86,8 +88,8 @@ def _first(recs: list[Record], event: str) -> Record | None:
 def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path, start_method: str | None) -> dict[str, Any]:
     victim = VICTIM[protocol]
     result: dict[str, Any] = {"protocol": protocol, "victim": victim, "spawn_s": None, "rejoin_s": None,
-                              "iter_s": None, "exit": None, "accuracy": None, "donor": None, "from_iter": None,
-                              "note": ""}
+                              "iter_s": None, "stall_s": None, "exit": None, "accuracy": None, "donor": None,
+                              "from_iter": None, "note": ""}
     method = ["--start-method", start_method] if start_method else []
     run = LaunchRun.start(["--nproc", "4", "--protocol", protocol, "--max-restarts", "1", *method, DIGITS,
                            "--iterations", str(iterations)], run_dir)
@@ -118,11 +120,25 @@ def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path, start_met
         result.update(rejoin_s=rejoined["mono"] - killed, donor=rejoined["peer"], from_iter=rejoined["iter"])
     if first_iter is not None:
         result["iter_s"] = first_iter["mono"] - killed
+    result["stall_s"] = _longest_stall(run_dir, victim, killed)
     for line in (run_dir / "rank0.jsonl").read_text().splitlines():
         rec = json.loads(line) if line.strip() else {}
         if rec.get("event") == "eval" and rec.get("consensus"):
             result["accuracy"] = rec["accuracy"]
     return result
+
+
+def _longest_stall(run_dir: Path, victim: int, killed: float, window_s: float = 5.0) -> float | None:
+    """The longest pause between two ``iteration`` records of a surviving rank that ends after the
+    kill and begins within ``window_s`` of it: how long the others waited for the victim."""
+    gaps = []
+    for path in run_dir.glob("rank*.jsonl"):
+        if path.stem == f"rank{victim}":
+            continue
+        monos = [rec["mono"] for line in path.read_text().splitlines() if line.strip()
+                 for rec in [json.loads(line)] if rec.get("event") == "iteration"]
+        gaps += [b - a for a, b in zip(monos, monos[1:]) if b >= killed and a <= killed + window_s]
+    return max(gaps, default=None)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -158,17 +174,20 @@ def main() -> None:
                 row = trial(protocol, args.iterations, args.kill_at, Path(tmp) / f"{protocol}-{i}", args.start_method)
                 rows.append(row)
                 print(f"{protocol:15s} trial {i}: spawn {_fmt(row['spawn_s'])} s, rejoin {_fmt(row['rejoin_s'])} s, "
-                      f"first iteration {_fmt(row['iter_s'])} s, exit {row['exit']}, "
+                      f"first iteration {_fmt(row['iter_s'])} s, others' longest stall {_fmt(row['stall_s'])} s, "
+                      f"exit {row['exit']}, "
                       f"accuracy {_fmt(row['accuracy'], 4)} {row['note']}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print()
-    print("| protocol | victim | trials | exit 0 | spawn s | rejoin s | first iteration s | consensus accuracy |")
-    print("| --- | ---: | ---: | ---: | --- | --- | --- | --- |")
+    print("| protocol | victim | trials | exit 0 | spawn s | rejoin s | first iteration s | others' longest stall s "
+          "| consensus accuracy |")
+    print("| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |")
     for protocol in args.protocols:
         mine = [r for r in rows if r["protocol"] == protocol]
         accuracies = [r["accuracy"] for r in mine if r["accuracy"] is not None]
         print(f"| {protocol} | {VICTIM[protocol]} | {len(mine)} | {sum(r['exit'] == 0 for r in mine)} "
               f"| {_summary(mine, 'spawn_s')} | {_summary(mine, 'rejoin_s')} | {_summary(mine, 'iter_s')} "
+              f"| {_summary(mine, 'stall_s')} "
               f"| {min(accuracies, default=0.0):.4f} min |")
     print("\nmedian (min-max), seconds from the SIGKILL")
     if args.json:
