@@ -130,13 +130,14 @@ def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path, start_met
 
 def _longest_stall(run_dir: Path, victim: int, killed: float, window_s: float = 5.0) -> float | None:
     """The longest pause between two ``iteration`` records of a surviving rank that ends after the
-    kill and begins within ``window_s`` of it: how long the others waited for the victim."""
+    kill and begins within ``window_s`` of it: how long the others waited for the victim. A rank's
+    last iteration is left out (an ad-psgd passive's lasts until the actives are done)."""
     gaps = []
     for path in run_dir.glob("rank*.jsonl"):
         if path.stem == f"rank{victim}":
             continue
         monos = [rec["mono"] for line in path.read_text().splitlines() if line.strip()
-                 for rec in [json.loads(line)] if rec.get("event") == "iteration"]
+                 for rec in [json.loads(line)] if rec.get("event") == "iteration"][:-1]
         gaps += [b - a for a, b in zip(monos, monos[1:]) if b >= killed and a <= killed + window_s]
     return max(gaps, default=None)
 
