@@ -559,10 +559,19 @@ class Node(Generic[P]):
         if self._send_nowait is not None:  # the simulator's transport: one way, in virtual time
             self._send_nowait(msg)
             return None
-        task = asyncio.get_running_loop().create_task(send(msg))
+        if self._exchanged is not None and not self._exchanged.is_set():
+            # An answer to a message that came during this node's rendezvous (an ad-psgd passive's
+            # reply to an active that started first): it leaves once the way to its peer is open.
+            task = asyncio.get_running_loop().create_task(self._send_once_connected(msg, send))
+        else:
+            task = asyncio.get_running_loop().create_task(send(msg))
         self._pending.add(task)
         task.add_done_callback(self._sent)
         return task
+
+    async def _send_once_connected(self, msg: Message, send: Callable[[Message], Coroutine[Any, Any, None]]) -> None:
+        await self.connect_to([msg.dst])  # waits for the rendezvous first
+        await send(msg)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
