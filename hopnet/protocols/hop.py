@@ -216,9 +216,9 @@ class HopProtocol(Protocol):
 
     # ------------------------------------------------------------------ replacements (--max-restarts)
     def _check_restartable(self) -> None:
-        if not self.use_tokens or self.options.serial:
-            raise ConfigError("--max-restarts: --protocol hop replaces a dead worker with token queues on and "
-                              "without --serial")
+        if not (self.use_tokens or self.notify_ack) or self.options.serial:
+            raise ConfigError(f"--max-restarts: --protocol {self.config.protocol} replaces a dead worker with token queues on "
+                              "and without --serial")
 
     def on_peer_rejoined(self, peer: int) -> None:
         """A neighbour's replacement joined: count it in again as if it were in this worker's iteration
@@ -304,7 +304,9 @@ class HopProtocol(Protocol):
         the iterations between, so that neither waits for what the dead process would have sent."""
         if at >= start:
             return
-        credit = start - at - 1  # the entry into ``start`` grants its own token (begin)
+        if self.notify_ack and peer in self._in_peer_set:  # it enters an iteration once this one acked the last
+            self.node.post(Message("ack", self.rank, peer, start - 1))
+        credit = start - at - 1 if self.use_tokens else 0  # the entry into ``start`` grants its own token (begin)
         if peer in self._out_peer_set:
             first = max(at, start - self.num_slots + 1)
             for tag in range(first, start):
@@ -905,4 +907,6 @@ register(ProtocolSpec(
     gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
     simulated_without_tensors=True,
     resumable=True,
+    restartable=True,
+    message_kinds=(MessageKind(WELCOME),),
 ))
