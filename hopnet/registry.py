@@ -114,6 +114,8 @@ class ProtocolSpec(Generic[OptionsT]):
     restartable: bool = False
     """A dead worker can be replaced while the others train (``hopnet launch --max-restarts``;
     :mod:`hopnet.runtime.rejoin`): the others keep going without it, then take it back."""
+    restart_refusal: Callable[[OptionsT], str | None] | None = None
+    """For a ``restartable`` protocol: why these options cannot replace a dead worker (None: they can)."""
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""
@@ -126,6 +128,12 @@ class ProtocolSpec(Generic[OptionsT]):
 
     def needs_coordinator(self, options: ProtocolOptions) -> bool:
         return self.coordinator is not None and self.coordinator.needed(self._own(options))
+
+    def refuses_restarts(self, options: ProtocolOptions) -> str | None:
+        """Why ``--max-restarts`` cannot run with these options, in words (None: it can)."""
+        if not self.restartable:
+            return f"--protocol {self.name} cannot replace a dead worker yet"
+        return self.restart_refusal(self._own(options)) if self.restart_refusal is not None else None
 
     def _own(self, options: ProtocolOptions) -> OptionsT:
         if not isinstance(options, self.options):

@@ -37,7 +37,6 @@ from hopnet.launch.options import check_coordinator_options, check_explicit
 from hopnet.launch.rendezvous import exchange_addresses_async
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
-from hopnet.registry import specs
 from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
 from hopnet.transports.base import Transport
@@ -227,10 +226,9 @@ def check_restarts(restarts: Restarts, config: ProtocolConfig, context: WorkerCo
     restarts the worker) and the ZeroMQ plane (the torch plane's process groups are fixed)."""
     if not restarts.allowed:
         return restarts
-    takers = ", ".join(spec.name for spec in specs() if spec.restartable)
-    if not config.spec.restartable:
-        raise ConfigError(f"--max-restarts: --protocol {config.protocol} cannot replace a dead worker yet "
-                          f"({takers} can)")
+    refusal = config.spec.refuses_restarts(config.options)
+    if refusal is not None:
+        raise ConfigError(f"--max-restarts: {refusal}")
     if context.launched is None:
         raise ConfigError("--max-restarts needs `hopnet launch`, which starts the replacements")
     if tensors.device.type != "cpu" or config.bulk == "torch":

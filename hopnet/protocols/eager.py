@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from hopnet.options import option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
 from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
+from hopnet.protocols.resync import resynchronize
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
@@ -121,6 +122,10 @@ class EagerProtocol(Protocol):
         self._finished_with_everyone = False  # passed the closing barrier (quiesce or stop)
         self._waiting_for: int | None = None  # the round the trainer's call waits for
         self.synchronized = -1       # the last iteration whose gradient went into a round
+        self.resync_needed = False   # --max-restarts: a replacement joined; restart the rounds first
+        self.voided: int | None = None  # the iteration a resync threw away
+        self.resyncs = 0
+        self.missed_rounds = 0  # rounds a replacement counts as run without it (0 active, here)
         # Buffers, allocated on the first call (their size comes from the gradients).
         self.pend: torch.Tensor | None = None
         self.recv: torch.Tensor | None = None
@@ -153,7 +158,26 @@ class EagerProtocol(Protocol):
 
     # ------------------------------------------------------------------ the trainer's call
     async def synchronize(self) -> None:
-        """Steps 1 to 4 up to ``apply``: deposit the gradient, take a round's result into each ``.grad``."""
+        """Steps 1 to 4 up to ``apply``: deposit the gradient, take a round's result into each ``.grad``.
+        Under ``--max-restarts`` a round a dead member broke, or a replacement's arrival, restarts the
+        rounds from a resync instead (:meth:`_restart_rounds`)."""
+        if self.voided is not None:
+            return
+        if not self.node.max_restarts:
+            await self._synchronize()
+            return
+        k = self.iteration
+        try:
+            if not self.resync_needed:
+                await self._synchronize()
+                return
+        except PeerFailure as exc:
+            if exc.peer is None or exc.peer == self.rank:
+                raise
+        await self._restart_rounds()
+        self.voided = k
+
+    async def _synchronize(self) -> None:
         self._raise_failure()
         k = self.iteration
         if self.synchronized == k:
@@ -177,15 +201,29 @@ class EagerProtocol(Protocol):
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
         await self.synchronize()
+        if self.voided is not None:
+            void, self.voided = self.voided, None
+            self.node.record("iteration_voided", iter=void, to=self.iteration)
+            self.node.entered(self.iteration, self)  # computed again, from the model the resync gave
+            return
         if apply is not None:
             apply()
         every = self.options.full_sync_every
         if every is not None and (k + 1) % every == 0:
-            await self._full_sync(k)
+            try:
+                await self._full_sync(k)
+            except PeerFailure as exc:
+                if not self.node.max_restarts or exc.peer is None or exc.peer == self.rank:
+                    raise
+                await self._restart_rounds()  # the resync's broadcast is a full sync too
+                if self.iteration != k:
+                    self.node.iteration_done(k, self)
+                    self.node.entered(self.iteration, self)
+                    return
         if last:
             # Rounds may carry buffers some iterations old (a late rank's copy); every rank's last
             # call meets the others' here, with no forward pass left, so they end in step.
-            await self.buffer_sync.sync(self.collective, self.everyone, tag=f"{TAG_PREFIX}/buffers/last")
+            await self.buffer_sync.sync(self.collective, self.everyone, tag=self._tag("buffers/last"))
         self.node.iteration_done(k, self)
         if last:
             return
@@ -196,12 +234,13 @@ class EagerProtocol(Protocol):
         return majority_initiator(self.config.seed, round_id, self.world_size)
 
     def _starts(self, round_id: int) -> bool:
-        """Whether this rank starts majority round ``round_id``: it is the designated initiator,
-        or the designated one has finished its iterations (and will never call again)."""
+        """Whether this rank starts majority round ``round_id``: it is the designated initiator, or the
+        designated one has finished its iterations (and will never call again), or waits in a full sync
+        this rank has not passed (it calls again only once this rank got there, on these rounds)."""
         if self.requested >= round_id:
             return False
         who = self.initiator(round_id)
-        return who == self.rank or who in self.finished or self.syncing.get(who) == self.iteration
+        return who == self.rank or who in self.finished or self.syncing.get(who, -1) >= self.iteration
 
     def _allocate(self, like: torch.Tensor) -> None:
         self.pend = torch.zeros_like(like)
@@ -267,7 +306,7 @@ class EagerProtocol(Protocol):
             await self.node.connect_to(others)
             for peer in others:
                 self.node.post(Message(ACTIVATION_KIND, self.rank, peer, self.executed, None, {"sync": iteration}))
-        await allreduce_each(self.collective, self.everyone, self.flats, "mean", tag=f"{TAG_PREFIX}/sync/{iteration}")
+        await allreduce_each(self.collective, self.everyone, self.flats, "mean", tag=self._tag(f"sync/{iteration}"))
 
     def _gradient_buffer(self) -> torch.Tensor:
         if isinstance(self.grads, FlatGradients):
@@ -290,6 +329,9 @@ class EagerProtocol(Protocol):
                 or msg.iter < 0:
             self.node.count_drop("unexpected_kind" if msg.kind != ACTIVATION_KIND else "bad_activation")
             return
+        if self.node.max_restarts and (msg.meta or {}).get("e") != self.node.epoch:
+            self.node.count_drop("stale_activation")  # for a round from before a replacement
+            return
         self._activate(msg.iter, root)
 
     def _activate(self, round_id: int, root: int) -> None:
@@ -306,9 +348,10 @@ class EagerProtocol(Protocol):
             self._engine = asyncio.get_running_loop().create_task(self._run_rounds())
 
     async def _send_activation(self, round_id: int, root: int, targets: list[int]) -> None:
+        epoch = {"e": self.node.epoch} if self.node.max_restarts else {}
         await self.node.connect_to(targets)
         for dst in targets:
-            self.node.post(Message(ACTIVATION_KIND, self.rank, dst, round_id, None, {"r": root}))
+            self.node.post(Message(ACTIVATION_KIND, self.rank, dst, round_id, None, {"r": root, **epoch}))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -342,7 +385,7 @@ class EagerProtocol(Protocol):
         self.contributed.add_(contribution)
         active = torch.tensor([1.0 if self._fresh else 0.0], dtype=torch.float64)
         self._fresh = False
-        tag = f"{TAG_PREFIX}/{round_id}"
+        tag = self._tag(str(round_id))
         collective = self.collective
         # before the first call: the buffers as they are (the trainer's first forward may be writing them)
         model_buffers = self.buffer_sync.snapshot(self._buffers_latest) if self.buffer_sync.active else None
@@ -408,6 +451,55 @@ class EagerProtocol(Protocol):
             self.initiated += 1
             self._activate(waiting, self.rank)
 
+    # ------------------------------------------------------------------ replacements (--max-restarts)
+    def _tag(self, what: str) -> str:
+        """A round's tag; under ``--max-restarts`` with the replacements every rank took back."""
+        return f"{TAG_PREFIX}/{what}@{self.node.epoch}" if self.node.max_restarts else f"{TAG_PREFIX}/{what}"
+
+    async def _restart_rounds(self) -> None:
+        """Drop the rounds in flight and the gradients pending (lost), resynchronize every rank's model
+        and iteration (:mod:`hopnet.protocols.resync`), and number the rounds from there alike."""
+        tasks = [t for t in (self._engine, *self._tasks) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.peer_timeout_s)
+        self._engine = None
+        self._tasks.clear()
+        self._failure = None
+        self._round_done.clear()
+        self._seen.clear()
+        self._waiting_for = None
+        self.syncing.clear()
+        if self.pend is not None:
+            self.pend.zero_()
+            if self._spare is None:  # a round was cancelled after taking it
+                self._spare = torch.zeros_like(self.pend)
+        self._fresh = False
+        done = await resynchronize(self.node, self.collective, self.everyone, self.iteration, self.model_tensors(),
+                                   self._tag, self.config.timeout_s, counters=[self.executed])
+        self.executed = self.consumed = done.counters[0]
+        self.requested = self.executed - 1
+        self.missed_rounds += max(0, self.executed - len(self.active_per_round))
+        del self.active_per_round[self.executed:]  # a round cut short here ran nowhere
+        self.active_per_round += [0] * (self.executed - len(self.active_per_round))  # ran without this process
+        self.iteration = done.furthest
+        self.synchronized = -1
+        self.resync_needed = False
+        self.resyncs += 1
+
+    def on_peer_rejoined(self, peer: int) -> None:
+        self.resync_needed = True
+        self.left_early.pop(peer, None)
+        self.finished.discard(peer)
+
+    def rejoin_at(self, iteration: int, state: Mapping[str, Any]) -> None:
+        super().rejoin_at(iteration, state)
+        self.resync_needed = True
+
+    async def after_rejoin(self) -> None:
+        await self._restart_rounds()
+
     # ------------------------------------------------------------------ peers and the end
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         self.left_early[peer] = last_iteration
@@ -455,7 +547,7 @@ class EagerProtocol(Protocol):
         for peer in others:
             self.node.post(Message(ACTIVATION_KIND, self.rank, peer, self.executed, None, {"fin": 1}))
         done = torch.zeros(1, dtype=torch.float64)
-        await self.collective.allreduce(self.everyone, done, "sum", tag=f"{TAG_PREFIX}/done")
+        await self.collective.allreduce(self.everyone, done, "sum", tag=self._tag("done"))
         # No round starts after the barrier, but this rank's part of the last one may still be
         # receiving (the others' parts of it finished, so they could pass the barrier).
         if self._engine is not None:
@@ -511,4 +603,5 @@ register(ProtocolSpec(
     averages=Averages.GRADIENTS,
     uses_graph=False,
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
+    restartable=True,
 ))

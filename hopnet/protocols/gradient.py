@@ -18,7 +18,8 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
-from hopnet.protocols.base import Protocol, allreduce_each
+from hopnet.protocols.base import Protocol
+from hopnet.protocols.resync import resynchronize
 from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
@@ -104,49 +105,17 @@ class AllRanksGradientProtocol(Protocol):
         await self._resync()
 
     async def _resync(self) -> bool:
-        """Every rank takes the model of the lowest rank of the furthest iteration, and that iteration:
-        a rank a step behind first takes that rank's state (its optimizer's included) by a handover,
-        so that the steps, and so the models, stay the same everywhere. Whether this worker was behind
-        and moved on (docs/design.md, "A dead worker replaced live")."""
-        node = self.node
-        node.handover_point()  # a replacement, or a rank behind, may ask for this worker's state here
-        try:
-            while True:
-                await node.wait_for_rejoins(f"rank {self.rank}'s all-reduce of iteration {self.iteration}")
-                flats = self.model_tensors()
-                saved = [f.clone() for f in flats]
-                try:
-                    leader, furthest = await self._agree()
-                    if furthest > self.iteration and node.load_state is not None:
-                        node.load_state(await node.fetch_state(leader, self.config.timeout_s))
-                    if self.rank != leader:
-                        for flat in flats:
-                            flat.zero_()
-                    await allreduce_each(node.collective, self.everyone, flats, "sum", tag=self._tag("resync/model"))
-                    break
-                except PeerFailure as exc:
-                    if not self._survivable(exc):
-                        raise
-                    for flat, copy in zip(flats, saved):
-                        flat.copy_(copy)
-        finally:
-            node.handover_point(False)
+        """Every rank takes the furthest rank's model and iteration (:mod:`hopnet.protocols.resync`).
+        Whether this worker was behind and moved on."""
+        done = await resynchronize(self.node, self.node.collective, self.everyone, self.iteration,
+                                   self.model_tensors(), self._tag, self.config.timeout_s)
         self.resync_needed = False
         self.resyncs += 1
-        node.record("resynced", iter=self.iteration, to=furthest, leader=leader, epoch=node.epoch)
-        if furthest <= self.iteration:
+        if done.furthest <= self.iteration:
             return False
-        self.iteration = furthest
+        self.iteration = done.furthest
         self.synchronized = -1
         return True
-
-    async def _agree(self) -> tuple[int, int]:
-        """All-reduce every rank's iteration: the leader (the lowest rank of the furthest) and that iteration."""
-        iterations = torch.zeros(len(self.everyone), dtype=torch.float64)
-        iterations[self.rank] = self.iteration
-        await self.node.collective.allreduce(self.everyone, iterations, "sum", tag=self._tag("resync"))
-        furthest = int(iterations.max())
-        return int((iterations == furthest).nonzero()[0]), furthest
 
     def buffers_for(self, header: Header) -> Any:
         return None

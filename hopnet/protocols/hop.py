@@ -216,9 +216,9 @@ class HopProtocol(Protocol):
 
     # ------------------------------------------------------------------ replacements (--max-restarts)
     def _check_restartable(self) -> None:
-        if not self.use_tokens or self.options.serial:
-            raise ConfigError("--max-restarts: --protocol hop replaces a dead worker with token queues on and "
-                              "without --serial")
+        refusal = _restart_refusal(self.options, self.config.protocol)
+        if refusal is not None:
+            raise ConfigError(f"--max-restarts: {refusal}")
 
     def on_peer_rejoined(self, peer: int) -> None:
         """A neighbour's replacement joined: count it in again as if it were in this worker's iteration
@@ -304,7 +304,9 @@ class HopProtocol(Protocol):
         the iterations between, so that neither waits for what the dead process would have sent."""
         if at >= start:
             return
-        credit = start - at - 1  # the entry into ``start`` grants its own token (begin)
+        if self.notify_ack and peer in self._in_peer_set:  # it enters an iteration once this one acked the last
+            self.node.post(Message("ack", self.rank, peer, start - 1))
+        credit = start - at - 1 if self.use_tokens else 0  # the entry into ``start`` grants its own token (begin)
         if peer in self._out_peer_set:
             first = max(at, start - self.num_slots + 1)
             for tag in range(first, start):
@@ -875,6 +877,14 @@ def notify_ack_gap_bound(options: NotifyAckOptions, graph: Graph) -> np.ndarray:
     return np.minimum(d.T, 2 * d)
 
 
+def _restart_refusal(options: HopOptions, protocol: str = "hop") -> str | None:
+    if options.serial:
+        return f"--protocol {protocol} --serial cannot replace a dead worker"
+    if protocol == "hop" and not options.token_queues:
+        return "--protocol hop cannot replace a dead worker without token queues (its welcome counts on them)"
+    return None
+
+
 register(ProtocolSpec(
     name="hop",
     summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
@@ -890,6 +900,7 @@ register(ProtocolSpec(
     simulated_without_tensors=True,
     resumable=True,
     restartable=True,
+    restart_refusal=_restart_refusal,
     message_kinds=(MessageKind(WELCOME),),
 ))
 
@@ -905,4 +916,7 @@ register(ProtocolSpec(
     gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
     simulated_without_tensors=True,
     resumable=True,
+    restartable=True,
+    restart_refusal=lambda options: _restart_refusal(options.as_hop(), "notify-ack"),
+    message_kinds=(MessageKind(WELCOME),),
 ))

@@ -116,9 +116,8 @@ class PragueProtocol(Protocol):
         return coordinator
 
     async def start(self) -> None:
-        if self.static and self.node.max_restarts:
-            raise ConfigError("--max-restarts: --protocol prague --group-generator static cannot replace a dead "
-                              "worker (its schedule counts on every rank in every iteration); use random or smart")
+        if self.node.max_restarts and (refusal := _restart_refusal(self.options)) is not None:
+            raise ConfigError(f"--max-restarts: {refusal}")
         self.node.entered(self.iteration, self)
         self._request(self.iteration)
 
@@ -322,6 +321,13 @@ class PragueOptions(ProtocolOptions):
                                    "behind its initiator; 0 switches the filter off")
 
 
+def _restart_refusal(options: PragueOptions) -> str | None:
+    if options.group_generator == "static":
+        return ("--protocol prague --group-generator static cannot replace a dead worker (its schedule counts on "
+                "every rank in every iteration); use random or smart")
+    return None
+
+
 def make_group_generator(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> Coordinator:
     if options.group_generator == "random":
         return RandomGroupGenerator(graph.n, options.group_size, config.seed)
@@ -357,4 +363,5 @@ register(ProtocolSpec(
     check_graph=check_prague_graph,
     resumable=True,
     restartable=True,
+    restart_refusal=_restart_refusal,
 ))
