@@ -438,6 +438,9 @@ class Node(Generic[P]):
         self.transport.readmit_peer(peer, address if peer in self._connected else None)
         self.mailbox.peer_rejoined(peer)
         if self.liveness is not None and peer in self.graph.peers(self.rank):
+            # Declared dead by the coordinator's notice or by a rejoin, the old process is still
+            # watched here with its last stamp: the new one starts a silence of its own.
+            self.liveness.forget(peer)
             self.liveness.watch(peer, self.clock.now())
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
