@@ -239,7 +239,11 @@ class Worker:
         donors = neighbours + [r for r in everyone if r not in neighbours]
         handover = self._thread.run(node.rejoin(restart, everyone, donors, wait_s=self.config.timeout_s))
         state = handover.state
-        self._load_model(state["model"])
+        # Under the lock: an ad-psgd passive serves averagings on the event loop meanwhile, and the
+        # record must show the model loaded, not one averaged since.
+        with self.model_lock:
+            self._load_model(state["model"])
+            loaded = rejoin.fingerprint(node.protocol.model_tensors())
         self._resumed = dict(state.get("states", {}))
         seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
         node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != self.rank})
@@ -248,7 +252,7 @@ class Worker:
             self._thread.run(self._rejoin_coordinator(node.coordinator))
         self._thread.run(node.protocol.after_rejoin())
         self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
-                    fingerprint=rejoin.fingerprint(node.protocol.model_tensors()), initial_fingerprint=before,
+                    fingerprint=loaded, initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
 
     @staticmethod
