@@ -36,7 +36,7 @@ KILL_AT = 150
 STOPPED_ITERATIONS = 1000
 TRAINING = frozenset({"enter", "iteration", "p_reduce", "group"})
 """Records of a worker that trains: none may come before a replacement's ``rejoined``."""
-VICTIMS = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2}
+VICTIMS = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2, "eager-sgd": 2}
 FLAGS: dict[str, tuple[str, ...]] = {}
 """Extra launch flags per protocol. Hop runs standard (strict) here: with ``--backup-workers 1`` the
 neighbours move on past the victim's iterations and the replacement then waits for updates they
