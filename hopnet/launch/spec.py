@@ -207,10 +207,8 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     if spec.resume and not lookup(config.protocol).resumable:
         takers = ", ".join(s.name for s in specs() if s.resumable)
         raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet ({takers} can)")
-    if max_restarts and not lookup(config.protocol).restartable:
-        takers = ", ".join(s.name for s in specs() if s.restartable)
-        raise ConfigError(f"--max-restarts: --protocol {config.protocol} cannot replace a dead worker yet "
-                          f"({takers} can)")
+    if max_restarts and (refusal := config.spec.refuses_restarts(config.options)) is not None:
+        raise ConfigError(f"--max-restarts: {refusal}")  # as the workers would, before anything starts
     if spec.start_method not in (None, *START_METHODS):
         raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))
