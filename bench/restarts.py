@@ -15,7 +15,7 @@ the records):
   long the others waited: the strict protocols wait for the replacement);
 * ``exit`` and the consensus accuracy of the run (rank 0's ``eval`` record with ``consensus``).
 
-    python bench/restarts.py                                  # 3 trials x 6 protocols, ~4 min on 2 cores
+    python bench/restarts.py                                  # 3 trials x 7 protocols, ~5 min on 2 cores
     python bench/restarts.py --trials 5 --protocols prague --iterations 2000 --json restarts.json
     python bench/restarts.py --start-method exec       # each worker a new interpreter: it imports torch
 """
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from faults import LaunchRun  # noqa: E402
 
 DIGITS = str(ROOT / "examples" / "train_digits.py")
-PROTOCOLS = ("partial-reduce", "prague", "ad-psgd", "hop", "allreduce", "pipe-sgd")
-VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2}
+PROTOCOLS = ("partial-reduce", "prague", "ad-psgd", "hop", "allreduce", "pipe-sgd", "eager-sgd")
+VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2, "eager-sgd": 2}
 TRAINING_FIRST = {"ad-psgd": (0, 2)}
 HANG_AFTER_S = 180.0
 
