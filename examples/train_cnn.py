@@ -88,6 +88,10 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.iterations)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
+    # Saved in checkpoints (--checkpoint-every) and handed to a replacement (--max-restarts), with the
+    # optimizer's state: a restarted worker goes on with the same learning rate and loss scale.
+    worker.register_state("lr_schedule", schedule)
+    worker.register_state("grad_scaler", scaler)
 
     x_train, y_train, x_test, y_test = digits_split(args.seed)
     x_train, y_train = x_train[worker.rank::worker.graph.n], y_train[worker.rank::worker.graph.n]
