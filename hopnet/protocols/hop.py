@@ -232,7 +232,8 @@ class HopProtocol(Protocol):
         self.departed_after.pop(peer, None)
         self._joined_late.add(peer)
         if peer in self._out_peer_set:
-            self.tokens.readmit(peer, entered=k + 1)
+            # as if it were about to enter this iteration: its entry (begin) grants that token itself
+            self.tokens.readmit(peer, entered=k)
             self.acks[peer] = k - 1
         if peer in self._in_peer_set:
             self.last_used[peer] = min(self.last_used[peer], k - 1)
@@ -287,6 +288,9 @@ class HopProtocol(Protocol):
         ahead = [self.welcomes[p] for p in self.in_peers if p in self.welcomes]
         start = max([self._rejoin_from, *ahead])
         self.iteration = start
+        # Welcomes of earlier iterations must not hold the queue's slots: the neighbours' updates of the
+        # iterations ahead arrive before the trainer's loop begins.
+        self.queue.discard_older_than(start - (self.staleness or 0))
         self.acks = {j: start - 1 for j in self.acks}
         self.last_used = {j: start - 1 for j in self.last_used}
         self.newest_received = {j: max(start - 1, self.newest_received[j]) for j in self.newest_received}
@@ -306,7 +310,9 @@ class HopProtocol(Protocol):
             return
         if self.notify_ack and peer in self._in_peer_set:  # it enters an iteration once this one acked the last
             self.node.post(Message("ack", self.rank, peer, start - 1))
-        credit = start - at - 1 if self.use_tokens else 0  # the entry into ``start`` grants its own token (begin)
+        # The neighbour counted this worker as about to enter ``at`` (on_peer_rejoined); the entry into
+        # ``start`` grants its own token (begin): these are the ones of the iterations between.
+        credit = start - at if self.use_tokens else 0
         if peer in self._out_peer_set:
             first = max(at, start - self.num_slots + 1)
             for tag in range(first, start):
