@@ -225,7 +225,7 @@ class Worker:
         if self.checkpointer is not None and self.checkpointer.due(finished) and not last:
             self.save_checkpoint(finished)
         if self.node.handover_requests:
-            self._hand_over(finished + 1 if last else self.iteration)
+            self._hand_over(finished + 1 if last else self.iteration, finished=last)
         self._compute_started = time.monotonic()
 
     # ------------------------------------------------------------------ replacements
@@ -246,11 +246,13 @@ class Worker:
             loaded = rejoin.fingerprint(node.protocol.model_tensors())
         self._resumed = dict(state.get("states", {}))
         seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
+        finished = bool(handover.protocol_state.pop(rejoin.FINISHED, False))
         node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != self.rank})
         node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
         if node.coordinator is not None:
             self._thread.run(self._rejoin_coordinator(node.coordinator))
-        self._thread.run(node.protocol.after_rejoin())
+        if not finished:  # else the others are done training: there is nothing to catch up with
+            self._thread.run(node.protocol.after_rejoin())
         self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
                     fingerprint=loaded, initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
@@ -259,14 +261,14 @@ class Worker:
     async def _rejoin_coordinator(coordinator: CoordinatorChannel) -> None:
         coordinator.send({"t": "rejoin"})  # count this rank in again (hopnet.coordinator.wire)
 
-    def _hand_over(self, iteration: int) -> None:
+    def _hand_over(self, iteration: int, finished: bool = False) -> None:
         """Send this worker's state to the replacements that asked for it (at a step boundary, or
         once training is over: the model is consistent)."""
         requests = self._thread.run(self._take_requests())
         if not requests:
             return
         with self.model_lock:
-            messages = self._handover_messages(requests, iteration)
+            messages = self._handover_messages(requests, iteration, finished)
         self._thread.run(self._send_handovers(messages))
 
     def _load_handover(self, handover: rejoin.Handover) -> None:
@@ -281,11 +283,14 @@ class Worker:
     def _hand_over_on_loop(self, requests: list[int]) -> None:
         """The same on the event loop, while the protocol waits with the trainer blocked in its step
         (:meth:`hopnet.runtime.node.Node.handover_point`)."""
-        messages = self._handover_messages(requests, self.node.protocol.iteration)
+        final = self._final_iteration
+        done = self.node.quiesced and final is not None  # training is over here: after the last iteration
+        messages = self._handover_messages(requests, final + 1 if done and final is not None
+                                           else self.node.protocol.iteration, finished=done)
         task = self._thread.loop.create_task(self._send_handovers(messages))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    def _handover_messages(self, requests: list[int], iteration: int) -> list[Message]:
+    def _handover_messages(self, requests: list[int], iteration: int, finished: bool = False) -> list[Message]:
         # A random stream is each rank's own (taking a neighbour's would make the replacement draw
         # the neighbour's batches): the replacement keeps its own generators.
         state = {"model": self._model_state(),
@@ -293,7 +298,8 @@ class Worker:
                             if not isinstance(obj, torch.Generator)}}
         model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
         protocol_state = {**self.node.protocol.handover_state(),
-                          rejoin.RESTARTS_SEEN: {str(r): n for r, n in self.node.restarts_seen.items()}}
+                          rejoin.RESTARTS_SEEN: {str(r): n for r, n in self.node.restarts_seen.items()},
+                          rejoin.FINISHED: finished}
         return [rejoin.handover_message(self.rank, peer, iteration, protocol_state, state, model_print)
                 for peer in requests]
 
@@ -312,7 +318,7 @@ class Worker:
         """Training is over here: a replacement that asked now starts after the last iteration."""
         if self.node.handover_requests and self._thread.alive:
             final = self._final_iteration
-            self._hand_over(final + 1 if final is not None else self.iteration)
+            self._hand_over(final + 1 if final is not None else self.iteration, finished=True)
 
     # ------------------------------------------------------------------ checkpoints
     def register_state(self, name: str, obj: Any) -> None:

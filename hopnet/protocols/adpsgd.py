@@ -130,6 +130,7 @@ class AdPsgdProtocol(Protocol):
         self._request_buffers: dict[int, list[torch.Tensor]] = {}
         self._activity: asyncio.Event | None = None  # set on each request or goodbye
         self._leaving = False  # said bye: serves no more requests
+        self._early_requests: list[Message] | None = []  # requests that came before start (served then)
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -145,6 +146,9 @@ class AdPsgdProtocol(Protocol):
 
     async def start(self) -> None:
         self._activity = asyncio.Event()
+        early, self._early_requests = self._early_requests, None
+        for msg in early or ():  # a replacement's model was loaded since: averaged with it, not its initial one
+            self.on_message(msg)
         self.node.record("role", role=self.role, neighbours=list(self.neighbours))
         self.node.entered(self.iteration, self)
 
@@ -347,6 +351,9 @@ class AdPsgdProtocol(Protocol):
         return buffers
 
     def on_message(self, msg: Message) -> None:
+        if msg.kind == REQUEST and msg.tensors and self._early_requests is not None:
+            self._early_requests.append(msg)  # before start: the model may not be the one it trains
+            return
         if msg.kind == REQUEST and msg.tensors:
             if msg.src in self.gone or self._leaving:
                 self.node.count_drop("unexpected_request")  # its active is gone, or this passive left

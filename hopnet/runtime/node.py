@@ -418,8 +418,9 @@ class Node(Generic[P]):
             self.handover_requests.append(peer)
             self.record("handover_requested", peer=peer, iter=self.protocol.iteration,
                         **{k: v for k, v in meta.items() if k in ("restart", "epoch")})
-        if self._at_handover_point:
-            self.handover_point()
+        if self._at_handover_point or self.quiesced:  # blocked where the model is consistent, or done training
+            if self.handover_now is not None:
+                self.handover_now(self.take_handover_requests())
 
     def _readmit(self, peer: int, restart: int, address: str) -> None:
         """A new process of ``peer``'s rank joined: end the old one here, if that had not happened
@@ -467,11 +468,15 @@ class Node(Generic[P]):
                               meta={"restart": restart, "address": self.address}))
         await self.flush()
         tried = []
+        neighbours = set(self.graph.peers(self.rank))
         for donor in donors:
-            if donor == self.rank:
+            if donor == self.rank or donor in self.dead or donor in self.departed:
                 continue
             tried.append(donor)
-            handover = await self._ask_for_state(donor, {"restart": restart}, wait_s)
+            # A neighbour is watched: one that died, or left, is passed over after --peer-timeout. Another
+            # rank is not: it gets twice that, not the whole --timeout.
+            wait = wait_s if donor in neighbours or self.peer_timeout_s is None else min(wait_s, 2 * self.peer_timeout_s)
+            handover = await self._ask_for_state(donor, {"restart": restart}, wait)
             if handover is not None:
                 return handover
         raise HopnetError(f"rank {self.rank}: restart {restart}: no neighbour handed its state over "

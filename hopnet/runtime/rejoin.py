@@ -37,6 +37,9 @@ HANDOVER = "handover"
 """Neighbour -> replacement: one uint8 tensor (the serialized state); ``meta``: ``iter`` to start
 from, ``protocol`` (the protocol's own state), ``fingerprint`` of the model sent."""
 REJOIN_KINDS = frozenset({REJOIN, HANDOVER_REQUEST, HANDOVER})
+FINISHED = "finished"
+"""In a handover's protocol state: the donor had finished training (the replacement starts after the
+last iteration, and goes straight to the consensus)."""
 RESTARTS_SEEN = "restarts_seen"
 """In a handover's protocol state: the donor's ``Node.restarts_seen``, so that the replacement counts
 the same replacements (``Node.epoch``) as everyone else."""
@@ -95,5 +98,5 @@ def read_handover(msg: Message) -> Handover:
     return Handover(msg.src, iteration, dict(protocol_state), unpack(msg.tensors[0]), float(print_))
 
 
-__all__ = ["HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
+__all__ = ["FINISHED", "HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
            "read_handover"]
