@@ -36,11 +36,9 @@ STOPPED_ITERATIONS = 1000
 TRAINING = frozenset({"enter", "iteration", "p_reduce", "group"})
 """Records of a worker that trains: none may come before a replacement's ``rejoined``."""
 VICTIMS = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2, "eager-sgd": 2}
-FLAGS: dict[str, tuple[str, ...]] = {}
-"""Extra launch flags per protocol. Hop runs standard (strict) here: with ``--backup-workers 1`` the
-neighbours move on past the victim's iterations and the replacement then waits for updates they
-sent while it was away (a known gap, reported; add ``"hop": ("--backup-workers", "1")`` once it is
-closed)."""
+FLAGS: dict[str, tuple[str, ...]] = {"hop": ("--backup-workers", "1")}
+"""Extra launch flags per protocol: Hop with a backup worker, whose neighbours go on while the victim
+is away (under the strict protocols, allreduce, pipe-sgd and eager-sgd, they wait for it)."""
 TRAINING_FIRST = {"ad-psgd": (0, 2)}
 """Under ad-psgd on a ring the odd ranks are passive: they wait for nobody and run far ahead of
 the actives. The victim is a passive, signalled once the actives train too, so that the fault
