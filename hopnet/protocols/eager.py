@@ -126,6 +126,7 @@ class EagerProtocol(Protocol):
         self.voided: int | None = None  # the iteration a resync threw away
         self.resyncs = 0
         self.missed_rounds = 0  # rounds a replacement counts as run without it (0 active, here)
+        self._deferred: list[tuple[int, int]] | None = None  # activations that came during a resync
         # Buffers, allocated on the first call (their size comes from the gradients).
         self.pend: torch.Tensor | None = None
         self.recv: torch.Tensor | None = None
@@ -332,6 +333,9 @@ class EagerProtocol(Protocol):
         if self.node.max_restarts and (msg.meta or {}).get("e") != self.node.epoch:
             self.node.count_drop("stale_activation")  # for a round from before a replacement
             return
+        if self._deferred is not None:  # a rank done with the resync already: its round runs after this one's
+            self._deferred.append((msg.iter, root))
+            return
         self._activate(msg.iter, root)
 
     def _activate(self, round_id: int, root: int) -> None:
@@ -459,6 +463,7 @@ class EagerProtocol(Protocol):
     async def _restart_rounds(self) -> None:
         """Drop the rounds in flight and the gradients pending (lost), resynchronize every rank's model
         and iteration (:mod:`hopnet.protocols.resync`), and number the rounds from there alike."""
+        self._deferred = []
         tasks = [t for t in (self._engine, *self._tasks) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
@@ -476,8 +481,12 @@ class EagerProtocol(Protocol):
             if self._spare is None:  # a round was cancelled after taking it
                 self._spare = torch.zeros_like(self.pend)
         self._fresh = False
-        done = await resynchronize(self.node, self.collective, self.everyone, self.iteration, self.model_tensors(),
-                                   self._tag, self.config.timeout_s, counters=[self.executed])
+        try:
+            done = await resynchronize(self.node, self.collective, self.everyone, self.iteration,
+                                       self.model_tensors(), self._tag, self.config.timeout_s,
+                                       counters=[self.executed])
+        finally:
+            deferred, self._deferred = self._deferred, None
         self.executed = self.consumed = done.counters[0]
         self.requested = self.executed - 1
         self.missed_rounds += max(0, self.executed - len(self.active_per_round))
@@ -487,6 +496,8 @@ class EagerProtocol(Protocol):
         self.synchronized = -1
         self.resync_needed = False
         self.resyncs += 1
+        for round_id, root in deferred:
+            self._activate(round_id, root)
 
     def on_peer_rejoined(self, peer: int) -> None:
         self.resync_needed = True
