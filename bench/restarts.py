@@ -39,8 +39,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from faults import LaunchRun  # noqa: E402
 
 DIGITS = str(ROOT / "examples" / "train_digits.py")
-PROTOCOLS = ("partial-reduce", "prague", "ad-psgd", "hop", "allreduce", "pipe-sgd", "eager-sgd")
-VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "allreduce": 2, "pipe-sgd": 2, "eager-sgd": 2}
+PROTOCOLS = ("partial-reduce", "prague", "ad-psgd", "hop", "hop-backup", "notify-ack", "allreduce", "pipe-sgd",
+             "eager-sgd")
+VICTIM = {"partial-reduce": 2, "prague": 2, "ad-psgd": 1, "hop": 2, "hop-backup": 2, "notify-ack": 2, "allreduce": 2,
+          "pipe-sgd": 2, "eager-sgd": 2}
+FLAGS = {"hop-backup": ("--protocol", "hop", "--backup-workers", "1")}
+"""Cases that are a protocol with flags (the default case is the protocol of its name)."""
 TRAINING_FIRST = {"ad-psgd": (0, 2)}
 HANG_AFTER_S = 180.0
 
@@ -91,7 +95,8 @@ def trial(protocol: str, iterations: int, kill_at: int, run_dir: Path, start_met
                               "iter_s": None, "stall_s": None, "exit": None, "accuracy": None, "donor": None,
                               "from_iter": None, "note": ""}
     method = ["--start-method", start_method] if start_method else []
-    run = LaunchRun.start(["--nproc", "4", "--protocol", protocol, "--max-restarts", "1", *method, DIGITS,
+    flags = FLAGS.get(protocol, ("--protocol", protocol))
+    run = LaunchRun.start(["--nproc", "4", *flags, "--max-restarts", "1", *method, DIGITS,
                            "--iterations", str(iterations)], run_dir)
     pids: dict[int, int] = {}
     try:
