@@ -17,7 +17,6 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.graph import Graph
 from hopnet.launch.coordinator_proc import CoordinatorProcess
-from hopnet.launch.death_watch import process_state
 from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
@@ -26,6 +25,7 @@ from support.env import clean_env
 from support.launch import kill, run_launch, start_launch
 from support.paths import WORKERS
 from support.records import coordinator_records
+from support.processes import alive
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, pidfd_open)")
 
@@ -99,9 +99,9 @@ def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp
     os.kill(workers.forkserver.pid, signal.SIGKILL)
     assert forked.wait(timeout=30) == -signal.SIGKILL  # killed by the parent-death signal, or by the launcher
     deadline = time.monotonic() + 10
-    while _alive(forked.pid) and time.monotonic() < deadline:
+    while alive(forked.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(forked.pid)
+    assert not alive(forked.pid)
     with pytest.raises(ForkServerGone):
         workers.forkserver.spawn(9, [str(done)], clean_env(), piped=False)
     workers.spawn(1, [*WORKER_ENTRY, str(done)], clean_env())
@@ -110,10 +110,6 @@ def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp
     assert workers.forkserver_failure is not None and not workers.forking
     workers.reap(timeout_s=10)
     workers.close_forkserver()
-
-
-def _alive(pid: int) -> bool:
-    return process_state(pid) not in (None, "Z")
 
 
 def test_exec_start_method_trains_and_is_recorded(tmp_path: Path) -> None:
@@ -125,7 +121,7 @@ def test_exec_start_method_trains_and_is_recorded(tmp_path: Path) -> None:
     assert record["start_method"] == "exec"
     assert sorted(record["worker_pids"]) == ["0", "1"]
     for pid in record["worker_pids"].values():
-        assert not _alive(pid)
+        assert not alive(pid)
 
 
 def test_a_forked_worker_writing_to_a_closed_pipe_gets_an_error_not_a_silent_death(server: ForkServer,
@@ -193,11 +189,11 @@ def test_a_forked_coordinator_ends_with_a_killed_launcher(tmp_path: Path) -> Non
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)
         killed_at = time.monotonic()
-        while _alive(coordinator) and time.monotonic() < killed_at + 5.0:
+        while alive(coordinator) and time.monotonic() < killed_at + 5.0:
             time.sleep(0.05)
-        assert not _alive(coordinator)
+        assert not alive(coordinator)
         assert coordinator_records(run_dir)[-1]["event"] == "stop"  # it got SIGTERM, not SIGKILL
     finally:
-        if coordinator and _alive(coordinator):
+        if coordinator and alive(coordinator):
             os.killpg(coordinator, signal.SIGKILL)
         kill(launcher)

@@ -31,6 +31,7 @@ from hopnet.launch.rendezvous import (
 )
 
 from support.launch import run_launch, start_launch
+from support.processes import alive
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
@@ -40,25 +41,15 @@ def hopnet_launch(*args: str, cwd: Path, timeout: float = 30.0) -> subprocess.Co
     return run_launch(args, cwd=cwd, timeout=timeout)
 
 
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _pids(pid_dir: Path) -> list[int]:
     return [int(p) for f in sorted(pid_dir.glob("rank*.pid")) for p in f.read_text().split()]
 
 
 def _assert_all_gone(pids: list[int], within_s: float = 3.0) -> None:
     deadline = time.monotonic() + within_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
 
 
 def _tagged(stdout: str, tag: str) -> dict[int, str]:

@@ -25,6 +25,7 @@ from support.env import clean_env
 from support.launch import recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import ROOT, WORKERS
 from support.records import records
+from support.processes import alive
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 FAST = ["--dim", "100", "--compute-ms", "1"]
@@ -48,15 +49,6 @@ def summary_line(stderr: str) -> str:
 
 def result_of(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "launch.json").read_text())["result"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _kill_all(pids: list[int]) -> None:
@@ -201,9 +193,9 @@ def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         killed_at = time.monotonic()
-        while any(_alive(p) for p in workers) and time.monotonic() < killed_at + 5.0:
+        while any(alive(p) for p in workers) and time.monotonic() < killed_at + 5.0:
             time.sleep(0.05)
-        assert [p for p in workers if _alive(p)] == []
+        assert [p for p in workers if alive(p)] == []
     finally:
         _kill_all(workers)
         proc.kill()

@@ -26,6 +26,7 @@ from hopnet.analysis import incarnations, load_run
 from support.launch import kill, launch_in_process, recorded_worker_pids, start_launch, worker_pids
 from support.paths import EXAMPLES
 from support.records import LogFollower, coordinator_records
+from support.processes import alive
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 WORLD = 4
@@ -96,14 +97,6 @@ def _signal_in_iteration(proc: subprocess.Popen[str], run_dir: Path, rank: int, 
 
 def _events(recs: list[Record], event: str) -> list[Record]:
     return [r for r in recs if r.get("event") == event]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _check_finished_with_every_rank(run_dir: Path, code: int, out: str, err: str) -> dict[int, list[Record]]:
@@ -182,7 +175,7 @@ def test_a_stopped_worker_is_declared_dead_killed_and_replaced(tmp_path: Path) -
                    iterations=STOPPED_ITERATIONS) as (proc, run_dir):
         stopped = _signal_in_iteration(proc, run_dir, victim, signal.SIGSTOP)  # never continued
         out, err = proc.communicate(timeout=180)
-    assert not _alive(stopped)
+    assert not alive(stopped)
     logs = _check_finished_with_every_rank(run_dir, proc.returncode, out, err)
     _check_replacement(run_dir, logs, victim)
     (restart,) = json.loads((run_dir / "launch.json").read_text())["restarts"]

@@ -31,6 +31,7 @@ from hopnet.report.trace import chrome_trace
 
 from support.launch import launch_in_process, run_launch, start_launch
 from support.paths import ROOT
+from support.processes import alive
 
 CRASH_ONCE = str(ROOT / "tests" / "scripts" / "crash_once.py")
 
@@ -231,14 +232,6 @@ def test_a_worker_that_dies_again_past_the_budget_is_lost(tmp_path: Path, max_fa
         assert record["result"]["lost_ranks"] == [1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -259,9 +252,9 @@ def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> N
     pids = [int(p.read_text()) for p in out.glob("rank*.pid")]
     assert len(pids) == 4  # three workers and the replacement
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 # ---------------------------------------------------------------------- the report
