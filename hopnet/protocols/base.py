@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
-from hopnet.errors import ConfigError
+from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.registry import lookup, specs
 from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
@@ -167,6 +167,43 @@ class Protocol(abc.ABC):
     def summary(self) -> dict[str, Any]:
         """End-of-run counters for the ``stop`` record (high-water marks, skips...)."""
         return {}
+
+
+T = TypeVar("T")
+
+
+class ModelSnapshot:
+    """A copy of a model's flat tensors, to put back when a group a dead member was in broke half-way
+    (``--max-restarts``); the copies are allocated once and reused."""
+
+    def __init__(self) -> None:
+        self._copies: list[torch.Tensor] | None = None
+
+    def take(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self._copies is None:
+            self._copies = [torch.empty_like(t) for t in tensors]
+        for copy, tensor in zip(self._copies, tensors):
+            copy.copy_(tensor)
+
+    def restore(self, tensors: Sequence[torch.Tensor]) -> None:
+        assert self._copies is not None, "restore() before take()"
+        for copy, tensor in zip(self._copies, tensors):
+            tensor.copy_(copy)
+
+
+async def reduce_or_roll_back(node: NodeServices, snapshot: ModelSnapshot, tensors: Sequence[torch.Tensor],
+                              reduce: Awaitable[T]) -> T | PeerFailure:
+    """Run a group's ``reduce`` of ``tensors`` and return its result; when another member died in it
+    (a :class:`PeerFailure` naming a peer), put ``tensors`` back as they were and return that failure
+    instead of raising it: under ``--max-restarts`` the group is lost, not the run."""
+    snapshot.take(tensors)
+    try:
+        return await reduce
+    except PeerFailure as exc:
+        if not node.max_restarts or exc.peer is None or exc.peer == node.rank:
+            raise
+        snapshot.restore(tensors)
+        return exc
 
 
 async def allreduce_each(collective: AllReduce, group: Sequence[int], tensors: Sequence[torch.Tensor],

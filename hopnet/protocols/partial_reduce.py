@@ -57,7 +57,7 @@ from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
-from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
+from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -104,7 +104,7 @@ class PartialReduceProtocol(Protocol):
         self._aborted: dict[int, tuple[int, int, str]] = {}  # gid -> (reporter, peer, state)
         self._last_gid = -1
         self.groups_failed = 0  # groups a dead member took with it (--max-restarts: rolled back)
-        self._before: list[torch.Tensor] | None = None  # the model before the running group (--max-restarts)
+        self._before = ModelSnapshot()  # the model before the running group (--max-restarts)
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -220,23 +220,14 @@ class PartialReduceProtocol(Protocol):
         goes back to what it was before the group and this worker carries on, as if it had been
         grouped alone (the controller groups the others without the dead one, and takes its
         replacement back). Whether the group ran."""
-        if self._before is None:
-            self._before = [torch.empty_like(flat) for flat in self.flats]
-        for saved, flat in zip(self._before, self.flats):
-            saved.copy_(flat)
-        try:
-            await self._reduce(members, gid, beta, k)
-        except PeerFailure as exc:
-            if exc.peer is None or exc.peer == self.rank:
-                raise
-            for saved, flat in zip(self._before, self.flats):
-                flat.copy_(saved)
-            self._broken = False
-            self.groups_failed += 1
-            self.node.record("group_failed", iter=k, gid=gid, members=list(members), peer=exc.peer,
-                             peer_state=exc.peer_state)
-            return False
-        return True
+        failure = await reduce_or_roll_back(self.node, self._before, self.flats, self._reduce(members, gid, beta, k))
+        if not isinstance(failure, PeerFailure):
+            return True
+        self._broken = False
+        self.groups_failed += 1
+        self.node.record("group_failed", iter=k, gid=gid, members=list(members), peer=failure.peer,
+                         peer_state=failure.peer_state)
+        return False
 
     async def _tell_members(self, gid: int, members: tuple[int, ...], peer: int | None, state: str) -> None:
         others = [m for m in members if m != self.rank and m not in self.node.dead and m not in self.node.departed]

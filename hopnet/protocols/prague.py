@@ -61,7 +61,7 @@ from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
-from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
+from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -94,7 +94,7 @@ class PragueProtocol(Protocol):
         self._said_bye = False
         self._failed = False  # a step raised: leave without waiting for the GG, and say so
         self.groups_failed = 0  # P-Reduces a dead member took with it (--max-restarts: rolled back)
-        self._before: list[torch.Tensor] | None = None  # the model before the running P-Reduce (--max-restarts)
+        self._before = ModelSnapshot()  # the model before the running P-Reduce (--max-restarts)
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -217,20 +217,13 @@ class PragueProtocol(Protocol):
         """With ``--max-restarts`` a member that dies takes the P-Reduce with it, not the run: the model
         goes back to what it was before the group, and the group is acknowledged as run (the GG
         releases the dead member itself, and takes its replacement back)."""
-        if self._before is None:
-            self._before = [torch.empty_like(flat) for flat in self.flats]
-        for saved, flat in zip(self._before, self.flats):
-            saved.copy_(flat)
-        try:
-            await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}")
-        except PeerFailure as exc:
-            if exc.peer is None or exc.peer == self.rank:
-                raise
-            for saved, flat in zip(self._before, self.flats):
-                flat.copy_(saved)
+        failure = await reduce_or_roll_back(
+            self.node, self._before, self.flats,
+            allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}"))
+        if isinstance(failure, PeerFailure):
             self.groups_failed += 1
-            self.node.record("group_failed", iter=self.iteration, gid=gid, members=members, peer=exc.peer,
-                             peer_state=exc.peer_state)
+            self.node.record("group_failed", iter=self.iteration, gid=gid, members=members, peer=failure.peer,
+                             peer_state=failure.peer_state)
 
     async def _static_sync(self, k: int) -> None:
         group = static_group(self.rank, k, self.machines)

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hopnet.errors import PeerFailure
-from hopnet.protocols.base import allreduce_each
+from hopnet.protocols.base import ModelSnapshot, allreduce_each, reduce_or_roll_back
 from hopnet.runtime.services import AllReduce, NodeServices
 
 
@@ -37,17 +36,15 @@ async def resynchronize(node: NodeServices, collective: AllReduce, everyone: Seq
     docstring). A member dying meanwhile starts it over, once its replacement is there; a failure
     naming this rank, or with no replacements to come, is raised."""
     node.handover_point()  # a replacement, or a rank behind, may ask for this worker's state here
+    snapshot = ModelSnapshot()
     try:
         while True:
             await node.wait_for_rejoins(f"rank {node.rank}'s resync in iteration {iteration}")
-            saved = [t.clone() for t in model]
-            try:
-                return await _resync_once(node, collective, everyone, iteration, model, tag, timeout_s, counters)
-            except PeerFailure as exc:
-                if not node.max_restarts or exc.peer is None or exc.peer == node.rank:
-                    raise
-                for tensor, copy in zip(model, saved):
-                    tensor.copy_(copy)
+            done = await reduce_or_roll_back(
+                node, snapshot, model, _resync_once(node, collective, everyone, iteration, model, tag, timeout_s,
+                                                    counters))
+            if isinstance(done, Resynced):
+                return done
     finally:
         node.handover_point(False)
 
@@ -69,9 +66,9 @@ async def _resync_once(node: NodeServices, collective: AllReduce, everyone: Sequ
         for tensor in model:
             tensor.zero_()
     await allreduce_each(collective, everyone, model, "sum", tag=tag("resync/model"))
-    result = Resynced(leader, furthest, tuple(int(row.max()) for row in table[1:]))
+    done = Resynced(leader, furthest, tuple(int(row.max()) for row in table[1:]))
     node.record("resynced", iter=iteration, to=furthest, leader=leader, epoch=node.epoch)
-    return result
+    return done
 
 
 __all__ = ["Resynced", "resynchronize"]
