@@ -56,7 +56,10 @@ def _run(launch, run_dir: Path, protocol: str, *args: str, workers: int = WORKER
 def test_every_protocol_trains_it_and_ends_with_the_average_model(launch, tmp_path: Path, protocol: str) -> None:
     """Two workers and a short run per protocol (the whole run on four: below)."""
     run_dir = tmp_path / "run"
-    own, consensus = _run(launch, run_dir, protocol, "--iterations", "50", workers=2)
+    # eager-SGD's solo rounds run without a rank whose compute a busy machine delays (its gradient is
+    # stale then, and only some rounds take it): 50 iterations left a rank at 0.66 on a loaded CI run.
+    iterations = "100" if protocol == "eager-sgd" else "50"
+    own, consensus = _run(launch, run_dir, protocol, "--iterations", iterations, workers=2)
     assert consensus >= 0.85 and min(own.values()) >= 0.8, (own, consensus)
     states = _states(run_dir, 2)
     saved = torch.load(run_dir / "model.pt")
