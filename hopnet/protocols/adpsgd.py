@@ -184,6 +184,9 @@ class AdPsgdProtocol(Protocol):
         self._awaited = partner
         sent = self.node.post_tracked(Message(REQUEST, self.rank, partner, k, tensors=list(self.flats)))
         began = loop.time()
+        # Waiting, the model does not change until the reply: a neighbour's replacement may take it now
+        # (the passive it waits for may be that replacement, which serves only once it holds a model).
+        self.node.handover_point()
         try:
             served = await self.node.clock.wait(self._reply, f"the averaging reply of passive {partner}",
                                                 peer=partner, iteration=k)
@@ -191,6 +194,7 @@ class AdPsgdProtocol(Protocol):
             raise WaitTimeout(exc.what, peer=partner, iteration=k, waited_s=exc.waited_s,
                               peer_state=self.node.peer_state(partner)) from None
         finally:
+            self.node.handover_point(False)
             self._awaited = None
             self._reply = None
             self.node.waited("updates", loop.time() - began)
