@@ -432,9 +432,19 @@ def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float,
     """Send one request; the reply, or ``None`` after ``timeout_s``."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     _connect(sock, endpoint, curve)
+    deadline = time.monotonic() + timeout_s
     try:
-        sock.send(_encode(request))
-        deadline = time.monotonic() + timeout_s
+        # A REQ socket holds a send until a connection completes, and one the
+        # server refuses (a wrong CurveZMQ key) never does: wait only so long.
+        while True:
+            if sock.poll(_poll_ms(deadline), zmq.POLLOUT):
+                try:
+                    sock.send(_encode(request), zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    pass
+            if time.monotonic() >= deadline:
+                return None
         while not sock.poll(_poll_ms(deadline), zmq.POLLIN):
             if time.monotonic() >= deadline:
                 return None
@@ -447,9 +457,17 @@ async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: f
                          curve: CurveKeys | None = None) -> dict[str, Any] | None:
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
     _connect(sock, endpoint, curve)
+    deadline = time.monotonic() + timeout_s
     try:
-        await sock.send(_encode(request))
-        deadline = time.monotonic() + timeout_s
+        while True:  # as in _request_sync: a refused connection never takes the send
+            if await sock.poll(_poll_ms(deadline), zmq.POLLOUT):
+                try:
+                    await sock.send(_encode(request), zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    pass
+            if time.monotonic() >= deadline:
+                return None
         while not await sock.poll(_poll_ms(deadline)):  # flags default to POLLIN
             if time.monotonic() >= deadline:
                 return None
