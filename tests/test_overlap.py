@@ -16,6 +16,7 @@ import torch
 from hopnet import DistributedOptimizer, ProtocolConfig
 from hopnet.protocols.allreduce import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
+from hopnet.protocols.pipesgd import PipeSgdOptions
 
 from support.bn_task import LR, cnn, set_lr, state
 from support.env import clean_env
@@ -30,8 +31,10 @@ SMALL_MB = 1000 / MB  # the test model's 5.2 K parameters in 3 buckets
 TIMEOUT_S = 30.0
 
 
-def config(bucket_mb: float) -> ProtocolConfig:
-    return ProtocolConfig("allreduce", options=AllReduceOptions(bucket_mb=bucket_mb), timeout_s=TIMEOUT_S)
+def config(bucket_mb: float, protocol: str = "allreduce") -> ProtocolConfig:
+    options = AllReduceOptions(bucket_mb=bucket_mb) if protocol == "allreduce" \
+        else PipeSgdOptions(pipeline_k=1, bucket_mb=bucket_mb)
+    return ProtocolConfig(protocol, options=options, timeout_s=TIMEOUT_S)
 
 
 def test_buckets_are_contiguous_slices_in_reverse_parameter_order() -> None:
@@ -42,7 +45,8 @@ def test_buckets_are_contiguous_slices_in_reverse_parameter_order() -> None:
     assert [(b.start, b.stop, b.members) for b in one] == [(0, 10, (2, 1, 0))]
 
 
-def train(bucket_mb: float, run: str = "plain", steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+def train(bucket_mb: float, run: str = "plain", steps: int = STEPS,
+          protocol: str = "allreduce") -> list[dict[str, torch.Tensor]]:
     """Every rank's state after ``steps`` steps of bn_task's model: one backward pass per step
     (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``)."""
 
@@ -65,10 +69,10 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS) -> list[dict
             opt.step()
         return state(model)
 
-    return run_ranks(WORLD, config(bucket_mb), body)
+    return run_ranks(WORLD, config(bucket_mb, protocol), body)
 
 
-def grads_after_backward(bucket_mb: float, deferred: bool) -> list[torch.Tensor]:
+def grads_after_backward(bucket_mb: float, deferred: bool, protocol: str = "allreduce") -> list[torch.Tensor]:
     """Each rank's gradient as ``backward()`` (inside ``no_sync()`` if ``deferred``) leaves it."""
 
     def body(rank: int, start: Start) -> torch.Tensor:
@@ -82,7 +86,7 @@ def grads_after_backward(bucket_mb: float, deferred: bool) -> list[torch.Tensor]
         opt.step()
         return grads
 
-    return run_ranks(WORLD, config(bucket_mb), body)
+    return run_ranks(WORLD, config(bucket_mb, protocol), body)
 
 
 class _nothing:
@@ -93,14 +97,21 @@ class _nothing:
         return None
 
 
-def test_the_gradient_is_averaged_when_backward_returns() -> None:
-    averaged = grads_after_backward(SMALL_MB, deferred=False)
+@pytest.mark.parametrize("protocol", ["allreduce", "pipe-sgd"])  # pipe-sgd with K = 1
+def test_the_gradient_is_averaged_when_backward_returns(protocol: str) -> None:
+    averaged = grads_after_backward(SMALL_MB, deferred=False, protocol=protocol)
     torch.testing.assert_close(averaged[0], averaged[1], rtol=0, atol=0)
-    local = grads_after_backward(SMALL_MB, deferred=True)  # no_sync(): the step averages it
+    local = grads_after_backward(SMALL_MB, deferred=True, protocol=protocol)  # no_sync(): the step averages it
     assert not torch.equal(local[0], local[1])
     torch.testing.assert_close(averaged[0], (local[0] + local[1]) / 2, rtol=0, atol=1e-6)
-    at_step = grads_after_backward(0.0, deferred=False)  # --bucket-mb 0: nothing before the step
+    at_step = grads_after_backward(0.0, deferred=False, protocol=protocol)  # --bucket-mb 0: nothing before the step
     assert torch.equal(at_step[0], local[0]) and torch.equal(at_step[1], local[1])
+
+
+def test_pipe_sgd_with_k_1_in_buckets_is_bitwise_allreduce_in_buckets() -> None:
+    pipe, allreduce = train(SMALL_MB, "accumulate", steps=4, protocol="pipe-sgd"), train(SMALL_MB, "accumulate", steps=4)
+    for name, tensor in allreduce[0].items():
+        assert torch.equal(tensor, pipe[0][name]), name
 
 
 def test_bucket_mb_0_and_one_bucket_give_bitwise_the_same_model() -> None:

@@ -31,9 +31,6 @@ a member that was behind, or of the replacement (fresh), differs from the others
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,14 +40,14 @@ from hopnet.errors import PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
-from hopnet.options import option
 from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.protocols.overlap import MB, BackwardReducer
+from hopnet.protocols.overlap import DEFAULT_BUCKET_MB, BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
 
+__all__ = ["DEFAULT_BUCKET_MB", "AllReduceOptions", "AllReduceProtocol"]
+
 TAG_PREFIX = "allreduce"
-DEFAULT_BUCKET_MB = 25.0
 
 
 class AllReduceProtocol(AllRanksGradientProtocol):
@@ -61,46 +58,9 @@ class AllReduceProtocol(AllRanksGradientProtocol):
     def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None,
                  model: ModelState | None = None, options: GradientOptions | None = None) -> None:
         super().__init__(config, grads, model, options)
-        self.bucket_mb = options.bucket_mb if isinstance(options, AllReduceOptions) else 0.0
-        self.reducer: BackwardReducer | None = None
-        """The hooks that reduce the gradient in buckets during the backward pass (``--bucket-mb``)."""
+        self.bucket_mb = options.bucket_mb if isinstance(options, BucketOptions) else 0.0
         self.voided: int | None = None  # the iteration a resync found this worker behind in
         self._saved: torch.Tensor | None = None  # the gradient before its round (--max-restarts)
-
-    async def start(self) -> None:
-        await super().start()
-        grads = self.grads
-        # Not under --max-restarts: a round a dead member broke is retried whole, after a resync.
-        if self.bucket_mb > 0 and isinstance(grads, FlatGradients) and not grads.packed \
-                and not self.node.max_restarts and len(self.everyone) > 1 and self.reducer is None:
-            self.reducer = BackwardReducer(grads, self.bucket_mb * MB, self._reduce_bucket, self._bucket_tag,
-                                           asyncio.get_running_loop())
-
-    def _reduce_bucket(self, tensor: torch.Tensor, tag: str) -> Awaitable[torch.Tensor]:
-        return self.node.collective.allreduce(self.everyone, tensor, "mean", tag=tag)
-
-    def _bucket_tag(self, backward: int, bucket: int) -> str:
-        return self._tag(f"{self.iteration}/{backward}/{bucket}")
-
-    def defer_gradient_sync(self, deferred: bool) -> None:
-        if self.reducer is not None:
-            self.reducer.enabled = not deferred
-
-    async def stop(self) -> None:
-        if self.reducer is not None:
-            self.reducer.close()
-        await super().stop()
-
-    def _reduced_in_backward(self) -> bool:
-        """Whether the backward passes of this iteration reduced its gradient already (and consume it)."""
-        reducer = self.reducer
-        if reducer is None:
-            return False
-        error, reduced = reducer.error, reducer.reduced and not reducer.unreduced
-        reducer.reset()
-        if error is not None:
-            raise error
-        return reduced
 
     async def synchronize(self) -> None:
         k = self.iteration
@@ -176,11 +136,7 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
 
 
-@dataclass(frozen=True)
-class AllReduceOptions(GradientOptions):
-    bucket_mb: float = option(DEFAULT_BUCKET_MB, minimum=0, metavar="MB",
-                              help="all-reduce the gradient in buckets of at most this many MiB while the backward "
-                                   "pass runs, as torch DDP's bucket_cap_mb; 0: one all-reduce at the step")
+AllReduceOptions = BucketOptions
 
 
 register(ProtocolSpec(
