@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hopnet import DistributedOptimizer, ProtocolConfig
+from hopnet import DistributedOptimizer, PeerFailure, ProtocolConfig
 from hopnet.protocols.allreduce import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
 from hopnet.protocols.pipesgd import PipeSgdOptions
@@ -145,3 +145,26 @@ def test_allreduce_in_buckets_equals_ddp(ddp_states: dict[str, dict[str, torch.T
     for name, tensor in ranks[0].items():
         if "running" not in name and "num_batches" not in name:  # buffers: each rank's own (flatten_parameters)
             assert torch.equal(tensor, ranks[1][name]), name
+
+
+def test_a_peer_gone_in_the_backward_pass_fails_the_step_naming_it() -> None:
+    def body(rank: int, start: Start) -> str:
+        model = seeded(cnn)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), worker)
+        for step in worker.iterations(STEPS):
+            if rank == 1 and step == 2:
+                worker.close()  # leaves: it takes part in no round of iteration 2
+                return "left"
+            opt.zero_grad()
+            x, y = micro_batch(rank, WORLD, step, 0)
+            torch.nn.CrossEntropyLoss()(model(x), y).backward()  # the round's failure is kept for the step
+            try:
+                opt.step()
+            except PeerFailure as exc:
+                return f"{step}: {exc}"
+        return "finished"
+
+    left, failed = run_ranks(WORLD, config(SMALL_MB), body)[::-1]
+    assert left == "left"
+    assert failed.startswith("2: ") and "rank 1" in failed, failed
