@@ -42,6 +42,11 @@ after ``pipe/{t}``, and written into the model when step 2 applies ``t``'s gradi
 lag ``K-1`` iterations, as the gradients do. The drain adopts the last one, so every rank ends
 with the same buffers.
 
+Overlap with the backward pass (``--bucket-mb``, :mod:`hopnet.protocols.overlap`): with ``K = 1``
+the model's flat gradients are all-reduced in buckets while the backward pass runs, as under
+``allreduce``; step 1 then launches only the model buffers' part of the chain. With ``K > 1`` the
+option is ignored: the all-reduces already run behind the next iterations' compute.
+
 Gradients of several dtypes (:attr:`FlatGradients.packed`) are reduced in one packed buffer
 through a slot, like a bare tensor, and unpacked into the ``.grad`` views when applied.
 
