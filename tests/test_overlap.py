@@ -168,3 +168,44 @@ def test_a_peer_gone_in_the_backward_pass_fails_the_step_naming_it() -> None:
     left, failed = run_ranks(WORLD, config(SMALL_MB), body)[::-1]
     assert left == "left"
     assert failed.startswith("2: ") and "rank 1" in failed, failed
+
+
+class _WithUnused(torch.nn.Module):
+    """bn_task's model beside a layer no forward pass reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = cnn()
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_replaced_grads_are_copied_back_and_unused_parameters_end_their_bucket() -> None:
+    """The trainer zeroes with set_to_none on the wrapped optimizer (backward then makes new .grad tensors)
+    and one layer gets no gradient: every bucket still completes, each .grad is its view again, averaged."""
+
+    def body(rank: int, start: Start) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        model = seeded(_WithUnused)
+        worker = start(model)
+        inner = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in worker.iterations(3):
+            inner.zero_grad(set_to_none=True)
+            x, y = micro_batch(rank, WORLD, step, 0)
+            torch.nn.CrossEntropyLoss()(model(x), y).backward()
+            grads = worker.grads.buffer.clone()
+            aliased = worker.grads.aliased()
+            worker.step(inner.step)
+        return grads, aliased, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    for bucket_mb in (SMALL_MB, 0.0):
+        ranks = run_ranks(WORLD, config(bucket_mb), body)
+        if bucket_mb:  # (with --bucket-mb 0 the step copies them back)
+            assert all(aliased for _, aliased, _ in ranks)
+            assert torch.equal(ranks[0][0], ranks[1][0])  # averaged during the backward pass
+            in_buckets = ranks[0][2]
+        else:
+            torch.testing.assert_close(ranks[0][2], in_buckets, rtol=0, atol=1e-6)
+    unused = seeded(_WithUnused).unused
+    assert torch.equal(in_buckets[-12:], torch.cat([unused.weight.detach().flatten(), unused.bias.detach()]))
