@@ -1,0 +1,89 @@
+"""Peak RSS per worker against the model's size (issue 18: memory bounded by the model).
+
+    python bench/memory.py                        # every setting at 1, 100 and 400 MB
+    python bench/memory.py --sizes 1 100 --settings hop prague
+
+Each run is one ``hopnet launch --nproc 4`` (the default ring) of examples/synthetic.py
+through bench/memory_worker.py: a float32 vector of ``--model-mb`` MB mixed for real over
+ZeroMQ, ``--iterations`` iterations of ``--compute-ms`` emulated compute. Each worker
+reports its RSS before the model is built and its peak RSS (VmHWM) over the run.
+
+Columns: ``peak`` is the largest worker's peak RSS; ``beyond`` is peak minus the same
+setting's peak with a 1 MB model (the process's baseline: torch, hopnet, the transport),
+and ``x model`` is ``beyond / model``; ``x model (own)`` divides peak minus the worker's
+own RSS before the model was built (that baseline leaves out what the run allocates
+besides the model, so it reads a little higher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "memory_worker.py"
+
+SETTINGS: dict[str, list[str]] = {
+    "hop": ["--protocol", "hop"],
+    "hop-stale": ["--protocol", "hop", "--staleness", "2", "--max-ig", "4"],
+    "hop-backup": ["--protocol", "hop", "--backup-workers", "1"],
+    "prague": ["--protocol", "prague", "--group-size", "2"],
+    "ad-psgd": ["--protocol", "ad-psgd"],
+    "partial-reduce": ["--protocol", "partial-reduce", "--group-size", "2"],
+}
+
+
+def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path) -> list[dict[str, int]]:
+    out = tmp / f"{setting}-{model_mb}"
+    out.mkdir()
+    command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--no-progress",
+               "--run-dir", str(out / "run"), *SETTINGS[setting], str(WORKER),
+               "--model-mb", str(model_mb), "--iterations", str(args.iterations), "--warmup", "1",
+               "--compute-ms", str(args.compute_ms), "--quiet"]
+    env = dict(os.environ, HOPNET_MEMORY_OUT=str(out))
+    proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{setting} at {model_mb} MB failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100, 400], help="model sizes in MB")
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--json", type=Path, help="also write the raw numbers here")
+    args = parser.parse_args()
+    sizes = sorted(set(args.sizes) | {1.0})
+    raw: dict[str, dict[str, list[dict[str, int]]]] = {}
+    print("| setting | model MB | peak MB | beyond 1 MB run | x model | x model (own) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory(prefix="hopnet-memory-") as tmp:
+        for setting in args.settings:
+            raw[setting] = {}
+            floor = 0.0
+            for mb in sizes:
+                ranks = one_run(setting, mb, args, Path(tmp))
+                raw[setting][str(mb)] = ranks
+                peak = max(r["peak_kb"] for r in ranks) / 1000
+                own = max((r["peak_kb"] - r["baseline_kb"]) for r in ranks) / 1000
+                if mb == 1.0:
+                    floor = peak
+                    print(f"| {setting} | {mb:g} | {peak:.0f} | | | |", flush=True)
+                    continue
+                beyond = peak - floor
+                print(f"| {setting} | {mb:g} | {peak:.0f} | {beyond:.0f} | {beyond / mb:.2f} | {own / mb:.2f} |",
+                      flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(raw, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
