@@ -3,10 +3,12 @@
     python bench/memory.py                        # every setting at 1, 100 and 400 MB
     python bench/memory.py --sizes 1 100 --settings hop prague
 
-Each run is one ``hopnet launch --nproc 4`` (the default ring) of examples/synthetic.py
-through bench/memory_worker.py: a float32 vector of ``--model-mb`` MB mixed for real over
-ZeroMQ, ``--iterations`` iterations of ``--compute-ms`` emulated compute. Each worker
-reports its RSS before the model is built and its peak RSS (VmHWM) over the run.
+Each run is one ``hopnet launch --nproc 4`` (the default ring unless the setting names a
+graph) of examples/synthetic.py through bench/memory_worker.py: a float32 vector of
+``--model-mb`` MB mixed for real, ``--iterations`` iterations of ``--compute-ms`` emulated
+compute. Updates travel on the default plane (``--bulk auto``: gloo for messages of 16 MiB
+or more, ZeroMQ below) unless the setting says otherwise. Each worker reports its RSS
+before the model is built and its peak RSS (VmHWM) over the run.
 
 Columns: ``peak`` is the largest worker's peak RSS; ``beyond`` is peak minus the same
 setting's peak with a 1 MB model (the process's baseline: torch, hopnet, the transport),
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,8 @@ SETTINGS: dict[str, list[str]] = {
     "hop": ["--protocol", "hop"],
     "hop-stale": ["--protocol", "hop", "--staleness", "2", "--max-ig", "4"],
     "hop-backup": ["--protocol", "hop", "--backup-workers", "1"],
+    "hop-complete": ["--protocol", "hop", "--graph", "complete:4"],  # in-degree 3 instead of 2
+    "hop-zmq": ["--protocol", "hop", "--bulk", "zmq"],  # updates over ZeroMQ (auto: gloo from 16 MiB)
     "prague": ["--protocol", "prague", "--group-size", "2"],
     "ad-psgd": ["--protocol", "ad-psgd"],
     "partial-reduce": ["--protocol", "partial-reduce", "--group-size", "2"],
@@ -41,21 +46,25 @@ SETTINGS: dict[str, list[str]] = {
 def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path) -> list[dict[str, int]]:
     out = tmp / f"{setting}-{model_mb}"
     out.mkdir()
-    command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--no-progress",
+    command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), "--no-progress",
                "--run-dir", str(out / "run"), *SETTINGS[setting], str(WORKER),
                "--model-mb", str(model_mb), "--iterations", str(args.iterations), "--warmup", "1",
                "--compute-ms", str(args.compute_ms), "--quiet"]
     env = dict(os.environ, HOPNET_MEMORY_OUT=str(out))
     proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{setting} at {model_mb} MB failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        kept = Path(tempfile.mkdtemp(prefix=f"hopnet-memory-failed-{setting}-{model_mb:g}-"))
+        shutil.copytree(out / "run", kept / "run")
+        raise SystemExit(f"{setting} at {model_mb} MB failed ({proc.returncode}); its run dir is kept in {kept}:\n"
+                         f"{proc.stdout}\n{proc.stderr}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100, 400], help="model sizes in MB")
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
