@@ -45,6 +45,10 @@ SETTINGS: dict[str, list[str]] = {
 }
 
 
+class RunFailed(Exception):
+    """A launch that failed: (what, its output)."""
+
+
 def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path) -> list[dict[str, int]]:
     out = tmp / f"{setting}-{model_mb}"
     out.mkdir()
@@ -57,8 +61,7 @@ def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path) 
     if proc.returncode != 0:
         kept = Path(tempfile.mkdtemp(prefix=f"hopnet-memory-failed-{setting}-{model_mb:g}-"))
         shutil.copytree(out / "run", kept / "run")
-        raise SystemExit(f"{setting} at {model_mb} MB failed ({proc.returncode}); its run dir is kept in {kept}:\n"
-                         f"{proc.stdout}\n{proc.stderr}")
+        raise RunFailed(f"exit code {proc.returncode}, run dir kept in {kept}", f"{proc.stdout}\n{proc.stderr}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
 
 
@@ -80,7 +83,12 @@ def main() -> int:
             raw[setting] = {}
             floor = 0.0
             for mb in sizes:
-                ranks = one_run(setting, mb, args, Path(tmp))
+                try:
+                    ranks = one_run(setting, mb, args, Path(tmp))
+                except RunFailed as failed:
+                    print(f"| {setting} | {mb:g} | failed: {failed.args[0]} | | | |", flush=True)
+                    print(failed.args[1], file=sys.stderr)
+                    continue
                 raw[setting][str(mb)] = ranks
                 peak = max(r["peak_kb"] for r in ranks) / 1000
                 own = max((r["peak_kb"] - r["baseline_kb"]) for r in ranks) / 1000
