@@ -10,7 +10,7 @@ compute. Updates travel on the default plane (``--bulk auto``: gloo for messages
 or more, ZeroMQ below) unless the setting says otherwise. Each worker reports its RSS
 before the model is built and its peak RSS (VmHWM) over the run.
 
-Columns: ``peak`` is the largest worker's peak RSS; ``beyond`` is peak minus the same
+Columns (MB of 10^6 bytes, as ``--model-mb``): ``peak`` is the largest worker's peak RSS; ``beyond`` is peak minus the same
 setting's peak with a 1 MB model (the process's baseline: torch, hopnet, the transport),
 and ``x model`` is ``beyond / model``; ``x model (own)`` divides peak minus the worker's
 own RSS before the model was built (that baseline leaves out what the run allocates
@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "memory_worker.py"
+KIB, MB = 1024, 1_000_000  # /proc's "kB" are KiB; --model-mb counts 10^6 bytes
 
 SETTINGS: dict[str, list[str]] = {
     "hop": ["--protocol", "hop"],
@@ -90,8 +91,8 @@ def main() -> int:
                     print(failed.args[1], file=sys.stderr)
                     continue
                 raw[setting][str(mb)] = ranks
-                peak = max(r["peak_kb"] for r in ranks) / 1000
-                own = max((r["peak_kb"] - r["baseline_kb"]) for r in ranks) / 1000
+                peak = max(r["peak_kb"] for r in ranks) * KIB / MB
+                own = max((r["peak_kb"] - r["baseline_kb"]) for r in ranks) * KIB / MB
                 if mb == 1.0:
                     floor = peak
                     print(f"| {setting} | {mb:g} | {peak:.0f} | | | |", flush=True)
