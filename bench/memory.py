@@ -10,8 +10,9 @@ compute. Updates travel on the default plane (``--bulk auto``: gloo for messages
 or more, ZeroMQ below) unless the setting says otherwise. Each worker reports its RSS
 before the model is built and its peak RSS (VmHWM) over the run.
 
-Columns (MB of 10^6 bytes, as ``--model-mb``): ``peak`` is the largest worker's peak RSS; ``beyond`` is peak minus the same
-setting's peak with a 1 MB model (the process's baseline: torch, hopnet, the transport),
+Columns (MB of 10^6 bytes, as ``--model-mb``; ``min-max`` over ``--repeat`` runs): ``peak``
+is the largest worker's peak RSS; ``beyond`` is peak minus the same setting's (highest) peak
+with a 1 MB model (the process's baseline: torch, hopnet, the transport),
 and ``x model`` is ``beyond / model``; ``x model (own)`` divides peak minus the worker's
 own RSS before the model was built (that baseline leaves out what the run allocates
 besides the model, so it reads a little higher).
@@ -50,8 +51,14 @@ class RunFailed(Exception):
     """A launch that failed: (what, its output)."""
 
 
-def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path) -> list[dict[str, int]]:
-    out = tmp / f"{setting}-{model_mb}"
+def span(values: list[float], scale: float, fmt: str) -> str:
+    """``min-max`` of sorted ``values / scale`` (one value alone when they agree)."""
+    low, high = format(values[0] / scale, fmt), format(values[-1] / scale, fmt)
+    return low if low == high else f"{low}-{high}"
+
+
+def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path, index: int) -> list[dict[str, int]]:
+    out = tmp / f"{setting}-{model_mb}-{index}"
     out.mkdir()
     command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), "--no-progress",
                "--run-dir", str(out / "run"), *SETTINGS[setting], str(WORKER),
@@ -71,35 +78,42 @@ def main() -> int:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100, 400], help="model sizes in MB")
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per setting and size (peaks vary run to run)")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = parser.parse_args()
     sizes = sorted(set(args.sizes) | {1.0})
-    raw: dict[str, dict[str, list[dict[str, int]]]] = {}
-    print("| setting | model MB | peak MB | beyond 1 MB run | x model | x model (own) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    raw: dict[str, dict[str, list[list[dict[str, int]]]]] = {}
+    print("| setting | model MB | runs | peak MB | beyond 1 MB run | x model | x model (own) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory(prefix="hopnet-memory-") as tmp:
         for setting in args.settings:
             raw[setting] = {}
-            floor = 0.0
+            floor: float | None = None
             for mb in sizes:
-                try:
-                    ranks = one_run(setting, mb, args, Path(tmp))
-                except RunFailed as failed:
-                    print(f"| {setting} | {mb:g} | failed: {failed.args[0]} | | | |", flush=True)
-                    print(failed.args[1], file=sys.stderr)
+                runs = []
+                for i in range(args.repeat):
+                    try:
+                        runs.append(one_run(setting, mb, args, Path(tmp), i))
+                    except RunFailed as failed:
+                        print(f"| {setting} | {mb:g} | failed: {failed.args[0]} | | | | |", flush=True)
+                        print(failed.args[1], file=sys.stderr)
+                raw[setting][str(mb)] = runs
+                if not runs:
                     continue
-                raw[setting][str(mb)] = ranks
-                peak = max(r["peak_kb"] for r in ranks) * KIB / MB
-                own = max((r["peak_kb"] - r["baseline_kb"]) for r in ranks) * KIB / MB
+                # the largest worker's peak in each run
+                peaks = sorted(max(r["peak_kb"] for r in ranks) * KIB / MB for ranks in runs)
+                owns = sorted(max(r["peak_kb"] - r["baseline_kb"] for r in ranks) * KIB / MB for ranks in runs)
                 if mb == 1.0:
-                    floor = peak
-                    print(f"| {setting} | {mb:g} | {peak:.0f} | | | |", flush=True)
+                    floor = peaks[-1]
+                    print(f"| {setting} | {mb:g} | {len(runs)} | {span(peaks, 1, '.0f')} | | | |", flush=True)
                     continue
-                beyond = peak - floor
-                print(f"| {setting} | {mb:g} | {peak:.0f} | {beyond:.0f} | {beyond / mb:.2f} | {own / mb:.2f} |",
-                      flush=True)
+                if floor is None:
+                    continue
+                beyond = [p - floor for p in peaks]
+                print(f"| {setting} | {mb:g} | {len(runs)} | {span(peaks, 1, '.0f')} | {span(beyond, 1, '.0f')} | "
+                      f"{span(beyond, mb, '.2f')} | {span(owns, mb, '.2f')} |", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(raw, indent=1))
     return 0
