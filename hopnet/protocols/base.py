@@ -201,8 +201,10 @@ async def reduce_or_roll_back(node: NodeServices, snapshot: ModelSnapshot, tenso
                               reduce: Awaitable[T]) -> T | PeerFailure:
     """Run a group's ``reduce`` of ``tensors`` and return its result; when another member died in it
     (a :class:`PeerFailure` naming a peer), put ``tensors`` back as they were and return that failure
-    instead of raising it: under ``--max-restarts`` the group is lost, not the run."""
-    snapshot.take(tensors)
+    instead of raising it: under ``--max-restarts`` the group is lost, not the run. Without
+    ``--max-restarts`` nothing is copied (the copy would be a second model in memory)."""
+    if node.max_restarts:
+        snapshot.take(tensors)
     try:
         return await reduce
     except PeerFailure as exc:

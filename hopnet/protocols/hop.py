@@ -49,6 +49,7 @@ from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.runtime.mix_sums import MixSums, mix_into
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
@@ -58,6 +59,10 @@ CREDIT = "c"
 WELCOME = "hop_welcome"
 """Worker -> a neighbour's replacement (``--max-restarts``): the iteration it is in, and, when it
 sends updates to that neighbour, its update of that iteration (the one the dead process got)."""
+
+
+_ANY_SENDER = -1
+"""The receive pool's one key (see :class:`BufferPool`): buffers are shared by all senders."""
 
 
 class HopProtocol(Protocol):
@@ -105,8 +110,15 @@ class HopProtocol(Protocol):
             flats = self.flats
             factory = lambda: [torch.empty_like(f) for f in flats]  # noqa: E731
         self.num_slots = self._slots_needed(graph)
-        self.pool = BufferPool(factory, self.in_peers, per_sender=min(2, self.num_slots))
-        self.queue = UpdateQueue(self.num_slots, self.pool)
+        # One pool for every sender: a buffer is held only while it is received, summed or (with
+        # staleness) the newest update of its sender, so no sender needs buffers of its own.
+        self.pool = BufferPool(factory, (_ANY_SENDER,), per_sender=1)
+        self.queue = UpdateQueue(self.num_slots)
+        self.summing = self.staleness is None and bool(self.flats)
+        """Mix by accumulation (:mod:`hopnet.runtime.mix_sums`): the queue then only records which
+        updates came. With staleness the newest update of a sender replaces its older one, which
+        a sum could not take back, so the queue keeps the newest update's tensors until the reduce."""
+        self.sums = MixSums(self._release)
         self.tokens = TokenCredits(self.out_peers, self.options.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
         self.last_used: dict[int, int] = {j: -1 for j in self.in_peers}
@@ -147,7 +159,38 @@ class HopProtocol(Protocol):
         if header.specs != self.specs:
             self.node.count_drop("bad_payload")
             return DISCARD
-        return self.pool.acquire(header.src)
+        return self.pool.acquire(_ANY_SENDER)
+
+    def _release(self, tensors: list[torch.Tensor] | None) -> None:
+        self.pool.release(_ANY_SENDER, tensors)
+
+    def _store(self, update: Update) -> bool:
+        """Queue an update (False for a duplicate, whose buffers are given back); when summing, its
+        tensors go into its iteration's sum (a non-finite update is counted, named and left out).
+        Raises :class:`ProtocolError` (nothing released) past the queue's window."""
+        tensors = update.tensors if self.specs else None
+        if not self.summing:
+            update.tensors = tensors
+            if not self.queue.enqueue(update):
+                self._release(tensors)
+                return False
+            return True
+        update.tensors = None
+        if not self.queue.enqueue(update):
+            self._release(tensors)
+            return False
+        if tensors is None:
+            return True
+        if not all_finite_in(tensors):
+            self._drop_non_finite(update.iter, update.src, update.iter)
+            self._release(tensors)
+            return True
+        self.sums.add(update.iter, tensors, self.in_weight[update.src])
+        return True
+
+    def _drop_non_finite(self, k: int, src: int, update_iter: int) -> None:
+        self.node.count_drop("non_finite")
+        self.node.record("non_finite", iter=k, src=src, update_iter=update_iter)
 
     def on_message(self, msg: Message) -> None:
         kind = msg.kind
@@ -158,7 +201,7 @@ class HopProtocol(Protocol):
             # a replacement that started further ahead than this worker's queue reaches (it took the
             # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
             self.node.count_drop("update_beyond_window")
-            self.pool.release(msg.src, msg.tensors if self.specs else None)
+            self._release(msg.tensors if self.specs else None)
             self._on_credit(msg)
             return
         if kind == "update":
@@ -170,13 +213,12 @@ class HopProtocol(Protocol):
             if self._is_late(msg.iter, msg.src) or (self.staleness is not None
                                                     and msg.iter < self.queue.newest_iter(msg.src)):
                 self.late_updates_dropped += 1
-                self.pool.release(msg.src, msg.tensors if self.specs else None)
+                self._release(msg.tensors if self.specs else None)
                 return
-            payload = msg.tensors if self.specs else None
             if self.staleness is not None:
                 # Only the newest update per in-neighbour is ever used (Sec. 6.1): keep one.
-                self.queue.release(self.queue.take(w_id=msg.src))
-            self.queue.enqueue(Update(msg.iter, msg.src, payload))
+                self._release_updates(self.queue.take(w_id=msg.src))
+            self._store(Update(msg.iter, msg.src, msg.tensors))
         elif kind == "token":
             self._on_credit(msg)
         elif kind == "ack":
@@ -253,14 +295,14 @@ class HopProtocol(Protocol):
         self.welcomes[msg.src] = msg.iter
         if msg.tensors and msg.src in self._in_peer_set:
             try:
-                self.queue.enqueue(Update(msg.iter, msg.src, msg.tensors if self.specs else None))
+                self._store(Update(msg.iter, msg.src, msg.tensors))
             except ProtocolError:  # neighbours further apart than the queue reaches: this one is not needed
                 self.node.count_drop("welcome_beyond_window")
-                self.pool.release(msg.src, msg.tensors)
+                self._release(msg.tensors)
             else:
                 self.newest_received[msg.src] = max(self.newest_received[msg.src], msg.iter)
         elif msg.tensors:
-            self.pool.release(msg.src, msg.tensors)
+            self._release(msg.tensors)
         if self._started_at is not None:  # late: it gets its fillers now
             self._fill(msg.src, msg.iter, self._started_at)
         if self._welcomed is not None:
@@ -290,7 +332,7 @@ class HopProtocol(Protocol):
         self.iteration = start
         # Welcomes of earlier iterations must not hold the queue's slots: the neighbours' updates of the
         # iterations ahead arrive before the trainer's loop begins.
-        self.queue.discard_older_than(start - (self.staleness or 0))
+        self._discard_older_than(start - (self.staleness or 0))
         self.acks = {j: start - 1 for j in self.acks}
         self.last_used = {j: start - 1 for j in self.last_used}
         self.newest_received = {j: max(start - 1, self.newest_received[j]) for j in self.newest_received}
@@ -407,7 +449,7 @@ class HopProtocol(Protocol):
     async def _enter(self, k: int, count: int) -> None:
         """Enter iteration ``k`` having advanced ``count`` iterations: grant, then send (parallel)."""
         self.iteration = k
-        self.queue.discard_older_than(self._oldest_useful())
+        self._discard_older_than(self._oldest_useful())
         if self.notify_ack and k > 0:
             await self._wait(lambda: all(self.acks[j] >= k - 1 for j in self._live_out()), self.tokens,
                              lambda: ("acks", [j for j in self._live_out() if self.acks[j] < k - 1]), k)
@@ -547,8 +589,17 @@ class HopProtocol(Protocol):
                 chosen.append(newest)
             else:
                 stale.append(newest)
-        self.queue.release(stale)
+        self._release_updates(stale)
         return chosen, [u.iter for u in chosen]
+
+    def _discard_older_than(self, iteration: int) -> None:
+        self._release_updates(self.queue.take_older_than(iteration))
+        self.sums.discard_older_than(iteration)
+
+    def _release_updates(self, updates: list[Update]) -> None:
+        for update in updates:
+            self._release(update.tensors)
+            update.tensors = None
 
     def _newest_from(self, j: int) -> int:
         return self.queue.newest_iter(j)
@@ -578,8 +629,14 @@ class HopProtocol(Protocol):
     # ------------------------------------------------------------------ mixing
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:
         """Weighted average of this worker's parameters and the received ones (Eq. 1 / Eq. 2)."""
+        if self.summing:
+            summed = self.sums.pop(k)  # what came of iteration k: at least the updates taken
+            if summed is not None:
+                mix_into(self.flats, self.self_weight, summed)
+                self._release(summed.tensors)
+            return
         if not self.flats or not updates:
-            self.queue.release(updates)
+            self._release_updates(updates)
             return
         updates, iters = self._finite_only(updates, iters, k)
         if self.staleness is None:
@@ -595,7 +652,7 @@ class HopProtocol(Protocol):
             for update, weight in zip(updates, weights):
                 assert update.tensors is not None
                 flat.add_(update.tensors[i], alpha=weight / total)
-        self.queue.release(updates)
+        self._release_updates(updates)
 
     def _finite_only(self, updates: list[Update], iters: list[int], k: int) -> tuple[list[Update], list[int]]:
         """Leave a non-finite update out of the mix (dropped, counted, its sender named)."""
@@ -604,9 +661,8 @@ class HopProtocol(Protocol):
             return updates, iters
         for update in updates:
             if all(update is not u for u, _ in kept):
-                self.node.count_drop("non_finite")
-                self.node.record("non_finite", iter=k, src=update.src, update_iter=update.iter)
-                self.queue.release([update])
+                self._drop_non_finite(k, update.src, update.iter)
+                self._release_updates([update])
         return [u for u, _ in kept], [it for _, it in kept]
 
     def summary(self) -> dict[str, Any]:
@@ -614,7 +670,7 @@ class HopProtocol(Protocol):
                 "token_high_water": self.tokens.high_water if self.use_tokens else None,
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
-                "buffers_allocated": self.pool.allocated}
+                "buffers_allocated": self.pool.allocated, "sums_high_water": self.sums.high_water}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}

@@ -7,8 +7,8 @@ updates of one iteration never touches another's, and a slot that would have to
 hold two live iterations at once is reported as a capacity violation rather than
 silently mixing versions.
 
-Payload buffers come from a :class:`BufferPool` per sender, preallocated and
-recycled, so a worker in steady state receives into memory it already owns.
+Payload buffers come from a :class:`BufferPool`, preallocated and recycled, so a
+worker in steady state receives into memory it already owns.
 
 :class:`TokenCredits` realises the token queues as credits: an out-neighbour ``j``
 grants one credit each time it enters an iteration, and this worker spends one per
@@ -167,13 +167,19 @@ class UpdateQueue:
 
     def discard_older_than(self, iteration: int) -> int:
         """Drop (and recycle) every entry of an iteration before ``iteration``. Returns how many."""
-        dropped = 0
+        dropped = self.take_older_than(iteration)
+        self.release(dropped)
+        return len(dropped)
+
+    def take_older_than(self, iteration: int) -> list[Update]:
+        """Remove and return every entry of an iteration before ``iteration``."""
+        taken: list[Update] = []
         for index, held in enumerate(self._slot_iter):
             if held is not None and held < iteration:
                 for update in list(self._slots[index].values()):
                     self._remove(update)
-                    dropped += 1
-        return dropped
+                    taken.append(update)
+        return taken
 
     def release(self, updates: Iterable[Update]) -> None:
         """Return consumed updates' buffers to the pool."""
