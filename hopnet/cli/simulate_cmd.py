@@ -201,9 +201,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     n = result.n
     config = inputs["config"]
     rates = result.rates
-    gap = result.max_gap
-    gi, gj = divmod(int(gap.argmax()), n)  # the first pair, in rank order, with the largest gap
-    largest = int(gap[gi][gj])
+    largest, gi, gj = result.largest_gap
     q_rank = max(range(n), key=lambda r: result.queue_high_water[r])
     settings = [config["protocol"], *ProtocolConfig.from_dict(config).options.settings()]
     done = [len(times) for times in result.finish_times]  # iterations each worker completed
