@@ -11,6 +11,7 @@ bandwidth, with a FIFO per directed link so messages on one link keep their orde
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hopnet.errors import HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.wire import Message, known_kinds
+from hopnet.wire import Message, is_known_kind
 
 
 @dataclass
@@ -52,6 +53,8 @@ class InprocNetwork:
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._in_flight: dict[tuple[int, int], deque[tuple[InprocTransport, Message, int]]] = {}
+        # Deliveries run in one context of their own: asyncio would copy the sender's for each.
+        self._context = contextvars.Context()
 
     def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
         return InprocTransport(self, rank, allowed_senders)
@@ -93,13 +96,16 @@ class InprocNetwork:
             # therefore delivers the oldest message in flight on its link: links stay FIFO.
             link = (msg.src, msg.dst)
             in_flight = self._in_flight.get(link)
+            if delay <= 0 and not in_flight:  # nothing ahead of it on its link: due now, in send order
+                sender_loop.call_soon(target._on_message, msg, nbytes, context=self._context)
+                return
             if in_flight is None:
                 in_flight = self._in_flight[link] = deque()
             in_flight.append((target, msg, nbytes))
             if delay > 0:
-                sender_loop.call_later(delay, self._deliver_oldest, in_flight)
+                sender_loop.call_later(delay, self._deliver_oldest, in_flight, context=self._context)
             else:
-                sender_loop.call_soon(self._deliver_oldest, in_flight)
+                sender_loop.call_soon(self._deliver_oldest, in_flight, context=self._context)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
 
@@ -144,16 +150,15 @@ class InprocTransport(Transport):
         receiver = self._receiver
         if receiver is None:
             return
-        if msg.kind not in known_kinds():
+        if not is_known_kind(msg.kind):
             self.stats.drop("unknown_kind")
             return
-        header = msg.header()
-        reason = self.check_header(header)
+        reason = self.check_route(msg.kind, msg.src, msg.dst)
         if reason is not None:
             self.stats.drop(reason)
             return
         if msg.tensors:
-            target = receiver.buffers_for(header)
+            target = receiver.buffers_for(msg.header())
             if target is DISCARD:
                 self.stats.drop("discarded")
                 return
