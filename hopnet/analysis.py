@@ -159,6 +159,7 @@ def max_gap_from_run(events: dict[int, list[dict[str, Any]]], n: int) -> np.ndar
     tracker = GapTracker(n)
     for _, rank, iteration in entries:
         tracker.entered(rank, iteration)
+    assert tracker.max_gap is not None
     return tracker.max_gap
 
 

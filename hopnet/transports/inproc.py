@@ -26,15 +26,29 @@ from hopnet.wire import Message, is_known_kind
 class LinkModel:
     """Latency (seconds) and bandwidth (bytes/second; 0 = unlimited) per directed link.
 
-    ``overrides`` maps ``(src, dst)`` to ``(latency_s, bytes_per_s)`` for particular links.
+    ``overrides`` maps ``(src, dst)`` to ``(latency_s, bytes_per_s)`` for particular links;
+    ``between_machines`` maps a pair of machine labels (``machines[rank]``, None for a rank
+    without one) to the parameters of every link from a rank on the first to a rank on the
+    second (:mod:`hopnet.sim.links` builds it from a file). The first that names a link wins.
     """
 
     latency_s: float = 0.0
     bytes_per_s: float = 0.0
     overrides: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    machines: tuple[str | None, ...] = ()
+    between_machines: dict[tuple[str | None, str | None], tuple[float, float]] = field(default_factory=dict)
 
     def params(self, src: int, dst: int) -> tuple[float, float]:
-        return self.overrides.get((src, dst), (self.latency_s, self.bytes_per_s))
+        found = self.overrides.get((src, dst))
+        if found is not None:
+            return found
+        if self.between_machines:
+            machines = self.machines
+            if 0 <= src < len(machines) and 0 <= dst < len(machines):  # not the coordinator's pseudo-rank
+                found = self.between_machines.get((machines[src], machines[dst]))
+                if found is not None:
+                    return found
+        return self.latency_s, self.bytes_per_s
 
 
 class InprocNetwork:
