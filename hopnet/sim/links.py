@@ -56,7 +56,9 @@ def _on(side: frozenset[str] | None, machine: str | None) -> bool:
 
 
 def _side_json(side: frozenset[str] | None) -> str | list[str]:
-    return ANY if side is None else sorted(side)
+    if side is None:
+        return ANY
+    return next(iter(side)) if len(side) == 1 else sorted(side)
 
 
 def parse_rules(data: Any, graph: Graph, where: str = "link model") -> list[LinkRule]:
