@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -121,8 +122,10 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
+@functools.cache
 def option_fields(cls: type) -> tuple[OptionField, ...]:
-    """The :func:`option` fields of dataclass ``cls``, in declaration order."""
+    """The :func:`option` fields of dataclass ``cls``, in declaration order (worked out once per
+    class: ``get_type_hints`` is slow, and the simulator makes options for every worker)."""
     hints = typing.get_type_hints(cls)
     return tuple(OptionField(f.name, hints[f.name], _field_default(f), f.metadata["option"])
                  for f in dataclasses.fields(cls) if "option" in f.metadata)

@@ -82,9 +82,12 @@ class InprocNetwork:
         self._endpoints.pop(rank, None)
 
     def _arrival_delay(self, loop: asyncio.AbstractEventLoop, src: int, dst: int, nbytes: int) -> float:
-        if self.link_model is None:
+        model = self.link_model
+        if model is None:
             return 0.0
-        latency, bandwidth = self.link_model.params(src, dst)
+        if model.bytes_per_s <= 0 and not model.overrides and not model.between_machines:
+            return model.latency_s  # every link alike, and none busy for longer than its latency
+        latency, bandwidth = model.params(src, dst)
         if bandwidth <= 0:
             return latency
         now = loop.time()
