@@ -4,11 +4,16 @@
     python bench/ddp.py --scenario straggler   # the same with --slowdown rank=0:4 (DDP: the same stretch)
     python bench/ddp.py --scenario random      # the same with --slowdown random:6:0.125
     python bench/ddp.py --runs ddp,allreduce-torch,allreduce   # the all-reduce over gloo and over the ring
+    python bench/ddp.py --workload wide --nproc 4 --runs ddp,allreduce,allreduce-b0   # real compute, 51 MB
 
 Every run trains examples/train_digits.py's MLP (64-64-10, SGD momentum 0.9, cosine
 learning rate, batches of 32 from the rank's shard, held-out accuracy on the shared test
 split) on --nproc workers, with --compute-ms of emulated compute per iteration (a sleep
-before the forward pass). hopnet runs go through ``hopnet launch`` (this file is the
+before the forward pass). ``--workload wide`` trains a wide MLP on the same data instead
+(``--layers`` layers of ``--hidden`` units: 51 MB of parameters by default, whose backward pass
+takes about as long as its all-reduce), with real compute only (``--compute-ms`` 0 unless given):
+what the gradient buckets (``--bucket-mb``) overlap; run ``allreduce-b0`` is ``allreduce`` with
+``--bucket-mb 0``, one all-reduce after the backward pass. hopnet runs go through ``hopnet launch`` (this file is the
 worker script, ``--role hopnet``); DDP runs through torchrun (``--role ddp``), with the
 slowdown applied the way hopnet's ``Worker.step`` does it: the time since the previous
 step ended is stretched by the rank's factor (hopnet.slowdown.Slowdown, the same seed, so
@@ -56,6 +61,17 @@ def straggler(seed: int, iteration: int, world_size: int) -> int:
     return int.from_bytes(digest, "little") % world_size
 
 
+def build_model(args: argparse.Namespace) -> "torch.nn.Module":
+    import torch
+
+    if args.workload == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, args.hidden), torch.nn.ReLU()]
+    for _ in range(args.layers - 2):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
+
+
 def train(role: str, args: argparse.Namespace) -> None:
     import torch
 
@@ -63,7 +79,7 @@ def train(role: str, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = build_model(args)
     loss_fn = torch.nn.CrossEntropyLoss()
     compute_s = args.compute_ms / 1000.0
     now = time.monotonic
@@ -147,7 +163,8 @@ def free_port() -> int:
 def worker_args(args: argparse.Namespace) -> list[str]:
     return ["--iterations", str(args.iterations), "--compute-ms", str(args.compute_ms),
             "--eval-every", str(args.eval_every), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--straggler-ms", str(getattr(args, "straggler_ms", 0.0))]
+            "--straggler-ms", str(getattr(args, "straggler_ms", 0.0)), "--workload", args.workload,
+            "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch-size", str(args.batch_size)]
 
 
 def run_hopnet(name: str, flags: list[str], slowdown: list[str], run_dir: Path, args: argparse.Namespace) -> float:
@@ -254,7 +271,12 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20, help="iterations left out of ms / iteration")
-    parser.add_argument("--compute-ms", type=float, default=40.0)
+    parser.add_argument("--compute-ms", type=float, default=None,
+                        help="emulated compute per iteration (default 40 for --workload mlp, 0 for wide)")
+    parser.add_argument("--workload", choices=["mlp", "wide"], default="mlp",
+                        help="mlp: 64-64-10 (154 KB) with emulated compute; wide: --layers x --hidden, real compute")
+    parser.add_argument("--hidden", type=int, default=2048, help="(wide) units per hidden layer")
+    parser.add_argument("--layers", type=int, default=5, help="(wide) linear layers: 5 x 2048 is 51 MB of fp32")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy to reach")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -266,6 +288,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-ddp", help="where the runs go")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
+    if args.compute_ms is None:
+        args.compute_ms = 40.0 if args.workload == "mlp" else 0.0
     if args.role != "driver":
         train(args.role, args)
         return
@@ -280,6 +304,8 @@ def main() -> None:
             wall = run_ddp(slowdown, run_dir, args)
         elif name == "allreduce":
             wall = run_hopnet(name, ["--protocol", "allreduce"], slowdown, run_dir, args)
+        elif name == "allreduce-b0":  # one all-reduce after the backward pass, no buckets
+            wall = run_hopnet(name, ["--protocol", "allreduce", "--bucket-mb", "0"], slowdown, run_dir, args)
         elif name == "allreduce-torch":  # the all-reduce over TorchCollective (gloo), not the ring
             wall = run_hopnet(name, ["--protocol", "allreduce", "--bulk", "torch"], slowdown, run_dir, args)
         elif name == "hop":

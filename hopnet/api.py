@@ -19,6 +19,7 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -375,6 +376,19 @@ class Worker:
             if name in self._states:
                 checkpoint.load_state_into(self._states[name], self._resumed.pop(name))
         self.record("resumed", iter=state["iteration"])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``, for gradient accumulation: backward passes inside it only accumulate
+        into ``.grad``; the next backward pass outside it (or the step) reduces the sum. Without it
+        every backward pass reduces the ``.grad`` it accumulated into, as under DDP, which gives the
+        same average for more messages."""
+        protocol = self.node.protocol
+        protocol.defer_gradient_sync(True)
+        try:
+            yield
+        finally:
+            protocol.defer_gradient_sync(False)
 
     def synchronize(self) -> None:
         """Average this iteration's gradient now, into each ``.grad``, under the protocols that

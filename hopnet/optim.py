@@ -92,6 +92,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.worker.synchronize()
         self._synchronized_at = self.worker.iteration
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``no_sync()`` (:meth:`hopnet.api.Worker.no_sync`): backward passes inside it only
+        accumulate; the next one outside it, or the step, averages the accumulated gradient."""
+        return self.worker.no_sync()
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Horovod's guard around a ``step()`` that follows :meth:`synchronize`: a step inside it

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from support.env import clean_env
 from support.launch import run_launch
+from support.template import forkserver_template, use_template
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_fork_servers() -> Iterator[None]:
+    """Every launch of this test process forks its fork server from one warm template."""
+    with forkserver_template(clean_env()) as path:
+        use_template(path)
+        yield
 
 
 @pytest.fixture

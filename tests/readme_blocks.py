@@ -8,7 +8,8 @@ before its opening fence (blank lines between are allowed), invisible on GitHub:
     Python that runs inside a worker: it is appended to :data:`LAUNCH_PRELUDE` (which
     defines the placeholders ``build_model``, ``loss_fn``, ``x``, ``y`` and
     ``checkpoint_path``, a checkpoint of a model and an AdamW optimizer) and run
-    under `hopnet launch` with 2 workers. Add ``nproc=N`` to change the count.
+    under `hopnet launch` with 2 workers. Add ``nproc=N`` to change the count, ``protocol=NAME``
+    to pass ``--protocol NAME``.
 ``<!-- readme-test: invalid -->``
     JSON that must be *rejected* by ``hopnet graph validate`` (an example of an error).
 ``<!-- readme-test: fragment REASON -->``

@@ -17,7 +17,7 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.graph import Graph
 from hopnet.launch.coordinator_proc import CoordinatorProcess
-from hopnet.launch.forkserver import ForkedWorker, ForkServer, ForkServerGone, available
+from hopnet.launch.forkserver import TEMPLATE_VAR, ForkedWorker, ForkServer, ForkServerGone, TemplateForked, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
 
@@ -26,6 +26,7 @@ from support.launch import kill, run_launch, start_launch
 from support.paths import WORKERS
 from support.records import coordinator_records
 from support.processes import alive
+from support.template import forkserver_template
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, pidfd_open)")
 
@@ -197,3 +198,65 @@ def test_a_forked_coordinator_ends_with_a_killed_launcher(tmp_path: Path) -> Non
         if coordinator and alive(coordinator):
             os.killpg(coordinator, signal.SIGKILL)
         kill(launcher)
+
+
+# ------------------------------------------------------------------ a warm template (forkserver_template)
+INHERITED = """
+import os, sys
+os.write(int(sys.argv[1]), f"{os.getcwd()} {os.environ['MINE']}".encode())
+"""
+
+
+def _wait_for_socket(path: str) -> None:
+    deadline = time.monotonic() + 120
+    while not Path(path).is_socket():
+        assert time.monotonic() < deadline, f"no template socket at {path}"
+        time.sleep(0.05)
+
+
+def test_a_fork_server_from_a_template_is_the_launchers_own(tmp_path: Path) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    inherited = tmp_path / "inherited.py"
+    inherited.write_text(INHERITED)
+    read_end, write_end = os.pipe()
+    with forkserver_template(clean_env()) as path:
+        _wait_for_socket(path)
+        server = ForkServer(clean_env(**{TEMPLATE_VAR: path}), pass_fds=(write_end,))
+        try:
+            assert isinstance(server.proc, TemplateForked)
+            assert _ppid(server.pid) not in (os.getpid(), 0, 1)  # the template's child, not ours
+            assert os.getsid(server.pid) == server.pid  # a session of its own, as one started with exec
+            worker, seen, err = _spawn(server, script, 0, "5", MINE="templated")
+            assert worker.returncode == 5 and seen["ppid"] == server.pid and seen["mine"] == "templated"
+            assert err == b"to stderr\n"
+            # the launcher's descriptors at the same numbers, its directory and environment
+            passed = server.spawn(1, [str(inherited), str(write_end)], clean_env(MINE="mine"), piped=False)
+            assert passed.wait(timeout=60) == 0
+            os.close(write_end)
+            assert os.read(read_end, 4096).decode() == f"{os.getcwd()} mine"
+        finally:
+            server.close()
+            os.close(read_end)
+        assert server.proc.poll() is not None  # it ended with the launcher's socket
+
+
+@pytest.mark.parametrize("why", ["gone", "another-pythonpath"])
+def test_without_a_fitting_template_the_launcher_starts_its_fork_server_itself(tmp_path: Path, why: str) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    with forkserver_template(clean_env()) as path:
+        _wait_for_socket(path)
+        env = clean_env(**{TEMPLATE_VAR: path})
+        if why == "gone":
+            env[TEMPLATE_VAR] = str(tmp_path / "no-template")
+        else:
+            env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+        server = ForkServer(env)
+        try:
+            assert isinstance(server.proc, subprocess.Popen)
+            assert _ppid(server.pid) == os.getpid()
+            worker, seen, _ = _spawn(server, script, 0, "0", MINE="exec")
+            assert worker.returncode == 0 and seen["mine"] == "exec"
+        finally:
+            server.close()

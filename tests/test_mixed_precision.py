@@ -11,6 +11,7 @@ import torch
 
 from hopnet import DistributedOptimizer, Graph, NonFiniteError, ProtocolConfig
 from hopnet.finite import all_finite
+from hopnet.protocols.allreduce import AllReduceOptions
 
 from support.digits import digits_split
 from support.threaded import Start, run_ranks, seeded
@@ -48,9 +49,15 @@ class Outcome:
         self.scale = scale
 
 
+def _inf_at_0_0(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad[0, 0] = math.inf
+    return grad
+
+
 def train_with_an_overflow(rank: int, start: Start) -> Outcome:
     """The README's mixed-precision loop (fp16 autocast, GradScaler, clipping of the averaged
-    gradient); rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT, after the scaled
+    gradient); rank INJECT_RANK's gradient gets an inf in iteration INJECT_AT, in the scaled
     backward."""
     x_train, y_train, x_test, y_test = digits()
     x_train, y_train = x_train[rank::RANKS], y_train[rank::RANKS]
@@ -67,9 +74,13 @@ def train_with_an_overflow(rank: int, start: Start) -> Outcome:
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = loss_fn(model(x_train[batch]), y_train[batch])
+        # The overflow arises inside the backward pass, as a real one does: allreduce averages the
+        # gradient in buckets during it, so what a rank writes into .grad after it stays its own (DDP's too).
+        overflow = model[0].weight.register_hook(_inf_at_0_0) if rank == INJECT_RANK and step == INJECT_AT \
+            else None
         scaler.scale(loss).backward()
-        if rank == INJECT_RANK and step == INJECT_AT:
-            model[0].weight.grad[0, 0] = math.inf
+        if overflow is not None:
+            overflow.remove()
         scaler.unscale_(opt)
         opt.synchronize()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
@@ -211,7 +222,8 @@ def test_ad_psgd_actives_leave_a_non_finite_reply_out_and_name_the_passive() -> 
 
 def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_ddp_does() -> None:
     """Horovod's order: the scaler checks the averaged gradient, so its overflow (and so the
-    scale's backoff) is every rank's; with unscale_ first only the overflowing rank backs off."""
+    scale's backoff) is every rank's; with unscale_ first only the overflowing rank backs off, unless
+    the buckets averaged the gradient during the backward pass (the default, as DDP)."""
     steps = 6
 
     def body(rank: int, start: Start, *, synchronize_first: bool) -> tuple[list[int], float]:
@@ -221,9 +233,10 @@ def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_d
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
         for step in worker.iterations(steps):
             opt.zero_grad()
+            overflow = model.weight.register_hook(_inf_at_0_0) if rank == 1 and step == 2 else None
             scaler.scale(model(torch.ones(3, 4) * (rank + 1)).square().mean()).backward()
-            if rank == 1 and step == 2:
-                model.weight.grad[0, 0] = math.inf
+            if overflow is not None:
+                overflow.remove()
             if synchronize_first:
                 opt.synchronize()
                 scaler.unscale_(opt)
@@ -238,8 +251,13 @@ def test_under_allreduce_synchronize_before_unscale_keeps_every_ranks_scale_as_d
     config = ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S)
     horovod = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=True))
     assert horovod == [([2], 128.0), ([2], 128.0)]
-    unscale_first = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=False))
+    # --bucket-mb 0 averages at synchronize(): unscale_ before it sees this rank's gradient only
+    at_step = ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S, options=AllReduceOptions(bucket_mb=0))
+    unscale_first = run_ranks(2, at_step, lambda rank, start: body(rank, start, synchronize_first=False))
     assert unscale_first == [([2], 256.0), ([2], 128.0)]  # the skip is agreed either way
+    # in buckets (the default) backward() returns the averaged gradient, as under DDP: either order agrees
+    unscale_first = run_ranks(2, config, lambda rank, start: body(rank, start, synchronize_first=False))
+    assert unscale_first == horovod
 
 
 @pytest.mark.parametrize("protocol", ["prague", "ad-psgd"])

@@ -14,6 +14,7 @@ import torch
 
 from hopnet import DistributedOptimizer, Graph, HopnetError, ProtocolConfig, Worker
 from hopnet.params import FlatGradients, flatten_parameters
+from hopnet.protocols.allreduce import DEFAULT_BUCKET_MB, AllReduceOptions
 from hopnet.transports.inproc import InprocNetwork
 
 from support.clip_task import MAX_NORM, STEPS, batch, flat, make_model, make_optimizer
@@ -91,7 +92,7 @@ def test_an_lr_scheduler_takes_it_without_a_warning_and_its_schedule_is_not_shif
         assert final == pytest.approx(schedule[steps], abs=1e-12)  # the groups keep the live schedule
 
 
-def clipped_training(n: int, *, synchronize: bool) -> list[torch.Tensor]:
+def clipped_training(n: int, *, synchronize: bool, bucket_mb: float = DEFAULT_BUCKET_MB) -> list[torch.Tensor]:
     """tests/support/clip_task.py under allreduce, clipping after synchronize() (or not)."""
 
     def body(rank: int, start: Start) -> torch.Tensor:
@@ -110,7 +111,8 @@ def clipped_training(n: int, *, synchronize: bool) -> list[torch.Tensor]:
                 opt.step()
         return flat(model)
 
-    return run_ranks(n, ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S), body)
+    return run_ranks(n, ProtocolConfig(protocol="allreduce", timeout_s=TIMEOUT_S,
+                                       options=AllReduceOptions(bucket_mb=bucket_mb)), body)
 
 
 class _nothing:
@@ -143,10 +145,13 @@ def test_clipping_after_synchronize_clips_the_averaged_gradient() -> None:
     synced = clipped_training(n, synchronize=True)
     assert torch.equal(synced[0], synced[1])
     torch.testing.assert_close(synced[0], reference, rtol=0, atol=1e-5)
-    # Clipping each rank's own gradient (no synchronize) is another computation: the
-    # tolerance above does tell the two apart.
-    local = clipped_training(n, synchronize=False)
+    # With --bucket-mb 0 the gradient is averaged at the step only: clipping each rank's own
+    # gradient (no synchronize) is another computation, which the tolerance above tells apart.
+    local = clipped_training(n, synchronize=False, bucket_mb=0)
     assert (local[0] - reference).abs().max() > 1e-3
+    # In buckets (the default) it is averaged when backward() returns, as under DDP: no synchronize needed.
+    overlapped = clipped_training(n, synchronize=False)
+    torch.testing.assert_close(overlapped[0], reference, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -88,8 +88,9 @@ def check_launch_block(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "readme_worker.py"
     script.write_text(launch_script(block))
     run_dir = tmp_path / "run"
-    result = run_launch(["--nproc", str(nproc), "--timeout", "120", "--run-dir", str(run_dir), str(script)],
-                        timeout=600)
+    protocol = ["--protocol", block.args["protocol"]] if "protocol" in block.args else []
+    result = run_launch(["--nproc", str(nproc), *protocol, "--timeout", "120", "--run-dir", str(run_dir),
+                         str(script)], timeout=600)
     assert result.returncode == 0, f"{block.id} failed under hopnet launch:\n{result.stderr[-3000:]}"
     events = load_run(run_dir)
     assert sorted(events) == list(range(nproc))

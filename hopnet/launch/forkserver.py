@@ -53,6 +53,7 @@ from typing import IO, NoReturn
 import msgpack
 
 from hopnet.launch import parent_watch
+from hopnet.launch.pythonpath import worker_pythonpath
 
 MAX_MESSAGE = 1 << 20
 """The largest request (an environment and an argv) the fork server accepts."""
@@ -64,6 +65,11 @@ COORDINATOR = "coordinator"
 ENTRIES = {WORKER: "hopnet.launch.worker_main", COORDINATOR: "hopnet.launch.coordinator_main"}
 """What a forked process runs: the ``main(argv)`` of the module its request's ``entry`` names."""
 PRELOAD = ("torch", "torch._dynamo", "hopnet", "hopnet.api", *ENTRIES.values())
+TEMPLATE_VAR = "HOPNET_FORKSERVER_TEMPLATE"
+"""The socket of a warm template (:mod:`hopnet.launch.forkserver_template`): a launcher with it
+in its environment asks the template for its fork server, and starts one itself only if that fails."""
+TEMPLATE_TIMEOUT_S = 10.0
+"""How long a launcher waits for the template's answer."""
 SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 """The fork server must never initialise CUDA (a forked child could not use it): should an
 import ask ``torch.cuda.is_available()``, torch answers through NVML instead. The workers
@@ -231,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it signals workers itself
     sock = socket.socket(fileno=int(args[0]))
     _preload()
+    return run_server(sock)
+
+
+def run_server(sock: socket.socket) -> int:
+    """Serve the launcher on ``sock``; in each forked child, run its entry and exit."""
     try:
         serve(sock)
     except _Forked as forked:
@@ -277,14 +288,21 @@ class ForkServer:
     """The launcher's handle on its fork server (one per launch)."""
 
     def __init__(self, env: Mapping[str, str], pass_fds: Sequence[int] = ()) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hopnet.launch.forkserver", str(theirs.fileno())],
-                env={**env, **SERVER_ENV}, pass_fds=(theirs.fileno(), *pass_fds), stdin=subprocess.DEVNULL,
-                start_new_session=True)
-        finally:
-            theirs.close()
+        server_env = {**env, **SERVER_ENV}
+        template = env.get(TEMPLATE_VAR)
+        started = _from_template(template, pass_fds, server_env) if template else None
+        if started is not None:
+            self.proc: subprocess.Popen[bytes] | TemplateForked = started[0]
+            ours = started[1]
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "hopnet.launch.forkserver", str(theirs.fileno())],
+                    env=server_env, pass_fds=(theirs.fileno(), *pass_fds), stdin=subprocess.DEVNULL,
+                    start_new_session=True)
+            finally:
+                theirs.close()
         self.sock = ours
         self._lock = threading.Condition()
         self._started: dict[int, dict[str, object]] = {}
@@ -396,6 +414,70 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self._reader.join(timeout_s)
+
+
+# --------------------------------------------------------------------------- from a template
+def identity(env: Mapping[str, str]) -> dict[str, str]:
+    """What a template and a launcher must share for a forked fork server to be the one the
+    launcher would start: the interpreter, and the ``PYTHONPATH`` that picks hopnet and torch."""
+    return {"executable": sys.executable, "pythonpath": worker_pythonpath(env)}
+
+
+class TemplateForked:
+    """A fork server the template forked: what the launcher uses of a :class:`subprocess.Popen`.
+    It is the template's child, not the launcher's, so its end is watched through a pidfd."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            self._ended()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            self._ended()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _ended(self) -> None:
+        self.returncode = 0  # its status goes to the template, which reaps it
+        os.close(self._pidfd)
+
+
+def _from_template(path: str, pass_fds: Sequence[int],
+                   env: Mapping[str, str]) -> tuple[TemplateForked, socket.socket] | None:
+    """Ask the template at ``path`` for a fork server: its handle and the launcher's end of its
+    socket, or ``None`` when it gives none (gone, silent, another interpreter): the launcher then
+    starts its own, on a new socket (a late answer finds this one closed and ends)."""
+    request = {"identity": identity(env), "env": dict(env), "cwd": os.getcwd(), "pass_fds": list(pass_fds)}
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(TEMPLATE_TIMEOUT_S)
+            conn.connect(path)
+            socket.send_fds(conn, [msgpack.packb(request)], [theirs.fileno(), null, 1, 2, *pass_fds])
+            reply = msgpack.unpackb(conn.recv(MAX_MESSAGE))
+        return TemplateForked(int(reply["pid"])), ours
+    except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+        ours.close()
+        return None
+    finally:
+        theirs.close()
+        os.close(null)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
 from hopnet.launch.store import parse_endpoint
+from hopnet.launch.pythonpath import worker_pythonpath
 from hopnet.launch.threads import limit_worker_threads
 from hopnet.security import KEY_ENV, RunSecurity, is_loopback, resolve_run_key
 
@@ -195,18 +196,6 @@ def rendezvous_host(bind: str, machines: JoinedMachines | None) -> str:
 def host_name(bind: str) -> str:
     """How a multi-machine summary names this machine: its --bind address, else its host name."""
     return socket.gethostname() if bind in WILDCARD_HOSTS else bind
-
-
-def worker_pythonpath(environ: Mapping[str, str]) -> str:
-    """PYTHONPATH for workers: this hopnet's parent directory first, so workers import the
-    same hopnet as the launcher even when it is not installed."""
-    import hopnet
-
-    root = str(Path(hopnet.__file__).resolve().parent.parent)
-    parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in parts:
-        parts.insert(0, root)
-    return os.pathsep.join(parts)
 
 
 def worker_base_env(plan: LaunchPlan, security: RunSecurity,

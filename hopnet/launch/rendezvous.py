@@ -45,6 +45,7 @@ rendezvous and, when the server can still tell, the ranks that never showed up.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -459,15 +460,10 @@ async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: f
     _connect(sock, endpoint, curve)
     deadline = time.monotonic() + timeout_s
     try:
-        while True:  # as in _request_sync: a refused connection never takes the send
-            if await sock.poll(_poll_ms(deadline), zmq.POLLOUT):
-                try:
-                    await sock.send(_encode(request), zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-            if time.monotonic() >= deadline:
-                return None
+        try:  # as in _request_sync: a refused connection never takes the send
+            await asyncio.wait_for(sock.send(_encode(request)), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return None
         while not await sock.poll(_poll_ms(deadline)):  # flags default to POLLIN
             if time.monotonic() >= deadline:
                 return None

@@ -4,7 +4,10 @@ What torch's DistributedDataParallel does, one flat tensor at a time. Every iter
 every worker:
 
 1. computes its gradients (the trainer's ``loss.backward()``, into the flat buffer);
-2. all-reduces them (mean) among all ranks, tagged by the iteration;
+2. all-reduces them (mean) among all ranks, tagged by the iteration: with ``--bucket-mb``
+   (25 by default, as DDP's ``bucket_cap_mb``) in buckets while the backward pass still runs
+   (:mod:`hopnet.protocols.overlap`), else (``--bucket-mb 0``, a bare gradient tensor,
+   gradients of several dtypes, ``--max-restarts``) the whole buffer at the step;
 3. applies them (the optimizer step);
 4. keeps the model's floating buffers in step (``--buffers``: rank 0's by default, as DDP).
 
@@ -39,7 +42,10 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
+from hopnet.protocols.overlap import DEFAULT_BUCKET_MB, BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
+
+__all__ = ["DEFAULT_BUCKET_MB", "AllReduceOptions", "AllReduceProtocol"]
 
 TAG_PREFIX = "allreduce"
 
@@ -52,12 +58,16 @@ class AllReduceProtocol(AllRanksGradientProtocol):
     def __init__(self, config: ProtocolConfig, grads: FlatGradients | torch.Tensor | None,
                  model: ModelState | None = None, options: GradientOptions | None = None) -> None:
         super().__init__(config, grads, model, options)
+        self.bucket_mb = options.bucket_mb if isinstance(options, BucketOptions) else 0.0
         self.voided: int | None = None  # the iteration a resync found this worker behind in
         self._saved: torch.Tensor | None = None  # the gradient before its round (--max-restarts)
 
     async def synchronize(self) -> None:
         k = self.iteration
         if self.synchronized == k:
+            return
+        if self._reduced_in_backward():
+            self.synchronized = k
             return
         grads = self._gradient_buffer()
         if self.node.max_restarts:
@@ -126,11 +136,14 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
 
 
+AllReduceOptions = BucketOptions
+
+
 register(ProtocolSpec(
     name="allreduce",
     summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
             "no part in it.",
-    options=GradientOptions,
+    options=AllReduceOptions,
     build=lambda config, options, model, grads: AllReduceProtocol(config, grads, model, options),
     averages=Averages.GRADIENTS,
     uses_graph=False,

@@ -89,6 +89,12 @@ class Protocol(abc.ABC):
         calls to clip or unscale the averaged gradient. Nothing to do for a protocol that averages
         models: its gradient stays local."""
 
+    def defer_gradient_sync(self, deferred: bool) -> None:
+        """``no_sync()``, called on the trainer's thread: while ``deferred``, backward passes only
+        accumulate into ``.grad``; a protocol that reduces during the backward pass starts no
+        reduction in them (the step, or the next backward pass outside, reduces the sum). Nothing
+        to do for a protocol that reduces at its step only."""
+
     def gradient_of(self, iteration: int) -> int:
         """The iteration whose gradient the step finishing ``iteration`` applies: the same one,
         except under a pipeline (pipe-sgd applies ``K-1`` iterations late)."""

@@ -9,7 +9,8 @@ their own: the collective's go through the node's mailbox) are the same.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.resync import resynchronize
 from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
-from hopnet.runtime.services import NodeServices
+from hopnet.protocols.overlap import MB, BackwardReducer
+from hopnet.runtime.services import AllReduce, NodeServices
 from hopnet.wire import Header, Message
 
 
@@ -43,6 +45,10 @@ class AllRanksGradientProtocol(Protocol):
         """The last iteration whose gradient :meth:`synchronize` averaged (the trainer's call, or the step's)."""
         self.resync_needed = False  # a replacement joined, or a round broke: resynchronize before the next
         self.resyncs = 0
+        self.bucket_mb = 0.0
+        """``--bucket-mb`` where the protocol reduces during the backward pass (0: it does not)."""
+        self.reducer: BackwardReducer | None = None
+        """The hooks that reduce the gradient in buckets during the backward pass (``--bucket-mb``)."""
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -52,6 +58,43 @@ class AllRanksGradientProtocol(Protocol):
 
     async def start(self) -> None:
         self.node.entered(self.iteration, self)
+        grads = self.grads
+        # Not under --max-restarts: a round a dead member broke is retried whole, after a resync.
+        if self.bucket_mb > 0 and isinstance(grads, FlatGradients) and not grads.packed \
+                and not self.node.max_restarts and len(self.everyone) > 1 and self.reducer is None:
+            self.reducer = BackwardReducer(grads, self.bucket_mb * MB, self._reduce_bucket, self._bucket_tag,
+                                           asyncio.get_running_loop())
+
+    # ------------------------------------------------------------------ overlap with the backward pass
+    def _overlap_collective(self) -> AllReduce:
+        """What the buckets are reduced on."""
+        return self.node.collective
+
+    def _reduce_bucket(self, tensor: torch.Tensor, tag: str) -> Awaitable[torch.Tensor]:
+        return self._overlap_collective().allreduce(self.everyone, tensor, "mean", tag=tag)
+
+    def _bucket_tag(self, backward: int, bucket: int) -> str:
+        return self._tag(f"{self.iteration}/{backward}/{bucket}")
+
+    def defer_gradient_sync(self, deferred: bool) -> None:
+        if self.reducer is not None:
+            self.reducer.enabled = not deferred
+
+    def _reduced_in_backward(self) -> bool:
+        """Whether the backward passes of this iteration reduced its gradient already, all of it (then
+        the step reduces nothing more); consumes what they did. Raises what failed them."""
+        reducer = self.reducer
+        if reducer is None:
+            return False
+        error, reduced = reducer.error, reducer.reduced and not reducer.unreduced
+        reducer.reset()
+        if error is not None:
+            raise error
+        return reduced
+
+    def _close_reducer(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
 
     def _gradient_buffer(self) -> torch.Tensor:
         if isinstance(self.grads, FlatGradients):
@@ -75,6 +118,7 @@ class AllRanksGradientProtocol(Protocol):
                                 if peer not in self.left_early), final_iteration=False)
 
     async def stop(self) -> None:
+        self._close_reducer()
         await self._say_goodbye()
 
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:

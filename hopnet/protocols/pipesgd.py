@@ -42,6 +42,11 @@ after ``pipe/{t}``, and written into the model when step 2 applies ``t``'s gradi
 lag ``K-1`` iterations, as the gradients do. The drain adopts the last one, so every rank ends
 with the same buffers.
 
+Overlap with the backward pass (``--bucket-mb``, :mod:`hopnet.protocols.overlap`): with ``K = 1``
+the model's flat gradients are all-reduced in buckets while the backward pass runs, as under
+``allreduce``; step 1 then launches only the model buffers' part of the chain. With ``K > 1`` the
+option is ignored: the all-reduces already run behind the next iterations' compute.
+
 Gradients of several dtypes (:attr:`FlatGradients.packed`) are reduced in one packed buffer
 through a slot, like a bare tensor, and unpacked into the ``.grad`` views when applied.
 
@@ -66,7 +71,7 @@ from hopnet.model_state import ModelState
 from hopnet.options import option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
-from hopnet.protocols.buffer_sync import GradientOptions
+from hopnet.protocols.overlap import BucketOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
 from hopnet.registry import Averages, ProtocolSpec, register
 from hopnet.runtime.services import AllReduce
@@ -83,6 +88,9 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         super().__init__(config, grads, model, options)
         self.options = options
         self.k = options.pipeline_k
+        # K = 1 waits for the iteration's own all-reduce: it can run during the backward pass, in buckets.
+        # K > 1 reduces behind the next iterations' compute, into buffers the step rotates.
+        self.bucket_mb = options.bucket_mb if self.k == 1 else 0.0
         self.codec = make_codec(options.compress)
         self._slots: list[torch.Tensor] = []
         self._buffers: dict[int, torch.Tensor] = {}  # iteration -> the tensor its all-reduce reduces
@@ -115,7 +123,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         if self.resync_needed:
             await self._restart_pipeline(t)
             return
-        self._launch_allreduce(t, grads)
+        self._launch_allreduce(t, grads, reduced=self._reduced_in_backward())
         due = self.gradient_of(t)
         if due >= self.pipeline_start:
             try:
@@ -182,24 +190,26 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         super().on_peer_rejoined(peer)
         self._rejoined = peer
 
-    def _launch_allreduce(self, t: int, grads: torch.Tensor) -> None:
-        """All-reduce iteration ``t``'s gradient on the loop, after ``t-1``'s.
+    def _launch_allreduce(self, t: int, grads: torch.Tensor, *, reduced: bool = False) -> None:
+        """All-reduce iteration ``t``'s gradient on the loop, after ``t-1``'s (``reduced``: the backward
+        pass did, in buckets; the model's buffers still go through the chain).
 
         With the model's flat gradients (:class:`FlatGradients`) the buffer the trainer filled
         is reduced in place and the ``.grad`` views move to another one (:meth:`_take_result`):
         no copy. A bare tensor is copied into a slot of its own first."""
         if self._zero_copy:
-            reduced = grads
+            slot = grads
         else:
-            reduced = self._slot(t, like=grads)
-            reduced.copy_(grads)
-        self._buffers[t] = reduced
+            slot = self._slot(t, like=grads)
+            slot.copy_(grads)
+        self._buffers[t] = slot
         snapshot = self.buffer_sync.snapshot() if self.buffer_sync.active else None
         if snapshot is not None:
             self._model_buffers[t] = snapshot
         previous = self._reductions.get(t - 1)
         task = asyncio.get_running_loop().create_task(
-            self._allreduce(t, reduced, previous, self.node.timer(), snapshot), name=f"rank{self.rank}-pipe/{t}")
+            self._allreduce(t, slot, previous, self.node.timer(), snapshot, reduced=reduced),
+            name=f"rank{self.rank}-pipe/{t}")
         task.add_done_callback(_retrieve)
         self._reductions[t] = task
 
@@ -236,7 +246,8 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         return buffer
 
     async def _allreduce(self, t: int, slot: torch.Tensor, previous: asyncio.Task[None] | None,
-                         launched: float, model_buffers: list[torch.Tensor] | None = None) -> None:
+                         launched: float, model_buffers: list[torch.Tensor] | None = None, *,
+                         reduced: bool = False) -> None:
         epoch = self.node.epoch
         tag = self._tag(str(t))  # tagged as launched: a round left over from before a replacement never runs
         if previous is not None:
@@ -245,7 +256,8 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             raise PeerFailure(f"rank {self.rank}: rank {self._rejoined} was replaced while the all-reduce of "
                               f"iteration {t} waited for its turn", peer=self._rejoined, peer_state="dead")
         began = self.node.timer()
-        await self.collective.allreduce(self.everyone, slot, "mean", tag=tag)
+        if not reduced:
+            await self.collective.allreduce(self.everyone, slot, "mean", tag=tag)
         self.comm_times.append((t, launched, began, self.node.timer()))
         if model_buffers is not None:  # uncompressed: running statistics are no gradient
             await self.buffer_sync.reduce(self.node.collective, self.everyone, model_buffers,
@@ -277,6 +289,9 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             self._slots = [torch.empty_like(like) for _ in range(self.k)]
         return self._slots[t % self.k]
 
+    def _overlap_collective(self) -> AllReduce:
+        return self.collective  # with --compress, the ring's codec
+
     @property
     def collective(self) -> AllReduce:
         if self._collective is None:
@@ -299,6 +314,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
     async def stop(self) -> None:
         """Abandon all-reduces left in flight (only on a failure path), then say goodbye to the
         ring neighbours, the only ranks that wait on this one's messages."""
+        self._close_reducer()
         for task in self._reductions.values():
             task.cancel()
         if self._reductions:
@@ -323,7 +339,7 @@ DEFAULT_PIPELINE_K = 2
 
 
 @dataclass(frozen=True)
-class PipeSgdOptions(GradientOptions):
+class PipeSgdOptions(BucketOptions):
     pipeline_k: int = option(DEFAULT_PIPELINE_K, minimum=1, metavar="K",
                              help="each step applies the averaged gradient of K-1 iterations earlier while the "
                                   "newer all-reduces run behind the compute (Algorithm 1's g[t-K]); 1 is "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from hopnet.launch.env import ENV_VARS
+from hopnet.launch.forkserver import TEMPLATE_VAR
 
 from support.paths import ROOT
 
@@ -16,8 +17,11 @@ into the run under test (a worker would think it was started by them)."""
 
 def clean_env(**extra: str) -> dict[str, str]:
     """``os.environ`` without launcher or scheduler variables, with this checkout first on
-    ``PYTHONPATH`` so the processes import the hopnet under test; ``extra`` is added."""
+    ``PYTHONPATH`` so the processes import the hopnet under test, and the session's fork-server
+    template; ``extra`` is added."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS and k not in FOREIGN_NAMES and not k.startswith(FOREIGN_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    if TEMPLATE_VAR in os.environ:  # the test session's warm fork-server template (support.template)
+        env[TEMPLATE_VAR] = os.environ[TEMPLATE_VAR]
     env.update(extra)
     return env

@@ -1,0 +1,214 @@
+"""Reducing the gradient while the backward pass still runs, in buckets, as torch DDP does.
+
+The flat gradient buffer (:class:`hopnet.params.FlatGradients`) is cut into buckets of at most
+``cap_bytes``: contiguous slices, taken in reverse parameter order (the last layers' gradients
+are ready first). Each parameter's ``register_post_accumulate_grad_hook`` marks it ready, on the
+thread that runs the backward pass; a bucket whose parameters are all ready is all-reduced at
+once on the node's event loop, in place on its slice, one bucket after the other in bucket
+order (a torch.distributed collective needs the same order of calls on every member).
+
+One backward pass is one *round*. Its first hook opens it and queues a callback at the end of
+the backward pass (the autograd engine's ``queue_callback``, what DDP uses); that callback
+marks the buckets of parameters the pass did not reach (their ``.grad`` is zeroed if it was
+set to None) and waits for the round's reductions, as DDP's does: a second backward pass (gradient
+accumulation) must not add into a slice still being reduced. An error of the round (a dead peer)
+is kept and raised by the protocol's ``synchronize``, the trainer's step.
+
+No overlap, and the protocol reduces the whole buffer at its step as before, when a backward
+pass runs on the event loop's own thread (an :class:`hopnet.api.AsyncWorker` whose trainer
+computes on the loop: waiting there would block the loop) or inside ``no_sync()``
+(:attr:`BackwardReducer.enabled` false): :attr:`BackwardReducer.unreduced` then says the buffer
+holds gradient that no round reduced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hopnet.options import option
+from hopnet.params import FlatGradients
+from hopnet.protocols.buffer_sync import GradientOptions
+
+MB = 1 << 20
+DEFAULT_BUCKET_MB = 25.0
+
+ReduceFn = Callable[[torch.Tensor, str], Awaitable[Any]]
+"""All-reduce (mean) a slice of the gradient buffer in place, under a tag."""
+TagFn = Callable[[int, int], str]
+"""The tag of round ``r``'s bucket ``b`` (called on the loop, where the iteration is read)."""
+
+
+@dataclass(frozen=True)
+class BucketOptions(GradientOptions):
+    """The options of the gradient protocols that can reduce during the backward pass."""
+
+    bucket_mb: float = option(DEFAULT_BUCKET_MB, minimum=0, metavar="MB",
+                              help="all-reduce the gradient in buckets of at most this many MiB while the backward "
+                                   "pass runs, as torch DDP's bucket_cap_mb (pipe-sgd: with --pipeline-k 1 only); "
+                                   "0: one all-reduce after it")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``buffer[start:stop]``, holding the gradients of parameters ``members`` (indices into
+    ``FlatGradients.params``)."""
+
+    start: int
+    stop: int
+    members: tuple[int, ...]
+
+
+def plan_buckets(numels: Sequence[int], element_size: int, cap_bytes: float) -> list[Bucket]:
+    """Buckets of at most ``cap_bytes`` (a parameter larger than that is a bucket alone) over
+    parameters of ``numels`` elements laid out in order in one buffer, the last parameters first."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    buckets: list[Bucket] = []
+    members: list[int] = []
+    size = 0
+    for i in reversed(range(len(numels))):
+        if members and (size + numels[i]) * element_size > cap_bytes:
+            buckets.append(Bucket(offsets[members[-1]], offsets[members[0] + 1], tuple(members)))
+            members, size = [], 0
+        members.append(i)
+        size += numels[i]
+    if members:
+        buckets.append(Bucket(offsets[members[-1]], offsets[members[0] + 1], tuple(members)))
+    return buckets
+
+
+@dataclass
+class _Round:
+    """One backward pass's reduction."""
+
+    left: list[int]  # per bucket: its parameters not yet ready
+    fired: list[bool]  # per parameter: ready in this pass
+    ready: list[asyncio.Event]  # per bucket, set on the loop
+    future: concurrent.futures.Future[None] | None = field(default=None)
+
+
+class BackwardReducer:
+    """The gradient hooks of one worker's parameters, and the rounds they start (see the module)."""
+
+    def __init__(self, grads: FlatGradients, cap_bytes: float, reduce: ReduceFn, tag: TagFn,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        """Built on ``loop``'s thread (the node's), whose backward passes are not overlapped."""
+        self.grads = grads
+        self.buckets = plan_buckets([p.numel() for p in grads.params], grads.buffer.element_size(), cap_bytes)
+        self._bucket_of = [0] * len(grads.params)
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.members:
+                self._bucket_of[i] = b
+        self._reduce = reduce
+        self._tag = tag
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._round: _Round | None = None
+        self._rounds = 0  # rounds started since the last reset (numbers the tags)
+        self.enabled = True
+        """False inside ``no_sync()``: backward passes accumulate and reduce nothing."""
+        self.reduced = False
+        """A round finished since the last :meth:`reset`."""
+        self.unreduced = False
+        """A backward pass since the last :meth:`reset` added gradient that no round reduced."""
+        self.error: BaseException | None = None
+        """What failed a round since the last :meth:`reset` (raised by the protocol's synchronize)."""
+        self._closed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(grads.params)]
+
+    def close(self) -> None:
+        """Remove the hooks: later backward passes leave the gradient to the step."""
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """The step consumed the gradient: start counting afresh (on the loop, the trainer blocked)."""
+        self.reduced = self.unreduced = False
+        self.error = None
+        self._rounds = 0
+
+    # ------------------------------------------------------------------ the trainer's thread
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def ready(param: torch.Tensor) -> None:
+            self._ready(index, param)
+        return ready
+
+    def _overlapping(self) -> bool:
+        return self.enabled and not self._closed and not self._loop.is_closed() \
+            and threading.get_ident() != self._loop_thread
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._overlapping():
+            self.unreduced = True
+            return
+        rnd = self._round
+        if rnd is None or rnd.fired[index]:  # (fired: a pass that raised never reached its end)
+            rnd = self._open_round()
+        self._own_view(index)
+        rnd.fired[index] = True
+        b = self._bucket_of[index]
+        rnd.left[b] -= 1
+        if rnd.left[b] == 0:
+            self._loop.call_soon_threadsafe(rnd.ready[b].set)
+
+    def _own_view(self, index: int) -> None:
+        """Make the parameter's ``.grad`` its view into the buffer again, if something replaced it."""
+        param, view = self.grads.params[index], self.grads.views[index]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view
+
+    def _open_round(self) -> _Round:
+        rnd = _Round(left=[len(b.members) for b in self.buckets], fired=[False] * len(self.grads.params),
+                     ready=[asyncio.Event() for _ in self.buckets])
+        rnd.future = asyncio.run_coroutine_threadsafe(self._reduce_round(rnd), self._loop)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
+        self._round = rnd
+        return rnd
+
+    def _end_of_backward(self) -> None:
+        rnd, self._round = self._round, None
+        if rnd is None:
+            return
+        for b, bucket in enumerate(self.buckets):
+            if rnd.left[b] == 0:
+                continue
+            for i in bucket.members:  # parameters this pass did not reach
+                if not rnd.fired[i]:
+                    self._own_view(i)
+            rnd.left[b] = 0
+            self._loop.call_soon_threadsafe(rnd.ready[b].set)
+        assert rnd.future is not None
+        try:
+            rnd.future.result()
+        except BaseException as exc:  # raised at the step, where the trainer expects the run's errors
+            self.error = exc
+            return
+        self.reduced = True
+
+    # ------------------------------------------------------------------ the loop
+    async def _reduce_round(self, rnd: _Round) -> None:
+        number = self._rounds
+        self._rounds += 1
+        buffer = self.grads.buffer
+        for b, bucket in enumerate(self.buckets):
+            await rnd.ready[b].wait()
+            await self._reduce(buffer[bucket.start:bucket.stop], self._tag(number, b))
+
+
+__all__ = ["DEFAULT_BUCKET_MB", "MB", "BackwardReducer", "Bucket", "BucketOptions", "plan_buckets"]

@@ -1,0 +1,211 @@
+"""``--protocol allreduce`` reduces the gradient in buckets while the backward pass runs
+(hopnet/protocols/overlap.py): the buckets, a gradient already averaged when ``backward()`` returns,
+DDP's ``no_sync()``, and the results against torch DDP (gloo, small buckets, with and without
+gradient accumulation). Ranks are threads of this process (tests/support/threaded.py), DDP a
+torchrun launch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopnet import DistributedOptimizer, PeerFailure, ProtocolConfig
+from hopnet.protocols.allreduce import AllReduceOptions
+from hopnet.protocols.overlap import MB, plan_buckets
+from hopnet.protocols.pipesgd import PipeSgdOptions
+
+from support.bn_task import LR, cnn, set_lr, state
+from support.env import clean_env
+from support.overlap_task import MICRO_BATCHES, micro_batch
+from support.paths import ROOT, WORKERS
+from support.ports import free_port
+from support.threaded import Start, run_ranks, seeded
+
+WORLD = 2
+STEPS = 8
+SMALL_MB = 1000 / MB  # the test model's 5.2 K parameters in 3 buckets
+TIMEOUT_S = 30.0
+
+
+def config(bucket_mb: float, protocol: str = "allreduce") -> ProtocolConfig:
+    options = AllReduceOptions(bucket_mb=bucket_mb) if protocol == "allreduce" \
+        else PipeSgdOptions(pipeline_k=1, bucket_mb=bucket_mb)
+    return ProtocolConfig(protocol, options=options, timeout_s=TIMEOUT_S)
+
+
+def test_buckets_are_contiguous_slices_in_reverse_parameter_order() -> None:
+    buckets = plan_buckets([3, 5, 2, 9, 1], element_size=4, cap_bytes=32)
+    assert [b.members for b in buckets] == [(4,), (3,), (2, 1), (0,)]
+    assert [(b.start, b.stop) for b in buckets] == [(19, 20), (10, 19), (3, 10), (0, 3)]
+    one = plan_buckets([3, 5, 2], element_size=4, cap_bytes=25 * MB)
+    assert [(b.start, b.stop, b.members) for b in one] == [(0, 10, (2, 1, 0))]
+
+
+def train(bucket_mb: float, run: str = "plain", steps: int = STEPS,
+          protocol: str = "allreduce") -> list[dict[str, torch.Tensor]]:
+    """Every rank's state after ``steps`` steps of bn_task's model: one backward pass per step
+    (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``)."""
+
+    def body(rank: int, start: Start) -> dict[str, torch.Tensor]:
+        model = seeded(cnn)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), worker)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        micro = 1 if run == "plain" else MICRO_BATCHES
+        for step in worker.iterations(steps):
+            set_lr(opt, LR, step, steps)
+            opt.zero_grad()
+            for m in range(micro):
+                x, y = micro_batch(rank, WORLD, step, m)
+                if run == "no_sync" and m < micro - 1:
+                    with opt.no_sync():
+                        (loss_fn(model(x), y) / micro).backward()
+                else:
+                    (loss_fn(model(x), y) / micro).backward()
+            opt.step()
+        return state(model)
+
+    return run_ranks(WORLD, config(bucket_mb, protocol), body)
+
+
+def grads_after_backward(bucket_mb: float, deferred: bool, protocol: str = "allreduce") -> list[torch.Tensor]:
+    """Each rank's gradient as ``backward()`` (inside ``no_sync()`` if ``deferred``) leaves it."""
+
+    def body(rank: int, start: Start) -> torch.Tensor:
+        model = seeded(cnn)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), worker)
+        x, y = micro_batch(rank, WORLD, 0, 0)
+        with opt.no_sync() if deferred else _nothing():
+            torch.nn.CrossEntropyLoss()(model(x), y).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        opt.step()
+        return grads
+
+    return run_ranks(WORLD, config(bucket_mb, protocol), body)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("protocol", ["allreduce", "pipe-sgd"])  # pipe-sgd with K = 1
+def test_the_gradient_is_averaged_when_backward_returns(protocol: str) -> None:
+    averaged = grads_after_backward(SMALL_MB, deferred=False, protocol=protocol)
+    torch.testing.assert_close(averaged[0], averaged[1], rtol=0, atol=0)
+    local = grads_after_backward(SMALL_MB, deferred=True, protocol=protocol)  # no_sync(): the step averages it
+    assert not torch.equal(local[0], local[1])
+    torch.testing.assert_close(averaged[0], (local[0] + local[1]) / 2, rtol=0, atol=1e-6)
+    at_step = grads_after_backward(0.0, deferred=False, protocol=protocol)  # --bucket-mb 0: nothing before the step
+    assert torch.equal(at_step[0], local[0]) and torch.equal(at_step[1], local[1])
+
+
+def test_pipe_sgd_with_k_1_in_buckets_is_bitwise_allreduce_in_buckets() -> None:
+    pipe, allreduce = train(SMALL_MB, "accumulate", steps=4, protocol="pipe-sgd"), train(SMALL_MB, "accumulate", steps=4)
+    for name, tensor in allreduce[0].items():
+        assert torch.equal(tensor, pipe[0][name]), name
+
+
+def test_bucket_mb_0_and_one_bucket_give_bitwise_the_same_model() -> None:
+    at_step, one_bucket = train(0.0, steps=4), train(25.0, steps=4)
+    for name, tensor in at_step[0].items():
+        assert torch.equal(tensor, one_bucket[0][name]), name
+
+
+@pytest.fixture(scope="module")
+def ddp_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    out = tmp_path_factory.mktemp("ddp") / "ddp.pt"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          str(WORKERS / "ddp_accumulate.py"), str(STEPS), str(SMALL_MB), str(out)],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    states: dict[str, dict[str, torch.Tensor]] = torch.load(out)
+    return states
+
+
+@pytest.mark.slow  # the torchrun launch of DDP: 5 to 20 s on a loaded machine
+@pytest.mark.parametrize("run, bucket_mb", [("plain", SMALL_MB), ("plain", 0.0), ("accumulate", SMALL_MB),
+                                            ("no_sync", SMALL_MB), ("accumulate", 0.0)])
+def test_allreduce_in_buckets_equals_ddp(ddp_states: dict[str, dict[str, torch.Tensor]], run: str,
+                                         bucket_mb: float) -> None:
+    ranks = train(bucket_mb, run)
+    reference = ddp_states[run]
+    assert ranks[0].keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ranks[0][name], tensor, rtol=0, atol=1e-5, msg=f"{run}: {name} differs from DDP's")
+    for name, tensor in ranks[0].items():
+        if "running" not in name and "num_batches" not in name:  # buffers: each rank's own (flatten_parameters)
+            assert torch.equal(tensor, ranks[1][name]), name
+
+
+def test_a_peer_gone_in_the_backward_pass_fails_the_step_naming_it() -> None:
+    def body(rank: int, start: Start) -> str:
+        model = seeded(cnn)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), worker)
+        for step in worker.iterations(STEPS):
+            if rank == 1 and step == 2:
+                worker.close()  # leaves: it takes part in no round of iteration 2
+                return "left"
+            opt.zero_grad()
+            x, y = micro_batch(rank, WORLD, step, 0)
+            torch.nn.CrossEntropyLoss()(model(x), y).backward()  # the round's failure is kept for the step
+            try:
+                opt.step()
+            except PeerFailure as exc:
+                return f"{step}: {exc}"
+        return "finished"
+
+    left, failed = run_ranks(WORLD, config(SMALL_MB), body)[::-1]
+    assert left == "left"
+    assert failed.startswith("2: ") and "rank 1" in failed, failed
+
+
+class _WithUnused(torch.nn.Module):
+    """bn_task's model beside a layer no forward pass reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = cnn()
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_replaced_grads_are_copied_back_and_unused_parameters_end_their_bucket() -> None:
+    """The trainer zeroes with set_to_none on the wrapped optimizer (backward then makes new .grad tensors)
+    and one layer gets no gradient: every bucket still completes, each .grad is its view again, averaged."""
+
+    def body(rank: int, start: Start) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        model = seeded(_WithUnused)
+        worker = start(model)
+        inner = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in worker.iterations(3):
+            inner.zero_grad(set_to_none=True)
+            x, y = micro_batch(rank, WORLD, step, 0)
+            torch.nn.CrossEntropyLoss()(model(x), y).backward()
+            grads = worker.grads.buffer.clone()
+            aliased = worker.grads.aliased()
+            worker.step(inner.step)
+        return grads, aliased, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    for bucket_mb in (SMALL_MB, 0.0):
+        ranks = run_ranks(WORLD, config(bucket_mb), body)
+        if bucket_mb:  # (with --bucket-mb 0 the step copies them back)
+            assert all(aliased for _, aliased, _ in ranks)
+            assert torch.equal(ranks[0][0], ranks[1][0])  # averaged during the backward pass
+            in_buckets = ranks[0][2]
+        else:
+            torch.testing.assert_close(ranks[0][2], in_buckets, rtol=0, atol=1e-6)
+    unused = seeded(_WithUnused).unused
+    assert torch.equal(in_buckets[-12:], torch.cat([unused.weight.detach().flatten(), unused.bias.detach()]))
