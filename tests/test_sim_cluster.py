@@ -152,3 +152,14 @@ def test_cli_link_model_file(tmp_path, capsys):
     assert cli(["simulate", "--graph", "hierarchical:4,4", "--link-model", str(model)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "no node of the graph is on machine 'dc-west'" in err[0], err
+
+
+def test_two_datacentres_as_in_the_readme():
+    # hierarchical:2,2,2,2: machines m0-m3 joined in a ring m0-m1-m2-m3-m0, so m1-m2 and m3-m0 cross
+    # between the datacentres {m0, m1} and {m2, m3}; 30 ms outweighs the 10 ms compute.
+    doc = {"links": [{"between": ["*", "*"], "latency_ms": 0.05, "gbps": 100},
+                     {"between": [["m0", "m1"], ["m2", "m3"]], "latency_ms": 30, "gbps": 1}]}
+    g = Graph.hierarchical([2, 2, 2, 2])
+    link = apply_rules(LinkModel(), parse_rules(doc, g), g)
+    r = simulate(SimSpec(g, ProtocolConfig(), 10, ComputeModel.parse("10"), link=link))
+    assert r.virtual_time == pytest.approx(10 * 0.030)
