@@ -52,7 +52,8 @@ def child(protocol: str, n: int, iterations: int, compute_ms: float) -> dict[str
     text = result_json(result, {"graph": graph.name})
     t3 = time.perf_counter()
     return {"graph_s": t1 - t0, "simulate_s": t2 - t1, "json_s": t3 - t2, "total_s": t3 - t0,
-            "cpu_s": time.process_time() - cpu0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "cpu_s": time.process_time() - cpu0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "virtual_s": result.virtual_time, "completed": min(result.iterations),
             "json_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "json_mb": len(text) / 1e6}
 
@@ -69,7 +70,8 @@ def run_case(protocol: str, n: int, args: argparse.Namespace) -> dict[str, objec
         print(f"warning: {protocol} N={n}: the JSON differs between repeats: {sorted(digests)}", file=sys.stderr)
     med = lambda key: statistics.median(float(r[key]) for r in runs)  # noqa: E731
     return {"protocol": protocol, "workers": n, "runs": runs, "total_s": med("total_s"),
-            "simulate_s": med("simulate_s"), "cpu_s": med("cpu_s"), "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in runs),
+            "simulate_s": med("simulate_s"), "cpu_s": med("cpu_s"),
+            "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in runs),
             "graph_s": med("graph_s"), "json_s": med("json_s"), "virtual_s": runs[0]["virtual_s"],
             "identical_json": len(digests) == 1, "load_before": os.getloadavg()}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -122,13 +121,19 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
-@functools.cache
+_OPTION_FIELDS: dict[type, tuple[OptionField, ...]] = {}
+
+
 def option_fields(cls: type) -> tuple[OptionField, ...]:
     """The :func:`option` fields of dataclass ``cls``, in declaration order (worked out once per
     class: ``get_type_hints`` is slow, and the simulator makes options for every worker)."""
-    hints = typing.get_type_hints(cls)
-    return tuple(OptionField(f.name, hints[f.name], _field_default(f), f.metadata["option"])
-                 for f in dataclasses.fields(cls) if "option" in f.metadata)
+    found = _OPTION_FIELDS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = tuple(OptionField(f.name, hints[f.name], _field_default(f), f.metadata["option"])
+                      for f in dataclasses.fields(cls) if "option" in f.metadata)
+        _OPTION_FIELDS[cls] = found
+    return found
 
 
 O = TypeVar("O", bound="ProtocolOptions")

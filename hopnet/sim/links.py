@@ -10,8 +10,9 @@ machines of its two sides (in either direction), by the graph's ``machine`` labe
 is a label, a list of labels, or ``"*"`` (any machine, an unlabelled node included). A rule
 may leave out ``latency_ms`` or ``gbps``. When several rules name a link, each sets what
 it gives, in order (the last one wins); what none sets comes from the links' defaults
-(``--link-latency-ms``, ``--link-gbps``), as does all of a link that no rule names. Bandwidth is per directed worker-to-worker
-link, as for ``--link-gbps``: links between the same two machines do not share it.
+(``--link-latency-ms``, ``--link-gbps``), as does all of a link that no rule names.
+Bandwidth is per directed worker-to-worker link, as for ``--link-gbps``: links between the
+same two machines do not share it.
 """
 
 from __future__ import annotations
