@@ -417,10 +417,21 @@ class ForkServer:
 
 
 # --------------------------------------------------------------------------- from a template
-def identity(env: Mapping[str, str]) -> dict[str, str]:
+_NAMESPACES = ("net", "mnt", "pid", "user", "uts", "ipc", "cgroup")
+
+
+def identity(env: Mapping[str, str]) -> dict[str, object]:
     """What a template and a launcher must share for a forked fork server to be the one the
-    launcher would start: the interpreter, and the ``PYTHONPATH`` that picks hopnet and torch."""
-    return {"executable": sys.executable, "pythonpath": worker_pythonpath(env)}
+    launcher would start: the interpreter, the ``PYTHONPATH`` that picks hopnet and torch, the
+    user, and the namespaces (a launcher under `ip netns exec` must not get workers outside)."""
+    namespaces = {}
+    for name in _NAMESPACES:
+        try:
+            namespaces[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            namespaces[name] = 0
+    return {"executable": sys.executable, "pythonpath": worker_pythonpath(env), "uid": os.getuid(),
+            "gid": os.getgid(), "namespaces": namespaces}
 
 
 class TemplateForked:

@@ -13,8 +13,9 @@ the template forks a child that takes the launcher's socket, streams, inherited 
 (at the same numbers), environment and directory, and from then on is that launch's fork
 server, as if started by the launcher (its own session; it ends with the launcher's socket).
 The template serves only a launcher of the same interpreter and the same ``PYTHONPATH``
-(what decides which hopnet and which torch the workers import); for any other, and when the
-template does not answer, the launcher starts its fork server with ``exec`` as usual.
+(what decides which hopnet and which torch the workers import), user and namespaces (a
+launcher under ``ip netns exec`` needs workers in its network namespace); for any other,
+and when the template does not answer, the launcher starts its fork server with ``exec``.
 
 The template keeps no thread, like a fork server, so that a fork never copies a held lock.
 It ends on SIGTERM or when the process that started it dies.
@@ -89,7 +90,7 @@ def _answer(conn: socket.socket, listener: socket.socket, children: set[int]) ->
                 return _child(request, fds, conn, listener)  # it took the descriptors
             children.add(pid)
         else:
-            conn.send(msgpack.packb({"error": "another interpreter or PYTHONPATH"}))
+            conn.send(msgpack.packb({"error": "another interpreter, PYTHONPATH, user or namespace"}))
     except OSError:
         pass
     for fd in fds:
