@@ -20,16 +20,53 @@ from hopnet.graph import Graph
 
 
 class GapTracker:
-    """Largest Iter(i) - Iter(j) ever observed, updated whenever a worker enters an iteration."""
+    """Largest Iter(i) - Iter(j) ever observed, updated whenever a worker enters an iteration.
 
-    def __init__(self, n: int) -> None:
+    ``largest`` (the largest gap and the first pair ``(i, j)`` in rank order that showed it)
+    costs O(1) per entry, amortised; the ``n x n`` matrix of every pair's largest gap costs
+    O(n) per entry and O(n^2) memory, so it is kept only when ``matrix`` is true.
+    """
+
+    def __init__(self, n: int, matrix: bool = True) -> None:
         self.iters = np.zeros(n, dtype=np.int64)
-        self.max_gap = np.zeros((n, n), dtype=np.int64)
+        self.max_gap: np.ndarray | None = np.zeros((n, n), dtype=np.int64) if matrix else None
+        self._count: dict[int, int] = {0: n}  # how many workers are in each iteration
+        self._min = 0
+        self._largest = (0, 0, 0)
+
+    @property
+    def largest(self) -> tuple[int, int, int]:
+        """``(gap, i, j)``: the largest gap seen and the first pair in rank order that showed it
+        (``(0, 0, 0)`` while no worker has been ahead of another)."""
+        return self._largest
 
     def entered(self, rank: int, iteration: int) -> None:
-        self.iters[rank] = iteration
-        row = self.max_gap[rank]
-        np.maximum(row, iteration - self.iters, out=row)
+        iters = self.iters
+        before = int(iters[rank])
+        iters[rank] = iteration
+        self._move(before, iteration)
+        if self.max_gap is not None:
+            row = self.max_gap[rank]
+            np.maximum(row, iteration - iters, out=row)
+        gap = iteration - self._min
+        best, bi, bj = self._largest
+        if gap <= 0 or gap < best or (gap == best and rank > bi):
+            return
+        # The workers ``rank`` is ``gap`` ahead of are those in the lowest iteration.
+        j = int(np.argmax(iters == self._min))
+        if gap > best or rank < bi or j < bj:
+            self._largest = (gap, rank, j)
+
+    def _move(self, before: int, after: int) -> None:
+        count = self._count
+        count[before] -= 1
+        if not count[before]:
+            del count[before]
+        count[after] = count.get(after, 0) + 1
+        if after < self._min:
+            self._min = after
+        elif before == self._min and before not in count:
+            self._min = min(count)
 
 
 class RunLogError(HopnetError, ValueError):
@@ -122,6 +159,7 @@ def max_gap_from_run(events: dict[int, list[dict[str, Any]]], n: int) -> np.ndar
     tracker = GapTracker(n)
     for _, rank, iteration in entries:
         tracker.entered(rank, iteration)
+    assert tracker.max_gap is not None
     return tracker.max_gap
 
 

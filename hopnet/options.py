@@ -121,11 +121,19 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
+_OPTION_FIELDS: dict[type, tuple[OptionField, ...]] = {}
+
+
 def option_fields(cls: type) -> tuple[OptionField, ...]:
-    """The :func:`option` fields of dataclass ``cls``, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return tuple(OptionField(f.name, hints[f.name], _field_default(f), f.metadata["option"])
-                 for f in dataclasses.fields(cls) if "option" in f.metadata)
+    """The :func:`option` fields of dataclass ``cls``, in declaration order (worked out once per
+    class: ``get_type_hints`` is slow, and the simulator makes options for every worker)."""
+    found = _OPTION_FIELDS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = tuple(OptionField(f.name, hints[f.name], _field_default(f), f.metadata["option"])
+                      for f in dataclasses.fields(cls) if "option" in f.metadata)
+        _OPTION_FIELDS[cls] = found
+    return found
 
 
 O = TypeVar("O", bound="ProtocolOptions")

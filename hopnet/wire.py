@@ -79,6 +79,10 @@ def known_kinds() -> frozenset[str]:
     return frozenset(_KNOWN_KINDS)
 
 
+def is_known_kind(kind: str) -> bool:
+    return kind in _KNOWN_KINDS
+
+
 def any_rank_kinds() -> frozenset[str]:
     return frozenset(_ANY_RANK_KINDS)
 

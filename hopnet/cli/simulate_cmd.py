@@ -2,8 +2,8 @@
 
     hopnet simulate [--graph G] [--nproc N] [protocol flags, as for `hopnet launch`]
                     [--iterations N] [--compute-ms SPEC] [--compute-ms-rank R:SPEC ...]
-                    [--link-latency-ms MS] [--link-gbps G] [--model-mb MB]
-                    [--stop R:K ...] [--json FILE|-]
+                    [--link-latency-ms MS] [--link-gbps G] [--link-model FILE]
+                    [--model-mb MB] [--stop R:K ...] [--gap-matrix WHEN] [--json FILE|-]
 
 Every worker is the real protocol object (see :mod:`hopnet.sim.engine`); only time is
 modelled. A short summary goes to stdout (to stderr when ``--json -`` takes stdout).
@@ -29,7 +29,8 @@ from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.launch.launcher import DEFAULT_NPROC
 from hopnet.launch.launcher import resolve_graph as resolve_run_graph
-from hopnet.sim.engine import ComputeModel, SimResult, SimSpec, simulate
+from hopnet.sim.engine import GAP_MATRIX_MAX_N, ComputeModel, SimResult, SimSpec, simulate
+from hopnet.sim.links import load_link_model
 from hopnet.transports.inproc import LinkModel
 
 DEFAULT_ITERATIONS = 100
@@ -77,10 +78,17 @@ def register(subparsers: Any) -> None:
                      help="one-way latency of every link in ms (default: 0)")
     sim.add_argument("--link-gbps", default="0", metavar="G",
                      help="bandwidth of every link in Gbit/s; 0 = unlimited (default: 0)")
+    sim.add_argument("--link-model", default=None, metavar="FILE",
+                     help="latency and bandwidth per pair of machines (the graph's machine labels), as JSON: "
+                          '{"links": [{"between": [A, B], "latency_ms": MS, "gbps": G}, ...]}; a side is a '
+                          'machine, a list of machines or "*"; other links keep --link-latency-ms/--link-gbps')
     sim.add_argument("--model-mb", default="0", metavar="MB",
                      help="bytes charged to the link per update, in MB of 10^6 bytes (default: 0)")
     sim.add_argument("--stop", action="append", default=[], metavar="R:K",
                      help="rank R leaves for good before iteration K (repeatable)")
+    sim.add_argument("--gap-matrix", default="auto", choices=("auto", "always", "never"),
+                     help="report every pair's largest gap (max_gap in --json: O(N^2)); auto: up to "
+                          f"{GAP_MATRIX_MAX_N} workers (default: auto)")
     sim.add_argument("--json", default=None, metavar="FILE",
                      help="write the full result as JSON to FILE ('-' = stdout; the summary then goes to stderr)")
     add_protocol_arguments(parser)
@@ -168,8 +176,14 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     model_mb = _number("--model-mb", args.model_mb)
     stops = parse_stops(list(args.stop), n)
     link = LinkModel(latency_s=latency_ms / 1000.0, bytes_per_s=gbps * 1e9 / 8)
+    link_inputs: dict[str, Any] = {"latency_ms": latency_ms, "gbps": gbps, "latency_s": link.latency_s,
+                                   "bytes_per_s": link.bytes_per_s}
+    if args.link_model is not None:
+        link, rules = load_link_model(args.link_model, graph, link)
+        link_inputs["rules"] = [rule.to_dict() for rule in rules]
+    gap_matrix = {"auto": None, "always": True, "never": False}[args.gap_matrix]
     spec = SimSpec(graph=graph, config=config, iterations=iterations, compute=compute, link=link,
-                   model_bytes=int(round(model_mb * BYTES_PER_MB)), stop_at=stops)
+                   model_bytes=int(round(model_mb * BYTES_PER_MB)), stop_at=stops, gap_matrix=gap_matrix)
     spec.validate()
     per_rank: dict[str, str] = {}
     for item in args.compute_ms_rank:
@@ -180,8 +194,7 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
         "config": json.loads(config.to_json()),
         "requested_iterations": iterations,
         "compute": {"spec": args.compute_ms.strip(), "per_rank": per_rank},
-        "link": {"latency_ms": latency_ms, "gbps": gbps, "latency_s": link.latency_s,
-                 "bytes_per_s": link.bytes_per_s},
+        "link": link_inputs,
         "model_bytes": spec.model_bytes,
         "stop": {str(r): k for r, k in sorted(stops.items())},
         "seed": config.seed,
@@ -201,9 +214,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     n = result.n
     config = inputs["config"]
     rates = result.rates
-    gap = result.max_gap
-    gi, gj = divmod(int(gap.argmax()), n)  # the first pair, in rank order, with the largest gap
-    largest = int(gap[gi][gj])
+    largest, gi, gj = result.largest_gap
     q_rank = max(range(n), key=lambda r: result.queue_high_water[r])
     settings = [config["protocol"], *ProtocolConfig.from_dict(config).options.settings()]
     done = [len(times) for times in result.finish_times]  # iterations each worker completed

@@ -813,11 +813,11 @@ class NotifyAckOptions(ProtocolOptions):
 def check_hop_graph(config: ProtocolConfig, options: HopOptions, graph: Graph) -> list[str]:
     _check_backup_workers(options, graph)
     notes: list[str] = []
-    d = graph.shortest_path_lengths()
+    # Only these checks need the n x n path lengths (O(n^2) memory: 800 MB at 10,000 workers).
     if options.skip_threshold is not None:
-        notes.extend(_check_skipping(options, graph, d))
+        notes.extend(_check_skipping(options, graph, graph.shortest_path_lengths()))
     if options.staleness is not None and options.token_queues:
-        notes.extend(_staleness_notes(options, graph, d))
+        notes.extend(_staleness_notes(options, graph, graph.shortest_path_lengths()))
     return notes
 
 

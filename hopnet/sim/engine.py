@@ -95,6 +95,10 @@ class ComputeModel:
         return {"const": self.a, "uniform": (self.a + self.b) / 2, "exp": self.a, "normal": self.a}[self.kind]
 
 
+GAP_MATRIX_MAX_N = 1024
+"""Up to this many workers a run keeps the largest gap of every pair of workers by default."""
+
+
 @dataclass
 class SimSpec:
     """Everything a simulated run depends on."""
@@ -108,6 +112,12 @@ class SimSpec:
     param_dim: int = 0
     stop_at: dict[int, int] = field(default_factory=dict)
     keep_events: bool = False
+    gap_matrix: bool | None = None
+    """Keep every pair's largest gap (``SimResult.max_gap``, O(n^2) memory and O(n) per iteration
+    entered); ``None``: only up to :data:`GAP_MATRIX_MAX_N` workers."""
+
+    def keeps_gap_matrix(self) -> bool:
+        return self.graph.n <= GAP_MATRIX_MAX_N if self.gap_matrix is None else self.gap_matrix
 
     def validate(self) -> None:
         if self.iterations < 1:
@@ -128,7 +138,12 @@ class SimResult:
     iterations: list[int]
     finish_times: list[list[float]]
     rates: list[float]
-    max_gap: np.ndarray
+    max_gap: np.ndarray | None
+    """``[i][j]``: the largest Iter(i) - Iter(j) observed; None unless the run kept it
+    (:attr:`SimSpec.gap_matrix`)."""
+    largest_gap: tuple[int, int, int]
+    """``(gap, i, j)``: the largest gap between any two workers, and the first pair in rank order
+    that showed it."""
     queue_high_water: list[int]
     token_high_water: list[int]
     skips: list[dict[str, Any]]
@@ -149,7 +164,8 @@ class SimResult:
             "virtual_time": _round(self.virtual_time),
             "rates": [_round(r) for r in self.rates],
             "mean_rate": _round(sum(self.rates) / len(self.rates)),
-            "max_gap": self.max_gap.tolist(),
+            "max_gap": None if self.max_gap is None else self.max_gap.tolist(),
+            "largest_gap": dict(zip(("gap", "i", "j"), self.largest_gap)),
             "queue_high_water": self.queue_high_water,
             "token_high_water": self.token_high_water,
             "skips": self.skips,
@@ -220,7 +236,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
     stand_in_kinds = (COLLECTIVE_KIND, AVERAGING_REQUEST, AVERAGING_REPLY)
     network = InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None,
                             byte_scale=None if spec.param_dim else {kind: scale for kind in stand_in_kinds})
-    gaps = GapTracker(n)
+    gaps = GapTracker(n, matrix=spec.keeps_gap_matrix())
     slowdown = config.make_slowdown()
     virtual_time = asyncio.get_running_loop().time
     machine = make_coordinator(config, graph)
@@ -283,6 +299,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         finish_times=finish_times,
         rates=rates,
         max_gap=gaps.max_gap,
+        largest_gap=gaps.largest,
         queue_high_water=[p.summary().get("queue_high_water") or 0 for p in protocols],
         token_high_water=[p.summary().get("token_high_water") or 0 for p in protocols],
         skips=skips,

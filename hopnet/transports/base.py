@@ -139,11 +139,14 @@ class Transport(abc.ABC):
 
     def check_header(self, header: Header) -> str | None:
         """The common validation every transport applies. Returns a drop reason or None."""
-        if header.dst != self.rank:
+        return self.check_route(header.kind, header.src, header.dst)
+
+    def check_route(self, kind: str, src: int, dst: int) -> str | None:
+        """:meth:`check_header` on a header's parts (a transport that has them without a header)."""
+        if dst != self.rank:
             return "wrong_dst"
-        src = header.src
         if src not in self.allowed_senders:
             size = self.world_size
-            if not (size is not None and is_any_rank_kind(header.kind) and 0 <= src < size and src != self.rank):
+            if not (size is not None and is_any_rank_kind(kind) and 0 <= src < size and src != self.rank):
                 return "not_neighbor"
         return None

@@ -11,6 +11,7 @@ bandwidth, with a FIFO per directed link so messages on one link keep their orde
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,22 +19,36 @@ from dataclasses import dataclass, field
 
 from hopnet.errors import HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.wire import Message, known_kinds
+from hopnet.wire import Message, is_known_kind
 
 
 @dataclass
 class LinkModel:
     """Latency (seconds) and bandwidth (bytes/second; 0 = unlimited) per directed link.
 
-    ``overrides`` maps ``(src, dst)`` to ``(latency_s, bytes_per_s)`` for particular links.
+    ``overrides`` maps ``(src, dst)`` to ``(latency_s, bytes_per_s)`` for particular links;
+    ``between_machines`` maps a pair of machine labels (``machines[rank]``, None for a rank
+    without one) to the parameters of every link from a rank on the first to a rank on the
+    second (:mod:`hopnet.sim.links` builds it from a file). The first that names a link wins.
     """
 
     latency_s: float = 0.0
     bytes_per_s: float = 0.0
     overrides: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    machines: tuple[str | None, ...] = ()
+    between_machines: dict[tuple[str | None, str | None], tuple[float, float]] = field(default_factory=dict)
 
     def params(self, src: int, dst: int) -> tuple[float, float]:
-        return self.overrides.get((src, dst), (self.latency_s, self.bytes_per_s))
+        found = self.overrides.get((src, dst))
+        if found is not None:
+            return found
+        if self.between_machines:
+            machines = self.machines
+            if 0 <= src < len(machines) and 0 <= dst < len(machines):  # not the coordinator's pseudo-rank
+                found = self.between_machines.get((machines[src], machines[dst]))
+                if found is not None:
+                    return found
+        return self.latency_s, self.bytes_per_s
 
 
 class InprocNetwork:
@@ -52,6 +67,8 @@ class InprocNetwork:
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._in_flight: dict[tuple[int, int], deque[tuple[InprocTransport, Message, int]]] = {}
+        # Deliveries run in one context of their own: asyncio would copy the sender's for each.
+        self._context = contextvars.Context()
 
     def transport(self, rank: int, allowed_senders: frozenset[int]) -> InprocTransport:
         return InprocTransport(self, rank, allowed_senders)
@@ -65,9 +82,12 @@ class InprocNetwork:
         self._endpoints.pop(rank, None)
 
     def _arrival_delay(self, loop: asyncio.AbstractEventLoop, src: int, dst: int, nbytes: int) -> float:
-        if self.link_model is None:
+        model = self.link_model
+        if model is None:
             return 0.0
-        latency, bandwidth = self.link_model.params(src, dst)
+        if model.bytes_per_s <= 0 and not model.overrides and not model.between_machines:
+            return model.latency_s  # every link alike, and none busy for longer than its latency
+        latency, bandwidth = model.params(src, dst)
         if bandwidth <= 0:
             return latency
         now = loop.time()
@@ -93,13 +113,16 @@ class InprocNetwork:
             # therefore delivers the oldest message in flight on its link: links stay FIFO.
             link = (msg.src, msg.dst)
             in_flight = self._in_flight.get(link)
+            if delay <= 0 and not in_flight:  # nothing ahead of it on its link: due now, in send order
+                sender_loop.call_soon(target._on_message, msg, nbytes, context=self._context)
+                return
             if in_flight is None:
                 in_flight = self._in_flight[link] = deque()
             in_flight.append((target, msg, nbytes))
             if delay > 0:
-                sender_loop.call_later(delay, self._deliver_oldest, in_flight)
+                sender_loop.call_later(delay, self._deliver_oldest, in_flight, context=self._context)
             else:
-                sender_loop.call_soon(self._deliver_oldest, in_flight)
+                sender_loop.call_soon(self._deliver_oldest, in_flight, context=self._context)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
 
@@ -144,16 +167,15 @@ class InprocTransport(Transport):
         receiver = self._receiver
         if receiver is None:
             return
-        if msg.kind not in known_kinds():
+        if not is_known_kind(msg.kind):
             self.stats.drop("unknown_kind")
             return
-        header = msg.header()
-        reason = self.check_header(header)
+        reason = self.check_route(msg.kind, msg.src, msg.dst)
         if reason is not None:
             self.stats.drop(reason)
             return
         if msg.tensors:
-            target = receiver.buffers_for(header)
+            target = receiver.buffers_for(msg.header())
             if target is DISCARD:
                 self.stats.drop("discarded")
                 return
