@@ -305,3 +305,22 @@ def test_workers_of_a_script_run_without_the_launcher_are_closed_at_exit(tmp_pat
         assert log[-1]["event"] == "stop" and log[-1]["iter"] == 4
         errors = [r["error"] for r in log if r["event"] == "error"]
         assert errors == ([last_error] if last_error else [])
+
+
+STOPPED_THEN_CLOSE_FAILS = """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher stops the run...
+    time.sleep(30)
+finally:
+    raise RuntimeError("a neighbour left while this worker closed")  # ...and closing then fails
+"""
+
+
+def test_a_stopped_worker_whose_close_then_fails_still_leaves_as_stopped(tmp_path: Path) -> None:
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_THEN_CLOSE_FAILS)
+    proc = subprocess.run([sys.executable, "-m", "hopnet.launch.worker_main", str(script)], env=clean_env(),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 143, proc.stderr  # stopped, not failed: the launcher says why it stopped the run
+    assert proc.stderr == ""

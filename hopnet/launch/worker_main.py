@@ -110,6 +110,19 @@ def _record_without_worker(exc: BaseException | None, code: int) -> None:
 SIGNAL_GRACE_S = 0.5
 
 
+def _stop_underneath(exc: BaseException | None) -> BaseException | None:
+    """A SIGTERM that an error raised while closing then hid (the ``Terminated`` is in the
+    error's context): the worker was stopped, and that is what it reports."""
+    seen: set[int] = set()
+    cause = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, shutdown.Terminated):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__
+    return exc
+
+
 def _wait_for_a_stop_signal(exc: BaseException | None) -> BaseException | None:
     """A neighbour that left mid-run was most often stopped by the launcher's SIGTERM,
     which reaches every worker at about the same time: its goodbye can beat the signal
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parent_watch.start()
     exc: BaseException | None = None
     try:
-        exc = _wait_for_a_stop_signal(run(list(sys.argv[1:] if argv is None else argv)))
+        exc = _wait_for_a_stop_signal(_stop_underneath(run(list(sys.argv[1:] if argv is None else argv))))
         if exc is not None:
             _report(exc)
         had_workers = bool(shutdown.open_workers())
