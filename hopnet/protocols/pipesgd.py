@@ -123,7 +123,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         if self.resync_needed:
             await self._restart_pipeline(t)
             return
-        if self.k == 1 and not self._reductions:
+        if self.k == 1:
             await self._reduce_now(t, grads)
             return
         self._launch_allreduce(t, grads, reduced=self._reduced_in_backward())
@@ -142,7 +142,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self.synchronized = t
 
     async def _reduce_now(self, t: int, grads: torch.Tensor) -> None:
-        """K = 1 with nothing in flight: the iteration waits for its own all-reduce, so it runs in
+        """K = 1: the iteration waits for its own all-reduce (nothing else is ever in flight), so it runs in
         this coroutine, not a task of its own chained and awaited through the clock (a few loop
         wake-ups less per iteration, which is what K = 1 lost to ``allreduce``, bench/README.md)."""
         reduced = self._reduced_in_backward()
