@@ -3,8 +3,6 @@
     python bench/simulator.py [--sizes 16,256,1024] [--protocol hop] [--iterations 100] [--repeat 3]
     python bench/simulator.py --scale        # hop at 1024, 4096, 10000; prague, partial-reduce at 4096
 
-Partial Reduce runs with ``--frozen-window 0`` (see ``OPTIONS``).
-
 Each case runs ``--protocol`` with default options on ``ring_based:N`` (every worker has 3
 in-neighbours) with a constant 10 ms compute per iteration, ``--repeat`` times, each in a fresh
 child process (so that its peak RSS is its own). A child times building the graph, the
@@ -35,8 +33,8 @@ if __package__ in (None, ""):
 TARGETS = {1024: (10.0, None), 10_000: (60.0, 4096.0)}
 """workers -> (seconds, MB) that Hop's 100 iterations must stay within."""
 SCALE_CASES = [("hop", 1024), ("hop", 4096), ("hop", 10_000), ("prague", 4096), ("partial-reduce", 4096)]
-OPTIONS = {"partial-reduce": {"frozen_window": 0}}
-"""Options other than the defaults: Partial Reduce's default group-frozen filter costs O(N^2) per run."""
+OPTIONS: dict[str, dict[str, object]] = {}
+"""Options other than the defaults, per protocol (none: every case runs its protocol's defaults)."""
 
 
 def child(protocol: str, n: int, iterations: int, compute_ms: float) -> dict[str, object]:

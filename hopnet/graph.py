@@ -211,6 +211,7 @@ class Graph:
             raise GraphError(f"graph is not strongly connected: node {bad} cannot reach node 0")
 
         self._spl: np.ndarray | None = None
+        self._back: dict[tuple[int, int], int] | None = None
         self._gap: float | None = None
         self._hash: int | None = None
 
@@ -465,6 +466,41 @@ class Graph:
             dist[nxt] = level
             frontier = nxt.astype(np.float32)
         return dist
+
+    def back_lengths(self) -> Mapping[tuple[int, int], int]:
+        """For each edge ``(u, v)`` between two workers (no self-loop): the hop count of a
+        shortest path back, from v to u.
+
+        What Hop's checks and slot counts need, without the ``n x n`` matrix: a BFS from each
+        worker that stops once it has reached all its in-neighbours (one step on a symmetric
+        graph). Cached.
+        """
+        if self._back is None:
+            if self._spl is not None:
+                d = self._spl
+                self._back = {(u, v): int(d[v, u]) for v in range(self._n) for u in self._in_peers[v]}
+            else:
+                self._back = self._back_bfs()
+        return self._back
+
+    def _back_bfs(self) -> dict[tuple[int, int], int]:
+        out = self._out_peers
+        back: dict[tuple[int, int], int] = {}
+        for s in range(self._n):
+            wanted = set(self._in_peers[s])
+            dist = {s: 0}
+            q = deque((s,))
+            while wanted:
+                u = q.popleft()
+                du = dist[u] + 1
+                for v in out[u]:
+                    if v not in dist:
+                        dist[v] = du
+                        q.append(v)
+                        if v in wanted:
+                            back[(v, s)] = du
+                            wanted.discard(v)
+        return back
 
     def path_length(self, i: int, j: int) -> int:
         """Number of hops on a shortest directed path from i to j."""

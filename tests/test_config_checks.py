@@ -38,6 +38,15 @@ def message(config: ProtocolConfig, graph: Graph) -> str:
     return text
 
 
+def test_hop_checks_need_no_path_length_matrix() -> None:
+    # the n x n matrix would be 800 MB at 10,000 workers: the checks use Graph.back_lengths
+    g = Graph.ring_based(64)
+    for options in (dict(staleness=2), dict(staleness=30), dict(skip_threshold=2, staleness=3, max_ig=4, max_jump=2),
+                    dict(token_queues=False, staleness=2)):
+        check_config_for_graph(ProtocolConfig(**options), g)
+    assert g._spl is None
+
+
 # ---------------------------------------------------------------------------- skipping: refused means never skips
 SKIP_CASES = [
     # (id, graph, options without the threshold, the largest lead any worker can have)

@@ -222,6 +222,19 @@ def test_path_lengths() -> None:
     assert e.diameter() == 3
 
 
+def test_back_lengths_are_the_path_lengths_back_along_each_edge() -> None:
+    graphs = [Graph.ring(8), Graph.ring_based(16), Graph.exponential(8), Graph.torus(3, 4),
+              Graph.hierarchical([3, 4, 2]), Graph(6, [(i, (i + 1) % 6) for i in range(6)] + [(0, 3), (4, 1)])]
+    for g in graphs:
+        back = g.back_lengths()
+        d = Graph.from_dict(g.to_dict()).shortest_path_lengths()  # a fresh graph: back_lengths did its own BFS
+        assert back == {(u, v): int(d[v, u]) for v in range(g.n) for u in g.in_peers(v)}, g
+        assert g.back_lengths() is back  # cached
+        assert g._spl is None  # no n x n matrix was built
+    directed = Graph(5, [(i, (i + 1) % 5) for i in range(5)])
+    assert directed.back_lengths()[0, 1] == 4  # 1 -> 2 -> 3 -> 4 -> 0
+
+
 def test_path_lengths_match_between_sparse_and_dense_paths() -> None:
     # complete graphs with n > 64 take the dense (matrix) route; compare with BFS.
     g = Graph.hierarchical([20] * 5)

@@ -41,6 +41,7 @@ from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
 from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES, group_weights
+from hopnet.coordinator.window_components import WindowComponents
 
 
 READY = "ready"
@@ -126,6 +127,7 @@ class PartialReduceController(Coordinator):
         self.gone: set[int] = set()
         # The last T - 1 accepted groups; with the candidate they make the window of T.
         self.recent: deque[tuple[int, ...]] = deque(maxlen=max(self.frozen_window - 1, 0))
+        self._window = WindowComponents(world_size)  # the components of ``recent``, kept incrementally
         self.log: list[FormedGroup] | None = [] if keep_log else None
         self.next_gid = 0
         self.repairs = 0
@@ -152,6 +154,7 @@ class PartialReduceController(Coordinator):
         if rank in self.gone or not 0 <= rank < self.world_size:
             return []
         self.gone.add(rank)
+        self._window.set_gone(rank, True)
         if rank in self.queued:
             self.queued.discard(rank)
             self.queue = deque(entry for entry in self.queue if entry[0] != rank)
@@ -159,6 +162,7 @@ class PartialReduceController(Coordinator):
 
     def on_worker_rejoined(self, rank: int) -> list[Send]:
         self.gone.discard(rank)
+        self._window.set_gone(rank, False)
         return []
 
     def _ready(self, sender: int, iteration: Any) -> list[Send]:
@@ -208,19 +212,20 @@ class PartialReduceController(Coordinator):
         chosen = list(range(size))
         repaired = False
         if self._window_full(size):
-            components = self._components()
-            root = {rank: components.find(rank) for rank, _ in queue}
-            active = {r for members in self.recent for r in members if r not in self.gone}
-            active.update(queue[i][0] for i in chosen)
-            required = {components.find(r) for r in active}
+            window = self._window
+            root = {rank: window.find(rank) for rank, _ in queue}
             covered = {root[queue[i][0]] for i in chosen}
-            if not required <= covered:
+            # The components that must be covered: those of the chosen and every live one
+            # (holding a worker of the window that has not left). Only queued workers' are
+            # ever looked up, so those are all this set needs.
+            required = covered | {r for r in root.values() if window.is_live(r)}
+            if not self._covers_live(covered):
                 repaired = self._repair(queue, chosen, root, covered, required)
                 if not repaired and len(queue) == size and not self._held:
                     self._held = True
                     self.holds += 1
                     return None
-                if not required <= covered:
+                if not self._covers_live(covered):
                     self.frozen_accepted += 1  # nothing queued could connect it: accept, never stall
         self._held = False
         picked = [queue[i] for i in chosen]
@@ -238,11 +243,10 @@ class PartialReduceController(Coordinator):
         return (self.frozen_window > 0 and 1 < size < self.alive
                 and len(self.recent) >= self.frozen_window - 1)
 
-    def _components(self) -> _Components:
-        components = _Components(self.world_size)
-        for members in self.recent:
-            components.join(members)
-        return components
+    def _covers_live(self, covered: set[int]) -> bool:
+        """Whether the candidate's components include every live component of the window."""
+        window = self._window
+        return sum(1 for r in covered if window.is_live(r)) == window.live_components
 
     @staticmethod
     def _repair(queue: Sequence[tuple[int, int]], chosen: list[int], root: dict[int, int],
@@ -280,7 +284,10 @@ class PartialReduceController(Coordinator):
         self.next_gid += 1
         newest = max(counters)
         if self.recent.maxlen:
+            if len(self.recent) == self.recent.maxlen:
+                self._window.pop_oldest()
             self.recent.append(tuple(members))
+            self._window.push(members)
         if shrunk:
             self.shrunk_groups += 1
         if self.log is not None:

@@ -139,7 +139,8 @@ class HopProtocol(Protocol):
             lead = 2
         else:
             factor = 1 if self.staleness is None else self.staleness + 1
-            lead = factor * max((graph.path_length(self.rank, j) for j in self.in_peers), default=1)
+            back = graph.back_lengths()
+            lead = factor * max((back[j, self.rank] for j in self.in_peers), default=1)
         return lead + (self.staleness or 0) + 1
 
     # ------------------------------------------------------------------ receiving
@@ -813,11 +814,12 @@ class NotifyAckOptions(ProtocolOptions):
 def check_hop_graph(config: ProtocolConfig, options: HopOptions, graph: Graph) -> list[str]:
     _check_backup_workers(options, graph)
     notes: list[str] = []
-    # Only these checks need the n x n path lengths (O(n^2) memory: 800 MB at 10,000 workers).
+    # These checks need only each edge's way back (Graph.back_lengths), not the n x n path
+    # lengths (O(n^2) memory: 800 MB at 10,000 workers).
     if options.skip_threshold is not None:
-        notes.extend(_check_skipping(options, graph, graph.shortest_path_lengths()))
+        notes.extend(_check_skipping(options, graph))
     if options.staleness is not None and options.token_queues:
-        notes.extend(_staleness_notes(options, graph, graph.shortest_path_lengths()))
+        notes.extend(_staleness_notes(options, graph))
     return notes
 
 
@@ -839,36 +841,37 @@ def _check_backup_workers(options: HopOptions, graph: Graph) -> None:
                               f"{degree} {noun}, so it can go without at most {degree} of their updates")
 
 
-def _lead_bound(options: HopOptions, d: np.ndarray, i: int, j: int) -> float:
-    """How far out-neighbour ``j`` can ever get ahead of its in-neighbour ``i`` (Table 1)."""
+def _lead_bound(options: HopOptions, back: Mapping[tuple[int, int], int], i: int, j: int) -> float:
+    """How far out-neighbour ``j`` can ever get ahead of its in-neighbour ``i`` (Table 1);
+    ``back[i, j]`` is d(j, i)."""
     if options.backup_workers_for(j) > 0:
         own = math.inf  # j can go on without i's updates
     elif options.staleness is not None:
         own = options.staleness + 1
     else:
         own = 1
-    return min(own, options.max_ig * float(d[j][i]))
+    return min(own, options.max_ig * float(back[i, j]))
 
 
-def largest_lead(options: HopOptions, graph: Graph, d: np.ndarray | None = None) -> float:
+def largest_lead(options: HopOptions, graph: Graph) -> float:
     """The most any worker can ever be behind *all* its out-neighbours: what a skip threshold must stay below."""
-    d = graph.shortest_path_lengths() if d is None else d
+    back = graph.back_lengths()
     best = 0.0
     for i in range(graph.n):
         outs = graph.out_peers(i)
         if outs:
-            best = max(best, min(_lead_bound(options, d, i, j) for j in outs))
+            best = max(best, min(_lead_bound(options, back, i, j) for j in outs))
     return best
 
 
-def _check_skipping(options: HopOptions, graph: Graph, d: np.ndarray) -> list[str]:
+def _check_skipping(options: HopOptions, graph: Graph) -> list[str]:
     threshold, max_jump, max_ig = options.skip_threshold, options.max_jump, options.max_ig
     assert threshold is not None and max_jump is not None
     flag = f"--skip-threshold {threshold}"
     if max_ig < 2:
         raise ConfigError(f"{flag}: a jump is capped at max_ig - 1 iterations, so --max-ig {max_ig} "
                           "never skips (use --max-ig 2 or more)")
-    lead = largest_lead(options, graph, d)
+    lead = largest_lead(options, graph)
     if lead <= 1 and options.staleness is None and not options.has_backup_workers:
         raise ConfigError(f"{flag} is never passed: without --backup-workers or --staleness a worker is never "
                           "more than 1 iteration behind its out-neighbours (Hop Table 1), so nothing would skip")
@@ -891,11 +894,12 @@ def _check_skipping(options: HopOptions, graph: Graph, d: np.ndarray) -> list[st
     return notes
 
 
-def _staleness_notes(options: HopOptions, graph: Graph, d: np.ndarray) -> list[str]:
+def _staleness_notes(options: HopOptions, graph: Graph) -> list[str]:
     staleness = options.staleness
     assert staleness is not None
     extra = 1 if options.serial else 0
-    reach = max((options.max_ig * int(d[i][j]) + extra for i in range(graph.n) for j in graph.in_peers(i)),
+    back = graph.back_lengths()  # back[j, i] = d(i, j) for each in-neighbour j of i
+    reach = max((options.max_ig * back[j, i] + extra for i in range(graph.n) for j in graph.in_peers(i)),
                 default=0)
     if staleness < reach:
         return []
