@@ -6,10 +6,11 @@ For each number of processes P, P worker processes are started on 127.0.0.1. The
 hosts a torch TCPStore; the workers join a gloo process group through it and also trade
 their hopnet addresses through it. Each worker runs a hopnet Node (ZmqTransport, ring
 collective) on an event-loop thread, as a trainer does; ``TorchCollective`` (hopnet over
-torch.distributed, its groups built from the same store) runs on that loop too; gloo's
-``all_reduce`` is called directly from the main thread.
+torch.distributed, its groups built from the same store) runs on that loop too, and is
+also timed through ``allreduce_blocking`` (issued and waited for in the main thread, as
+``hopnet.Worker.allreduce`` does); gloo's ``all_reduce`` is called directly from the main thread.
 
-For every size the three methods take turns, ``--repeat`` times, after one untimed warm-up
+For every size the four methods take turns, ``--repeat`` times, after one untimed warm-up
 each: a gloo barrier, then N back-to-back mean all-reduces of one float32 tensor (N is
 about --total-mib / size, at least 3), timed on rank 0 from the barrier to the end of the
 N-th (N at most --max-count). gloo's mean is ``all_reduce(SUM)`` then a division, as DDP does it. The table
@@ -37,7 +38,7 @@ if __package__ in (None, ""):
 from hopnet.collectives.ring import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MiB = 1 << 20
-METHODS = ("gloo", "hopnet-torch", "hopnet-ring")
+METHODS = ("gloo", "hopnet-torch", "hopnet-torch-blocking", "hopnet-ring")
 
 
 def free_port() -> int:
@@ -94,11 +95,19 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
         rounds[0] += 1
         thread.run(torch_collective.allreduce(everyone, t, "mean", tag=f"t/{rounds[0]}"))
 
+    def hopnet_torch_blocking(t: torch.Tensor) -> None:
+        # What hopnet.Worker.allreduce does: the calling thread's fast path once the group is cached.
+        rounds[0] += 1
+        tag = f"t/{rounds[0]}"
+        if torch_collective.allreduce_blocking(everyone, t, "mean", tag=tag) is None:
+            thread.run(torch_collective.allreduce(everyone, t, "mean", tag=tag))
+
     def gloo_allreduce(t: torch.Tensor) -> None:
         dist.all_reduce(t)
         t.div_(world)
 
-    run = {"gloo": gloo_allreduce, "hopnet-torch": hopnet_torch_allreduce, "hopnet-ring": hopnet_allreduce}
+    run = {"gloo": gloo_allreduce, "hopnet-torch": hopnet_torch_allreduce,
+           "hopnet-torch-blocking": hopnet_torch_blocking, "hopnet-ring": hopnet_allreduce}
     try:
         for size in sizes:
             tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -106,8 +115,8 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, tota
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             for method in METHODS:  # warm-up: connections, buffers
                 run[method](tensor)
-            for _ in range(repeat):
-                for method in METHODS:
+            for i in range(repeat):
+                for method in METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]:  # no method always first
                     dist.barrier()
                     start = time.perf_counter()
                     for _ in range(count):
@@ -168,17 +177,18 @@ def fmt_size(size: int) -> str:
 
 
 def table(rows: list[dict], header: bool = True) -> str:
-    lines = ["| P | size | N | gloo ms | hopnet torch ms | hopnet ring ms | gloo bus GB/s | torch / gloo | "
-             "ring / gloo | ring / torch |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
+    lines = ["| P | size | N | gloo ms | hopnet torch ms | torch blocking ms | hopnet ring ms | gloo bus GB/s | "
+             "torch / gloo | blocking / gloo | ring / gloo | ring / torch |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
     for row in rows:
         world, size = row["world"], row["size"]
         med = {m: statistics.median(row["times"][m]) for m in METHODS}
         bus = {m: 2 * (world - 1) / world * size / med[m] / 1e9 for m in METHODS}
         lines.append(f"| {world} | {fmt_size(size)} | {row['count']} | {med['gloo'] * 1e3:.3f} | "
-                     f"{med['hopnet-torch'] * 1e3:.3f} | {med['hopnet-ring'] * 1e3:.3f} | {bus['gloo']:.2f} | "
-                     f"{med['gloo'] / med['hopnet-torch']:.3f}x | {med['gloo'] / med['hopnet-ring']:.2f}x | "
-                     f"{med['hopnet-torch'] / med['hopnet-ring']:.2f}x |")
+                     f"{med['hopnet-torch'] * 1e3:.3f} | {med['hopnet-torch-blocking'] * 1e3:.3f} | "
+                     f"{med['hopnet-ring'] * 1e3:.3f} | {bus['gloo']:.2f} | "
+                     f"{med['gloo'] / med['hopnet-torch']:.3f}x | {med['gloo'] / med['hopnet-torch-blocking']:.3f}x | "
+                     f"{med['gloo'] / med['hopnet-ring']:.2f}x | {med['hopnet-torch'] / med['hopnet-ring']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -266,7 +266,8 @@ def main() -> None:
     parser.add_argument("--role", choices=["driver", "hopnet", "ddp"], default="driver")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="none")
     parser.add_argument("--runs", default=None,
-                        help="which runs, in order (default: ddp,allreduce,hop,hop-skip without slowdown, "
+                        help="which runs, in order, of ddp, allreduce, allreduce-b0, allreduce-torch, pipe-sgd "
+                             "(K=1), hop, hop-skip (default: ddp,allreduce,hop,hop-skip without slowdown, "
                              "ddp,hop,hop-skip with)")
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=200)
@@ -308,6 +309,8 @@ def main() -> None:
             wall = run_hopnet(name, ["--protocol", "allreduce", "--bucket-mb", "0"], slowdown, run_dir, args)
         elif name == "allreduce-torch":  # the all-reduce over TorchCollective (gloo), not the ring
             wall = run_hopnet(name, ["--protocol", "allreduce", "--bulk", "torch"], slowdown, run_dir, args)
+        elif name == "pipe-sgd":  # K=1: each iteration applies its own gradient, like allreduce
+            wall = run_hopnet(name, ["--protocol", "pipe-sgd", "--pipeline-k", "1"], slowdown, run_dir, args)
         elif name == "hop":
             wall = run_hopnet(name, [], slowdown, run_dir, args)
         elif name == "hop-skip":

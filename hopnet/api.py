@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hopnet import checkpoint
-from hopnet.collectives.base import ReduceOp
+from hopnet.collectives.base import Collective, ReduceOp
 from hopnet.collectives.consensus import ConsensusResult, consensus
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
@@ -407,7 +407,12 @@ class Worker:
                   tag: str) -> torch.Tensor:
         """All-reduce ``tensor`` in place among ``group`` on the node's collective, blocking this
         thread until it is done (see :class:`hopnet.collectives.base.Collective`)."""
-        return self._thread.run(self.node.collective.allreduce(group, tensor, op, tag=tag))
+        collective = self.node.collective
+        if isinstance(collective, Collective):
+            done = collective.allreduce_blocking(group, tensor, op, tag=tag)
+            if done is not None:
+                return done
+        return self._thread.run(collective.allreduce(group, tensor, op, tag=tag))
 
     def consensus(self) -> ConsensusResult:
         """End training with one model: every live worker's parameters (and buffers) become the

@@ -25,10 +25,13 @@ def _start(rank: int, name: str, numel: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_groups_over_zeromq_reduce_exactly_and_leave_non_members_alone(launch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bulk", ["zmq", "torch"])
+def test_groups_reduce_exactly_and_leave_non_members_alone(launch, tmp_path: Path, bulk: str) -> None:
+    # zmq: the ring over ZeroMQ. torch: TorchCollective, whose repeated pair ("again0..2")
+    # takes Worker.allreduce's path in the calling thread once the pair is cached.
     n, numel = 5, 300_007
     run_dir = tmp_path / "run"
-    result = launch(["--protocol", "allreduce", "--nproc", str(n), "--run-dir", str(run_dir),
+    result = launch(["--protocol", "allreduce", "--nproc", str(n), "--run-dir", str(run_dir), "--bulk", bulk,
                      COLLECTIVE_WORKER, "--numel", str(numel)])
     assert result.returncode == 0, result.stderr
     held = [torch.load(run_dir / f"collective_rank{r}.pt") for r in range(n)]

@@ -146,10 +146,14 @@ def test_options_that_cannot_take_a_replacement_are_refused_before_anything_star
 
 # ------------------------------------------------------------------------ real processes
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", sorted(VICTIMS))
-def test_a_killed_worker_is_replaced_from_a_neighbours_model(tmp_path: Path, protocol: str) -> None:
+@pytest.mark.parametrize(("protocol", "flags"), [
+    *((p, FLAGS.get(p, ())) for p in sorted(VICTIMS)),
+    ("pipe-sgd", ("--pipeline-k", "1")),  # K = 1 reduces in the step's own coroutine, not a task
+], ids=[*sorted(VICTIMS), "pipe-sgd-k1"])
+def test_a_killed_worker_is_replaced_from_a_neighbours_model(tmp_path: Path, protocol: str,
+                                                             flags: tuple[str, ...]) -> None:
     victim = VICTIMS[protocol]
-    with _launched(tmp_path, protocol, *FLAGS.get(protocol, ())) as (proc, run_dir):
+    with _launched(tmp_path, protocol, *flags) as (proc, run_dir):
         old_pid = _signal_in_iteration(proc, run_dir, victim, signal.SIGKILL, TRAINING_FIRST.get(protocol, ()))
         out, err = proc.communicate(timeout=180)
     logs = _check_finished_with_every_rank(run_dir, proc.returncode, out, err)

@@ -105,3 +105,48 @@ async def test_a_member_that_never_comes_is_named_after_the_timeout() -> None:
         await coll.close()
     finally:
         hosted.close()
+
+
+def test_blocking_calls_reduce_in_the_callers_thread_once_the_group_is_cached() -> None:
+    # Two ranks as two threads of this process, each with a collective of its own.
+    import asyncio
+    import threading
+
+    from hopnet.errors import HopnetError
+
+    hosted = host_store("127.0.0.1")
+    colls = [TorchCollective(r, 2, connect_store(hosted.endpoint, 10), timeout_s=1.5) for r in range(2)]
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    fast: list[tuple[int, bool]] = []
+
+    def rank(r: int) -> None:
+        coll = colls[r]
+        for call in range(3):
+            x = inputs[r].clone()
+            done = coll.allreduce_blocking([0, 1], x, tag=f"b/{call}")
+            fast.append((call, done is x))
+            if done is None:  # the group's first call meets through the store, on a loop
+                asyncio.run(coll.allreduce([0, 1], x, tag=f"b/{call}"))
+            outputs[(r, call)] = x
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(fast) == [(0, False), (0, False), (1, True), (1, True), (2, True), (2, True)]
+        expected = (inputs[0] + inputs[1]) / 2
+        for call in range(3):
+            assert torch.allclose(outputs[(0, call)], expected)
+            assert torch.equal(outputs[(0, call)], outputs[(1, call)])
+        # Rank 1 stops calling: rank 0's blocking call fails after the timeout, naming the group.
+        with pytest.raises(HopnetError, match=r"all-reduce 'alone' of group \[0, 1\]"):
+            colls[0].allreduce_blocking([0, 1], torch.ones(4), tag="alone")
+        # A group not cached yet, or a group of one, is left to the caller / done at once.
+        assert colls[0].allreduce_blocking([0], torch.ones(2), tag="solo") is not None
+    finally:
+        for coll in colls:
+            asyncio.run(coll.close())
+        hosted.close()

@@ -50,5 +50,13 @@ class Collective(abc.ABC):
                         tag: str) -> torch.Tensor:
         """Reduce ``tensor`` in place among ``group`` (sum, or sum / len(group) for mean)."""
 
+    def allreduce_blocking(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                           tag: str) -> torch.Tensor | None:
+        """The same reduce for a caller outside the event loop that blocks for it anyway: done
+        in the calling thread where the collective can (then it returns ``tensor``), else
+        nothing is done and it returns None, and the caller awaits :meth:`allreduce` on the loop.
+        Saves the thread hand-offs of the loop on small tensors. Default: None."""
+        return None
+
     async def close(self) -> None:
         """Release what the collective holds (communicators, buffers)."""

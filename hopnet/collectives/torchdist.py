@@ -23,7 +23,9 @@ The reduce itself is ``allreduce`` (sum) on the group's process group; ``mean``
 divides by the group size afterwards. gloo and NCCL reduce each element once and
 send the result to every member, so members end bit for bit equal (the tests check it).
 A cached group's call issues the reduce on the caller's event loop (gloo and NCCL only
-enqueue it) and a thread per cached group waits for it; any other call (the first of a
+enqueue it) and a thread per cached group waits for it; a caller outside the loop that
+blocks anyway (:meth:`TorchCollective.allreduce_blocking`, used by
+:meth:`hopnet.api.Worker.allreduce`) issues and waits in its own thread instead; any other call (the first of a
 group, or an uncached one, which talk to the store and construct process groups) runs
 in a thread of its own. Every wait (store, construction, reduce) has the collective's
 timeout and fails naming the group.
@@ -80,6 +82,7 @@ class TorchCollective(Collective):
         self._waiters: dict[tuple[str, tuple[int, ...]], OpWaiter] = {}  # one thread per cached group
         self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._lock = threading.Lock()
+        self._issue_lock = threading.Lock()
         self._closed = False
 
     @property
@@ -96,15 +99,7 @@ class TorchCollective(Collective):
 
     async def allreduce(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
                         tag: str) -> torch.Tensor:
-        if self._closed:
-            raise HopnetError("allreduce on a closed collective")
-        members = check_group(group, self.rank, self.world_size)
-        if op not in REDUCE_OPS:
-            raise ConfigError(f"unknown reduce op {op!r} (choose from {', '.join(REDUCE_OPS)})")
-        if not isinstance(tag, str) or not tag:
-            raise ConfigError("an all-reduce needs a non-empty string tag")
-        if not tensor.is_contiguous():
-            raise ConfigError("all-reduce needs a contiguous tensor")
+        members = self._check(group, tensor, op, tag)
         if len(members) == 1:
             return tensor
         key = (self.backend or backend_for(tensor.device), members)
@@ -136,17 +131,61 @@ class TorchCollective(Collective):
                               f"{_one_line(error)}") from error
         return tensor
 
+    def allreduce_blocking(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
+                           tag: str) -> torch.Tensor | None:
+        """A cached group's reduce, issued and waited for in the calling thread: no hand-off to
+        the loop and back (at 1 MiB those cost up to half the time, bench/README.md "Collectives").
+        None for a group not yet known to be cached: its first call meets through the store, and
+        an uncached one forms a communicator per call; those go through :meth:`allreduce`."""
+        members = self._check(group, tensor, op, tag)
+        if len(members) == 1:
+            return tensor
+        key = (self.backend or backend_for(tensor.device), members)
+        pg = self._cached.get(key) if self._decided.get(key) else None
+        if pg is None:
+            return None
+        work = self._issue(pg, tensor, members, tag)
+        try:
+            wait_work(work, tensor.device, self.timeout_s)
+        except TimeoutError:
+            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
+                              peer_state="stalled") from None
+        except Exception as exc:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(exc)}") from exc
+        if op == "mean":
+            tensor.div_(len(members))
+        return tensor
+
+    def _check(self, group: Sequence[int], tensor: torch.Tensor, op: str, tag: str) -> tuple[int, ...]:
+        if self._closed:
+            raise HopnetError("allreduce on a closed collective")
+        members = check_group(group, self.rank, self.world_size)
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"unknown reduce op {op!r} (choose from {', '.join(REDUCE_OPS)})")
+        if not isinstance(tag, str) or not tag:
+            raise ConfigError("an all-reduce needs a non-empty string tag")
+        if not tensor.is_contiguous():
+            raise ConfigError("all-reduce needs a contiguous tensor")
+        return members
+
+    def _issue(self, pg: Any, tensor: torch.Tensor, members: tuple[int, ...], tag: str) -> Any:
+        # The loop and a blocking caller may issue on one group; gloo numbers its ops with a
+        # plain counter, so issues are serialised.
+        try:
+            with self._issue_lock:
+                return pg.allreduce([tensor])
+        except Exception as exc:
+            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
+                              f"{_one_line(exc)}") from None
+
     async def _reduce_cached(self, key: tuple[str, tuple[int, ...]], pg: Any, tensor: torch.Tensor, op: str,
                              tag: str) -> torch.Tensor:
         """The hot path: issue on the loop (both backends only enqueue), wait in the group's thread."""
         members = key[1]
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
-        try:
-            work = pg.allreduce([tensor])
-        except Exception as exc:
-            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{_one_line(exc)}") from None
+        work = self._issue(pg, tensor, members, tag)
         waiter = self._waiters.get(key)
         if waiter is None:
             waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
