@@ -68,7 +68,7 @@ def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     proc = hopnet_launch("--graph", "ring:3", "--protocol", "notify-ack", WORKER, "--barrier",
-                         "--pid-dir", str(pid_dir), "--lr", "0.1", "--nproc", "7", cwd=tmp_path)
+                         "--pid-dir", str(pid_dir), "--lr", "0.1", "--nproc", "7", "--slow", "3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines and all(line.startswith(("[rank 0] ", "[rank 1] ", "[rank 2] ")) for line in lines), lines
@@ -78,8 +78,10 @@ def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
     assert sorted(tables) == [0, 1, 2]
     assert all(json.loads(t) == expected for t in tables.values())
     assert sorted(_tagged(proc.stdout, "BARRIER")) == [0, 1, 2]
-    # the script's own flags pass through untouched, even ones the launcher also has
-    assert all(json.loads(a) == ["--lr", "0.1", "--nproc", "7"] for a in _tagged(proc.stdout, "ARGV").values())
+    # the script's own flags pass through untouched, even ones the launcher also has, and prefixes
+    # of the launcher's (--slow: --slowdown, --slow-filter)
+    assert all(json.loads(a) == ["--lr", "0.1", "--nproc", "7", "--slow", "3"]
+               for a in _tagged(proc.stdout, "ARGV").values())
     # worker stderr is prefixed too, on the launcher's stderr
     for rank in range(3):
         assert f"[rank {rank}] hello from stderr of {rank}" in proc.stderr.splitlines()

@@ -68,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run a training script once per graph node on this machine",
         description=DESCRIPTION,
         epilog=EPILOG,
+        allow_abbrev=False,  # a script's --slow must reach it, not be taken for a prefix of --slowdown
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launcher = parser.add_argument_group("launcher")
