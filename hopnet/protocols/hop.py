@@ -46,8 +46,9 @@ from hopnet.errors import ConfigError, PeerFailure, ProtocolError, WaitTimeout
 from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
+from hopnet.options import option
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at, mixing_iteration, round_of, rounds_sent_by
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.mix_sums import MixSums, mix_into
 from hopnet.runtime.services import NodeServices
@@ -83,6 +84,7 @@ class HopProtocol(Protocol):
         self.notify_ack = notify_ack
         self.use_tokens = options.token_queues and not self.notify_ack
         self.staleness = options.staleness
+        self.local_steps = options.local_steps
         self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in flats)
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
@@ -239,8 +241,17 @@ class HopProtocol(Protocol):
             return
         self.tokens.grant(msg.src, count, msg.iter)
 
+    @property
+    def round(self) -> int:
+        """The round this worker is in (``--local-steps``): what its messages, queues and tokens count;
+        the iteration itself when every iteration mixes."""
+        return round_of(self.iteration, self.local_steps)
+
+    def _mixes(self, iteration: int) -> bool:
+        return mixes_at(iteration, self.local_steps, self.final_iteration)
+
     def _oldest_useful(self) -> int:
-        return self.iteration - (self.staleness or 0)
+        return self.round - (self.staleness or 0)
 
     def _is_late(self, iteration: int, src: int) -> bool:
         if iteration < self._oldest_useful():
@@ -248,14 +259,19 @@ class HopProtocol(Protocol):
         return self.staleness is not None and iteration <= self.last_used[src]
 
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
-        self.departed_after[peer] = last_iteration
+        # a goodbye names the peer's iteration: it sent its model up to the round it last entered
+        final = self.node.final_iterations.get(peer, self.final_iteration)
+        self._departed(peer, rounds_sent_by(last_iteration, self.local_steps, final))
+
+    def _departed(self, peer: int, last_round: int) -> None:
+        self.departed_after[peer] = last_round
         if peer in self._out_peer_set:
             self.tokens.depart(peer)
         self.queue.wake()
 
     def on_peer_dead(self, peer: int) -> None:
         # Nothing is on its way from a dead peer: the newest update it sent is its last.
-        self.on_peer_departed(peer, self.newest_received.get(peer, -1))
+        self._departed(peer, self.newest_received.get(peer, -1))
 
     # ------------------------------------------------------------------ replacements (--max-restarts)
     def _check_restartable(self) -> None:
@@ -271,7 +287,7 @@ class HopProtocol(Protocol):
         self._check_restartable()
         if peer not in self.peers:
             return
-        k = self.iteration
+        k = self.round
         self.departed_after.pop(peer, None)
         self._joined_late.add(peer)
         if peer in self._out_peer_set:
@@ -365,7 +381,7 @@ class HopProtocol(Protocol):
             self.node.post(Message("token", self.rank, peer, start - 1, meta={CREDIT: credit}))
 
     def _beyond_window(self, iteration: int) -> bool:
-        return iteration >= self.iteration + self.num_slots - (self.staleness or 0)
+        return iteration >= self.round + self.num_slots - (self.staleness or 0)
 
     def _expected(self, k: int) -> Sequence[int]:
         """In-neighbours that will still send an update of iteration ``k``."""
@@ -380,42 +396,65 @@ class HopProtocol(Protocol):
 
     def resume_at(self, iteration: int) -> None:
         super().resume_at(iteration)
-        # Every rank resumes at ``iteration``: no ack of an earlier one will come.
-        self.acks = {j: iteration - 1 for j in self.acks}
-        self.last_used = {j: iteration - 1 for j in self.last_used}
-        self.newest_received = {j: iteration - 1 for j in self.newest_received}
+        # Every rank resumes at ``iteration`` (in the middle of a round, possibly: it mixes where it
+        # would have): no ack of an earlier round will come.
+        before = self.round - 1
+        self.acks = {j: before for j in self.acks}
+        self.last_used = {j: before for j in self.last_used}
+        self.newest_received = {j: before for j in self.newest_received}
 
     async def begin(self) -> None:
-        await self._enter(self.iteration, 1)
+        if self._mixes(self.iteration):
+            await self._enter(self.iteration, 1)
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
+        if not self._mixes(k):  # a local step (--local-steps): no message, no wait
+            if apply is not None:
+                apply()
+            self.node.iteration_done(k, self)
+            if not last:
+                await self._advance(k + 1, 1)
+            return
+        await self._mix(apply, k, self.round, last)
+
+    async def _mix(self, apply: ApplyFn | None, k: int, r: int, last: bool) -> None:
+        """Finish mixing iteration ``k``, the end of round ``r`` (the same number without local steps)."""
         if self.options.serial:
             if apply is not None:
                 apply()
-            self._send_updates(k, credit=0)
-            updates, iters = await self._recv(k)
+            self._send_updates(r, credit=0)
+            updates, iters = await self._recv(r)
             await self.node.flush()
-            self._reduce(updates, iters, k)
+            self._reduce(updates, iters, r)
         else:
-            updates, iters = await self._recv(k)
+            updates, iters = await self._recv(r)
             await self.node.flush()
-            self._reduce(updates, iters, k)
+            self._reduce(updates, iters, r)
             if apply is not None:
                 apply()
         if self.notify_ack:
             for j in self.in_peers:
                 if j not in self.departed_after:
-                    self.node.post(Message("ack", self.rank, j, k))
+                    self.node.post(Message("ack", self.rank, j, r))
         self.node.iteration_done(k, self)
         if last:
             return
-        target = await self._maybe_skip(k)
+        target = await self._maybe_skip(r)  # skipping is refused with local steps: rounds are iterations here
+        await self._advance(target if self.local_steps == 1 else k + 1, target - r)
+
+    async def _advance(self, k: int, count: int) -> None:
+        """Go on to iteration ``k``; at a mixing iteration, enter its round having advanced ``count`` rounds
+        (the token queues' wait, then the grants and, in the parallel approach, the model sent)."""
+        if not self._mixes(k):
+            self.iteration = k
+            return
         if self.use_tokens:
-            await self._wait(lambda: self.tokens.available(target - k), self.tokens,
-                             lambda: ("tokens", self.tokens.missing(target - k)), target)
-            await self.tokens.acquire(target - k)
-        await self._enter(target, target - k)
+            r = round_of(k, self.local_steps)
+            await self._wait(lambda: self.tokens.available(count), self.tokens,
+                             lambda: ("tokens", self.tokens.missing(count)), r)
+            await self.tokens.acquire(count)
+        await self._enter(k, count)
 
     async def stop(self) -> None:
         await self.say_goodbye(peer for peer in self.peers if peer not in self.departed_after)
@@ -447,9 +486,11 @@ class HopProtocol(Protocol):
         self.node.record("skip", iter=k, to=target, behind=behind)
         return target
 
-    async def _enter(self, k: int, count: int) -> None:
-        """Enter iteration ``k`` having advanced ``count`` iterations: grant, then send (parallel)."""
-        self.iteration = k
+    async def _enter(self, iteration: int, count: int) -> None:
+        """Enter mixing iteration ``iteration``, so its round, having advanced ``count`` rounds: grant, then
+        send (parallel). Entries count rounds (its ``enter`` record, the gap tracker)."""
+        self.iteration = iteration
+        k = self.round
         self._discard_older_than(self._oldest_useful())
         if self.notify_ack and k > 0:
             await self._wait(lambda: all(self.acks[j] >= k - 1 for j in self._live_out()), self.tokens,
@@ -534,7 +575,7 @@ class HopProtocol(Protocol):
         also = f"; in-neighbour(s) {others} are gone too" if others else ""
         if state == "dead":
             silent = self.node.dead.get(peer, 0.0)
-            message = (f"rank {self.rank} cannot finish iteration {k}: peer {peer} went silent "
+            message = (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} went silent "
                        f"(dead: nothing heard from it for {silent:.1f}s; its process died or hangs, "
                        f"or its host is unreachable) and {need_text}{also}")
         else:
@@ -545,15 +586,21 @@ class HopProtocol(Protocol):
         last = self.departed_after[peer]
         final = self.node.final_iterations.get(peer)
         mine = self.final_iteration
-        if final is not None and last >= final and (mine is None or mine > final):
-            runs_to = f"runs to iteration {mine}" if mine is not None else f"needs its update of iteration {k}"
+        if final is not None and last >= round_of(final, self.local_steps) and (mine is None or mine > final):
+            runs_to = f"runs to iteration {mine}" if mine is not None else f"needs its update of {self._at(k)}"
             return (f"peer {peer} finished at iteration {final} but rank {self.rank} {runs_to}: "
                     "every rank must run the same number of iterations")
-        if final is not None and last < final:
-            return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left at iteration "
-                    f"{last}, before its last iteration {final}, and {need_text}")
-        return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left after iteration "
-                f"{last} and {need_text}")
+        if final is not None and last < round_of(final, self.local_steps):
+            return (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} left at {self._at(last)}, "
+                    f"before its last iteration {final}, and {need_text}")
+        return (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} left after {self._at(last)} "
+                f"and {need_text}")
+
+    def _at(self, r: int) -> str:
+        """Round ``r`` in words: its iteration, or with local steps the round and where it mixes."""
+        if self.local_steps == 1:
+            return f"iteration {r}"
+        return f"round {r} (iteration {mixing_iteration(r, self.local_steps, self.final_iteration)})"
 
     def _missing_updates(self, k: int) -> list[int]:
         return [j for j in self._expected(k) if not self.queue.size(iter=k, w_id=j)]
@@ -722,8 +769,9 @@ DEFAULT_MAX_IG = 2
 
 
 @dataclass(frozen=True)
-class HopOptions(ProtocolOptions):
-    """Hop's options (Table 1's settings)."""
+class HopOptions(LocalStepsOptions):
+    """Hop's options (Table 1's settings). With ``--local-steps H`` a worker mixes every H iterations,
+    and everything Table 1 bounds counts rounds of H iterations (docs/design.md, "Local steps")."""
 
     max_ig: int = option(DEFAULT_MAX_IG, minimum=1, metavar="N",
                          help="maximum iteration gap between neighbours, via token queues")
@@ -749,6 +797,9 @@ class HopOptions(ProtocolOptions):
             raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
         if self.has_backup_workers and not self.token_queues:
             raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
+        if self.skip_threshold is not None and self.local_steps > 1:
+            raise ConfigError(f"--skip-threshold with --local-steps {self.local_steps}: iteration skipping "
+                              "jumps iterations, not rounds; use one or the other")
 
     def check_ranks(self, world_size: int) -> None:
         if isinstance(self.backup_workers, dict):
@@ -767,6 +818,8 @@ class HopOptions(ProtocolOptions):
 
     def settings(self) -> list[str]:
         shown = [f"max_ig={self.max_ig}" if self.token_queues else "no token queues"]
+        if self.local_steps > 1:
+            shown.append(f"local_steps={self.local_steps}")
         if self.serial:
             shown.append("serial")
         if self.backup_workers:
@@ -779,14 +832,14 @@ class HopOptions(ProtocolOptions):
 
 
 @dataclass(frozen=True)
-class NotifyAckOptions(ProtocolOptions):
+class NotifyAckOptions(LocalStepsOptions):
     """Notify-ack is a baseline: its gap of at most 2 leaves no room for backup workers, staleness,
-    skipping or token queues (Sec. 3.4-3.5); only the approach is a choice."""
+    skipping or token queues (Sec. 3.4-3.5); only the approach and local steps are choices."""
 
     serial: bool = option(False, help="serial approach: compute, apply, send, then reduce (default: parallel)")
 
     def as_hop(self) -> HopOptions:
-        return HopOptions(serial=self.serial)
+        return HopOptions(serial=self.serial, local_steps=self.local_steps)
 
 
 # ---------------------------------------------------------------------- checks against the graph
@@ -934,8 +987,10 @@ def gap_rule(options: HopOptions) -> str:
     else:
         base = "len(j→i)"
     if base is None:
-        return tokens or "unbounded"
-    return f"min({base}, {tokens})" if tokens else base
+        rule = tokens or "unbounded"
+    else:
+        rule = f"min({base}, {tokens})" if tokens else base
+    return rule if options.local_steps == 1 else f"{rule} rounds of {options.local_steps} iterations"
 
 
 def notify_ack_gap_bound(options: NotifyAckOptions, graph: Graph) -> np.ndarray:
@@ -944,6 +999,9 @@ def notify_ack_gap_bound(options: NotifyAckOptions, graph: Graph) -> np.ndarray:
 
 
 def _restart_refusal(options: HopOptions, protocol: str = "hop") -> str | None:
+    if options.local_steps > 1:
+        return (f"--protocol {protocol} --local-steps {options.local_steps} cannot replace a dead worker (a "
+                "replacement's welcome counts in iterations, not rounds)")
     if options.serial:
         return f"--protocol {protocol} --serial cannot replace a dead worker"
     if protocol == "hop" and not options.token_queues:
@@ -979,7 +1037,8 @@ register(ProtocolSpec(
     averages=Averages.MODELS,
     uses_graph=True,
     gap_bound=notify_ack_gap_bound,
-    gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
+    gap_rule=lambda options: "min(len(j→i), 2·len(i→j))" + (
+        f" rounds of {options.local_steps} iterations" if options.local_steps > 1 else ""),
     simulated_without_tensors=True,
     resumable=True,
     restartable=True,
