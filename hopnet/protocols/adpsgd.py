@@ -9,6 +9,8 @@ models, not gradients. Every worker, every iteration:
 3. an *active* worker picks one *passive* neighbour at random (seeded) and
 4. averages with it atomically: ``x_i, x_j <- (x_i + x_j) / 2``.
 
+With ``--local-steps H`` an active does steps 3-4 only at every H-th iteration (and its last).
+
 Active and passive sets are the two sides of the bipartite communication graph (every
 edge joins an active and a passive worker). Only actives initiate, so no cycle of
 workers can wait on each other and nothing deadlocks; a non-bipartite graph is refused
@@ -67,8 +69,8 @@ from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.finite import all_finite_in, refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import NoOptions
 from hopnet.protocols.base import ApplyFn, Protocol
+from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
@@ -102,7 +104,8 @@ AveragingObserver = Callable[[Averaging], None]
 class AdPsgdProtocol(Protocol):
     name = "ad-psgd"
 
-    def __init__(self, config: ProtocolConfig, model: ModelState | torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, model: ModelState | torch.Tensor | None,
+                 options: AdPsgdOptions | None = None) -> None:
         super().__init__()
         state = ModelState.wrap(model)
         if state is None:
@@ -111,6 +114,7 @@ class AdPsgdProtocol(Protocol):
         if any(f.dim() != 1 or not f.is_contiguous() for f in state.flats):
             raise ConfigError("the ad-psgd protocol averages flat, contiguous tensors")
         self.config = config
+        self.local_steps = (options or AdPsgdOptions()).local_steps
         self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
         self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in self.flats)
         self.observer: AveragingObserver | None = None  # called by a passive for each averaging it serves
@@ -119,8 +123,9 @@ class AdPsgdProtocol(Protocol):
         self.gone: dict[int, str] = {}  # neighbour -> "departed" | "dead"
         self.done: set[int] = set()  # neighbours that quiesced for the consensus: they average no more
         # Active side
-        self.partners: list[int | None] = []  # per iteration: the passive averaged with, None if skipped
+        self.partners: list[int | None] = []  # per mixing iteration: the passive averaged with, None if skipped
         self.skips: list[dict[str, Any]] = []
+        self._partner_now: int | None = None  # this iteration's partner (None: skipped, or a local step)
         self._reply_buffers: list[torch.Tensor] | None = None
         self._awaited: int | None = None  # the passive whose reply this active waits for
         self._reply: asyncio.Future[bool] | None = None
@@ -158,8 +163,11 @@ class AdPsgdProtocol(Protocol):
         if apply is not None:
             with self.node.model_lock:
                 apply()
+        self._partner_now = None
         if self.active:
-            self.partners.append(await self._average_with_a_passive(k))
+            if mixes_at(k, self.local_steps, self.final_iteration):
+                self._partner_now = await self._average_with_a_passive(k)
+                self.partners.append(self._partner_now)
         elif last:
             await self._serve_until_actives_leave()
         self.node.iteration_done(k, self)
@@ -373,7 +381,7 @@ class AdPsgdProtocol(Protocol):
     # ------------------------------------------------------------------ records
     def snapshot(self) -> dict[str, Any]:
         if self.active:
-            return {"partner": self.partners[-1] if self.partners else None}
+            return {"partner": self._partner_now}
         return {"served": self._served_this_iteration}
 
     def summary(self) -> dict[str, Any]:
@@ -401,12 +409,18 @@ def _no_notes(_: object) -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class AdPsgdOptions(LocalStepsOptions):
+    """AD-PSGD's options: with ``--local-steps H`` an active averages every H iterations (and at its
+    last); a passive serves whenever asked, as ever."""
+
+
 register(ProtocolSpec(
     name="ad-psgd",
     summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
             "with one random passive neighbour per iteration.",
-    options=NoOptions,
-    build=lambda config, options, model, grads: AdPsgdProtocol(config, model),
+    options=AdPsgdOptions,
+    build=lambda config, options, model, grads: AdPsgdProtocol(config, model, options),
     averages=Averages.MODELS,
     uses_graph=True,
     message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),

@@ -14,6 +14,9 @@ Every worker, every iteration:
    mix (with constant weights, a plain mean all-reduce: the same result, one rounding less).
    Every member ends with bit-identical parameters, and sets its counter to ``max_k``.
 
+With ``--local-steps H`` steps 2-4 come only at every H-th iteration (and the last): the
+worker trains alone in between, and its counter counts rounds of H iterations.
+
 A group of one (the last worker left) is a no-op with weight 1. The trainer's model cannot
 change while it computes a gradient: averaging happens only inside ``step()``, between two
 computes, which is the consistency the paper finds AD-PSGD lacks.
@@ -56,8 +59,9 @@ from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
+from hopnet.options import option
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
+from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at, round_of
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -90,7 +94,7 @@ class PartialReduceProtocol(Protocol):
         self.config = config
         self.options = options
         self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
-        self.counter = 0  # the model's iteration counter k (sent with ready; a group sets it to max k)
+        self.counter = 0  # the model's round counter k (sent with ready; a group sets it to max k)
         self.groups = 0
         self.groups_alone = 0
         self.groups_while_leaving = 0
@@ -123,7 +127,8 @@ class PartialReduceProtocol(Protocol):
 
     def resume_at(self, iteration: int) -> None:
         super().resume_at(iteration)
-        self.counter = iteration  # every rank resumes at the same iteration: equal counters, a fresh controller
+        # every rank resumes at the same iteration: equal counters (the rounds done), a fresh controller
+        self.counter = round_of(iteration, self.options.local_steps)
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -137,6 +142,12 @@ class PartialReduceProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
+        if not mixes_at(k, self.options.local_steps, self.final_iteration):  # a local step: no group
+            self.node.iteration_done(k, self)
+            if not last:
+                self.iteration = k + 1
+                self.node.entered(k + 1, self)
+            return
         refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self.counter += 1
         client = self._client()
@@ -355,7 +366,7 @@ DEFAULT_EMA_DECAY = 0.9
 
 
 @dataclass(frozen=True)
-class PartialReduceOptions(ProtocolOptions):
+class PartialReduceOptions(LocalStepsOptions):
     group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
     weights: str = option("const", choices=WEIGHT_MODES,
                           help="const (1/P, keeps the mean) or dynamic (staleness-aware EMA weights, Eq. 9)")

@@ -26,6 +26,10 @@ Where groups come from (``--group-generator``):
 
 A group of one member is a counted "no sync" (nothing to average).
 
+With ``--local-steps H`` a worker requests and syncs only at every H-th iteration (and the last):
+it trains alone in between, the GG's requests count rounds, and the static schedule steps once a
+round.
+
 Leaving: after its last iteration a worker says ``{"t": "bye"}`` and keeps running the
 groups GO'd to it until the coordinator answers ``bye_ok``. The coordinator puts it in no
 group after the ``bye``, and everything it sent before reaches the worker first, so no
@@ -60,8 +64,9 @@ from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
+from hopnet.options import option
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
+from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at, round_of
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
@@ -121,8 +126,13 @@ class PragueProtocol(Protocol):
         self.node.entered(self.iteration, self)
         self._request(self.iteration)
 
+    def _mixes(self, iteration: int) -> bool:
+        return mixes_at(iteration, self.options.local_steps, self.final_iteration)
+
     def _request(self, k: int) -> None:
-        if not self.static:
+        """Ask the GG for a group at the start of mixing iteration ``k`` (with local steps, the GG counts
+        requests, so rounds)."""
+        if not self.static and self._mixes(k):
             self._gg.send({"t": "req", "iter": k})
 
     # ------------------------------------------------------------------ one iteration
@@ -137,8 +147,15 @@ class PragueProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
-        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self._served_this_iteration = 0
+        if not self._mixes(k):  # a local step: no group (a group GO'd to this worker waits for its next sync)
+            self.node.iteration_done(k, self)
+            if not last:
+                self.iteration = k + 1
+                self.node.entered(k + 1, self)
+                self._request(k + 1)
+            return
+        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         if self.static:
             await self._static_sync(k)
         else:
@@ -226,7 +243,7 @@ class PragueProtocol(Protocol):
                              peer_state=failure.peer_state)
 
     async def _static_sync(self, k: int) -> None:
-        group = static_group(self.rank, k, self.machines)
+        group = static_group(self.rank, round_of(k, self.options.local_steps), self.machines)
         members = sorted(group) if group else [self.rank]
         if len(members) == 1:
             self.no_sync += 1
@@ -299,7 +316,7 @@ DEFAULT_SLOW_FILTER = 4
 
 
 @dataclass(frozen=True)
-class PragueOptions(ProtocolOptions):
+class PragueOptions(LocalStepsOptions):
     group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
     group_generator: str = option("smart", choices=("random", "smart", "static"),
                                   help="random (a central Group Generator with a lock vector and FIFO queue), "
