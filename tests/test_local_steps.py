@@ -1,0 +1,166 @@
+"""--local-steps H on the model-averaging protocols: a worker mixes every H iterations and trains
+alone in between. Ranks train digits in this process on the simulator's virtual-time loop
+(coordinators included), over the in-process transport, whose counters give the bytes sent."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import pytest
+import torch
+
+from hopnet import AsyncWorker, Graph, ProtocolConfig
+from hopnet.analysis import GapTracker, gap_bound
+from hopnet.api import assemble_node
+from hopnet.coordinator import make_coordinator
+from hopnet.coordinator.sim import SimCoordinator
+from hopnet.errors import ConfigError
+from hopnet.model_state import ModelState
+from hopnet.params import FlatGradients
+from hopnet.protocols.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
+from hopnet.runtime.events import EventLog
+from hopnet.sim.engine import ComputeModel, SimSpec, simulate
+from hopnet.sim.vloop import VirtualTimeLoop
+from hopnet.transports.inproc import InprocNetwork, LinkModel
+
+from support.digits import digits_split
+
+RANKS = 4
+LINK = LinkModel(latency_s=1e-3)
+PROTOCOLS: dict[str, dict[str, Any]] = {
+    "hop": {},
+    "notify-ack": {},
+    "ad-psgd": {},
+    "prague": {"group_size": 2},
+    "partial-reduce": {"group_size": 2},
+}
+
+
+@lru_cache(maxsize=1)
+def digits() -> tuple[torch.Tensor, ...]:
+    return digits_split(0)
+
+
+@dataclass
+class Trained:
+    accuracies: list[float]
+    sent_bytes: list[int]
+    iterations: list[int]
+
+
+def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32) -> Trained:
+    """Every rank trains examples/train_digits.py's MLP on its shard for ``steps`` iterations, rank
+    ``r`` computing ``r + 1`` ms a step in virtual time (so they drift apart between mixes)."""
+    x_train, y_train, x_test, y_test = digits()
+    graph = Graph.ring(RANKS)
+    result = Trained([0.0] * RANKS, [0] * RANKS, [0] * RANKS)
+
+    async def main() -> None:
+        config = ProtocolConfig(protocol=protocol, timeout_s=30.0, **PROTOCOLS[protocol],
+                                **({"local_steps": local_steps} if local_steps != 1 else {}))
+        network = InprocNetwork(LINK)
+        machine = make_coordinator(config, graph)
+        coordinator = SimCoordinator(machine, LINK) if machine is not None else None
+        models = []
+        for _ in range(RANKS):
+            torch.manual_seed(0)  # the same initial model everywhere
+            models.append(torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                                              torch.nn.Linear(hidden, 10)))
+        nodes = [assemble_node(rank=r, graph=graph, config=config, params=ModelState.of(models[r]),
+                               grads=FlatGradients(models[r]),
+                               transport=network.transport(r, frozenset(graph.peers(r))), events=EventLog(),
+                               collective_factory=None,
+                               coordinator=coordinator.client(r) if coordinator is not None else None)
+                 for r in range(RANKS)]
+        for node in nodes:
+            await node.open()
+        for node in nodes:
+            await node.protocol.start()
+            node.protocol.final_iteration = steps - 1
+        trained = asyncio.Barrier(RANKS)  # none closes (dropping what is still on its way) before all trained
+
+        async def life(rank: int) -> None:
+            model, node = models[rank], nodes[rank]
+            worker = AsyncWorker(node)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            xs, ys = x_train[rank::RANKS], y_train[rank::RANKS]
+            draw = torch.Generator().manual_seed(rank)
+            loss_fn = torch.nn.CrossEntropyLoss()
+            try:
+                for k in range(steps):  # (the last step leaves the worker in its last iteration)
+                    await asyncio.sleep(0.001 * (rank + 1))
+                    batch = torch.randint(len(xs), (32,), generator=draw)
+                    optimizer.zero_grad()
+                    loss_fn(model(xs[batch]), ys[batch]).backward()
+                    await worker.step(optimizer.step, last=k == steps - 1)
+                result.iterations[rank] = worker.iteration
+                await node.quiesce()
+                with torch.no_grad():
+                    result.accuracies[rank] = (model(x_test).argmax(1) == y_test).float().mean().item()
+                await trained.wait()
+            finally:
+                await worker.close()
+            result.sent_bytes[rank] = node.transport.stats.sent_bytes
+
+        await asyncio.gather(*(life(r) for r in range(RANKS)))
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    return result
+
+
+def test_rounds_fall_on_every_hth_iteration_and_the_last() -> None:
+    assert [k for k in range(12) if mixes_at(k, 5, 11)] == [4, 9, 11]
+    assert all(mixes_at(k, 1, None) for k in range(5))
+    assert [round_of(k, 5) for k in (0, 4, 5, 11)] == [0, 0, 1, 2]
+    assert mixing_iteration(2, 5, 11) == 11 and mixing_iteration(1, 5, None) == 9
+    # a goodbye in iteration k: the rounds whose model the worker sent (it enters a round at its mixing iteration)
+    assert [rounds_sent_by(k, 5, 11) for k in (0, 3, 4, 5, 9, 10, 11)] == [-1, -1, 0, 0, 1, 1, 2]
+    assert [rounds_sent_by(k, 1, None) for k in (0, 7)] == [0, 7]
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_local_steps_send_about_h_times_fewer_bytes(protocol: str) -> None:
+    every, fifth = train(protocol, 1, 20, hidden=8), train(protocol, 5, 20, hidden=8)
+    assert every.iterations == fifth.iterations == [19] * RANKS
+    ratio = sum(every.sent_bytes) / sum(fifth.sent_bytes)
+    # the group protocols' groups vary with timing, Hop's updates are exact: 20 vs 4 rounds
+    assert 3.5 <= ratio <= 6.5, (every.sent_bytes, fifth.sent_bytes)
+
+
+@pytest.mark.parametrize("protocol", ["hop", "ad-psgd", "prague", "partial-reduce"])
+def test_digits_reaches_95_percent_mixing_every_5_iterations(protocol: str) -> None:
+    trained = train(protocol, 5, 300)
+    assert min(trained.accuracies) >= 0.95, trained.accuracies
+
+
+@pytest.mark.parametrize("extra", [{}, {"staleness": 1}, {"backup_workers": 1}],
+                         ids=["standard", "staleness", "backup-workers"])
+def test_hop_gap_bound_holds_in_rounds(extra: dict[str, Any]) -> None:
+    """Entries count rounds under local steps: Table 1's bound holds for them, with stragglers."""
+    graph = Graph.ring(6)
+    config = ProtocolConfig(protocol="hop", local_steps=4, max_ig=2, slowdown=["random:6:0.2"], **extra)
+    result = simulate(SimSpec(graph, config, iterations=81, compute=ComputeModel.parse("uniform:5:15"),
+                              model_bytes=1000))
+    assert result.iterations == [81] * graph.n
+    assert result.max_gap is not None
+    bound = gap_bound(graph, config)
+    assert (result.max_gap <= bound).all(), f"observed round gaps\n{result.max_gap}\nexceed\n{bound}"
+    assert result.largest_gap[0] >= 1  # the workers did drift apart
+
+
+def test_hop_refuses_skipping_and_restarts_with_local_steps() -> None:
+    with pytest.raises(ConfigError, match="--skip-threshold with --local-steps 3"):
+        ProtocolConfig(protocol="hop", local_steps=3, skip_threshold=1, max_jump=1)
+    config = ProtocolConfig(protocol="hop", local_steps=3)
+    refusal = config.spec.restart_refusal
+    assert refusal is not None and "--local-steps 3" in (refusal(config.options) or "")
+    with pytest.raises(ConfigError, match="--local-steps must be an integer >= 1"):
+        ProtocolConfig(protocol="partial-reduce", local_steps=0)
+    GapTracker(2)  # (imported for the bound's reader; the simulator feeds one per run)
