@@ -54,9 +54,10 @@ class Trained:
     iterations: list[int]
 
 
-def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32) -> Trained:
+def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32, resume_at: int = 0) -> Trained:
     """Every rank trains examples/train_digits.py's MLP on its shard for ``steps`` iterations, rank
-    ``r`` computing ``r + 1`` ms a step in virtual time (so they drift apart between mixes)."""
+    ``r`` computing ``r + 1`` ms a step in virtual time (so they drift apart between mixes);
+    ``resume_at``: every rank starts there instead, as after a checkpoint of the iteration before."""
     x_train, y_train, x_test, y_test = digits()
     graph = Graph.ring(RANKS)
     result = Trained([0.0] * RANKS, [0.0] * RANKS, [0] * RANKS, [0] * RANKS)
@@ -81,6 +82,8 @@ def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32) -> T
         for node in nodes:
             await node.open()
         for node in nodes:
+            if resume_at:
+                node.protocol.resume_at(resume_at)
             await node.protocol.start()
             node.protocol.final_iteration = steps - 1
         trained = asyncio.Barrier(RANKS)  # none closes (dropping what is still on its way) before all trained
@@ -97,7 +100,7 @@ def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32) -> T
             draw = torch.Generator().manual_seed(rank)
             loss_fn = torch.nn.CrossEntropyLoss()
             try:
-                for k in range(steps):  # (the last step leaves the worker in its last iteration)
+                for k in range(resume_at, steps):  # (the last step leaves the worker in its last iteration)
                     await asyncio.sleep(0.001 * (rank + 1))
                     batch = torch.randint(len(xs), (32,), generator=draw)
                     optimizer.zero_grad()
@@ -126,6 +129,12 @@ def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32) -> T
     return result
 
 
+@lru_cache(maxsize=None)
+def short_run(protocol: str, local_steps: int, resume_at: int = 0) -> Trained:
+    """20 iterations of a tiny model: what the counting tests need (shared by them)."""
+    return train(protocol, local_steps, 20, hidden=8, resume_at=resume_at)
+
+
 def test_rounds_fall_on_every_hth_iteration_and_the_last() -> None:
     assert [k for k in range(12) if mixes_at(k, 5, 11)] == [4, 9, 11]
     assert all(mixes_at(k, 1, None) for k in range(5))
@@ -138,11 +147,23 @@ def test_rounds_fall_on_every_hth_iteration_and_the_last() -> None:
 
 @pytest.mark.parametrize("protocol", list(PROTOCOLS))
 def test_local_steps_send_about_h_times_fewer_bytes(protocol: str) -> None:
-    every, fifth = train(protocol, 1, 20, hidden=8), train(protocol, 5, 20, hidden=8)
+    every, fifth = short_run(protocol, 1), short_run(protocol, 5)
     assert every.iterations == fifth.iterations == [19] * RANKS
     ratio = sum(every.sent_bytes) / sum(fifth.sent_bytes)
     # the group protocols' groups vary with timing, Hop's updates are exact: 20 vs 4 rounds
     assert 3.5 <= ratio <= 6.5, (every.sent_bytes, fifth.sent_bytes)
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_run_resumed_inside_a_round_mixes_where_the_uninterrupted_one_does(protocol: str) -> None:
+    """A checkpoint of iteration 6 (a local step, H = 5): the resumed run goes on with round 1 and
+    mixes at 9, 14 and 19, three of the uninterrupted run's four rounds."""
+    fresh, resumed = short_run(protocol, 5), short_run(protocol, 5, resume_at=7)
+    assert resumed.iterations == [19] * RANKS
+    if protocol in ("hop", "notify-ack"):  # every rank sends its model to both neighbours once a round
+        assert [4 * b for b in resumed.sent_bytes] == [3 * b for b in fresh.sent_bytes]
+    else:
+        assert 0 < sum(resumed.sent_bytes) < sum(fresh.sent_bytes)
 
 
 @pytest.mark.parametrize("protocol", ["hop", "ad-psgd", "prague", "partial-reduce"])
