@@ -102,7 +102,7 @@ def _timings(logs: list[list[dict]], target: float) -> tuple[float | None, float
     for log in logs:
         hits = [r["mono"] for r in log if r.get("event") == "eval" and r.get("accuracy", 0) >= target]
         reached.append(hits[0] if hits else None)
-        ended.extend(r["mono"] for r in log if r.get("event") == "iteration")
+        ended.extend(r["mono"] for r in log if r.get("event") in ("iteration", "eval"))
     to_target = None if any(t is None for t in reached) else max(t for t in reached if t is not None) - start
     return to_target, (max(ended) - start) if ended else None
 
