@@ -234,12 +234,14 @@ def update_arrivals(run: RunData) -> list[tuple[int, int, int, float, float]]:
             by_peer = rec.get("wait_updates_from")
             if not isinstance(by_peer, dict):
                 continue
-            arrived = float(rec["mono"]) - float(rec.get("mix_s") or 0.0) - float(rec.get("wait_tokens_s") or 0.0)
             k = rec.get("iter")
+            if not isinstance(k, int):
+                continue
+            arrived = float(rec["mono"]) - float(rec.get("mix_s") or 0.0) - float(rec.get("wait_tokens_s") or 0.0)
             for peer in by_peer:
-                sent = entered.get(int(peer), {}).get(k) if isinstance(k, int) else None
+                sent = entered.get(int(peer), {}).get(k)
                 if sent is not None and arrived >= sent:
-                    arrivals.append((int(peer), dst, int(k), sent, arrived))  # type: ignore[arg-type]
+                    arrivals.append((int(peer), dst, k, sent, arrived))
     return arrivals
 
 
