@@ -90,7 +90,7 @@ def test_straggler_neighbours_wait_for_its_updates_and_the_summary_matches_the_l
     # report and trace of the same run
     page, trace_path = write_report(run_dir, trace=tmp_path / "trace.json")
     html = page.read_text()
-    assert html.count("data:image/png;base64,") == 4 and "All 8 ordered pairs of neighbours stayed within" in html
+    assert html.count("data:image/png;base64,") == 6 and "All 8 ordered pairs of neighbours stayed within" in html
     trace = json.loads(trace_path.read_text())
     assert trace == chrome_trace(load_run_dir(run_dir)) | {"otherData": {"run_dir": str(run_dir)}}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
