@@ -139,7 +139,8 @@ class Diagnosis:
             if s.waiters:
                 low, high = min(s.waiters.values()), max(s.waiters.values())
                 share = _pct(high) if math.isclose(low, high, abs_tol=0.005) else f"{_pct(low)}-{_pct(high)}"
-                text += f"; {_ranks(s.waiters)} wait {share} of their time for it"
+                text += (f"; {_ranks(s.waiters)} wait {share} of their time for it" if len(s.waiters) > 1
+                         else f"; {_ranks(s.waiters)} waits {share} of its time for it")
             lines.append(text)
         for link in self.slow_links:
             lines.append(f"link {link.src}→{link.dst} takes {_ms(link.transfer_s)} per update, "
@@ -248,8 +249,9 @@ def update_arrivals(run: RunData) -> list[tuple[int, int, int, float, float]]:
 def link_times(run: RunData) -> dict[tuple[int, int], float]:
     """Median measured transfer time per directed link, over the waits that named its sender."""
     samples: dict[tuple[int, int], list[float]] = {}
-    for src, dst, _, sent, arrived in update_arrivals(run):
-        samples.setdefault((src, dst), []).append(arrived - sent)
+    for src, dst, k, sent, arrived in update_arrivals(run):
+        if k > 0:  # iteration 0's updates also wait for the connections to open
+            samples.setdefault((src, dst), []).append(arrived - sent)
     return {link: _median(values) for link, values in sorted(samples.items())}
 
 
@@ -263,7 +265,7 @@ def candidate_options(config: ProtocolConfig, graph: Graph, stragglers: bool, sl
             if stragglers:
                 changes += [({"backup_workers": 1}, "no worker waits for its slowest in-neighbour"),
                             ({"backup_workers": 1, "skip_threshold": 2, "max_jump": 8, "max_ig": 4},
-                             "and the straggler skips ahead instead of holding its neighbours back"),
+                             "a backup worker, and the straggler skips ahead instead of holding its neighbours back"),
                             ({"backup_workers": 1, "skip_threshold": 2, "max_jump": 16, "max_ig": 16},
                              "with a longer leash (larger gaps between neighbours)")]
             if slow_links:
@@ -282,6 +284,8 @@ def candidate_options(config: ProtocolConfig, graph: Graph, stragglers: bool, sl
             candidate.validate_ranks(graph.n)
         except (HopnetError, TypeError, ValueError):
             continue
+        if candidate.to_dict() == config.to_dict():
+            continue  # what ran already
         flags = " ".join(f"--protocol {candidate.protocol}" if name == "protocol" else option_text(candidate, name)
                          for name in change)
         options.append(Option(flags, candidate, why))
@@ -312,9 +316,10 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
     straggling = {s.rank for s in stragglers}
     slow_links = []
     for (src, dst), transfer in links.items():
+        share = waits.get(dst, {}).get(src, 0.0)
         if (src not in straggling and median > 0 and transfer >= SLOW_LINK_SHARE * median
-                and transfer >= SLOW_LINK_FACTOR * max(fastest, 1e-6)):
-            slow_links.append(SlowLink(src, dst, transfer, waits.get(dst, {}).get(src, 0.0)))
+                and transfer >= SLOW_LINK_FACTOR * max(fastest, 1e-6) and share >= NOTABLE_WAIT):
+            slow_links.append(SlowLink(src, dst, transfer, share))
     slow_links.sort(key=lambda link: -link.transfer_s)
     diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares)
     if not any(waits.values()) and any(wait_shares.values()):

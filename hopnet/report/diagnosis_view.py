@@ -13,6 +13,18 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _fit(stats: RunStats, diagnosis: Diagnosis) -> str:
+    """How close the simulator came to this run: its time for the same iterations beside the measured one."""
+    scenario = diagnosis.scenario
+    began = [s.began for s in stats.ranks.values() if s.began is not None]
+    ends = [s.last for s in stats.ranks.values() if s.last is not None]
+    ran = max((s.iterations for s in stats.ranks.values()), default=0)
+    if scenario is None or diagnosis.simulated_s is None or not began or not ends or scenario.iterations != ran:
+        return ""
+    return (f" For this run's options it predicts {diagnosis.simulated_s:.3g} s; the run took "
+            f"{max(ends) - min(began):.3g} s from its first iteration to its last.")
+
+
 def wait_table(diagnosis: Diagnosis) -> Table:
     """Per rank: its share of time waiting, and on whom (the peers it waited on, most first)."""
     rows = []
@@ -50,7 +62,7 @@ def diagnosis_section(run: RunData, stats: RunStats | None = None, predictor: Pr
             f"Predictions: hopnet's simulator ran {scenario.iterations} iterations of this run's graph with each "
             "rank's measured median compute per step and each waited-on link's measured transfer time "
             f"(the fastest {scenario.default_link_s * 1000:.3g} ms, {len(scenario.link_s)} measured slower); "
-            "speedups compare simulated run times.")
+            "speedups compare simulated run times." + _fit(stats, diagnosis))
         section.tables.append(prediction_table(diagnosis))
     elif predictor is None and diagnosis.scenario is not None:
         section.paragraphs.append("No prediction (hopnet report --no-predict).")
