@@ -37,7 +37,9 @@ SLOW_LINK_FACTOR = 4.0
 NOTABLE_WAIT = 0.1
 """A peer that a rank spent this share of its step time or more waiting on is named."""
 PREDICT_ITERATIONS = 200
-"""At most this many iterations are simulated per option (the report must stay fast)."""
+"""At most this many iterations are simulated per option (the report must stay fast)..."""
+PREDICT_WORK = 3_200
+"""...and at most this many worker-iterations (workers x iterations; 20 iterations at least)."""
 
 
 @dataclass(frozen=True)
@@ -343,7 +345,8 @@ def _scenario(run: RunData, stats: RunStats, links: dict[tuple[int, int], float]
     if not known:
         return None
     fill = _median(known)
-    iterations = min(PREDICT_ITERATIONS, max((s.iterations for s in stats.ranks.values()), default=0))
+    bound = min(PREDICT_ITERATIONS, max(20, PREDICT_WORK // run.graph.n))
+    iterations = min(bound, max((s.iterations for s in stats.ranks.values()), default=0))
     if iterations < 1:
         return None
     config = run.config

@@ -53,8 +53,10 @@ class StepTimes:
 
     def reset(self) -> None:
         self.wait_updates = self.wait_tokens = self.apply = 0.0
-        self.updates_from = {}
-        self.tokens_from = {}
+        if self.updates_from:
+            self.updates_from.clear()
+        if self.tokens_from:
+            self.tokens_from.clear()
 
 
 class Node(Generic[P]):
