@@ -36,6 +36,9 @@ SLOW_LINK_FACTOR = 4.0
 """...and this many times the fastest measured link's."""
 NOTABLE_WAIT = 0.1
 """A peer that a rank spent this share of its step time or more waiting on is named."""
+SENDS_ON_ENTERING = ("hop", "notify-ack")
+"""Protocols whose workers send their update of an iteration to their out-neighbours on entering it,
+and wait for their in-neighbours' updates of the same iteration: the ones with link times."""
 PREDICT_ITERATIONS = 200
 """At most this many iterations are simulated per option (the report must stay fast)..."""
 PREDICT_WORK = 3_200
@@ -224,12 +227,15 @@ def entered_at(records: list[Record]) -> dict[int, float]:
 
 
 def update_arrivals(run: RunData) -> list[tuple[int, int, int, float, float]]:
-    """Each wait for an update that names its peer: (src, dst, iteration, sent, arrived).
+    """Each wait for an update that names its peer: (src, dst, iteration, sent, arrived); only for
+    the protocols of :data:`SENDS_ON_ENTERING` (unknown options: Hop's, the default).
 
     ``sent``: when ``src`` entered the iteration (Hop sends its update on entering);
     ``arrived``: when ``dst``'s wait for it ended (the step's end less mixing and the token
     wait, the nominal order of the trace). Both on the shared monotonic clock, so the logs of
     one machine compare; across machines the clocks differ and so may these."""
+    if run.config is not None and run.config.protocol not in SENDS_ON_ENTERING:
+        return []
     entered = {rank: entered_at(records) for rank, records in run.events.items()}
     arrivals = []
     for dst, records in run.events.items():
