@@ -91,6 +91,15 @@ def test_an_even_run_has_nothing_to_blame_and_no_prediction_without_a_predictor(
     assert predicted.simulated_s == pytest.approx(0.2, rel=0.05) and not predicted.predictions
 
 
+def test_majority_eager_sgd_waits_name_the_straggling_initiator(tmp_path: Path) -> None:
+    """Under majority eager-SGD every rank waits for the round's initiator: rank 1's rounds start late."""
+    config = ProtocolConfig("eager-sgd", eager_mode="majority", slowdown=["rank=1:20"])
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), config, iterations=24)
+    [straggler] = diagnose(load_run_dir(run_dir)).stragglers
+    assert straggler.rank == 1 and set(straggler.waiters) == {0, 2, 3}
+    assert all(share > 0.5 for share in straggler.waiters.values()), straggler
+
+
 @pytest.mark.slow
 def test_real_20x_straggler_is_diagnosed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`hopnet launch --slowdown rank=1:20` on a ring of 4: 5 ms steps, 100 ms on rank 1."""
