@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
+from hopnet.report.diagnosis import update_arrivals
+from hopnet.report.rundir import RunData
 from hopnet.runtime.events import EventLog
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 from hopnet.sim.vloop import VirtualTimeLoop
@@ -197,3 +200,19 @@ def test_hop_refuses_skipping_and_restarts_with_local_steps() -> None:
     assert refusal is not None and "--local-steps 3" in (refusal(config.options) or "")
     with pytest.raises(ConfigError, match="--local-steps must be an integer >= 1"):
         ProtocolConfig(protocol="partial-reduce", local_steps=0)
+
+
+def test_the_reports_link_times_leave_a_local_steps_run_out() -> None:
+    """Hop's entries count rounds under --local-steps, its iteration records iterations: the
+    diagnosis pairs them only when they count the same."""
+    def records(peer: int) -> list[dict[str, Any]]:
+        return [{"event": "enter", "rank": 1 - peer, "iter": 0, "mono": 1.0},
+                {"event": "iteration", "rank": 1 - peer, "iter": 0, "mono": 2.0, "mix_s": 0.0, "wait_tokens_s": 0.0,
+                 "wait_updates_from": {str(peer): 0.5}}]
+
+    def run(**options: Any) -> RunData:
+        return RunData(Path("run"), {0: records(1), 1: records(0)}, Graph.ring(2),
+                       ProtocolConfig(protocol="hop", **options))
+
+    assert len(update_arrivals(run())) == 2
+    assert update_arrivals(run(local_steps=5)) == []
