@@ -216,3 +216,12 @@ def test_the_reports_link_times_leave_a_local_steps_run_out() -> None:
 
     assert len(update_arrivals(run())) == 2
     assert update_arrivals(run(local_steps=5)) == []
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_run_shorter_than_a_round_mixes_once_at_its_end(protocol: str) -> None:
+    """The run's end is known only once the trainer's loop starts (after the worker started), as under
+    ``worker.iterations(total)``: the last iteration still mixes (Prague asks for its group late)."""
+    trained = train(protocol, 5, 1, hidden=8)  # iteration 0 is the last: begun before the worker knew
+    assert trained.iterations == [0] * RANKS
+    assert sum(trained.sent_bytes) > 0

@@ -96,6 +96,7 @@ class PragueProtocol(Protocol):
         self.served = 0  # groups run that others initiated
         self.no_sync = 0
         self._served_this_iteration = 0
+        self._requested = -1  # the last iteration whose group this worker asked the GG for
         self._said_bye = False
         self._failed = False  # a step raised: leave without waiting for the GG, and say so
         self.groups_failed = 0  # P-Reduces a dead member took with it (--max-restarts: rolled back)
@@ -134,6 +135,7 @@ class PragueProtocol(Protocol):
         requests, so rounds)."""
         if not self.static and self._mixes(k):
             self._gg.send({"t": "req", "iter": k})
+            self._requested = k
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -159,6 +161,8 @@ class PragueProtocol(Protocol):
         if self.static:
             await self._static_sync(k)
         else:
+            if self._requested != k:  # a last iteration not known as such when it began (local steps)
+                self._request(k)
             await self._sync(k)
         self.node.iteration_done(k, self)
         if last:
