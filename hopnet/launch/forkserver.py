@@ -242,17 +242,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_server(sock: socket.socket) -> int:
     """Serve the launcher on ``sock``; in each forked child, run its entry and exit."""
+    forked: _Forked | None = None
     try:
         serve(sock)
-    except _Forked as forked:
-        code = 1
-        try:
-            code = importlib.import_module(ENTRIES[forked.entry]).main(forked.argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        finally:
-            _exit_worker(code)
-    return 0
+    except _Forked as child:
+        forked = child
+    if forked is None:
+        return 0
+    # Outside the except block, so an exception the worker raises is not chained to _Forked
+    # (its traceback would open with the fork server's frames).
+    code = 1
+    try:
+        code = importlib.import_module(ENTRIES[forked.entry]).main(forked.argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        _exit_worker(code)
 
 
 # --------------------------------------------------------------------------- the launcher's side

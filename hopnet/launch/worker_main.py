@@ -13,7 +13,9 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
   (:func:`hopnet.runtime.shutdown.finish`): normally on success, promptly with an
   ``error`` record otherwise;
 * it exits with the script's own status: 0, ``N`` for ``sys.exit(N)``, 1 for an
-  uncaught exception (traceback printed as Python would, without this module's frames),
+  uncaught exception (traceback printed as Python would, without this module's frames;
+  one line for a failure a peer caused, a :class:`~hopnet.errors.PeerFailure` or a
+  :class:`~hopnet.errors.WaitTimeout` naming the peer),
   2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line; a rendezvous refusal,
   such as ranks that disagree on options, is one line too), 143 for SIGTERM (nothing
   printed: the launcher says why it stopped the run).
@@ -66,9 +68,21 @@ def _report(exc: BaseException) -> None:
     if isinstance(exc, (ConfigError, RendezvousError)):
         print(f"hopnet: error: {exc}", file=sys.stderr)
         return
+    if _caused_by_a_peer(exc):
+        # A consequence of another rank's failure: that rank prints its own traceback and the
+        # launcher names it; the hopnet internals of how this one noticed would only bury it.
+        print(f"hopnet: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
     tb = _script_traceback(exc.__traceback__)
     exc.with_traceback(tb)  # the interpreter's hook prints the exception's own traceback
     sys.excepthook(type(exc), exc, tb)
+
+
+def _caused_by_a_peer(exc: BaseException) -> bool:
+    """A :class:`~hopnet.errors.PeerFailure`, or a wait that names the peer it waited on."""
+    from hopnet.errors import PeerFailure, WaitTimeout
+
+    return isinstance(exc, PeerFailure) or (isinstance(exc, WaitTimeout) and exc.peer is not None)
 
 
 def run(argv: list[str]) -> BaseException | None:
