@@ -542,7 +542,7 @@ class Launch:
             "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         self.record.try_write()
-        if state.signal is None:  # after Ctrl-C/SIGTERM the launcher says one line only
+        if state.signal is None and not state.config_error:  # after Ctrl-C/SIGTERM the launcher says one line only
             self.output.print_summary()
             if self.spec.save_model:
                 self.output.say(saved_model_line(self.run_dir))
@@ -593,7 +593,10 @@ def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[st
                 run.stop()
         finally:
             run.release()
-        return run.summarise(time.monotonic() - started)
+        result = run.summarise(time.monotonic() - started)
+        if run.state.config_error and not spec.resume:
+            claim.discard()  # nothing ran: a configuration error leaves no run directory behind
+        return result
 
 
 def launch(

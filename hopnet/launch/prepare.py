@@ -94,11 +94,13 @@ def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str]
     security warnings, the config checks' notes. The launch holds the returned claim
     until it ends; a refusal writes nothing into the directory."""
     spec = plan.spec
+    existed = spec.run_dir is not None and os.path.exists(spec.run_dir)
     path = make_run_dir(spec.run_dir, plan.config.protocol, graph_label(plan.graph, spec.graph))
     if spec.resume:
         claim = claim_for_resume(spec.run_dir if spec.run_dir is not None else path)
     else:
         claim = claim_run_dir(path if spec.run_dir is None else spec.run_dir, spec.overwrite)  # named as given
+        claim.created = not existed
     try:
         _write_graph_and_notes(plan, security, say, claim)
     except BaseException:

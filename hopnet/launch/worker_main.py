@@ -17,7 +17,8 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
   one line for a failure a peer caused, a :class:`~hopnet.errors.PeerFailure` or a
   :class:`~hopnet.errors.WaitTimeout` naming the peer),
   2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line; a rendezvous refusal,
-  such as ranks that disagree on options, is one line too), 143 for SIGTERM (nothing
+  such as ranks that disagree on options, is one line too; under `hopnet launch`, which
+  prints a configuration error once for all ranks from their error records, nothing), 143 for SIGTERM (nothing
   printed: the launcher says why it stopped the run).
 """
 
@@ -65,6 +66,8 @@ def _report(exc: BaseException) -> None:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
         return
+    if isinstance(exc, ConfigError) and os.environ.get(parent_watch.LAUNCHER_PID):
+        return  # `hopnet launch` prints it once for every rank, from this rank's error record
     if isinstance(exc, (ConfigError, RendezvousError)):
         print(f"hopnet: error: {exc}", file=sys.stderr)
         return
