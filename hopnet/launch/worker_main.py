@@ -29,8 +29,10 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 from types import FrameType, TracebackType
+from typing import NoReturn
 
 from hopnet.launch import parent_watch
 from hopnet.runtime import shutdown
@@ -196,5 +198,21 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def leave(code: int) -> NoReturn:
+    """End the process as the interpreter would (wait for the script's non-daemon threads, run
+    the atexit handlers, flush), without tearing its modules down: with torch loaded that takes
+    seconds on a busy machine, after the last iteration, while the launcher waits (a forked
+    worker ends the same way, see :mod:`hopnet.launch.forkserver`). The script's module-level
+    objects are released when it returns (so a file it left open there is flushed then); what
+    it left open elsewhere is not flushed, as with ``os._exit``: close what you write."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush_stdio()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
