@@ -577,7 +577,7 @@ class Launch:
             if self.spec.save_model:
                 self.output.say(saved_model_line(self.run_dir))
             status = "finished" if state.returncode == 0 else "failed"
-            self.output.say(f"{status} in {wall_s:.1f}s ({phases.text()}); run dir {self.run_dir}")
+            self.output.say(f"{status} in {phases.line()}; run dir {self.run_dir}")
         return result
 
 

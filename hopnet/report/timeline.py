@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hopnet.report.rundir import RunData
+
 HEAD_BYTES = 64 << 10
 """How much of the start of an event log is read for the first ``enter`` record."""
 TAIL_BYTES = 256 << 10
@@ -47,6 +49,11 @@ class Phases:
         """``start-up 2.9s, training 1.6s, shutdown 0.6s``."""
         return f"start-up {self.startup_s:.1f}s, training {self.training_s:.1f}s, shutdown {self.shutdown_s:.1f}s"
 
+    def line(self) -> str:
+        """``5.1s (start-up 2.9s, training 1.6s, shutdown 0.6s)``: the launcher's closing line and
+        the report's overview say it in these words."""
+        return f"{self.total_s:.1f}s ({self.text()})"
+
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"total_s": round(self.total_s, 3), "startup_s": round(self.startup_s, 3),
                                 "training_s": round(self.training_s, 3), "shutdown_s": round(self.shutdown_s, 3)}
@@ -65,6 +72,12 @@ class Phases:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return None
         return Phases(*(float(v) for v in values))  # type: ignore[arg-type]
+
+
+def launch_phases(run: RunData) -> Phases | None:
+    """The split the launcher recorded for ``run`` (``launch.json``'s ``result.phases``)."""
+    result = run.launch.get("result")
+    return Phases.from_json(result.get("phases")) if isinstance(result, dict) else None
 
 
 def split(started: float, ended: float, first_iteration: float | None, last_iteration: float | None) -> Phases:
@@ -130,4 +143,4 @@ def run_phases(run_dir: Path, ranks: Iterable[int], started: float, ended: float
                   worker_exit_s, launcher_exit_s)
 
 
-__all__ = ["Phases", "log_span", "run_phases", "split"]
+__all__ = ["Phases", "launch_phases", "log_span", "run_phases", "split"]
