@@ -33,7 +33,7 @@ store) and the rendezvous server, and publishes the run there; a failure beyond
 
 The phases, in the order :func:`run_launch` drives them: :func:`~hopnet.launch.spec.validate`
 (a :class:`~hopnet.launch.spec.LaunchSpec` into a :class:`~hopnet.launch.spec.LaunchPlan`),
-:func:`~hopnet.launch.prepare.join_launchers`, :func:`~hopnet.launch.prepare.secure_run`,
+:func:`~hopnet.launch.prepare.secure_run`, :func:`~hopnet.launch.prepare.join_launchers`,
 :func:`~hopnet.launch.prepare.prepare_run_dir`, then the methods of :class:`Launch`: store and
 rendezvous, coordinator, spawn, monitor, settle, stop, release and summarise, over one
 :class:`~hopnet.launch.state.RunState` (a :class:`~hopnet.launch.state.WorkerState` per worker).
@@ -597,10 +597,10 @@ def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[st
     err_stream = stderr if stderr is not None else sys.stderr
     output = LauncherOutput(out_stream, err_stream)
     plan = validate(spec)
-    machines = join_launchers(plan)
+    security = secure_run(plan)  # before joining: node R refuses at once what node 0 would
+    machines = join_launchers(plan, output.say)
     claim: RunDirClaim | None = None
     try:
-        security = secure_run(plan, machines)
         claim = prepare_run_dir(plan, security, output.say)
         record = launch_record(plan, security, claim.path)
     except BaseException:

@@ -73,4 +73,23 @@ class ShutdownTalk:
         return f"waiting for {ranks_text(pending)} to exit ({now - self.first_end:.0f}s after the first finished)"
 
 
-__all__ = ["REMIND_S", "SHUTDOWN_QUIET_S", "ShutdownTalk", "StartupTalk", "ranks_text"]
+class WaitTalk:
+    """A wait that may last: said when it starts, then every ``remind_s`` while it lasts.
+    :meth:`poll` takes the seconds waited so far."""
+
+    def __init__(self, what: str, remind_s: float = REMIND_S) -> None:
+        self.what = what
+        self.remind_s = remind_s
+        self._next: float | None = None
+
+    def poll(self, waited_s: float) -> str | None:
+        if self._next is None:
+            self._next = waited_s + self.remind_s
+            return f"waiting for {self.what}"
+        if waited_s < self._next:
+            return None
+        self._next = waited_s + self.remind_s
+        return f"still waiting ({waited_s:.0f}s) for {self.what}"
+
+
+__all__ = ["REMIND_S", "SHUTDOWN_QUIET_S", "ShutdownTalk", "StartupTalk", "WaitTalk", "ranks_text"]
