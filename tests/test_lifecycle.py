@@ -117,7 +117,13 @@ def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path) -> None:
     assert summary.startswith("hopnet launch: worker 1 failed in iteration 5 (exit code 1): "
                               "RuntimeError: rank 1 broke in iteration 5"), proc.stderr
     assert "[rank 1] RuntimeError: rank 1 broke in iteration 5" in proc.stderr  # its traceback, as Python prints it
-    assert "worker_main" not in proc.stderr and "runpy" not in proc.stderr
+    assert "worker_main" not in proc.stderr and "runpy" not in proc.stderr and "forkserver" not in proc.stderr
+    # one traceback, rank 1's; a rank that failed because of it says so in one line
+    assert proc.stderr.count("Traceback") == 1 and "[rank 1] Traceback" in proc.stderr, proc.stderr
+    for rank in (0, 2, 3):
+        said = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert len(said) <= 1 and all(re.match(r"\[rank \d\] hopnet: (PeerFailure|WaitTimeout): ", line)
+                                      for line in said), proc.stderr
     assert result_of(run_dir)["worker_returncodes"]["1"] == 1
     (err,) = [r for r in records(run_dir, 1) if r["event"] == "error"]
     assert (err["error"], err["exit_code"], err["iter"]) == ("RuntimeError", 1, 5)

@@ -71,7 +71,12 @@ class Phases:
         values = [data.get(k) for k in ("total_s", "startup_s", "training_s", "shutdown_s")]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return None
-        return Phases(*(float(v) for v in values))  # type: ignore[arg-type]
+        exits = data.get("worker_exit_s")
+        launcher = data.get("launcher_exit_s")
+        total_s, startup_s, training_s, shutdown_s = (float(v) for v in values)  # type: ignore[arg-type]
+        return Phases(total_s, startup_s, training_s, shutdown_s,
+                      worker_exit_s={int(r): float(s) for r, s in exits.items()} if isinstance(exits, dict) else {},
+                      launcher_exit_s=float(launcher) if isinstance(launcher, (int, float)) else None)
 
 
 def launch_phases(run: RunData) -> Phases | None:
