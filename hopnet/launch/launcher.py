@@ -91,8 +91,8 @@ from hopnet.launch.spec import (
     validate,
 )
 from hopnet.launch.state import RunState
-from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.launch.store import HostedStore, host_store
+from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
 from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
