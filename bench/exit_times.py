@@ -47,7 +47,7 @@ def one_launch(source: Path, method: str, run_dir: Path) -> dict[str, object]:
     env["PYTHONPATH"] = str(source.resolve())
     cmd = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--start-method", method,
            "--no-progress", "--run-dir", str(run_dir), "examples/train_digits.py"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=source.resolve(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     summary_at = None
     for line in proc.stdout:

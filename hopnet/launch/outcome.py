@@ -47,9 +47,11 @@ def blame_run(run_dir: Path, state: RunState) -> Blame:
 
 def config_error(run_dir: Path, state: RunState) -> str | None:
     """The message of the configuration error that ended the run before it trained, if one did:
-    every failed rank's ``error`` record is a :class:`~hopnet.errors.ConfigError` (the workers
-    launched by `hopnet launch` leave printing it to the launcher) and no rank finished an
-    iteration. The lowest rank's message, when ranks differ."""
+    every failed rank exited 2 with an ``error`` record of an exception (a
+    :class:`~hopnet.errors.ConfigError` or a subclass, such as the rendezvous's refusal of
+    ranks that run different options; not ``sys.exit(2)``), which the workers launched by
+    `hopnet launch` leave to the launcher to print, and no rank finished an iteration. The
+    lowest rank's message, when ranks differ."""
     lost = state.lost
     if not lost:
         return None
@@ -59,7 +61,7 @@ def config_error(run_dir: Path, state: RunState) -> str | None:
         if facts.last_iter is not None:
             return None
         if rank in lost:
-            if facts.error is None or facts.error.get("error") != "ConfigError":
+            if lost[rank] != 2 or facts.error is None or facts.error.get("error") in (None, "SystemExit"):
                 return None
             messages[rank] = str(facts.error.get("message"))
     return messages[min(messages)]
