@@ -368,7 +368,7 @@ class Launch:
         """Say what start-up or shutdown waits for (:mod:`hopnet.launch.talk`)."""
         now = time.monotonic()
         if self.server is not None:  # the machine that hosts the rendezvous sees every rank register
-            line = self.startup_talk.poll(now, self.server.registered_ranks())
+            line = self.startup_talk.poll(now, self.server.registered_ranks(), self.server.completed_at)
             if line is not None:
                 self.output.say(line)
         line = self.shutdown_talk.poll(now, self.state.pending)

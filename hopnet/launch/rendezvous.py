@@ -136,6 +136,8 @@ class RendezvousServer:
         self._waiting: dict[int, tuple[bytes, bool]] = {}
         self.complete = threading.Event()
         """Set once every rank has registered its address."""
+        self.completed_at: float | None = None
+        """When :attr:`complete` was set (``time.monotonic()``)."""
         # barriers: name -> {rank: (identity, as_json)}
         self._barriers: dict[str, dict[int, tuple[bytes, bool]]] = {}
         self._barriers_done: list[str] = []
@@ -366,6 +368,8 @@ class RendezvousServer:
                 waiting = self._waiting if full else {}
                 if full:
                     self._waiting = {}
+                    if not self.complete.is_set():
+                        self.completed_at = time.monotonic()
                     self.complete.set()
         if message is not None:
             self._refuse(sock, identity, message, as_json)

@@ -34,14 +34,15 @@ class StartupTalk:
         self._next = started + remind_s
         self.done = False
 
-    def poll(self, now: float, registered: Sequence[int]) -> str | None:
-        """The line to say at ``now``, with ``registered`` the ranks the rendezvous has so far."""
+    def poll(self, now: float, registered: Sequence[int], ready_at: float | None = None) -> str | None:
+        """The line to say at ``now``, with ``registered`` the ranks the rendezvous has so far
+        and ``ready_at`` when the last of them registered, if known (else ``now``)."""
         if self.done:
             return None
         count = len(set(registered))
         if count >= self.world_size:
             self.done = True
-            return f"{self.world_size}/{self.world_size} ready after {now - self.started:.1f}s"
+            return f"{self.world_size}/{self.world_size} ready after {(ready_at or now) - self.started:.1f}s"
         if now < self._next:
             return None
         self._next = now + self.remind_s
