@@ -361,8 +361,18 @@ class Launch:
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
-                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}); the others go on "
-                                    f"({len(state.lost)} of --max-failures {spec.max_failures})")
+                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{self._config_note(rank, code)});"
+                                    f" the others go on ({len(state.lost)} of --max-failures {spec.max_failures})")
+
+    def _config_note(self, rank: int, code: int) -> str:
+        """``: ConfigError: MESSAGE`` for a worker that exited 2 on a configuration error, which a
+        worker under the launcher does not print itself; else nothing."""
+        if code != 2:
+            return ""
+        error = read_log_facts(self.run_dir / f"rank{rank}.jsonl").error
+        if error is None or error.get("error") in (None, "SystemExit"):
+            return ""
+        return f": {error.get('error')}: {error.get('message')}"
 
     def _talk(self) -> None:
         """Say what start-up or shutdown waits for (:mod:`hopnet.launch.talk`)."""
