@@ -272,6 +272,9 @@ class Node(Generic[P]):
         period = liveness.beat_interval_s
         while liveness.watched:
             now = self.clock.now()
+            away = liveness.look(now)
+            if away:
+                self.record("watch_paused", away_s=round(away, 3), iter=self.protocol.iteration)
             heard, self._heard = self._heard, set()
             for peer in heard:
                 liveness.heard(peer, now)
