@@ -3,6 +3,7 @@ after the launcher was SIGKILLed mid-run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hopnet import checkpoint
+from hopnet import checkpoint, registry
 
 from support.env import clean_env
 from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
@@ -110,7 +111,12 @@ def test_resume_refuses_a_conflicting_flag_in_one_line(tmp_path: Path) -> None:
     assert not (run_dir / "attempts").exists()
 
 
-def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tmp_path: Path) -> None:
+def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every built-in protocol resumes: stand in one that declares it cannot (a plugin's, say).
+    monkeypatch.setitem(registry._specs, "eager-sgd", dataclasses.replace(registry.lookup("eager-sgd"),
+                                                                          resumable=False))
+    takers = ", ".join(spec.name for spec in registry.specs() if spec.resumable)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "eager-sgd", '
@@ -119,9 +125,13 @@ def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tm
     result = launch_in_process(["--resume", str(run_dir)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet "
-        "(ad-psgd, allreduce, hop, notify-ack, partial-reduce, prague can)"]
+        f"hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet ({takers} can)"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
+
+
+def test_the_eight_protocols_of_issue_17_resume() -> None:
+    eight = ("hop", "notify-ack", "allreduce", "pipe-sgd", "eager-sgd", "ad-psgd", "partial-reduce", "prague")
+    assert [name for name in eight if not registry.lookup(name).resumable] == []
 
 
 def test_resume_refuses_a_directory_without_a_run(tmp_path: Path) -> None:
@@ -199,6 +209,58 @@ def test_hop_resumed_after_a_sigkilled_launcher_reaches_95_percent(tmp_path: Pat
     resumed_at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
     assert resumed_at is not None and 149 <= int(resumed_at.group(1)) < 999
 
+
+
+def _final_parameters(run_dir: Path, nproc: int) -> list[torch.Tensor]:
+    return [torch.load(run_dir / f"final_rank{rank}.pt") for rank in range(nproc)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
+def test_pipe_sgd_resumed_after_a_sigkilled_launcher_restarts_its_pipeline_empty(tmp_path: Path, k: int) -> None:
+    """Every rank resumes from the common checkpoint with no all-reduce in flight: with K = 1 nothing
+    was in flight, and the run ends bit for bit as an uninterrupted one; with K = 2 the gradient in
+    flight is lost, and the ranks still end with one model."""
+    script = [DIGITS, "--iterations", "800", "--eval-every", "100000"]
+    common = ["--nproc", "3", "--protocol", "pipe-sgd", "--pipeline-k", str(k), "--checkpoint-every", "50",
+              "--no-progress"]
+    run_dir = tmp_path / "killed"
+    _kill_launcher_after_checkpoint(run_dir, [*common, "--run-dir", str(run_dir), *script], 3, after=199)
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
+    assert at is not None and 199 <= int(at.group(1)) < 799
+    starts = [records(run_dir, rank, "resumed")[-1] for rank in range(3)]
+    assert len({r["fingerprint"] for r in starts}) == 1, starts  # one model: the same averaged steps
+    finals = _final_parameters(run_dir, 3)
+    assert all(torch.equal(final, finals[0]) for final in finals)
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
+    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.95, accuracies
+    if k == 1:
+        whole = run_launch([*common, "--run-dir", str(tmp_path / "whole"), *script])
+        assert whole.returncode == 0, whole.stderr
+        assert torch.equal(finals[0], _final_parameters(tmp_path / "whole", 1)[0])
+    else:  # the warm-up after the resume applied no gradient, as the first one did
+        steps = [r for r in records(run_dir, 0, "iteration") if r["iter"] > int(at.group(1))]
+        assert steps and steps[0].get("grad_iter") is None and steps[1].get("grad_iter") == steps[0]["iter"], \
+            steps[:2]
+
+
+@pytest.mark.slow
+def test_eager_sgd_resumed_after_a_sigkilled_launcher_starts_every_rank_from_one_model(tmp_path: Path) -> None:
+    """The ranks' checkpoints of one iteration may differ (a rank that took only the newest of two
+    rounds skipped a result): every rank takes rank 0's model before computing, then trains on."""
+    run_dir = tmp_path / "run"
+    args = ["--nproc", "3", "--protocol", "eager-sgd", "--checkpoint-every", "50", "--no-progress",
+            "--run-dir", str(run_dir), DIGITS, "--iterations", "800", "--eval-every", "100000"]
+    _kill_launcher_after_checkpoint(run_dir, args, 3, after=199)
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    starts = [records(run_dir, rank, "resumed")[-1] for rank in range(3)]
+    assert len({r["iter"] for r in starts}) == 1 and 199 <= starts[0]["iter"] < 799, starts
+    assert len({r["fingerprint"] for r in starts}) == 1, starts
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
+    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.95, accuracies
 
 
 def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:

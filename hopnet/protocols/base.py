@@ -68,6 +68,11 @@ class Protocol(abc.ABC):
             raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet ({takers} can)")
         self.iteration = iteration
 
+    async def after_resume(self) -> None:
+        """Every rank loaded its checkpoint (after :meth:`resume_at` and :meth:`start`), before its
+        trainer computes anything: what the protocol must do with the others first. Called on every
+        rank of a resumed run (a collective here is met by all of them)."""
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Enter iteration 0 (grant what must be granted). Nothing read from the model may be sent
