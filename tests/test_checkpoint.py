@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
 from hopnet import checkpoint, registry
+from hopnet.errors import ConfigError
 
 from support.env import clean_env
 from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
@@ -33,14 +35,14 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     writer = checkpoint.Checkpointer(tmp_path, rank=0, every=10)
     writer.save(9, {"iteration": 9, "w": torch.arange(4.0)})
-    real_save = torch.save
+    real_dump = checkpoint.dump
 
     def dies_midway(obj: Any, stream: Any) -> None:
-        real_save(obj, stream)
+        real_dump(obj, stream)
         stream.truncate(stream.tell() // 2)  # half the bytes are out when the writer dies
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", dies_midway)
+    monkeypatch.setattr(checkpoint, "dump", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         writer.save(19, {"iteration": 19, "w": torch.zeros(1000)})
     monkeypatch.undo()
@@ -59,12 +61,56 @@ def test_a_writer_process_sigkilled_while_writing_leaves_no_checkpoint_name(tmp_
             "from hopnet import checkpoint\n"
             "def dies(obj, stream):\n"
             "    stream.write(b'x' * 100000); stream.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
-            "checkpoint.torch.save = dies\n"
+            "checkpoint.dump = dies\n"
             f"checkpoint.Checkpointer(Path({str(tmp_path)!r}), 0, 1).save(1, {{}})\n")
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert checkpoint.rank_iterations(tmp_path, 0) == [0]
     assert checkpoint.load(tmp_path, 0, 0) == {"iteration": 0}
+
+
+def _payload() -> dict[str, Any]:
+    layer = torch.nn.Linear(3, 2)
+    optimizer = {"state": {0: {"momentum_buffer": torch.randn(2, 3)}, 1: {"momentum_buffer": torch.randn(2)}},
+                 "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": [0, 1]}]}  # an SGD state_dict's shape
+    return checkpoint.copied({
+        "iteration": 7, "model": layer.state_dict(), "states": {"optimizer": optimizer},
+        "rng": checkpoint.rng_states(), "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4), "half": torch.arange(5, dtype=torch.bfloat16), "mask": torch.tensor([True, False]),
+        "strided": torch.arange(12.0).reshape(3, 4).t(), "ints": [torch.arange(3), (torch.ones(2, dtype=torch.int8),)]})
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, numpy.ndarray):  # numpy's RNG state
+        return bool(numpy.array_equal(a, b))
+    return bool(a == b)
+
+
+def test_a_checkpoint_loads_back_what_was_saved_tensors_of_every_kind_included(tmp_path: Path) -> None:
+    payload = _payload()
+    checkpoint.write_atomic(payload, tmp_path / checkpoint.checkpoint_name(0, 7))
+    assert (tmp_path / checkpoint.checkpoint_name(0, 7)).read_bytes().startswith(checkpoint.MAGIC)
+    assert _equal(checkpoint.load(tmp_path, 0, 7), payload)
+
+
+def test_a_checkpoint_written_by_torch_save_still_loads(tmp_path: Path) -> None:
+    payload = _payload()
+    torch.save(payload, tmp_path / checkpoint.checkpoint_name(1, 7))  # format 1, before format 2
+    assert _equal(checkpoint.load(tmp_path, 1, 7), payload)
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / checkpoint.checkpoint_name(0, 7)
+    checkpoint.write_atomic({"w": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match="truncated"):
+        checkpoint.load(tmp_path, 0, 7)
 
 
 def test_the_resume_point_is_the_newest_iteration_every_rank_has(tmp_path: Path) -> None:
