@@ -1,6 +1,6 @@
 """What a rank's checkpoints cost its neighbours: their wait, against the copy rank 0 pays.
 
-    python bench/checkpoint_stall.py [--nproc 3] [--model-mb 16] [--compute-ms 20] [--iterations 120]
+    python bench/checkpoint_stall.py [--nproc 2] [--model-mb 16] [--compute-ms 20] [--iterations 120]
                                      [--every 20] [--window 10] [--repeat 2] [--writers none,torch,format2]
 
 Real processes: ``hopnet launch --protocol allreduce`` of bench/checkpoint_stall_worker.py
@@ -9,7 +9,8 @@ that). Only rank 0 saves, every ``--every`` iterations, so the other ranks' ``wa
 show what its checkpoints cost them: for each checkpoint after iteration K, the time the
 neighbours took for iterations K+1 .. K+window (end to end: compute and step, so every wait on
 rank 0), minus window times their median iteration outside those windows, is the stall it
-caused (mean over checkpoints and neighbours). Against it:
+caused (median over checkpoints and neighbours; under ``none`` the same iterations give the
+measure's value for no stall, a control). Against it:
 ``save_s``, what ``save_checkpoint`` took rank 0 (the copy, and waiting for a previous write).
 
 Writers, alternated within each repeat so the machine's load hits them alike: ``none`` (no
@@ -50,14 +51,15 @@ def run_once(writer: str, args: argparse.Namespace) -> dict[str, float]:
 
 def measure(logs: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, float]:
     saved = [r for r in logs[0] if r.get("event") == "checkpoint_cost"]
-    points = [int(r["iter"]) for r in saved]
+    # Without checkpoints, the same iterations as a control: what the measure gives for no stall.
+    points = [int(r["iter"]) for r in saved] or list(range(args.every - 1, args.iterations - 1, args.every))
     stalls: list[float] = []
     rates: list[float] = []
     for rank, records in logs.items():
         ends = {int(r["iter"]): float(r["mono"]) for r in records if r.get("event") == "iteration"}
         first, last = min(ends) + 5, max(ends)  # leave out the start
         rates.append((last - first) / (ends[last] - ends[first]))
-        if rank == 0 or not points:
+        if rank == 0:
             continue
         took = {k: ends[k] - ends[k - 1] for k in ends if k > first}  # compute + step, waits included
         inside = {k for p in points for k in range(p + 1, p + 1 + args.window)}
@@ -67,12 +69,12 @@ def measure(logs: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -> 
             stalls.append(sum(spans) - baseline * len(spans))
     return {"it_s": statistics.mean(rates),
             "save_ms": statistics.median(r["save_s"] for r in saved) * 1e3 if saved else 0.0,
-            "stall_ms": statistics.mean(stalls) * 1e3 if stalls else 0.0}
+            "stall_ms": statistics.median(stalls) * 1e3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--model-mb", type=float, default=16.0)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--iterations", type=int, default=120)
