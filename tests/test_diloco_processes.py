@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.launch import kill, recorded_worker_pids, start_launch, worker_pids
+from hopnet import checkpoint
+
+from support.launch import kill, recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import EXAMPLES, WORKERS
 from support.processes import alive
 from support.records import records
@@ -119,3 +121,43 @@ def test_ctrl_c_stops_every_worker_with_one_line(tmp_path: Path) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)]
+
+
+def test_resumed_mid_round_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """Checkpoints every 25 iterations fall inside rounds of 10: the anchor and the outer momentum
+    saved with them are what makes the resumed run's outer steps those of the uninterrupted one."""
+    script = [DIGITS, "--iterations", "400", "--eval-every", "100000"]
+    common = ["--nproc", "2", "--protocol", "diloco", "--local-steps", "10", "--checkpoint-every", "25",
+              "--no-progress"]
+    whole = run_launch([*common, "--run-dir", str(tmp_path / "whole"), *script])
+    assert whole.returncode == 0, whole.stderr
+    run_dir = tmp_path / "killed"
+    proc = start_launch([*common, "--run-dir", str(run_dir), *script], new_session=True)
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while (checkpoint.common_iteration(run_dir / "checkpoints", 2) or -1) < 99:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        pids = recorded_worker_pids(run_dir)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        kill(proc)
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not (run_dir / "final_rank0.pt").exists()
+    saved = torch.load(run_dir / "checkpoints" / checkpoint.checkpoint_name(0, checkpoint.common_iteration(
+        run_dir / "checkpoints", 2) or 0), weights_only=False)
+    assert set(saved["states"][checkpoint.PROTOCOL_STATE]) == {"anchor", "momentum", "outer_steps"}
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resume: every rank resumes from its checkpoint of iteration" in resumed.stderr
+    for rank in range(2):
+        assert torch.equal(torch.load(run_dir / f"final_rank{rank}.pt"),
+                           torch.load(tmp_path / "whole" / f"final_rank{rank}.pt")), rank
