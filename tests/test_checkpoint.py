@@ -120,7 +120,7 @@ def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tm
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet "
-        "(ad-psgd, allreduce, hop, notify-ack, partial-reduce, prague can)"]
+        "(ad-psgd, allreduce, diloco, hop, notify-ack, partial-reduce, prague can)"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
 
 

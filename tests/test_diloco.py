@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hopnet import ConfigError, DistributedOptimizer, Graph, ProtocolConfig, Worker
+from hopnet import ConfigError, DistributedOptimizer, Graph, ProtocolConfig, Worker, analysis
 from hopnet.protocols.diloco import DiLoCoOptions, DiLoCoProtocol, OuterSGD, fragment_pieces, sync_offsets
 from hopnet.sim.engine import SimSpec, simulate
 from hopnet.transports.inproc import LinkModel
@@ -183,3 +183,17 @@ def test_diloco_runs_in_the_simulator_and_waits_only_at_syncs(options: dict[str,
     baseline = simulate(SimSpec(Graph.ring(n), ProtocolConfig(protocol="allreduce"), iterations,
                                 model_bytes=1 << 22, link=link))
     assert result.virtual_time < baseline.virtual_time / 2
+
+
+@pytest.mark.parametrize("options", [{"local_steps": 5}, {"local_steps": 6, "fragments": 3, "overlap_steps": 1}])
+def test_a_4x_slow_worker_stays_within_the_gap_bound(options: dict[str, object]) -> None:
+    """Every sync is a barrier: the fast workers wait for the slow one there, so no worker gets more
+    than the bound ahead of it (and they do get ahead between syncs)."""
+    config = diloco(slowdown=["rank=2:4"], **options)
+    result = simulate(SimSpec(Graph.ring(4), config, 30, param_dim=8, gap_matrix=True))
+    assert result.iterations == [30] * 4
+    bound = analysis.gap_bound(Graph.ring(4), config)
+    assert bound is not None and result.max_gap is not None
+    assert (result.max_gap <= bound).all(), (result.max_gap, bound)
+    assert result.max_gap[:, 2].max() >= 2  # the others ran ahead of the slow one between syncs
+    assert bound[0, 2] == (5 if len(options) == 1 else 3)

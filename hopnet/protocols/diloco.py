@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hopnet.collectives.codec import IdentityCodec
@@ -58,6 +59,7 @@ from hopnet.collectives.compression import COMPRESSIONS, make_codec
 from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
+from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
@@ -115,6 +117,28 @@ def fragment_pieces(lengths: Sequence[int], params: Sequence[int], fragments: in
 def sync_offsets(local_steps: int, fragments: int) -> list[int]:
     """Fragment ``f`` syncs after iteration ``t`` when ``(t + 1 + offset[f]) % H == 0``."""
     return [f * local_steps // fragments for f in range(fragments)]
+
+
+def sync_interval(local_steps: int, fragments: int) -> int:
+    """The most iterations between two consecutive syncs (of any fragments)."""
+    offsets = sync_offsets(local_steps, fragments)
+    return max([b - a for a, b in zip(offsets, offsets[1:])] + [local_steps - offsets[-1] + offsets[0]])
+
+
+def gap_bound(options: DiLoCoOptions, graph: Graph) -> np.ndarray:
+    """Iter(i) - Iter(j) <= the sync interval plus --overlap-steps, for every pair: a worker passes the
+    landing of a sync only once every rank has finished the step that launched it, and the next
+    landing is at most that many iterations further."""
+    bound = np.full((graph.n, graph.n), float(sync_interval(options.local_steps, options.fragments)
+                                               + options.overlap()))
+    np.fill_diagonal(bound, 0.0)
+    return bound
+
+
+def gap_rule(options: DiLoCoOptions) -> str:
+    interval = sync_interval(options.local_steps, options.fragments)
+    return f"{interval + options.overlap()} (every sync is a barrier: {interval} iterations apart" + \
+        (f", landing {options.overlap()} later)" if options.overlap() else ")")
 
 
 @dataclass
@@ -343,10 +367,11 @@ class DiLoCoOptions(ProtocolOptions):
                               help="inner steps (the trainer's optimizer) between two outer steps")
     outer_lr: float = option(0.7, minimum=0.0, metavar="LR", help="the outer optimizer's learning rate")
     outer_momentum: float = option(0.9, minimum=0.0, metavar="M", help="the outer optimizer's momentum (0: none)")
-    outer_nesterov: bool = option(True, help="Nesterov momentum in the outer step")
+    outer_nesterov: bool = option(True, help="plain momentum in the outer step instead of Nesterov's")
     compress: str = option("none", choices=COMPRESSIONS,
-                           help="compress every hop of the pseudo-gradient's all-reduce: trunc16 keeps the top 16 "
-                                "bits of each float32 (2x fewer bytes), int8 quantizes with scale max|block|/127 (4x)")
+                           help="compress every hop of the ring's all-reduce (diloco: of the pseudo-gradients): "
+                                "trunc16 keeps the top 16 bits of each float32 (2x fewer bytes), int8 quantizes "
+                                "with scale max|block|/127 (4x)")
     fragments: int = option(1, minimum=1, metavar="F",
                             help="streaming DiLoCo: sync the model in F fragments on staggered schedules")
     overlap_steps: int | None = option(None, minimum=0, metavar="D",
@@ -386,4 +411,6 @@ register(ProtocolSpec(
     averages=Averages.MODELS,
     uses_graph=False,
     resumable=True,
+    gap_bound=gap_bound,
+    gap_rule=gap_rule,
 ))
