@@ -63,12 +63,16 @@ from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import AllReduce, NodeServices
 from hopnet.wire import Header, Message
 
 TAG_PREFIX = "diloco"
 ROOT = 0
+READY_KIND = "diloco_ready"
+"""Under ``--outer-quorum``, rank -> every rank: ``meta["n"]``, the pseudo-gradients it has announced
+so far (this one included); ``meta["done"]``: it finished training and announces no more
+(:mod:`hopnet.protocols.diloco_quorum`)."""
 
 
 class OuterSGD:
@@ -129,13 +133,18 @@ def gap_bound(options: DiLoCoOptions, graph: Graph) -> np.ndarray:
     """Iter(i) - Iter(j) <= the sync interval plus --overlap-steps, for every pair: a worker passes the
     landing of a sync only once every rank has finished the step that launched it, and the next
     landing is at most that many iterations further."""
-    bound = np.full((graph.n, graph.n), float(sync_interval(options.local_steps, options.fragments)
-                                               + options.overlap()))
+    if options.outer_quorum is not None and options.max_stale_rounds > 0:
+        bound = np.full((graph.n, graph.n), np.inf)  # rounds close without the slow: it falls behind
+    else:
+        bound = np.full((graph.n, graph.n), float(sync_interval(options.local_steps, options.fragments)
+                                                   + options.overlap()))
     np.fill_diagonal(bound, 0.0)
     return bound
 
 
 def gap_rule(options: DiLoCoOptions) -> str:
+    if options.outer_quorum is not None and options.max_stale_rounds > 0:
+        return f"unbounded in iterations; a pseudo-gradient is at most {options.max_stale_rounds} rounds stale"
     interval = sync_interval(options.local_steps, options.fragments)
     return f"{interval + options.overlap()} (every sync is a barrier: {interval} iterations apart" + \
         (f", landing {options.overlap()} later)" if options.overlap() else ")")
@@ -279,11 +288,8 @@ class DiLoCoProtocol(Protocol):
         finally:
             self.node.waited("updates", self.node.timer() - began)
         for n, (piece, delta) in enumerate(zip(self.pieces[reduction.fragment], reduction.deltas)):
-            anchor = self.anchor[piece.flat][piece.start:piece.stop]
+            anchor = self._outer_step(piece, delta)
             live = self.flats[piece.flat][piece.start:piece.stop]
-            p = piece.params_stop - piece.start
-            self.outer.step(anchor[:p], delta[:p], self.momentum[piece.flat][piece.start:piece.params_stop])
-            anchor[p:].sub_(delta[p:])  # buffers: the mean of the ranks' ends
             if reduction.at_launch is None:
                 live.copy_(anchor)
             else:  # keep the inner steps made on the fragment while its reduction ran
@@ -291,6 +297,14 @@ class DiLoCoProtocol(Protocol):
         self.outer_steps += 1
         if reduction.task is self._last_task:
             self._last_task = None
+
+    def _outer_step(self, piece: Piece, delta: torch.Tensor) -> torch.Tensor:
+        """Apply the mean pseudo-gradient ``delta`` of ``piece`` to the anchor; the anchor's piece."""
+        anchor = self.anchor[piece.flat][piece.start:piece.stop]
+        p = piece.params_stop - piece.start
+        self.outer.step(anchor[:p], delta[:p], self.momentum[piece.flat][piece.start:piece.params_stop])
+        anchor[p:].sub_(delta[p:])  # buffers: the mean of the ranks' ends
+        return anchor
 
     async def _drain(self, k: int) -> None:
         """Land every reduction still in flight (training ends here: the peers need this rank's part)."""
@@ -378,7 +392,17 @@ class DiLoCoOptions(ProtocolOptions):
                                        help="inner steps a fragment's all-reduce runs behind before its outer step "
                                             "is applied (default 1 with --fragments > 1, else 0: the sync blocks)")
 
+    outer_quorum: int | None = option(None, minimum=1, metavar="P",
+                                      help="close each outer round over the first P ready workers; a late worker's "
+                                           "pseudo-gradient joins a later round, weighted 1/(1+staleness) "
+                                           "(default: every worker)")
+    max_stale_rounds: int = option(2, minimum=0, metavar="S",
+                                   help="with --outer-quorum: no round closes without a worker whose "
+                                        "pseudo-gradient would then be more than S rounds stale")
+
     def check(self) -> None:
+        if self.outer_quorum is not None and (self.fragments != 1 or self.overlap()):
+            raise ConfigError("--outer-quorum takes neither --fragments nor --overlap-steps")
         if self.outer_momentum >= 1:
             raise ConfigError(f"--outer-momentum must be < 1 (got {self.outer_momentum!r})")
         if self.fragments > self.local_steps:
@@ -386,6 +410,10 @@ class DiLoCoOptions(ProtocolOptions):
         if self.overlap() >= self.local_steps:
             raise ConfigError(f"--overlap-steps {self.overlap()} must be below --local-steps {self.local_steps} "
                               "(a fragment's reduction must land before its next sync)")
+
+    def check_ranks(self, world_size: int) -> None:
+        if self.outer_quorum is not None and self.outer_quorum > world_size:
+            raise ConfigError(f"--outer-quorum {self.outer_quorum} is more than the {world_size} workers")
 
     def overlap(self) -> int:
         if self.overlap_steps is not None:
@@ -399,7 +427,18 @@ class DiLoCoOptions(ProtocolOptions):
             shown.append(f"compress {self.compress}")
         if self.fragments > 1:
             shown.append(f"{self.fragments} fragments, overlap {self.overlap()}")
+        if self.outer_quorum is not None:
+            shown.append(f"quorum {self.outer_quorum}, at most {self.max_stale_rounds} rounds stale")
         return shown
+
+
+def build(config: ProtocolConfig, options: DiLoCoOptions, model: ModelState | torch.Tensor | None,
+          grads: object) -> DiLoCoProtocol:
+    if options.outer_quorum is None:
+        return DiLoCoProtocol(config, options, model)
+    from hopnet.protocols.diloco_quorum import QuorumDiLoCoProtocol  # it builds on this module
+
+    return QuorumDiLoCoProtocol(config, options, model)
 
 
 register(ProtocolSpec(
@@ -407,7 +446,8 @@ register(ProtocolSpec(
     summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
             "pseudo-gradient (--local-steps, --outer-lr, --fragments, --compress).",
     options=DiLoCoOptions,
-    build=lambda config, options, model, grads: DiLoCoProtocol(config, options, model),
+    build=build,
+    message_kinds=(MessageKind(READY_KIND, any_rank=True),),
     averages=Averages.MODELS,
     uses_graph=False,
     resumable=True,
