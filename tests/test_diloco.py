@@ -4,11 +4,14 @@ tests/test_diloco_processes.py."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from hopnet import ConfigError, DistributedOptimizer, Graph, ProtocolConfig, Worker, analysis
 from hopnet.protocols.diloco import DiLoCoOptions, DiLoCoProtocol, OuterSGD, fragment_pieces, sync_offsets
+from hopnet.protocols.diloco_quorum import QuorumBook, QuorumDiLoCoProtocol
 from hopnet.sim.engine import SimSpec, simulate
 from hopnet.transports.inproc import LinkModel
 from tests.support.threaded import Start, run_ranks, seeded
@@ -197,3 +200,91 @@ def test_a_4x_slow_worker_stays_within_the_gap_bound(options: dict[str, object])
     assert (result.max_gap <= bound).all(), (result.max_gap, bound)
     assert result.max_gap[:, 2].max() >= 2  # the others ran ahead of the slow one between syncs
     assert bound[0, 2] == (5 if len(options) == 1 else 3)
+
+
+# ------------------------------------------------------------------ --outer-quorum
+def test_quorum_book_closes_over_the_ready_and_bounds_the_staleness() -> None:
+    book = QuorumBook(3, quorum=2, max_stale=1)
+    assert not book.can_start()
+    book.announce(0, 1)
+    assert not book.can_start()  # one of the two
+    book.announce(1, 1)
+    assert book.can_start() and book.weight(0) == 1.0
+    assert book.close(torch.tensor([1.0, 1.0, 0.0])) == [(0, 0), (1, 0)]
+    assert book.staleness(2) == 1 and book.started_at[:2] == [1, 1]
+    book.announce(0, 2)
+    book.announce(1, 2)
+    assert not book.can_start()  # without rank 2 its next pseudo-gradient would be 2 rounds stale
+    book.announce(2, 1)
+    assert book.can_start() and book.weight(2) == 0.5
+    assert book.close(torch.tensor([1.0, 1.0, 0.5])) == [(0, 0), (1, 0), (2, 1)]
+    book.announce(0, 3, done=True)
+    book.announce(2, 2)
+    assert book.can_start()  # rank 0 finished: it counts towards the quorum
+    book.close(torch.tensor([1.0, 0.0, 1.0]))
+    assert not book.finished()
+    book.announce(1, 2, done=True)
+    book.announce(2, 2, done=True)
+    assert book.finished() and not book.can_start()
+
+
+def test_quorum_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="--outer-quorum takes neither --fragments nor --overlap-steps"):
+        DiLoCoOptions(local_steps=4, fragments=2, outer_quorum=2)
+    with pytest.raises(ConfigError, match="--outer-quorum 5 is more than the 4 workers"):
+        DiLoCoOptions(outer_quorum=5).check_ranks(4)
+
+
+@pytest.mark.parametrize("stale", [0, 2])
+def test_a_quorum_leaves_a_4x_slow_worker_behind_by_at_most_the_bound(stale: int) -> None:
+    """4 workers, rank 2 4x slower, rounds over the first 3: with S = 2 the others finish over
+    2.5x sooner than synchronous DiLoCo and the slow one's pseudo-gradients join later rounds, at
+    most 2 rounds stale; with S = 0 every round waits for every worker."""
+    def run(**quorum: int) -> tuple[list[float], list[dict[str, object]]]:
+        config = diloco(local_steps=5, slowdown=["rank=2:4"], **quorum)
+        result = simulate(SimSpec(Graph.ring(4), config, 40, param_dim=8, keep_events=True))
+        assert result.iterations == [40] * 4 and result.events is not None
+        rounds = [r for r in result.events[0] if r.get("event") == "outer_round"]
+        return [t[-1] for t in result.finish_times], rounds
+
+    synchronous, _ = run()
+    times, rounds = run(outer_quorum=3, max_stale_rounds=stale)
+    staleness = [s for r in rounds for s in r["staleness"]]  # type: ignore[attr-defined]
+    assert max(staleness) == stale
+    if stale:
+        assert max(times[r] for r in (0, 1, 3)) * 2.5 < synchronous[0]
+        assert any(len(r["took"]) == 3 for r in rounds)  # type: ignore[arg-type]
+    else:
+        assert all(r["took"] == [0, 1, 2, 3] for r in rounds) and times == synchronous
+
+
+def test_a_quorum_run_trains_and_ends_with_one_model_on_every_rank() -> None:
+    """3 threads, rank 2 slowed, rounds over the first 2: every pseudo-gradient is taken, none more
+    than 1 round stale, and every rank ends with the anchor."""
+    def body(rank: int, start: Start) -> tuple[torch.nn.Module, Worker]:
+        model = seeded(make_model)
+        worker = start(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), worker)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for step in worker.iterations(12):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            loss_fn(model(x), y).backward()
+            if rank == 2:
+                time.sleep(0.02)
+            opt.step()
+        return model, worker
+
+    results = run_ranks(3, diloco(local_steps=2, outer_quorum=2, max_stale_rounds=1), body, buffers=True)
+    protocols = [w.node.protocol for _, w in results]
+    for p in protocols:
+        assert isinstance(p, QuorumDiLoCoProtocol)
+        assert p.max_staleness <= 1
+        assert p.book.taken == p.book.announced and p.book.rounds == protocols[0].book.rounds  # type: ignore
+    # Closing, each served the rounds the others still needed, then took the last anchor.
+    states = [torch.cat([t.detach().reshape(-1) for t in m.state_dict().values() if t.is_floating_point()])
+              for m, _ in results]
+    for state in states:
+        assert torch.equal(state, states[0])
+    assert not torch.equal(states[0], torch.cat([t.detach().reshape(-1) for t in seeded(make_model).state_dict()
+                                                 .values() if t.is_floating_point()]))

@@ -196,7 +196,7 @@ class QuorumDiLoCoProtocol(DiLoCoProtocol):
                 if before is None:
                     live.copy_(anchor)
                 else:  # keep the local steps made since this rank's own anchor
-                    live.add_(anchor).sub_(before)
+                    live.sub_(before).add_(anchor)  # exactly the anchor where there were none
             self.outer_steps += 1
 
     # ------------------------------------------------------------------ rounds, on the loop
