@@ -233,6 +233,9 @@ def test_quorum_options_are_checked() -> None:
         DiLoCoOptions(local_steps=4, fragments=2, outer_quorum=2)
     with pytest.raises(ConfigError, match="--outer-quorum 5 is more than the 4 workers"):
         DiLoCoOptions(outer_quorum=5).check_ranks(4)
+    config = diloco(outer_quorum=2)
+    with pytest.raises(ConfigError, match="--outer-quorum cannot resume from a checkpoint yet"):
+        QuorumDiLoCoProtocol(config, config.options_as(DiLoCoOptions), torch.zeros(4)).resume_at(10)
 
 
 @pytest.mark.parametrize("stale", [0, 2])

@@ -16,9 +16,9 @@ Parameters and floating buffers (BatchNorm statistics) travel in the same all-re
 dtype: the buffers take the plain mean of the ranks' ends (``anchor - mean(delta)``), the outer
 optimizer acts on the parameters only. Every member decodes the same reduced bytes and applies
 the same deterministic outer step to the same anchor, so the models are bit-identical after
-each sync. The first round starts from rank 0's parameters and the ranks' mean buffers (taken at
-the first step, before its inner step: a gradient computed on a rank's own initial model, the same one when the trainer seeds
-its model alike on every rank).
+each sync. The first round starts from rank 0's parameters and the ranks' mean buffers, taken at
+the first step before its inner step (that step's gradient was computed on the rank's own initial
+model: the same one when the trainer seeds its model alike on every rank).
 
 With ``H = 1``, ``--outer-lr 1`` and ``--outer-momentum 0`` the result is the mean of the ranks'
 models after one inner step, which for plain SGD is the ``allreduce`` protocol's step.

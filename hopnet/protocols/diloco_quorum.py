@@ -9,10 +9,17 @@ knows of ``P`` ranks with a pseudo-gradient not yet taken (finished ranks count 
 also while its own trainer computes: a rank whose pseudo-gradient is not ready contributes
 zeros, and its pseudo-gradient joins a later round. A round sums ``w_i * delta_i`` and the
 weights ``w_i`` (one entry per rank, zero for ranks without a pseudo-gradient in it) and applies
-the outer step to ``sum(w_i delta_i) / sum(w_i)``; ``w_i = 1 / (1 + s_i)``, where the staleness
-``s_i`` counts the rounds that closed between the round the worker's local steps started from
-and the one taking them. Every rank learns from the summed weights whose pseudo-gradients a round
-took, so all keep the same books (:class:`QuorumBook`) and the same anchor.
+the outer step to ``sum(w_i delta_i) / max(sum(w_i), P)``; ``w_i = 1 / (1 + s_i)``, where the
+staleness ``s_i`` counts the rounds that closed between the round the worker's local steps started
+from and the one taking them. So a round of ``P`` fresh pseudo-gradients or more takes their
+(weighted) mean, and a stale pseudo-gradient counts as a fraction of a worker: a round whose weights
+add up to less than ``P`` (stale ones in it, or fewer workers at the end, when finished workers
+count towards the quorum) makes a proportionally smaller step. Without the ``P`` floor the last
+rounds of a slow worker, alone once the others finished, would each move the anchor by its whole
+pseudo-gradient (with the outer momentum behind it) and undo part of the training: measured on
+digits, the consensus fell from the fast ranks' 0.96 to 0.947. Every rank learns from the summed
+weights whose pseudo-gradients a round took, so all keep the same books (:class:`QuorumBook`) and
+the same anchor.
 
 **The bound.** A round closes without rank ``j`` only if ``j``'s next pseudo-gradient would still
 be at most ``S`` rounds stale; otherwise every rank waits for ``j`` (``S = 0``: every round takes
@@ -187,7 +194,7 @@ class QuorumDiLoCoProtocol(DiLoCoProtocol):
         """Apply the rounds closed since the last step, in order (the trainer is blocked)."""
         while self._closed:
             closed = self._closed.popleft()
-            total = float(closed.weights.sum())
+            total = max(float(closed.weights.sum()), float(self.quorum))  # see the module: below P, a smaller step
             took_mine = float(closed.weights[self.rank]) > 0
             for piece, summed in zip(self.pieces[0], closed.sums):
                 live = self.flats[piece.flat][piece.start:piece.stop]
@@ -274,12 +281,12 @@ class QuorumDiLoCoProtocol(DiLoCoProtocol):
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         if not self.book.done[peer] and self._failure is None:
             self._failure = PeerFailure(f"rank {self.rank}: rank {peer} left after iteration {last_iteration} "
-                                        "before finishing its outer rounds", peer=peer, peer_state="departed")
+                                        "before finishing its diloco outer rounds", peer=peer, peer_state="departed")
             self._notify()
 
     def on_peer_dead(self, peer: int) -> None:
         if self._failure is None:
-            self._failure = PeerFailure(f"rank {self.rank}: rank {peer} died before finishing its outer rounds",
+            self._failure = PeerFailure(f"rank {self.rank}: rank {peer} died before finishing its diloco outer rounds",
                                         peer=peer, peer_state="dead")
             self._notify()
 
