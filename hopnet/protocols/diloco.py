@@ -42,6 +42,9 @@ replacement would need the anchor and momentum the others hold, and the round it
 
 Failures: a dead, silent or departed rank fails the all-reduce waiting on it (named, after at most
 ``--timeout``), as under ``allreduce``.
+
+Stragglers: every sync waits for every rank here; ``--outer-quorum P`` closes rounds over the first
+``P`` ready workers instead (:mod:`hopnet.protocols.diloco_quorum`).
 """
 
 from __future__ import annotations
