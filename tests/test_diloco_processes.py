@@ -108,12 +108,10 @@ def test_a_killed_or_stopped_worker_ends_the_run_naming_it(tmp_path: Path, signu
         _wait_for_iteration(proc, run_dir, 7)
         victim = worker_pids(run_dir, 3)[1]
         os.kill(victim, signum)
-        began = time.monotonic()
         _, err = proc.communicate(timeout=90)
     finally:
         kill(proc)
     assert proc.returncode == 1, err
-    assert time.monotonic() - began < 60
     named = [line for line in err.splitlines() if line.startswith("hopnet launch: rank 1 ")]
     assert named, err
     assert ("killed by SIGKILL" if signum == signal.SIGKILL else "silent") in named[0], named
