@@ -137,8 +137,8 @@ def test_ranks_train_alone_between_syncs_and_end_identical_after_one() -> None:
 @pytest.mark.parametrize("compress", ["none", "int8"])
 def test_streaming_fragments_share_the_anchor_and_keep_the_overlapped_steps(compress: str) -> None:
     """Four fragments over H = 4 (one sync per iteration, each landing one step later): the anchors
-    are identical on both ranks, every fragment took its outer steps, and the models differ from the
-    anchor by the inner steps made while the last reductions ran (landed at the end: none then)."""
+    are identical on both ranks, every fragment took its outer steps, and the last iteration lands
+    what is in flight and syncs every fragment, so both ranks end with the same model."""
     steps = 9
     results = train(diloco(local_steps=4, fragments=4, compress=compress), 2, steps)
     protocols = [w.node.protocol for _, w in results]
@@ -147,9 +147,10 @@ def test_streaming_fragments_share_the_anchor_and_keep_the_overlapped_steps(comp
     assert isinstance(a, DiLoCoProtocol) and isinstance(b, DiLoCoProtocol)
     for x, y in zip(a.anchor, b.anchor):
         assert torch.equal(x, y)
-    # Fragment f syncs after iteration t when (t + 1 + f) % 4 == 0: 2 or 3 times each in 9 steps.
-    assert a.outer_steps == sum(len(a.syncs_after(t)) for t in range(steps)) == 9
+    # Fragment f syncs after iteration t when (t + 1 + f) % 4 == 0, and every fragment after the last.
+    assert a.outer_steps == sum(len(a.syncs_after(t)) for t in range(steps - 1)) + 4 == 12
     assert a.summary()["fragments"] == 4
+    assert torch.equal(results[0][0], results[1][0])  # the last iteration syncs every fragment
     assert torch.isfinite(results[0][0]).all()
 
 
@@ -159,10 +160,10 @@ def test_outer_state_round_trips_through_a_checkpoint() -> None:
     assert isinstance(protocol, DiLoCoProtocol)
     assert protocol.checkpoint_state() is protocol
     saved = protocol.state_dict()
-    assert saved["outer_steps"] == 2 and saved["momentum"][0].abs().sum() > 0
+    assert saved["outer_steps"] == 3 and saved["momentum"][0].abs().sum() > 0
     fresh = DiLoCoProtocol(protocol.config, protocol.options, torch.zeros_like(protocol.flats[0]))
     fresh.load_state_dict({k: (list(v) if isinstance(v, list) else v) for k, v in saved.items()})
-    assert torch.equal(fresh.momentum[0], saved["momentum"][0]) and fresh.outer_steps == 2
+    assert torch.equal(fresh.momentum[0], saved["momentum"][0]) and fresh.outer_steps == 3
     with pytest.raises(ConfigError, match="does not fit this model"):
         DiLoCoProtocol(protocol.config, protocol.options, torch.zeros(3)).load_state_dict(saved)
 

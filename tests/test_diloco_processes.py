@@ -39,12 +39,11 @@ def test_diloco_trains_digits_to_95_percent(launch, tmp_path: Path, flags: list[
     accuracies = {int(r): float(a) for r, a in ACCURACY.findall(result.stdout)}
     assert sorted(accuracies) == list(range(n)), result.stdout
     assert min(accuracies.values()) >= 0.95, accuracies
-    if not flags:  # 300 iterations end on a sync: one model on every rank
-        params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)]
-        for r in range(1, n):
-            assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
+    params = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)]  # the last iteration syncs all
+    for r in range(1, n):
+        assert torch.equal(params[r], params[0]), f"rank {r}'s model differs from rank 0's"
     stop = records(run_dir, 0, "stop")[-1]
-    assert stop["outer_steps"] == (30 if not flags else 60), stop
+    assert stop["outer_steps"] == (30 if not flags else 61), stop  # fragment 1 syncs after 4, 14, ... too
 
 
 def test_a_quorum_of_3_trains_digits_beside_a_4x_slow_worker(launch, tmp_path: Path) -> None:

@@ -249,25 +249,29 @@ class DiLoCoProtocol(Protocol):
             apply()
         for reduction in self._pending.pop(k, []):
             await self._land(reduction, k)
-        for f in self.syncs_after(k):
+        if last:  # every fragment syncs at the run's last iteration: every rank ends with the anchor
+            await self._drain(k)
+            for f in range(len(self.pieces)):
+                await self._land(self._launch(f, k, overlap=False), k)
+        for f in [] if last else self.syncs_after(k):
             reduction = self._launch(f, k)
             if self.overlap == 0:
                 await self._land(reduction, k)
             else:
                 self._pending.setdefault(k + self.overlap, []).append(reduction)
-        if last:
-            await self._drain(k)
         self.node.iteration_done(k, self)
         if last:
             return
         self.iteration = k + 1
         self.node.entered(k + 1, self)
 
-    def _launch(self, fragment: int, k: int) -> _Reduction:
-        """Start averaging ``fragment``'s pseudo-gradient, behind the reductions already running."""
+    def _launch(self, fragment: int, k: int, *, overlap: bool = True) -> _Reduction:
+        """Start averaging ``fragment``'s pseudo-gradient, behind the reductions already running
+        (``overlap``: the inner steps go on while it runs, under ``--overlap-steps``)."""
         pieces = self.pieces[fragment]
         deltas = [self.anchor[p.flat][p.start:p.stop] - self.flats[p.flat][p.start:p.stop] for p in pieces]
-        at_launch = [self.flats[p.flat][p.start:p.stop].clone() for p in pieces] if self.overlap else None
+        at_launch = [self.flats[p.flat][p.start:p.stop].clone() for p in pieces] \
+            if overlap and self.overlap else None
         task = asyncio.get_running_loop().create_task(self._reduce(fragment, k, deltas, self._last_task),
                                                       name=f"rank{self.rank}-{TAG_PREFIX}/{k}/{fragment}")
         task.add_done_callback(_retrieve)
