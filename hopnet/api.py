@@ -151,6 +151,9 @@ class Worker:
         self._states: dict[str, Any] = {}
         self._resumed: dict[str, Any] = {}
         """The user state of the checkpoint this worker resumed from, loaded as it registers."""
+        held = self.node.protocol.checkpoint_state()
+        if held is not None:  # the protocol's own state (DiLoCo's outer optimizer) travels with the model
+            self._states[checkpoint.PROTOCOL_STATE] = held
         self.node.max_restarts = max_restarts
         self.node.survives_losses = max_restarts > 0 or max_failures > 0
         self.node.restart = restart

@@ -54,6 +54,8 @@ RESUME = "HOPNET_RESUME"
 DEFAULT_SUBDIR = "checkpoints"
 OPTIMIZER_STATE = "hopnet.optimizer"
 """The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`)."""
+PROTOCOL_STATE = "hopnet.protocol"
+"""The name a protocol's own state is saved under (:meth:`hopnet.protocols.base.Protocol.checkpoint_state`)."""
 KEEP = 3
 """Checkpoints kept per rank (the newest): enough for ranks a few iterations apart to share one."""
 _NAME = re.compile(r"rank(\d+)-iter(\d+)\.pt")
