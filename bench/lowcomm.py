@@ -42,10 +42,10 @@ RING = ["--graph", "ring:4"]
 EVAL_EVERY = 10
 
 CONFIGS: list[tuple[str, list[str]]] = [
-    ("diloco H=10", ["--protocol", "diloco", "--local-steps", "10"]),
-    ("diloco H=50", ["--protocol", "diloco", "--local-steps", "50"]),
-    ("diloco H=10 int8", ["--protocol", "diloco", "--local-steps", "10", "--compress", "int8"]),
-    ("diloco H=50 int8", ["--protocol", "diloco", "--local-steps", "50", "--compress", "int8"]),
+    ("diloco H=10", ["--protocol", "diloco", "--local-steps", "10", "--nproc", "4"]),
+    ("diloco H=50", ["--protocol", "diloco", "--local-steps", "50", "--nproc", "4"]),
+    ("diloco H=10 int8", ["--protocol", "diloco", "--local-steps", "10", "--compress", "int8", "--nproc", "4"]),
+    ("diloco H=50 int8", ["--protocol", "diloco", "--local-steps", "50", "--compress", "int8", "--nproc", "4"]),
     ("hop staleness", [*RING, "--backup-workers", "1", "--staleness", "8", "--max-ig", "16"]),
     ("hop", RING),
     ("hop H=10", [*RING, "--local-steps", "10"]),

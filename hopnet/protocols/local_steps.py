@@ -23,7 +23,8 @@ class LocalStepsOptions(ProtocolOptions):
     """The option shared by the model-averaging protocols that take local steps."""
 
     local_steps: int = option(1, minimum=1, metavar="H",
-                              help="mix every H iterations and train alone in between (local SGD)")
+                              help="mix every H iterations and train alone in between (local SGD; under "
+                                   "--protocol diloco: inner steps between outer steps, default 10)")
 
 
 def mixes_at(iteration: int, local_steps: int, final_iteration: int | None) -> bool:
