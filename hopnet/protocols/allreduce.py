@@ -40,10 +40,9 @@ from hopnet.errors import PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
-from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.protocols.overlap import DEFAULT_BUCKET_MB, BucketOptions
-from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.protocols.specs.allreduce import AllReduceOptions
+from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions, GradientOptions
 
 __all__ = ["DEFAULT_BUCKET_MB", "AllReduceOptions", "AllReduceProtocol"]
 
@@ -134,19 +133,3 @@ class AllReduceProtocol(AllRanksGradientProtocol):
 
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
-
-
-AllReduceOptions = BucketOptions
-
-
-register(ProtocolSpec(
-    name="allreduce",
-    summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
-            "no part in it.",
-    options=AllReduceOptions,
-    build=lambda config, options, model, grads: AllReduceProtocol(config, grads, model, options),
-    averages=Averages.GRADIENTS,
-    uses_graph=False,
-    resumable=True,
-    restartable=True,
-))
