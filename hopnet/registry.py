@@ -24,7 +24,6 @@ import pkgutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hopnet.errors import ConfigError
@@ -176,6 +175,8 @@ def _discover() -> None:
                 importlib.import_module(name)
             except ImportError as exc:
                 raise ConfigError(f"{PLUGINS_VARIABLE}: cannot import {name!r}: {exc}") from None
+        from importlib.metadata import entry_points  # slow to import; needed only once a protocol is looked up
+
         for point in entry_points(group=ENTRY_POINT_GROUP):
             point.load()
 

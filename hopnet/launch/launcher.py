@@ -562,10 +562,16 @@ def saved_model_line(run_dir: Path) -> str:
 
 def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
     """The driver: run ``spec``'s phases in order (see :func:`launch`)."""
+    return run_plan(validate(spec), stdout=stdout, stderr=stderr)
+
+
+def run_plan(plan: LaunchPlan, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
+    """The phases after :func:`~hopnet.launch.spec.validate`, which `hopnet launch` runs before it
+    imports this module (and torch with it), so that a bad argument costs no torch import."""
+    spec = plan.spec
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
     output = LauncherOutput(out_stream, err_stream)
-    plan = validate(spec)
     machines = join_launchers(plan)
     claim: RunDirClaim | None = None
     try:
@@ -680,4 +686,4 @@ def launch(
 
 
 __all__ = ["DEFAULT_NPROC", "Launch", "LaunchPlan", "LaunchResult", "LaunchSpec", "LauncherOutput", "NodePlan",
-           "launch", "resolve_graph", "run_launch"]
+           "launch", "resolve_graph", "run_launch", "run_plan"]
