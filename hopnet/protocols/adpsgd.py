@@ -49,6 +49,9 @@ declared dead during the wait fails the active with :class:`PeerFailure` naming 
 averaging may or may not have happened on its side); under ``--max-restarts`` the active
 skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.adpsgd`,
+which imports no torch.
 """
 
 from __future__ import annotations

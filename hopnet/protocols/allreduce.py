@@ -27,6 +27,9 @@ behind takes that model and that iteration (its own step is void: recorded as
 replacements every rank has taken back (``Node.epoch``), so no chunk of a broken round
 mixes into a later one. The models are identical again afterwards; the optimizer state of
 a member that was behind, or of the replacement (fresh), differs from the others'.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.allreduce`,
+which imports no torch.
 """
 
 from __future__ import annotations

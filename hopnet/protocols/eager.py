@@ -32,6 +32,9 @@ that ran before a rank's call carries that rank's older copy (as it carries its 
 gradient), so the last call of every rank syncs the live buffers once more, blocking, as
 ``--full-sync-every`` does: every rank ends with the same buffers.
 ``--full-sync-every`` averages the whole model, parameters and floating buffers.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.eager`,
+which imports no torch.
 """
 
 from __future__ import annotations

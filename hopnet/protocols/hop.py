@@ -27,6 +27,9 @@ rides on the update it sends anyway, so a symmetric graph pays no extra message.
 The grants also tell a worker which iteration each out-neighbour has reached, which
 is all it needs to skip sending updates that would arrive late (Sec. 6.2), with no
 round trip.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.hop`,
+which imports no torch.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ wait on members that are alive but will send nothing more. So a member whose gro
 ``preduce_abort`` message naming the culprit, and they fail at once naming it too, instead
 of waiting out ``--timeout``. The controller's death is the coordinator client's to report
 (``CoordinatorLost``).
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.partial_reduce`,
+which imports no torch.
 """
 
 from __future__ import annotations

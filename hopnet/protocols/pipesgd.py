@@ -52,6 +52,9 @@ through a slot, like a bare tensor, and unpacked into the ``.grad`` views when a
 
 Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
 collective's codec hook; see :mod:`hopnet.collectives.compression`.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.pipesgd`,
+which imports no torch.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ waiting: the coordinator tells the others (``peer_failed``), so a group waiting 
 fails at once, naming it, instead of after ``--timeout``.
 A coordinator that stops answering fails the wait for a GO with
 :class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.prague`,
+which imports no torch.
 """
 
 from __future__ import annotations
