@@ -5,8 +5,9 @@
 Runs each command ``--runs`` times as a new interpreter (``python -m hopnet.cli.main ...``,
 this checkout first on ``PYTHONPATH``), round-robin so that a change of the machine's load
 falls on every command alike, and prints the median wall time, its ratio to ``python -c pass``
-and to ``python -c "import torch"`` measured in the same invocation, and whether the command
-imported torch. ``--compare-with`` runs the same commands against another checkout (the code
+and to ``python -c "import torch"`` measured in the same invocation, the median CPU time
+(user + system: what the wall time would be on an idle machine, near enough, for these
+single-threaded start-ups), and whether the command imported torch. ``--compare-with`` runs the same commands against another checkout (the code
 before a change, say) in the same rounds. Then the ``--top`` largest cumulative entries of
 ``python -X importtime`` for `hopnet --help` and `hopnet launch nosuch.py`.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -43,11 +45,17 @@ def _env(checkout: Path) -> dict[str, str]:
     return env
 
 
-def _time(argv: list[str], env: dict[str, str], cwd: Path) -> float:
-    started = time.perf_counter()
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Wall and CPU (user + system) seconds of one run."""
+    started, cpu = time.perf_counter(), _cpu_s()
     subprocess.run([sys.executable, *argv], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=False)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _cpu_s() - cpu
 
 
 def _imports_torch(argv: list[str], env: dict[str, str], cwd: Path) -> bool:
@@ -86,25 +94,29 @@ def main() -> None:
                 cli = ["-m", "hopnet.cli.main", *(a.replace("{key}", str(key)) for a in argv)]
                 jobs.append((name, label, cli, _env(checkout)))
         times: dict[tuple[str, str], list[float]] = {(name, label): [] for name, label, _, _ in jobs}
+        cpus: dict[tuple[str, str], list[float]] = {(name, label): [] for name, label, _, _ in jobs}
         load_before = os.getloadavg()
         for _ in range(args.runs):
             for name, label, argv, env in jobs:
                 key.unlink(missing_ok=True)
-                times[name, label].append(_time(argv, env, cwd))
+                wall, cpu = _time(argv, env, cwd)
+                times[name, label].append(wall)
+                cpus[name, label].append(cpu)
         load_after = os.getloadavg()
         medians = {k: statistics.median(v) for k, v in times.items()}
         bare, torch_s = medians["python -c pass", ""], medians['python -c "import torch"', ""]
         print(f"{args.runs} runs each, round-robin; load average {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after; {sys.executable}")
         print()
-        print("| command | checkout | median s | x `python -c pass` | x `import torch` | imports torch |")
-        print("| --- | --- | ---: | ---: | ---: | --- |")
+        print("| command | checkout | median wall s | x `python -c pass` | x `import torch` | median CPU s "
+              "| imports torch |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
         for name, label, argv, env in jobs:
             key.unlink(missing_ok=True)
             median = medians[name, label]
             torch_flag = "yes" if _imports_torch(argv, env, cwd) else "no"
             print(f"| {name} | {label or '-'} | {median:.3f} | {median / bare:.2f} | {median / torch_s:.2f} "
-                  f"| {torch_flag} |")
+                  f"| {statistics.median(cpus[name, label]):.3f} | {torch_flag} |")
         for label, checkout in checkouts.items():
             for name, argv in (COMMANDS[0], COMMANDS[4]):
                 print()
