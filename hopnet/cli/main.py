@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from hopnet.errors import ConfigError
 
 SUBCOMMAND_MODULES = ("graph_cmd", "launch_cmd", "simulate_cmd", "report_cmd", "keygen_cmd")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The `hopnet` parser, with the full parser of subcommand ``command`` (of none: every
-    subcommand is only listed)."""
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The `hopnet` parser, with the full parsers of the subcommands named in ``full`` (default:
+    all); the others are only listed."""
     parser = argparse.ArgumentParser(
         prog="hopnet",
         description="Decentralized, heterogeneity-tolerant data-parallel training for PyTorch.",
@@ -32,7 +32,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers.required = True
     for name in SUBCOMMAND_MODULES:
         module = importlib.import_module(f"hopnet.cli.{name}")
-        if module.NAME == command:
+        if full is None or module.NAME in full:
             module.register(subparsers)
         else:
             subparsers.add_parser(module.NAME, help=module.HELP)
@@ -47,7 +47,8 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_command(args_list))
+    command = _command(args_list)
+    parser = build_parser(() if command is None else (command,))
     args = parser.parse_args(args_list)
     try:
         return int(args.func(args) or 0)
