@@ -277,7 +277,7 @@ class EagerProtocol(Protocol):
             await self.node.clock.wait(asyncio.shield(done), what, peer=peer, iteration=iteration)
         finally:
             self._waiting_for = None
-            self.node.waited("updates", self.node.clock.now() - started)
+            self.node.waited("updates", self.node.clock.now() - started, () if peer is None else [peer])
         self._raise_failure()
 
     def _take_result(self, grads: torch.Tensor) -> None:
@@ -505,6 +505,21 @@ class EagerProtocol(Protocol):
 
     async def after_rejoin(self) -> None:
         await self._restart_rounds()
+
+    # ------------------------------------------------------------------ resume from checkpoints
+    async def after_resume(self) -> None:
+        """Every rank resumes from its checkpoint of the same iteration with the rounds numbered from
+        0 again and nothing pending (the gradients that were in ``pend`` or in a round at the kill are
+        lost). The checkpoints need not hold the same model: a rank that took only the newest of
+        several finished rounds skipped the others' results. So the lowest rank's model (parameters
+        and floating buffers) goes to every rank, exactly, before any trainer computes: the resumed
+        run starts from one model, as the first run did."""
+        if self.world_size < 2 or not self.flats:
+            return
+        if self.rank != 0:
+            for tensor in self.flats:
+                tensor.zero_()
+        await allreduce_each(self.collective, self.everyone, self.flats, "sum", tag=self._tag("resume"))
 
     # ------------------------------------------------------------------ peers and the end
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:

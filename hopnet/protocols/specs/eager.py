@@ -57,6 +57,7 @@ register(ProtocolSpec(
     averages=Averages.GRADIENTS,
     uses_graph=False,
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
+    resumable=True,
     restartable=True,
 ))
 

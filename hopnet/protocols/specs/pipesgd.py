@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
 from hopnet.options import option
+from hopnet.protocols.specs.compression import COMPRESSIONS
 from hopnet.protocols.specs.gradient_options import BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
 
@@ -18,9 +19,6 @@ if TYPE_CHECKING:
     from hopnet.protocols.base import Protocol
 
 DEFAULT_PIPELINE_K = 2
-COMPRESSIONS = ("none", "trunc16", "int8")
-"""The codecs :func:`hopnet.collectives.compression.make_codec` knows, named here without importing
-it (it needs torch); tests/test_cli_imports.py keeps the two the same."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +47,7 @@ register(ProtocolSpec(
     build=_build,
     averages=Averages.GRADIENTS,
     uses_graph=False,
+    resumable=True,
     restartable=True,
 ))
 
