@@ -61,7 +61,7 @@ def test_commands_that_train_nothing_never_import_torch(tmp_path: Path) -> None:
         (["simulate", "--no-such-flag"], 2),
         (["simulate", "--protocol", "allreduce", "--max-ig", "3"], 2),
         (["simulate", "--iterations", "0"], 2),
-        (["report", str(run_dir), "--trace", str(tmp_path / "trace.json")], 0),
+        (["report", str(run_dir), "--no-predict", "--trace", str(tmp_path / "trace.json")], 0),
     ]
     results = _run([argv for argv, _ in expected_rc], tmp_path)
     assert [(r["argv"], r["rc"]) for r in results] == expected_rc, [r["err"] for r in results]
@@ -72,9 +72,9 @@ def test_commands_that_train_nothing_never_import_torch(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("runs")), "an argument error left a run directory behind"
 
 
-def test_pipe_sgd_declares_the_codecs_the_collectives_know() -> None:
+def test_compress_declares_the_codecs_the_collectives_know() -> None:
     from hopnet.collectives.compression import COMPRESSIONS
-    from hopnet.protocols.specs.pipesgd import COMPRESSIONS as DECLARED
+    from hopnet.protocols.specs.compression import COMPRESSIONS as DECLARED
 
     assert DECLARED == COMPRESSIONS
 
@@ -87,5 +87,5 @@ def test_every_built_in_protocol_declares_itself_without_torch() -> None:
     assert proc.returncode == 0, proc.stderr
     names, torch_loaded = proc.stdout.splitlines()
     assert set(names.split()) >= {"hop", "notify-ack", "allreduce", "eager-sgd", "pipe-sgd", "ad-psgd", "prague",
-                                  "partial-reduce"}
+                                  "partial-reduce", "diloco"}
     assert torch_loaded == "False"
