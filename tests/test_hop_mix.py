@@ -9,37 +9,116 @@ import pytest
 import torch
 
 from hopnet import Graph, ProtocolConfig
-from hopnet.runtime.mix_sums import MixSums, mix_into
+from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
+from hopnet.wire import TensorSpec
 
 from support.threaded import Start, run_ranks
 
 SIZE = 1000
 
 
-def test_summed_updates_mix_as_the_weighted_average_computed_directly() -> None:
+def _random_updates(gen: torch.Generator, count: int) -> list[list[torch.Tensor]]:
+    return [[torch.randn(SIZE, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64)]
+            for _ in range(count)]
+
+
+def _direct_mix(model: list[torch.Tensor], own: float, updates: list[list[torch.Tensor]],
+                weights: list[float]) -> list[torch.Tensor]:
+    return [(own * m + sum(w * u[i] for w, u in zip(weights, updates))) / (own + sum(weights))
+            for i, m in enumerate(model)]
+
+
+def _specs(tensors: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in tensors)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1024], ids=["whole", "streamed"])
+def test_summed_updates_mix_as_the_weighted_average_computed_directly(chunk_bytes: int | None) -> None:
+    """Whole updates (the receive buffer becomes the sum) and streamed ones (each chunk added into
+    its region as it arrives, in any order) mix as the weighted average computed directly."""
     gen = torch.Generator().manual_seed(0)
     model = [torch.randn(SIZE, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64)]
-    updates = {k: [[torch.randn(SIZE, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64)]
-                   for _ in range(3)] for k in (4, 5)}
+    updates = {k: _random_updates(gen, 3) for k in (4, 5)}
     weights = [0.2, 0.5, 1.5]  # e.g. graph weight x staleness factor
     own = 0.75
-    released: list[list[torch.Tensor]] = []
-    sums = MixSums(released.append)
+    regions = plan_regions(_specs(model), chunk_bytes)
+    assert len(regions) == (2 if chunk_bytes is None else 4 + 1)  # 4000 B of float32 in 1 KiB chunks
+    pool = RegionPool()
+    sums = MixSums(regions, pool)
     for k, received in updates.items():
         for update, weight in zip(received, weights):
-            sums.add(k, [t.clone() for t in update], weight)
-    assert len(sums) == 2 and len(released) == 4  # all but the first update of each iteration given back
+            if chunk_bytes is None:
+                assert sums.add_whole(k, [t.clone() for t in update], weight) == []
+            else:
+                for index in reversed(range(len(regions))):
+                    sums.add(k, index, regions[index].of(update).clone(), weight)
+    assert len(sums) == 2
 
-    expected = [(own * m + sum(w * u[i] for w, u in zip(weights, updates[5]))) / (own + sum(weights))
-                for i, m in enumerate(model)]
     summed = sums.pop(5)
-    assert summed is not None and summed.count == 3
+    assert summed is not None and summed.chunks == 3 * len(regions)
     mixed = [m.clone() for m in model]
-    mix_into(mixed, own, summed)
-    for got, want in zip(mixed, expected):
+    mix_into(mixed, own, summed, regions)
+    for got, want in zip(mixed, _direct_mix(model, own, updates[5], weights)):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    sums.release(summed)
     sums.discard_older_than(6)
-    assert len(sums) == 0 and len(released) == 5
+    assert len(sums) == 0
+    # every part went back to the pool: the next iteration's sums reuse it
+    allocated = pool.allocated
+    sums.add(7, 0, pool.take(regions[0]).fill_(1.0), 1.0)
+    assert pool.allocated == allocated
+
+
+def test_an_update_that_arrived_in_part_counts_in_the_regions_it_delivered() -> None:
+    """A sender that stopped mid-stream (or whose update was still arriving at the reduce): each
+    region is divided by the weights of the updates that delivered it, and a region nothing came
+    for keeps the model's values."""
+    gen = torch.Generator().manual_seed(1)
+    model = [torch.randn(SIZE, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64)]
+    full, partial = _random_updates(gen, 2)
+    regions = plan_regions(_specs(model), 1024)
+    sums = MixSums(regions, RegionPool())
+    own, w_full, w_partial = 0.4, 0.35, 0.25
+    for index, region in enumerate(regions):
+        if index not in (0, 3):  # nobody sent region 0; the full update's region 3 never came either
+            sums.add(2, index, region.of(full).clone(), w_full)
+    for index in (0, 1):  # the partial update stopped after its first two chunks
+        sums.add(2, index, regions[index].of(partial).clone(), w_partial)
+    summed = sums.pop(2)
+    assert summed is not None
+    mixed = [m.clone() for m in model]
+    mix_into(mixed, own, summed, regions)
+
+    def expect(index: int) -> torch.Tensor:
+        mine = regions[index].of(model)
+        if index == 0:
+            return (own * mine + w_partial * regions[0].of(partial)) / (own + w_partial)
+        if index == 1:
+            return ((own * mine + w_full * regions[1].of(full) + w_partial * regions[1].of(partial))
+                    / (own + w_full + w_partial))
+        if index == 3:
+            return mine
+        return (own * mine + w_full * regions[index].of(full)) / (own + w_full)
+
+    for index, region in enumerate(regions):
+        assert torch.allclose(region.of(mixed), expect(index), rtol=1e-6, atol=1e-6), index
+
+
+def test_a_whole_update_of_a_streamed_model_is_added_region_by_region() -> None:
+    """A whole update where regions are chunks (a replacement's welcome) is copied out, not kept."""
+    gen = torch.Generator().manual_seed(2)
+    model = [torch.randn(SIZE, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64)]
+    update = _random_updates(gen, 1)[0]
+    regions = plan_regions(_specs(model), 1024)
+    sums = MixSums(regions, RegionPool())
+    left = sums.add_whole(0, update, 0.5)
+    assert len(left) == 1 and left[0] is update[0]  # the float64 tensor is one region: the sum took it
+    summed = sums.pop(0)
+    assert summed is not None
+    mixed = [m.clone() for m in model]
+    mix_into(mixed, 0.5, summed, regions)
+    for got, m, u in zip(mixed, model, [update[0], (update[1] / 0.5)]):
+        assert torch.allclose(got, (m + u) / 2, rtol=1e-6, atol=1e-6)
 
 
 # With --staleness S >= 1 iteration 0 would not wait (an update of iteration -1 is fresh enough): S = 0
