@@ -4,14 +4,17 @@ the model and the updates used, computed directly, with backup workers and with 
 from __future__ import annotations
 
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 
 from hopnet import Graph, ProtocolConfig
 from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
-from hopnet.wire import TensorSpec
+from hopnet.protocols.hop import PART
+from hopnet.wire import Message, TensorSpec
 
+from support.faults import FaultyTransport
 from support.threaded import Start, run_ranks
 
 SIZE = 1000
@@ -152,3 +155,77 @@ def test_a_worker_mixes_the_updates_that_came_as_their_weighted_average(flags: d
     weights = {j: graph.weight(j, 0) for j in used}
     expected = sum(weights[j] * initial[j] for j in used) / sum(weights.values())
     assert torch.allclose(results[0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags", [{}, {"backup_workers": 1}], ids=["standard", "backup-workers"])
+def test_streamed_updates_mix_as_whole_ones(flags: dict[str, int]) -> None:
+    """Hop on ring:4 with updates streamed in 1 KiB chunks (each its own message, added into its
+    region as it comes) ends with the models Hop ends with when updates go whole."""
+    initial = {r: torch.randn(SIZE, generator=torch.Generator().manual_seed(r)) for r in range(4)}
+
+    def run(stream_mib: float) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
+        config = ProtocolConfig(protocol="hop", timeout_s=30.0, stream_mib=stream_mib, **flags)
+
+        def body(rank: int, start: Start) -> tuple[torch.Tensor, dict[str, int]]:
+            model = torch.nn.Linear(SIZE, 1, bias=False)
+            with torch.no_grad():
+                model.weight.copy_(initial[rank].view(1, SIZE))
+            worker = start(model)
+            for _ in worker.iterations(3):
+                worker.step()
+            summary = worker.node.protocol.summary()
+            return model.weight.detach().view(SIZE).clone(), summary
+
+        results = run_ranks(4, config, body)
+        return [r[0] for r in results], [r[1] for r in results]
+
+    whole, _ = run(0.0)
+    streamed, summaries = run(1 / 1024)
+    if not flags:  # every update of every iteration is used: the same mix, up to summation order
+        for got, want in zip(streamed, whole):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # weighted averages, whichever updates came whole or in part: inside the initial models' range
+    stacked = torch.stack(list(initial.values()))
+    low, high = stacked.min(0).values - 1e-6, stacked.max(0).values + 1e-6
+    assert all(bool(((low <= m) & (m <= high)).all()) for m in streamed)
+    assert all(s["buffers_allocated"] >= 4 for s in summaries)  # 4 regions of 1 KiB: the chunks were pooled
+
+
+class _StopsMidStream(FaultyTransport):
+    """Rank 1's link to rank 0 carries the first two chunks of its update and nothing after."""
+
+    async def _outbound(self, msg: Message, send: Callable[[Message], Awaitable[None]]) -> None:
+        if msg.kind == "update" and msg.dst == 0 and msg.meta and msg.meta.get(PART, 0) >= 2:
+            return
+        await super()._outbound(msg, send)
+
+
+def test_a_streamed_update_cut_off_mid_stream_counts_in_the_regions_that_came() -> None:
+    """complete:3, one backup worker, serial approach: rank 1's update reaches rank 0 in part (its
+    first two chunks), then rank 2's whole; rank 0 mixes each region with the updates that delivered it."""
+    graph = Graph.complete(3)
+    config = ProtocolConfig(protocol="hop", serial=True, timeout_s=30.0, backup_workers=1, stream_mib=1 / 1024)
+    rank1_done = threading.Event()
+    initial = {r: torch.randn(SIZE, generator=torch.Generator().manual_seed(r)) for r in range(3)}
+
+    def body(rank: int, start: Start) -> torch.Tensor:
+        model = torch.nn.Linear(SIZE, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(initial[rank].view(1, SIZE))
+        worker = start(model)
+        for _ in worker.iterations(1):
+            if rank == 2:  # after rank 1's chunks reached rank 0 (rank 1 mixed with rank 0's update)
+                assert rank1_done.wait(30.0)
+            worker.step()
+        if rank == 1:
+            rank1_done.set()
+        return model.weight.detach().view(SIZE).clone()
+
+    results = run_ranks(3, config, body, graph=graph,
+                        wrap=lambda rank, inner: _StopsMidStream(inner) if rank == 1 else inner)
+    w = {j: graph.weight(j, 0) for j in range(3)}
+    cut = 2 * 256  # two chunks of 1 KiB of float32
+    both = (w[0] * initial[0] + w[1] * initial[1] + w[2] * initial[2]) / (w[0] + w[1] + w[2])
+    without_1 = (w[0] * initial[0] + w[2] * initial[2]) / (w[0] + w[2])
+    assert torch.allclose(results[0][:cut], both[:cut], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(results[0][cut:], without_1[cut:], rtol=1e-5, atol=1e-6)
