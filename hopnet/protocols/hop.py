@@ -58,6 +58,10 @@ from hopnet.wire import Header, Message, TensorSpec
 CREDIT = "c"
 PART = "p"
 """Meta key of one chunk of a streamed update: its region's index in the plan (:func:`plan_regions`)."""
+STREAM_WINDOW = 2
+"""Chunks of one streamed update in the transport at once, per out-neighbour: one on the wire, one
+queued behind it. The receiver then has about as many in flight (the torch plane posts a receive per
+chunk whose header came), whatever the update's size."""
 WELCOME = "hop_welcome"
 """Worker -> a neighbour's replacement (``--max-restarts``): the iteration it is in, and, when it
 sends updates to that neighbour, its update of that iteration (the one the dead process got)."""
@@ -121,10 +125,10 @@ class HopProtocol(Protocol):
         # the newest update of its sender, so no sender needs buffers of its own.
         self.pool = BufferPool(factory if not self.summing else None, (_ANY_SENDER,), per_sender=1)
         model_bytes = sum(spec.nbytes for spec in self.specs)
-        chunk = self.options.stream_bytes
+        chunk = self.options.stream_bytes(self.config.bulk)
         self.streaming = self.summing and chunk > 0 and model_bytes > chunk
         """Updates go as chunks of ``--stream-mib``, each added into its sum as it arrives."""
-        self.regions = plan_regions(self.specs, chunk if self.streaming else None)
+        self.regions = plan_regions(self.specs, chunk if self.streaming else None, [f.device for f in self.flats])
         self.region_pool = RegionPool()
         self.sums = MixSums(self.regions, self.region_pool)
         self._arriving: dict[tuple[int, int], set[int]] = {}
@@ -560,9 +564,9 @@ class HopProtocol(Protocol):
         if not self.streaming:
             self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=self.flats))
             return
-        for index, region in enumerate(self.regions):
-            part_meta = {PART: index, **(meta or {})} if index == 0 else {PART: index}
-            self.node.post(Message("update", self.rank, peer, k, meta=part_meta, tensors=[region.of(self.flats)]))
+        chunks = [Message("update", self.rank, peer, k, meta={PART: index, **(meta or {})} if index == 0 else {PART: index},
+                          tensors=[region.of(self.flats)]) for index, region in enumerate(self.regions)]
+        self.node.post_stream(chunks, STREAM_WINDOW)
 
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
         if self.staleness is not None:
@@ -797,9 +801,14 @@ def parse_backup_workers(text: str | int | dict[int, int] | dict[str, int] | Non
 
 
 DEFAULT_MAX_IG = 2
-DEFAULT_STREAM_MIB = 16.0
-"""Chunk size of streamed updates: the torch bulk plane's threshold (``--bulk auto``), so the
-chunks of a CPU model take the gloo plane there."""
+STREAM_MIB_TORCH = 16.0
+"""Default chunk size of streamed updates on the torch plane: its threshold under ``--bulk auto``
+(:data:`hopnet.launch.plane.AUTO_CPU_MIN_BYTES`), so the chunks of a CPU model take gloo there, as
+whole updates did (twice as fast as ZeroMQ at 100 MB: bench/README.md, "Memory (issue 18)")."""
+STREAM_MIB_ZMQ = 2.0
+"""Default chunk size with ``--bulk zmq``: the ROUTER takes in up to
+:data:`hopnet.transports.zmq.RCVHWM` messages per in-neighbour ahead of the reader, so small chunks
+keep that backlog small."""
 
 
 @dataclass(frozen=True)
@@ -818,9 +827,10 @@ class HopOptions(ProtocolOptions):
     skip_threshold: int | None = option(None, minimum=1, metavar="T",
                                         help="skip iterations when more than T behind every out-neighbour")
     max_jump: int | None = option(None, minimum=1, metavar="J", help="at most J iterations per skip")
-    stream_mib: float = option(DEFAULT_STREAM_MIB, minimum=0, metavar="MIB",
-                               help="send an update larger than this many MiB as chunks of this size, each "
-                                    "mixed as it arrives (0: never; not with --staleness)")
+    stream_mib: float | None = option(None, minimum=0, metavar="MIB",
+                                      help="send an update larger than this many MiB as chunks of this size, "
+                                           "each mixed as it arrives (0: never; not with --staleness; default "
+                                           "16 on the torch plane, 2 with --bulk zmq)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backup_workers", parse_backup_workers(self.backup_workers))
@@ -840,10 +850,13 @@ class HopOptions(ProtocolOptions):
             if bad:
                 raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
 
-    @property
-    def stream_bytes(self) -> int:
-        """``--stream-mib`` in bytes (0: updates go whole)."""
-        return int(self.stream_mib * (1 << 20))
+    def stream_bytes(self, bulk: str) -> int:
+        """``--stream-mib`` in bytes (0: updates go whole), by default the chunk size that suits the
+        plane the chunks take under ``--bulk``."""
+        mib = self.stream_mib
+        if mib is None:
+            mib = STREAM_MIB_ZMQ if bulk == "zmq" else STREAM_MIB_TORCH
+        return int(mib * (1 << 20))
 
     @property
     def has_backup_workers(self) -> bool:

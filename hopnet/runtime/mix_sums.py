@@ -17,6 +17,7 @@ region by its own weight total.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class Region:
     start: int
     count: int
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
 
     @property
     def spec(self) -> TensorSpec:
@@ -41,39 +43,41 @@ class Region:
         return flats[self.tensor][self.start:self.start + self.count]
 
 
-def plan_regions(specs: tuple[TensorSpec, ...], chunk_bytes: int | None) -> tuple[Region, ...]:
-    """The regions of flat tensors ``specs``: each tensor whole (``chunk_bytes`` None), or cut into
-    chunks of at most ``chunk_bytes`` (at least one element each). Sender and receiver derive the
-    same plan from the same specs and chunk size."""
+def plan_regions(specs: tuple[TensorSpec, ...], chunk_bytes: int | None,
+                 devices: Sequence[torch.device] = ()) -> tuple[Region, ...]:
+    """The regions of flat tensors ``specs`` (on ``devices``, CPU by default): each tensor whole
+    (``chunk_bytes`` None), or cut into chunks of at most ``chunk_bytes`` (at least one element each).
+    Sender and receiver derive the same plan from the same specs and chunk size."""
     regions: list[Region] = []
     for i, spec in enumerate(specs):
         n = spec.numel
+        device = devices[i] if devices else torch.device("cpu")
         if chunk_bytes is None:
-            regions.append(Region(i, 0, n, spec.dtype))
+            regions.append(Region(i, 0, n, spec.dtype, device))
             continue
         step = max(1, chunk_bytes // max(1, spec.nbytes // max(1, n)))
         for start in range(0, max(n, 1), step):
-            regions.append(Region(i, start, min(step, n - start), spec.dtype))
+            regions.append(Region(i, start, min(step, n - start), spec.dtype, device))
     return tuple(regions)
 
 
 class RegionPool:
-    """Free tensors by (dtype, numel): chunk receive buffers and sum parts, recycled."""
+    """Free tensors by (dtype, numel, device): chunk receive buffers and sum parts, recycled."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._free: dict[tuple[torch.dtype, int, torch.device], list[torch.Tensor]] = {}
         self.allocated = 0
 
     def take(self, region: Region) -> torch.Tensor:
-        free = self._free.get((region.dtype, region.count))
+        free = self._free.get((region.dtype, region.count, region.device))
         if free:
             return free.pop()
         self.allocated += 1
-        return torch.empty(region.count, dtype=region.dtype)
+        return torch.empty(region.count, dtype=region.dtype, device=region.device)
 
     def give(self, tensor: torch.Tensor) -> None:
         if tensor.dim() == 1 and tensor.is_contiguous() and tensor.storage_offset() == 0:
-            self._free.setdefault((tensor.dtype, tensor.numel()), []).append(tensor)
+            self._free.setdefault((tensor.dtype, tensor.numel(), tensor.device), []).append(tensor)
 
 
 @dataclass(slots=True)
