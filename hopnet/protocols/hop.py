@@ -564,8 +564,9 @@ class HopProtocol(Protocol):
         if not self.streaming:
             self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=self.flats))
             return
-        chunks = [Message("update", self.rank, peer, k, meta={PART: index, **(meta or {})} if index == 0 else {PART: index},
-                          tensors=[region.of(self.flats)]) for index, region in enumerate(self.regions)]
+        chunks = [Message("update", self.rank, peer, k, meta={PART: index, **(meta or {})} if index == 0
+                          else {PART: index}, tensors=[region.of(self.flats)])
+                  for index, region in enumerate(self.regions)]
         self.node.post_stream(chunks, STREAM_WINDOW)
 
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
