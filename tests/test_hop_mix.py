@@ -3,6 +3,7 @@ the model and the updates used, computed directly, with backup workers and with 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -11,7 +12,8 @@ import torch
 
 from hopnet import Graph, ProtocolConfig
 from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
-from hopnet.protocols.hop import PART
+from hopnet.protocols.hop import PART, STREAM_WINDOW
+from hopnet.transports.base import Transport
 from hopnet.wire import Message, TensorSpec
 
 from support.faults import FaultyTransport
@@ -229,3 +231,44 @@ def test_a_streamed_update_cut_off_mid_stream_counts_in_the_regions_that_came() 
     without_1 = (w[0] * initial[0] + w[2] * initial[2]) / (w[0] + w[2])
     assert torch.allclose(results[0][:cut], both[:cut], rtol=1e-5, atol=1e-6)
     assert torch.allclose(results[0][cut:], without_1[cut:], rtol=1e-5, atol=1e-6)
+
+
+class _CountsChunksInFlight(FaultyTransport):
+    """Counts, per receiver, how many chunks are inside ``send`` at once (each send takes a while)."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.in_flight: dict[int, int] = {}
+        self.most: dict[int, int] = {}
+
+    async def send(self, msg: Message) -> None:
+        if not (msg.kind == "update" and msg.meta and PART in msg.meta):
+            await super().send(msg)
+            return
+        self.in_flight[msg.dst] = self.in_flight.get(msg.dst, 0) + 1
+        self.most[msg.dst] = max(self.most.get(msg.dst, 0), self.in_flight[msg.dst])
+        try:
+            await asyncio.sleep(0.002)
+            await super().send(msg)
+        finally:
+            self.in_flight[msg.dst] -= 1
+
+
+def test_a_streamed_update_has_at_most_the_window_of_chunks_in_the_transport_per_peer() -> None:
+    """Node.post_stream hands the transport STREAM_WINDOW chunks per out-neighbour at a time (the torch
+    plane posts a receive per chunk whose header came: this bounds the receiver's buffers in flight)."""
+    config = ProtocolConfig(protocol="hop", timeout_s=30.0, stream_mib=1 / 1024)
+    counters: dict[int, _CountsChunksInFlight] = {}
+
+    def wrap(rank: int, inner: Transport) -> Transport:
+        counters[rank] = _CountsChunksInFlight(inner)
+        return counters[rank]
+
+    def body(rank: int, start: Start) -> None:
+        worker = start(torch.nn.Linear(SIZE, 1, bias=False))
+        for _ in worker.iterations(2):
+            worker.step()
+
+    run_ranks(4, config, body, wrap=wrap)
+    assert all(set(c.most) == {(r - 1) % 4, (r + 1) % 4} for r, c in counters.items())
+    assert all(c.most.values() and max(c.most.values()) == STREAM_WINDOW for c in counters.values())
