@@ -49,13 +49,19 @@ from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.protocols.specs.hop import (DEFAULT_MAX_IG, WELCOME, HopOptions, NotifyAckOptions, backup_workers_flag,
                                         check_hop_graph, gap_bound, gap_rule, largest_lead, notify_ack_gap_bound,
                                         parse_backup_workers, restart_refusal)
-from hopnet.runtime.mix_sums import MixSums, mix_into
+from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
 
 CREDIT = "c"
+PART = "p"
+"""Meta key of one chunk of a streamed update: its region's index in the plan (:func:`plan_regions`)."""
+STREAM_WINDOW = 2
+"""Chunks of one streamed update in the transport at once, per out-neighbour: one on the wire, one
+queued behind it. The receiver then has about as many in flight (the torch plane posts a receive per
+chunk whose header came), whatever the update's size."""
 
 
 _ANY_SENDER = -1
@@ -107,15 +113,26 @@ class HopProtocol(Protocol):
             flats = self.flats
             factory = lambda: [torch.empty_like(f) for f in flats]  # noqa: E731
         self.num_slots = self._slots_needed(graph)
-        # One pool for every sender: a buffer is held only while it is received, summed or (with
-        # staleness) the newest update of its sender, so no sender needs buffers of its own.
-        self.pool = BufferPool(factory, (_ANY_SENDER,), per_sender=1)
         self.queue = UpdateQueue(self.num_slots)
         self.summing = self.staleness is None and bool(self.flats)
         """Mix by accumulation (:mod:`hopnet.runtime.mix_sums`): the queue then only records which
         updates came. With staleness the newest update of a sender replaces its older one, which
         a sum could not take back, so the queue keeps the newest update's tensors until the reduce."""
-        self.sums = MixSums(self._release)
+        # With staleness: one pool for every sender: a buffer is held only while it is received or
+        # the newest update of its sender, so no sender needs buffers of its own.
+        self.pool = BufferPool(factory if not self.summing else None, (_ANY_SENDER,), per_sender=1)
+        model_bytes = sum(spec.nbytes for spec in self.specs)
+        chunk = self.options.stream_bytes(self.config.bulk, model_bytes)
+        self.streaming = self.summing and chunk > 0 and model_bytes > chunk
+        """Updates go as chunks of ``--stream-mib``, each added into its sum as it arrives."""
+        self.regions = plan_regions(self.specs, chunk if self.streaming else None, [f.device for f in self.flats])
+        self.region_pool = RegionPool()
+        self.sums = MixSums(self.regions, self.region_pool)
+        self._arriving: dict[tuple[int, int], set[int]] = {}
+        """(iteration, sender) -> the chunks of a streamed update received so far."""
+        self._reduced = -1
+        """The last iteration mixed into the model: chunks of it that come later are dropped."""
+        self.late_chunks_dropped = 0
         self.tokens = TokenCredits(self.out_peers, self.options.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
         self.last_used: dict[int, int] = {j: -1 for j in self.in_peers}
@@ -154,13 +171,28 @@ class HopProtocol(Protocol):
                 self.node.count_drop("bad_payload")
                 return DISCARD
             return None
+        part = header.meta.get(PART) if header.meta else None
+        if part is not None:
+            if not (self.streaming and header.kind == "update" and type(part) is int
+                    and 0 <= part < len(self.regions) and header.specs == (self.regions[part].spec,)):
+                self.node.count_drop("bad_payload")
+                return DISCARD
+            return [self.region_pool.take(self.regions[part])]
         if header.specs != self.specs:
             self.node.count_drop("bad_payload")
             return DISCARD
+        if self.streaming:
+            return None  # a whole update of a streamed model (a welcome): added as it is
+        if self.summing:  # each tensor is one region: it becomes its part, or is pooled again
+            return [self.region_pool.take(region) for region in self.regions]
         return self.pool.acquire(_ANY_SENDER)
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
-        self.pool.release(_ANY_SENDER, tensors)
+        if not self.summing:
+            self.pool.release(_ANY_SENDER, tensors)
+        elif tensors is not None and not self.streaming:
+            for t in tensors:
+                self.region_pool.give(t)
 
     def _store(self, update: Update) -> bool:
         """Queue an update (False for a duplicate, whose buffers are given back); when summing, its
@@ -183,7 +215,7 @@ class HopProtocol(Protocol):
             self._drop_non_finite(update.iter, update.src, update.iter)
             self._release(tensors)
             return True
-        self.sums.add(update.iter, tensors, self.in_weight[update.src])
+        self._release(self.sums.add_whole(update.iter, tensors, self.in_weight[update.src]))
         return True
 
     def _drop_non_finite(self, k: int, src: int, update_iter: int) -> None:
@@ -206,6 +238,9 @@ class HopProtocol(Protocol):
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
                 return
+            if msg.meta and PART in msg.meta:
+                self._on_chunk(msg)
+                return
             if msg.iter > self.newest_received[msg.src]:
                 self.newest_received[msg.src] = msg.iter
             if self._is_late(msg.iter, msg.src) or (self.staleness is not None
@@ -225,6 +260,37 @@ class HopProtocol(Protocol):
                 self.tokens.wake()
         else:
             self.node.count_drop("unexpected_kind")
+
+    def _on_chunk(self, msg: Message) -> None:
+        """One chunk of a streamed update: added, weighted, into its region of the iteration's sum. The
+        update counts as arrived (for the wait rules) once all its chunks are in."""
+        k, src = msg.iter, msg.src
+        assert msg.meta is not None
+        index: int = msg.meta[PART]
+        tensor = msg.tensors[0]
+        if self._is_late(k, src) or k <= self._reduced:
+            self.late_chunks_dropped += 1
+            if index == 0 and (k, src) not in self._arriving:
+                self.late_updates_dropped += 1
+            self.region_pool.give(tensor)
+            return
+        got = self._arriving.setdefault((k, src), set())
+        if index in got:
+            self.node.count_drop("duplicate_chunk")
+            self.region_pool.give(tensor)
+            return
+        got.add(index)
+        if all_finite_in([tensor]):
+            self.sums.add(k, index, tensor, self.in_weight[src])
+        else:  # left out of its region's mix; the rest of the update counts
+            self._drop_non_finite(k, src, k)
+            self.region_pool.give(tensor)
+        if len(got) < len(self.regions):
+            return
+        del self._arriving[(k, src)]
+        if k > self.newest_received[src]:
+            self.newest_received[src] = k
+        self.queue.enqueue(Update(k, src, None))
 
     def _on_credit(self, msg: Message) -> None:
         meta = msg.meta
@@ -482,12 +548,23 @@ class HopProtocol(Protocol):
                     if meta is not None:
                         self.node.post_express(Message("token", self.rank, peer, k, meta=meta))
                     continue
-                self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))
+                self._post_update(peer, k, meta)
             else:
                 if peer in self._out_peer_set:
                     self.updates_not_sent += 1
                 if meta is not None:
                     self.node.post(Message("token", self.rank, peer, k, meta=meta))
+
+    def _post_update(self, peer: int, k: int, meta: dict[str, Any] | None) -> None:
+        """The model as iteration ``k``'s update to ``peer``: one message, or (streaming) one per
+        region, in order, the credit riding on the first."""
+        if not self.streaming:
+            self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=self.flats))
+            return
+        chunks = [Message("update", self.rank, peer, k, meta={PART: index, **(meta or {})} if index == 0
+                          else {PART: index}, tensors=[region.of(self.flats)])
+                  for index, region in enumerate(self.regions)]
+        self.node.post_stream(chunks, STREAM_WINDOW)
 
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
         if self.staleness is not None:
@@ -593,6 +670,8 @@ class HopProtocol(Protocol):
     def _discard_older_than(self, iteration: int) -> None:
         self._release_updates(self.queue.take_older_than(iteration))
         self.sums.discard_older_than(iteration)
+        for key in [key for key in self._arriving if key[0] < iteration]:
+            del self._arriving[key]
 
     def _release_updates(self, updates: list[Update]) -> None:
         for update in updates:
@@ -639,10 +718,13 @@ class HopProtocol(Protocol):
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:
         """Weighted average of this worker's parameters and the received ones (Eq. 1 / Eq. 2)."""
         if self.summing:
+            self._reduced = k
+            for key in [key for key in self._arriving if key[0] == k]:
+                del self._arriving[key]  # its regions that came are in the sum; the rest are late
             summed = self.sums.pop(k)  # what came of iteration k: at least the updates taken
             if summed is not None:
-                mix_into(self.flats, self.self_weight, summed)
-                self._release(summed.tensors)
+                mix_into(self.flats, self.self_weight, summed, self.regions)
+                self.sums.release(summed)
             return
         if not self.flats or not updates:
             self._release_updates(updates)
@@ -679,7 +761,8 @@ class HopProtocol(Protocol):
                 "token_high_water": self.tokens.high_water if self.use_tokens else None,
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
-                "buffers_allocated": self.pool.allocated, "sums_high_water": self.sums.high_water}
+                "buffers_allocated": self.pool.allocated + self.region_pool.allocated,
+                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}

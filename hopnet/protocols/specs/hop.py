@@ -71,6 +71,19 @@ def parse_backup_workers(text: str | int | dict[int, int] | dict[str, int] | Non
 
 
 DEFAULT_MAX_IG = 2
+STREAM_MIB_TORCH = 16.0
+"""Default chunk size of streamed updates on the torch plane: its threshold under ``--bulk auto``
+(:data:`hopnet.launch.plane.AUTO_CPU_MIN_BYTES`), so the chunks of a CPU model take gloo there, as
+whole updates did (twice as fast as ZeroMQ at 100 MB: bench/README.md, "Memory (issue 18)")."""
+STREAM_MIB_ZMQ = 2.0
+STREAM_DEFAULT_MIN_MIB = 256.0
+"""Without ``--stream-mib``, only updates of this size or more stream. Streaming bounds memory but
+costs speed where the transfers are a large part of the iteration: at 100 MB it took Hop's
+defaults from 4.0x to 3.3x the model in memory and from 1.44 to 1.01-1.16 it/s on the reference
+VM; at 400 MB it took them from 4.0x to 2.3x, where the memory is what limits the model size."""
+"""Default chunk size with ``--bulk zmq``: the ROUTER takes in up to
+:data:`hopnet.transports.zmq.RCVHWM` messages per in-neighbour ahead of the reader, so small chunks
+keep that backlog small."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,11 @@ class HopOptions(ProtocolOptions):
     skip_threshold: int | None = option(None, minimum=1, metavar="T",
                                         help="skip iterations when more than T behind every out-neighbour")
     max_jump: int | None = option(None, minimum=1, metavar="J", help="at most J iterations per skip")
+    stream_mib: float | None = option(None, minimum=0, metavar="MIB",
+                                      help="send an update larger than this many MiB as chunks of this size, "
+                                           "each mixed as it arrives (0: never; not with --staleness; default: "
+                                           "updates of 256 MiB or more stream, in chunks of 16 MiB on the "
+                                           "torch plane, 2 with --bulk zmq)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backup_workers", parse_backup_workers(self.backup_workers))
@@ -107,6 +125,17 @@ class HopOptions(ProtocolOptions):
             bad = sorted(r for r in self.backup_workers if r >= world_size)
             if bad:
                 raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
+
+    def stream_bytes(self, bulk: str, update_bytes: int) -> int:
+        """The chunk size an update of ``update_bytes`` streams in (0: it goes whole): ``--stream-mib``
+        when given; by default the chunk size that suits the plane the chunks take under ``--bulk``,
+        for updates of :data:`STREAM_DEFAULT_MIN_MIB` or more."""
+        mib = self.stream_mib
+        if mib is None:
+            if update_bytes < STREAM_DEFAULT_MIN_MIB * (1 << 20):
+                return 0
+            mib = STREAM_MIB_ZMQ if bulk == "zmq" else STREAM_MIB_TORCH
+        return int(mib * (1 << 20))
 
     @property
     def has_backup_workers(self) -> bool:
