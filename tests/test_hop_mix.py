@@ -272,3 +272,15 @@ def test_a_streamed_update_has_at_most_the_window_of_chunks_in_the_transport_per
     run_ranks(4, config, body, wrap=wrap)
     assert all(set(c.most) == {(r - 1) % 4, (r + 1) % 4} for r, c in counters.items())
     assert all(c.most.values() and max(c.most.values()) == STREAM_WINDOW for c in counters.values())
+
+
+def test_by_default_only_updates_of_256_mib_or_more_stream() -> None:
+    from hopnet.protocols.specs.hop import HopOptions
+
+    mib = 1 << 20
+    default = HopOptions()
+    assert default.stream_bytes("auto", 100 * mib) == 0             # whole: streaming costs speed here
+    assert default.stream_bytes("auto", 400 * mib) == 16 * mib      # chunks of the torch plane's threshold
+    assert default.stream_bytes("zmq", 400 * mib) == 2 * mib
+    assert HopOptions(stream_mib=4).stream_bytes("auto", 100 * mib) == 4 * mib
+    assert HopOptions(stream_mib=0).stream_bytes("auto", 400 * mib) == 0
