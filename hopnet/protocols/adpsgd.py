@@ -51,6 +51,9 @@ declared dead during the wait fails the active with :class:`PeerFailure` naming 
 averaging may or may not have happened on its side); under ``--max-restarts`` the active
 skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.adpsgd`,
+which imports no torch.
 """
 
 from __future__ import annotations
@@ -64,22 +67,15 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.finite import all_finite_in, refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at
-from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.protocols.specs.adpsgd import REPLY, REQUEST, AdPsgdOptions, check_bipartite
+from hopnet.protocols.specs.local_steps import mixes_at
 from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
-
-REQUEST = "avg_req"
-"""Active -> passive: the active's model, asking for an averaging (``iter``: the active's iteration)."""
-REPLY = "avg_reply"
-"""Passive -> active: the mean of the two models."""
 
 
 @dataclass(frozen=True)
@@ -391,40 +387,4 @@ class AdPsgdProtocol(Protocol):
         return {"role": "passive", "averagings_served": self.served}
 
 
-def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The active and passive sets: the graph's two sides. A graph that has none (an odd cycle,
-    which would let averagings wait on each other in a circle) or whose edges go one way only
-    (a pair must talk both ways) is refused in one line."""
-    if not graph.is_undirected():
-        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {graph_in_words(graph)} has "
-                          "one-way edges, and an averaging pair talks both ways")
-    sides = graph.two_colouring()
-    if isinstance(sides, list):
-        raise ConfigError(f"{graph_in_words(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
-                          "(--protocol ad-psgd needs active and passive sides with every edge between them)")
-    return sides
-
-
-def _no_notes(_: object) -> list[str]:
-    return []
-
-
-@dataclass(frozen=True)
-class AdPsgdOptions(LocalStepsOptions):
-    """AD-PSGD's options: with ``--local-steps H`` an active averages every H iterations (and at its
-    last); a passive serves whenever asked, as ever."""
-
-
-register(ProtocolSpec(
-    name="ad-psgd",
-    summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
-            "with one random passive neighbour per iteration.",
-    options=AdPsgdOptions,
-    build=lambda config, options, model, grads: AdPsgdProtocol(config, model, options),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
-    check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
-    resumable=True,
-    restartable=True,
-))
+__all__ = ["REPLY", "REQUEST", "AdPsgdProtocol", "Averaging", "check_bipartite"]

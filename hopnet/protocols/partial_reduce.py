@@ -39,30 +39,28 @@ wait on members that are alive but will send nothing more. So a member whose gro
 ``preduce_abort`` message naming the culprit, and they fail at once naming it too, instead
 of waiting out ``--timeout``. The controller's death is the coordinator client's to report
 (``CoordinatorLost``).
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.partial_reduce`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator.base import Coordinator
 from hopnet.coordinator.mixing import GROUP_RECORD
-from hopnet.coordinator.partial_reduce import PartialReduceController
-from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import option
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at, round_of
-from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
+from hopnet.protocols.specs.local_steps import mixes_at, round_of
+from hopnet.protocols.specs.partial_reduce import (ABORT, DEFAULT_EMA_DECAY, DEFAULT_GROUP_SIZE, PartialReduceOptions,
+                                                   make_controller)
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -71,9 +69,6 @@ READY = "ready"
 GROUP = "group"
 BYE = "bye"
 BYE_OK = "bye_ok"
-ABORT = "preduce_abort"
-"""Member -> the other members of a group: the group failed; ``meta``: ``gid``, and the
-``peer`` to blame with its ``state`` ("dead" or "departed")."""
 ABORTS_REMEMBERED = 64
 """Aborts of groups this worker has not reached yet that it keeps (a member may fail
 before this worker even got its group message)."""
@@ -361,50 +356,5 @@ async def _cancel(task: asyncio.Task[Any], within_s: float) -> None:
         task.exception()  # retrieved: superseded by the caller's own outcome
 
 
-DEFAULT_GROUP_SIZE = 3
-DEFAULT_EMA_DECAY = 0.9
-
-
-@dataclass(frozen=True)
-class PartialReduceOptions(LocalStepsOptions):
-    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
-    weights: str = option("const", choices=WEIGHT_MODES,
-                          help="const (1/P, keeps the mean) or dynamic (staleness-aware EMA weights, Eq. 9)")
-    ema_decay: float = option(DEFAULT_EMA_DECAY, metavar="ALPHA", help="dynamic weights: the EMA decay")
-    missing_policy: str = option("oldest", choices=MISSING_POLICIES,
-                                 help="dynamic weights: who gets the weight of staleness levels no member holds "
-                                      "(oldest is the paper's reading)")
-    frozen_window: int | None = option(None, minimum=0, metavar="T",
-                                       help="keep the sync graph of the last T groups connected (none: derived "
-                                            "from the world and group sizes; 0 switches group-frozen avoidance "
-                                            "off)")
-
-    def check(self) -> None:
-        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float)) \
-                or not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"--ema-decay must be in [0, 1) (got {self.ema_decay!r})")
-
-
-def make_controller(config: ProtocolConfig, options: PartialReduceOptions, graph: Graph) -> Coordinator:
-    """The controller of a run on ``graph`` (its nodes are the workers)."""
-    if options.group_size > graph.n:
-        raise ConfigError(f"--group-size {options.group_size} is larger than the run's {graph.n} workers")
-    return PartialReduceController(graph.n, options.group_size, weights=options.weights,
-                                   ema_decay=options.ema_decay, missing_policy=options.missing_policy,
-                                   frozen_window=options.frozen_window)
-
-
-register(ProtocolSpec(
-    name="partial-reduce",
-    summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
-            "controller forms (--weights).",
-    options=PartialReduceOptions,
-    build=lambda config, options, model, grads: PartialReduceProtocol(config, options, model),
-    averages=Averages.MODELS,
-    uses_graph=False,
-    coordinator=CoordinatorSpec(build=make_controller,
-                                options=("group_size", "weights", "ema_decay", "missing_policy", "frozen_window")),
-    message_kinds=(MessageKind(ABORT, any_rank=True),),
-    resumable=True,
-    restartable=True,
-))
+__all__ = ["ABORT", "DEFAULT_EMA_DECAY", "DEFAULT_GROUP_SIZE", "PartialReduceOptions", "PartialReduceProtocol",
+           "make_controller"]

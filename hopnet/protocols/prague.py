@@ -44,30 +44,27 @@ waiting: the coordinator tells the others (``peer_failed``), so a group waiting 
 fails at once, naming it, instead of after ``--timeout``.
 A coordinator that stops answering fails the wait for a GO with
 :class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.prague`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_in_words
-from hopnet.coordinator.base import Coordinator
-from hopnet.coordinator.random_gg import RandomGroupGenerator
-from hopnet.coordinator.smart_gg import SmartGroupGenerator
-from hopnet.coordinator.static_schedule import check_static_schedule, static_group
+from hopnet.coordinator.static_schedule import static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import option
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.protocols.local_steps import LocalStepsOptions, mixes_at, round_of
-from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
+from hopnet.protocols.specs.local_steps import mixes_at, round_of
+from hopnet.protocols.specs.prague import (DEFAULT_GROUP_SIZE, DEFAULT_SLOW_FILTER, PragueOptions,
+                                           check_prague_graph, make_group_generator, restart_refusal)
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -122,7 +119,7 @@ class PragueProtocol(Protocol):
         return coordinator
 
     async def start(self) -> None:
-        if self.node.max_restarts and (refusal := _restart_refusal(self.options)) is not None:
+        if self.node.max_restarts and (refusal := restart_refusal(self.options)) is not None:
             raise ConfigError(f"--max-restarts: {refusal}")
         self.node.entered(self.iteration, self)
         self._request(self.iteration)
@@ -316,67 +313,5 @@ class PragueProtocol(Protocol):
                 "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
 
 
-DEFAULT_GROUP_SIZE = 3
-DEFAULT_SLOW_FILTER = 4
-
-
-@dataclass(frozen=True)
-class PragueOptions(LocalStepsOptions):
-    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
-    group_generator: str = option("smart", choices=("random", "smart", "static"),
-                                  help="random (a central Group Generator with a lock vector and FIFO queue), "
-                                       "smart (Group Buffer, Global Division, Inter-Intra and the slow-worker "
-                                       "filter) or static (a conflict-free schedule each worker computes alone)")
-    group_buffer: bool = option(True, help="smart GG: switch the Group Buffer off")
-    global_division: bool = option(True, help="smart GG: switch Global Division off")
-    inter_intra: bool = option(True, help="smart GG: switch the Inter-Intra phases (by the graph's machine "
-                                          "field) off")
-    slow_filter: int = option(DEFAULT_SLOW_FILTER, minimum=0, metavar="C",
-                              help="smart GG: leave out of a Global Division the workers C or more requests "
-                                   "behind its initiator; 0 switches the filter off")
-
-
-def _restart_refusal(options: PragueOptions) -> str | None:
-    if options.group_generator == "static":
-        return ("--protocol prague --group-generator static cannot replace a dead worker (its schedule counts on "
-                "every rank in every iteration); use random or smart")
-    return None
-
-
-def make_group_generator(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> Coordinator:
-    if options.group_generator == "random":
-        return RandomGroupGenerator(graph.n, options.group_size, config.seed)
-    return SmartGroupGenerator(graph.n, group_size=options.group_size, group_buffer=options.group_buffer,
-                               global_division=options.global_division, inter_intra=options.inter_intra,
-                               slow_filter=options.slow_filter, machines=graph.machines, seed=config.seed)
-
-
-def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> list[str]:
-    """The static schedule refuses graphs it cannot serve; the smart GG notes an Inter-Intra that is off."""
-    if options.group_generator == "static":
-        check_static_schedule(graph.machines)
-        return []
-    if (options.group_generator == "smart" and options.inter_intra and options.global_division
-            and any(m is None for m in graph.machines)):
-        return [f"Inter-Intra is off: {graph_in_words(graph)} has no machine labels (the graph's "
-                "\"machine\" field); groups are drawn over all workers"]
-    return []
-
-
-register(ProtocolSpec(
-    name="prague",
-    summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
-            "(--group-generator).",
-    options=PragueOptions,
-    build=lambda config, options, model, grads: PragueProtocol(config, options, model),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    coordinator=CoordinatorSpec(
-        build=make_group_generator,
-        options=("group_generator", "group_size", "group_buffer", "global_division", "inter_intra", "slow_filter"),
-        needed=lambda options: options.group_generator != "static"),
-    check_graph=check_prague_graph,
-    resumable=True,
-    restartable=True,
-    restart_refusal=_restart_refusal,
-))
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SLOW_FILTER", "PragueOptions", "PragueProtocol", "check_prague_graph",
+           "make_group_generator", "restart_refusal"]
