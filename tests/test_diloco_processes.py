@@ -169,8 +169,8 @@ def test_resumed_mid_round_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uni
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not (run_dir / "final_rank0.pt").exists()
-    saved = torch.load(run_dir / "checkpoints" / checkpoint.checkpoint_name(0, checkpoint.common_iteration(
-        run_dir / "checkpoints", 2) or 0), weights_only=False)
+    saved = checkpoint.read(run_dir / "checkpoints" / checkpoint.checkpoint_name(0, checkpoint.common_iteration(
+        run_dir / "checkpoints", 2) or 0))
     assert set(saved["states"][checkpoint.PROTOCOL_STATE]) == {"anchor", "momentum", "outer_steps"}
     resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
     assert resumed.returncode == 0, resumed.stderr

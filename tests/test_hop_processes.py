@@ -131,7 +131,7 @@ def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: P
                      "--iterations", "40", "--stop-rank", "2", "--stop-at", "5"])
     assert result.returncode != 0
     # Its neighbours (1 and 3) need its update of iteration 6; whichever fails first names it.
-    assert re.search(r"\[rank [13]\] hopnet\.errors\.PeerFailure: rank [13] cannot finish iteration 6: peer 2 "
+    assert re.search(r"\[rank [13]\] hopnet: PeerFailure: rank [13] cannot finish iteration 6: peer 2 "
                      r"left at iteration 5, before its last iteration 39", result.stderr), result.stderr
 
 
