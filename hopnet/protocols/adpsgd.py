@@ -68,6 +68,7 @@ from hopnet.finite import all_finite_in, refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import NoOptions
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import NodeServices
@@ -401,6 +402,12 @@ def _no_notes(_: object) -> list[str]:
     return []
 
 
+AD_PSGD_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for partner", "wait partner"),),
+    counts=(Count("role", "role", "tally"), Count("averagings", "averagings"),
+            Count("averagings_served", "averagings served"), Count("averagings_skipped", "averagings skipped")),
+    gaps="all")
+
 register(ProtocolSpec(
     name="ad-psgd",
     summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
@@ -413,4 +420,5 @@ register(ProtocolSpec(
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
     resumable=True,
     restartable=True,
+    output=AD_PSGD_OUTPUT,
 ))

@@ -38,6 +38,7 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.errors import PeerFailure
 from hopnet.model_state import ModelState
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.buffer_sync import GradientOptions
@@ -133,11 +134,17 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         self.voided = None
 
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
+        return {"rounds": self.iteration + 1, **self.overlap_summary(),
+                **({"resyncs": self.resyncs} if self.resyncs else {})}
 
 
 AllReduceOptions = BucketOptions
 
+
+ALLREDUCE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
+    counts=(Count("rounds", "rounds", "max", in_summary=False), Count("buckets", "buckets", "max", in_summary=False),
+            Count("overlapped", "reduced in backward")))
 
 register(ProtocolSpec(
     name="allreduce",
@@ -149,4 +156,5 @@ register(ProtocolSpec(
     uses_graph=False,
     resumable=True,
     restartable=True,
+    output=ALLREDUCE_OUTPUT,
 ))

@@ -49,6 +49,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.model_state import ModelState
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
 from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
@@ -606,6 +607,13 @@ class EagerOptions(GradientOptions):
         return shown
 
 
+EAGER_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for round", "wait round"),),
+    counts=(Count("initiated", "rounds started"), Count("stale_calls", "late contributions"),
+            Count("rounds", "rounds", "max", in_summary=False),
+            Count("rounds_skipped", "rounds skipped", in_summary=False),
+            Count("active_mean", "mean ranks active per round", "mean", in_summary=False)))
+
 register(ProtocolSpec(
     name="eager-sgd",
     summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
@@ -615,4 +623,5 @@ register(ProtocolSpec(
     uses_graph=False,
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
     restartable=True,
+    output=EAGER_OUTPUT,
 ))

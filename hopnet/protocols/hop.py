@@ -47,6 +47,7 @@ from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import SKIPS, TOKENS_WAIT, UPDATES_WAIT, Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.mix_sums import MixSums, mix_into
@@ -951,6 +952,15 @@ def _restart_refusal(options: HopOptions, protocol: str = "hop") -> str | None:
     return None
 
 
+HOP_COUNTS = (Count(SKIPS, "skips"), Count("skipped_iterations", "iterations skipped", in_summary=False),
+              Count("late_updates_dropped", "late updates dropped", in_summary=False),
+              Count("updates_not_sent", "updates not sent", in_summary=False),
+              Count("queue_high_water", "queue high water", "max", in_summary=False),
+              Count("token_high_water", "token high water", "max", in_summary=False))
+HOP_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, TOKENS_WAIT), counts=HOP_COUNTS, gaps="neighbours")
+NOTIFY_ACK_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, Wait("wait_tokens_s", "wait for acknowledgements", "wait acks")),
+                               counts=HOP_COUNTS, gaps="neighbours")
+
 register(ProtocolSpec(
     name="hop",
     summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
@@ -968,6 +978,7 @@ register(ProtocolSpec(
     restartable=True,
     restart_refusal=_restart_refusal,
     message_kinds=(MessageKind(WELCOME),),
+    output=HOP_OUTPUT,
 ))
 
 register(ProtocolSpec(
@@ -985,4 +996,5 @@ register(ProtocolSpec(
     restartable=True,
     restart_refusal=lambda options: _restart_refusal(options.as_hop(), "notify-ack"),
     message_kinds=(MessageKind(WELCOME),),
+    output=NOTIFY_ACK_OUTPUT,
 ))

@@ -57,6 +57,7 @@ from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
@@ -383,6 +384,14 @@ def make_controller(config: ProtocolConfig, options: PartialReduceOptions, graph
                                    frozen_window=options.frozen_window)
 
 
+PARTIAL_REDUCE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for group", "wait group"),),
+    counts=(Count("groups", "groups"), Count("groups_alone", "groups alone", in_summary=False),
+            Count("groups_failed", "groups failed", in_summary=False)),
+    coordinator_counts=(Count("groups_formed", "groups formed"), Count("repairs", "frozen-group repairs"),
+                        Count("frozen_accepted", "frozen groups accepted"), Count("shrunk_groups", "groups shrunk")),
+    gaps="all")
+
 register(ProtocolSpec(
     name="partial-reduce",
     summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
@@ -396,4 +405,5 @@ register(ProtocolSpec(
     message_kinds=(MessageKind(ABORT, any_rank=True),),
     resumable=True,
     restartable=True,
+    output=PARTIAL_REDUCE_OUTPUT,
 ))

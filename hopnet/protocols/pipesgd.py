@@ -69,6 +69,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.overlap import BucketOptions
@@ -102,6 +103,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
         self.discarded = 0
+        self.in_flight_total = 0  # all-reduces in flight at the end of each step, summed (the overlap)
         self.pipeline_start = 0
         """The first iteration whose gradient is applied: 0, or where a resync restarted the pipeline."""
         self.voided: int | None = None  # the iteration a resync threw away (--max-restarts)
@@ -184,6 +186,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             self.applied.append(due)
         else:
             self.applied.append(None)  # warm-up: g[1-K..0] = 0, no step
+        self.in_flight_total += len(self._reductions)
         self.node.iteration_done(t, self)
         if last:
             await self._drain()
@@ -355,7 +358,9 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
 
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1, "pipeline_k": self.k, "compress": self.options.compress,
-                "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded}
+                "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded,
+                "mean_in_flight": round(self.in_flight_total / len(self.applied), 3) if self.applied else None,
+                **self.overlap_summary()}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
@@ -377,6 +382,13 @@ class PipeSgdOptions(BucketOptions):
                                 "(2x fewer bytes), int8 quantizes with scale max|block|/127 (4x)")
 
 
+PIPE_SGD_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
+    counts=(Count("pipeline_k", "pipeline depth", "max"), Count("mean_in_flight", "all-reduces in flight", "mean"),
+            Count("overlapped", "reduced in backward", in_summary=False),
+            Count("applied", "gradients applied", in_summary=False),
+            Count("discarded", "gradients discarded", in_summary=False)))
+
 register(ProtocolSpec(
     name="pipe-sgd",
     summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
@@ -386,4 +398,5 @@ register(ProtocolSpec(
     averages=Averages.GRADIENTS,
     uses_graph=False,
     restartable=True,
+    output=PIPE_SGD_OUTPUT,
 ))

@@ -61,6 +61,7 @@ from hopnet.finite import refuse_non_finite_model
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
@@ -341,6 +342,19 @@ def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Gr
     return []
 
 
+GROUP_WAIT = Wait("wait_updates_s", "wait for group", "wait group")
+PRAGUE_OUTPUT = OutputSpec(
+    waits=(GROUP_WAIT,),
+    counts=(Count("own_groups", "own groups"), Count("served_groups", "groups served"), Count("no_sync", "no syncs"),
+            Count("mean_group_size", "mean group size", "mean", in_summary=False),
+            Count("groups_failed", "groups failed", in_summary=False)),
+    coordinator_counts=(Count("groups_formed", "groups formed"), Count("no_syncs", "groups of one"),
+                        Count("no_sync", "groups of one"), Count("buffer_hits", "Group Buffer hits"),
+                        Count("global_divisions", "global divisions"),
+                        Count("filtered_out", "left out by the slow filter"),
+                        Count("went_pending", "requests that waited for a member")),
+    gaps="all")
+
 register(ProtocolSpec(
     name="prague",
     summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
@@ -357,4 +371,5 @@ register(ProtocolSpec(
     resumable=True,
     restartable=True,
     restart_refusal=_restart_refusal,
+    output=PRAGUE_OUTPUT,
 ))

@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from hopnet.report.gaps import EdgeGap
-from hopnet.report.stats import PART_LABELS, TIME_PARTS, RunStats
+from hopnet.report.stats import RunStats, time_parts
 
 PART_COLORS = {"compute_s": "#4c72b0", "wait_updates_s": "#dd8452",
                "wait_tokens_s": "#c44e52", "mix_s": "#55a868"}
@@ -90,13 +90,14 @@ def iteration_plot(stats: RunStats) -> bytes:
 
 
 def time_split_plot(stats: RunStats) -> bytes:
-    """Each worker's time as stacked bars: compute, wait for updates, wait for tokens, mixing."""
+    """Each worker's time as stacked bars: compute, the protocol's waits (Hop's: for updates, for
+    tokens), mixing."""
     ranks = list(stats.ranks)
     fig, ax = _figure(max(6.0, min(16.0, 0.45 * len(ranks) + 3)), 4.0)
     bottom = [0.0] * len(ranks)
-    for part in TIME_PARTS:
+    for part, label in time_parts(stats):
         values = [stats.ranks[r].time_s[part] for r in ranks]
-        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=PART_COLORS[part], label=PART_LABELS[part])
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=PART_COLORS[part], label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xlabel("rank")
     ax.set_ylabel("seconds")
