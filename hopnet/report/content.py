@@ -214,8 +214,9 @@ def build_content(run: RunData) -> ReportContent:
         "each step: compute is the trainer's time between steps (optimizer step included), the waits "
         "are the protocol's, mixing is the rest of the step (averaging, sending). The columns after them "
         "are the protocol's own counts, from each worker's stop record."])
-    progress.figures.append(Figure("iterations", "Iteration against wall time", "A straggler's line is "
-                                   "flatter; its neighbours' lines follow it within the gap bound.",
+    caption = ("A straggler's line is flatter; its neighbours' lines follow it within the gap bound."
+               if stats.output.gaps == "neighbours" else "A straggler's line is flatter.")
+    progress.figures.append(Figure("iterations", "Iteration against wall time", caption,
                                    plots.iteration_plot(stats)))
     loss = plots.loss_plot(stats)
     if loss is not None:
