@@ -16,7 +16,9 @@ from typing import Any, Literal
 WAIT_PARTS = ("wait_updates_s", "wait_tokens_s")
 """The ``iteration`` record's wait fields a protocol reports its waits in (``Node.waited``)."""
 
-Across = Literal["sum", "max", "mean", "tally"]
+Across = Literal["sum", "per_rank", "max", "mean", "tally"]
+PER_RANK_SHOWN = 8
+"""``per_rank`` lists this many ranks' values after the sum (the largest first)."""
 GapScope = Literal["neighbours", "all", "none"]
 
 SKIPS = "skips"
@@ -41,8 +43,9 @@ class Count:
     field: str
     label: str
     across: Across = "sum"
-    """How ranks combine into one run-wide value: ``sum``, ``max`` (with the rank that had it),
-    ``mean``, or ``tally`` (a value such as a role: how many ranks had each)."""
+    """How ranks combine into one run-wide value: ``sum``, ``per_rank`` (the sum, then the largest
+    ranks' shares: who started the rounds), ``max`` (with the rank that had it), ``mean``, or
+    ``tally`` (a value such as a role: how many ranks had each)."""
     in_summary: bool = True
     """Also a column of the launcher's summary table (the report's rank table shows every count)."""
 
@@ -109,7 +112,12 @@ def combine(count: Count, values: Mapping[int, Any]) -> str:
         return format_value(numbers[rank]) + ("" if alike else f" (rank {rank})")
     if count.across == "mean":
         return format_value(sum(numbers.values()) / len(numbers))
-    return format_value(sum(numbers.values()))
+    total = format_value(sum(numbers.values()))
+    if count.across == "per_rank" and len(numbers) > 1:
+        largest = sorted(numbers, key=lambda r: (-numbers[r], r))
+        shown = ", ".join(f"rank {r} {format_value(numbers[r])}" for r in largest[:PER_RANK_SHOWN])
+        return f"{total} ({shown}{', ...' if len(largest) > PER_RANK_SHOWN else ''})"
+    return total
 
 
 __all__ = ["GENERIC_OUTPUT", "SKIPS", "TOKENS_WAIT", "UPDATES_WAIT", "WAIT_PARTS", "Count", "OutputSpec", "Wait",

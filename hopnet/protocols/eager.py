@@ -609,7 +609,7 @@ class EagerOptions(GradientOptions):
 
 EAGER_OUTPUT = OutputSpec(
     waits=(Wait("wait_updates_s", "wait for round", "wait round"),),
-    counts=(Count("initiated", "rounds started"), Count("stale_calls", "late contributions"),
+    counts=(Count("initiated", "rounds started", "per_rank"), Count("stale_calls", "late contributions"),
             Count("rounds", "rounds", "max", in_summary=False),
             Count("rounds_skipped", "rounds skipped", in_summary=False),
             Count("active_mean", "mean ranks active per round", "mean", in_summary=False)))
