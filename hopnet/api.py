@@ -104,14 +104,16 @@ class Worker:
                  grads: FlatGradients | torch.Tensor | None = None,
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
-                 max_restarts: int = 0, restart: int = 0, module: torch.nn.Module | None = None) -> None:
+                 max_restarts: int = 0, restart: int = 0, max_failures: int = 0,
+                 module: torch.nn.Module | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
         (``hopnet.init`` builds it from ``HOPNET_COORDINATOR``; group protocols reach it as
         ``node.coordinator``). ``max_restarts``: dead workers the launcher may replace (peers then
         wait for them to come back); ``restart``: this process replaces its rank's dead worker (the
-        ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`)."""
+        ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`).
+        ``max_failures``: workers the run may lose; a group a dead member broke is then rolled back."""
         model = ModelState.wrap(params)
         if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
@@ -150,6 +152,7 @@ class Worker:
         self._resumed: dict[str, Any] = {}
         """The user state of the checkpoint this worker resumed from, loaded as it registers."""
         self.node.max_restarts = max_restarts
+        self.node.survives_losses = max_restarts > 0 or max_failures > 0
         self.node.restart = restart
         self.node.mailbox.replaceable = max_restarts > 0
         self.node.handover_now = self._hand_over_on_loop
@@ -641,7 +644,8 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
-                        max_restarts=restarts.allowed, restart=restarts.this, module=spec.model)
+                        max_restarts=restarts.allowed, restart=restarts.this, max_failures=restarts.losses,
+                        module=spec.model)
     except BaseException:
         run.finish(aborted=True)
         raise

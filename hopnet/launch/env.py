@@ -37,6 +37,10 @@ a dead rank to come back instead of failing. ``HOPNET_RESTART=N`` is set in the 
 replacement only: the ``N``-th process of its rank after the first (1, 2, ...). It joins the
 running job and takes a neighbour's model instead of starting from its own initial weights.
 
+``HOPNET_MAX_FAILURES`` (set by ``hopnet launch --max-failures K``): the run may lose up to ``K``
+workers, so a group or averaging that a dead member broke is rolled back on the others, who go on
+(as under ``--max-restarts``), instead of failing them.
+
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
 launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
 CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured
@@ -69,6 +73,7 @@ EXPLICIT = "HOPNET_EXPLICIT"
 STORE = "HOPNET_STORE"
 SAVE_MODEL = "HOPNET_SAVE_MODEL"
 MAX_RESTARTS = "HOPNET_MAX_RESTARTS"
+MAX_FAILURES = "HOPNET_MAX_FAILURES"
 RESTART = "HOPNET_RESTART"
 MODEL_FILE = "model.pt"
 """Where ``--save-model`` puts the consensus model, in the run directory."""
@@ -114,15 +119,19 @@ class Restarts:
     """Dead workers the launcher may replace (0: none; peers then never wait for one to come back)."""
     this: int = 0
     """This process's restart number: 0 for the first process of its rank, N for its N-th replacement."""
+    losses: int = 0
+    """Workers the run may lose (``HOPNET_MAX_FAILURES``): a round a dead member broke is rolled back."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Restarts:
         allowed, this = _int(environ, MAX_RESTARTS, 0), _int(environ, RESTART, 0)
-        if allowed < 0 or this < 0:
-            raise ConfigError(f"{MAX_RESTARTS} and {RESTART} must be >= 0 (got {allowed} and {this})")
+        losses = _int(environ, MAX_FAILURES, 0)
+        if allowed < 0 or this < 0 or losses < 0:
+            raise ConfigError(f"{MAX_RESTARTS}, {RESTART} and {MAX_FAILURES} must be >= 0 "
+                              f"(got {allowed}, {this} and {losses})")
         if this and not allowed:
             raise ConfigError(f"{RESTART}={this} without {MAX_RESTARTS}: a replacement needs peers that wait for it")
-        return cls(allowed, this)
+        return cls(allowed, this, losses)
 
 
 def _names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from typing import Any
 from hopnet import checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import MAX_RESTARTS, RESTART, SAVE_MODEL
+from hopnet.launch.env import MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, graph_label, make_run_dir
 from hopnet.launch.spec import LaunchPlan
@@ -207,12 +207,14 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
     env["PYTHONPATH"] = worker_pythonpath(env)
     if plan.spec.env_extra:
         env.update({str(k): str(v) for k, v in plan.spec.env_extra.items()})
-    for name in (SAVE_MODEL, MAX_RESTARTS, RESTART):  # the launcher's flags decide, not its own environment
+    for name in (SAVE_MODEL, MAX_RESTARTS, MAX_FAILURES, RESTART):  # the launcher's flags decide, not its own environment
         env.pop(name, None)
     if plan.spec.save_model:
         env[SAVE_MODEL] = "1"
     if plan.spec.max_restarts > 0:
         env[MAX_RESTARTS] = str(plan.spec.max_restarts)
+    if plan.spec.max_failures > 0:
+        env[MAX_FAILURES] = str(plan.spec.max_failures)
     threads_note = limit_worker_threads(env, plan.nodes.nproc)
     env.pop(KEY_ENV, None)
     if security.keys is not None:

@@ -319,9 +319,9 @@ class AdPsgdProtocol(Protocol):
             return
         if state == "departed":
             self._reply.set_result(False)  # it replies before saying bye: our request was never served
-        elif self.node.max_restarts:
-            # Its side may have averaged, but that side is gone: a replacement takes a live neighbour's
-            # model. This model is as the averaging found it: skip it and go on.
+        elif self.node.survives_losses:
+            # Its side may have averaged, but that side is gone (a replacement, if any, takes a live
+            # neighbour's model). This model is as the averaging found it: skip it and go on.
             self._reply.set_result(False)
         else:
             self._reply.set_exception(PeerFailure(

@@ -201,14 +201,14 @@ async def reduce_or_roll_back(node: NodeServices, snapshot: ModelSnapshot, tenso
                               reduce: Awaitable[T]) -> T | PeerFailure:
     """Run a group's ``reduce`` of ``tensors`` and return its result; when another member died in it
     (a :class:`PeerFailure` naming a peer), put ``tensors`` back as they were and return that failure
-    instead of raising it: under ``--max-restarts`` the group is lost, not the run. Without
-    ``--max-restarts`` nothing is copied (the copy would be a second model in memory)."""
-    if node.max_restarts:
+    instead of raising it: under ``--max-restarts`` or ``--max-failures`` the group is lost, not the
+    run. Without them nothing is copied (the copy would be a second model in memory)."""
+    if node.survives_losses:
         snapshot.take(tensors)
     try:
         return await reduce
     except PeerFailure as exc:
-        if not node.max_restarts or exc.peer is None or exc.peer == node.rank:
+        if not node.survives_losses or exc.peer is None or exc.peer == node.rank:
             raise
         snapshot.restore(tensors)
         return exc

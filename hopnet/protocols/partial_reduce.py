@@ -161,7 +161,7 @@ class PartialReduceProtocol(Protocol):
         beta = weights[members.index(self.rank)]
         if len(members) == 1:
             self.groups_alone += 1
-        elif self.node.max_restarts:
+        elif self.node.survives_losses:
             if not await self._reduce_or_roll_back(members, gid, beta, k):
                 return
         else:
@@ -217,10 +217,10 @@ class PartialReduceProtocol(Protocol):
             raise
 
     async def _reduce_or_roll_back(self, members: tuple[int, ...], gid: int, beta: float, k: int) -> bool:
-        """With ``--max-restarts`` a member that dies takes the group with it, not the run: the model
-        goes back to what it was before the group and this worker carries on, as if it had been
-        grouped alone (the controller groups the others without the dead one, and takes its
-        replacement back). Whether the group ran."""
+        """With ``--max-restarts`` or ``--max-failures`` a member that dies takes the group with it, not
+        the run: the model goes back to what it was before the group and this worker carries on, as
+        if it had been grouped alone (the controller groups the others without the dead one, and
+        takes its replacement back if one comes). Whether the group ran."""
         failure = await reduce_or_roll_back(self.node, self._before, self.flats, self._reduce(members, gid, beta, k))
         if not isinstance(failure, PeerFailure):
             return True

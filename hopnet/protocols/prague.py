@@ -206,7 +206,7 @@ class PragueProtocol(Protocol):
             raise ProtocolError(f"rank {self.rank}: the coordinator sent a GO it cannot run: {message!r}")
         if len(members) == 1:
             self.no_sync += 1
-        elif self.node.max_restarts:
+        elif self.node.survives_losses:
             await self._reduce_or_roll_back(members, gid)
         else:
             await allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}")
@@ -215,9 +215,10 @@ class PragueProtocol(Protocol):
         return gid, members
 
     async def _reduce_or_roll_back(self, members: list[int], gid: int) -> None:
-        """With ``--max-restarts`` a member that dies takes the P-Reduce with it, not the run: the model
-        goes back to what it was before the group, and the group is acknowledged as run (the GG
-        releases the dead member itself, and takes its replacement back)."""
+        """With ``--max-restarts`` or ``--max-failures`` a member that dies takes the P-Reduce with it,
+        not the run: the model goes back to what it was before the group, and the group is
+        acknowledged as run (the GG releases the dead member itself, and takes its replacement back
+        if one comes)."""
         failure = await reduce_or_roll_back(
             self.node, self._before, self.flats,
             allreduce_each(self.node.collective, members, self.flats, "mean", tag=f"{TAG_PREFIX}/{gid}"))

@@ -116,6 +116,8 @@ class Node(Generic[P]):
         self.coordinator = coordinator
         self.max_restarts = 0
         """Workers the launcher may replace (``--max-restarts``): peers declared dead may come back."""
+        self.survives_losses = False
+        """The run goes on without a dead worker (``--max-restarts`` or ``--max-failures``)."""
         self.restart = 0
         """This process's restart number: 0 for the first process of its rank, N for its N-th replacement."""
         self.restarts_seen: dict[int, int] = {}  # peer -> the restart number of its process now
@@ -314,7 +316,7 @@ class Node(Generic[P]):
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
         self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
-        if self.max_restarts:
+        if self.survives_losses:
             self.mailbox.break_rounds_with(peer, "died")
 
     def peer_state(self, peer: int) -> str:

@@ -89,6 +89,9 @@ class NodeServices(Protocol):
     """How many dead workers the launcher may replace (``--max-restarts``): with any, a peer
     declared dead may come back (:mod:`hopnet.runtime.rejoin`), so a protocol that can keep
     going without it does, rather than fail."""
+    survives_losses: bool
+    """Whether the run goes on without a dead worker (``--max-restarts`` or ``--max-failures``): a
+    group or averaging that a dead member broke is then rolled back on the others, not fatal."""
     restart: int
     """This process's restart number (0: the first process of its rank; N: its N-th replacement)."""
     restarts_seen: dict[int, int]
