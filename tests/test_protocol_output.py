@@ -17,6 +17,7 @@ from hopnet.cli.main import main as cli
 from hopnet.report import plots
 from hopnet.report.build import write_report
 from hopnet.report.content import ReportContent, build_content
+from hopnet.report.live import ProgressState
 from hopnet.report.rundir import load_run_dir
 from hopnet.report.stats import run_stats
 from hopnet.report.summary import summary_text
@@ -181,3 +182,14 @@ def test_the_declarations_are_the_only_place_a_protocol_is_named() -> None:
         text = path.read_text()
         for name in registry.names():
             assert f'"{name}"' not in text and f"'{name}'" not in text, f"{path.name} names {name}"
+
+
+def test_live_status_line_counts_skips_only_for_a_protocol_that_skips() -> None:
+    def start(protocol: str) -> dict[str, Any]:
+        return {"event": "start", "rank": 0, "t": 0.0, "mono": 1.0, "config": {"protocol": protocol}}
+
+    step = {"event": "iteration", "rank": 0, "t": 1.0, "mono": 2.0, "iter": 0}
+    for protocol, shown in (("hop", True), ("eager-sgd", False), ("allreduce", False), ("prague", False)):
+        state = ProgressState(1)
+        state.add(0, [start(protocol), step])
+        assert ("skips 0" in state.status_text()) == shown, (protocol, state.status_text())
