@@ -43,6 +43,24 @@ def test_silence_is_measured_from_the_last_sign_of_life() -> None:
     assert live.silence(7, 20.0) is None
 
 
+def test_a_watcher_that_was_stopped_itself_gives_every_peer_a_fresh_limit() -> None:
+    # A worker SIGSTOPped for 6 s and continued: the silence it sees is its own, not its peers'.
+    live = Liveness([1, 2], timeout_s=3.0, now=0.0)
+    assert live.look(0.5) == 0.0
+    live.heard(1, 0.5)
+    assert live.look(6.5) == pytest.approx(6.0)
+    assert live.silent_peers(6.5) == []        # without look(): both would be declared dead here
+    assert live.silent_peers(9.4) == []
+    assert live.silent_peers(9.5) == [(1, 3.0), (2, 3.0)]  # still silent a whole limit after it woke
+
+
+def test_short_pauses_of_the_watcher_change_nothing() -> None:
+    live = Liveness([1], timeout_s=3.0, now=0.0)
+    for t in (0.6, 1.2, 2.6):                  # each gap under half the limit
+        assert live.look(t) == 0.0
+    assert live.silent_peers(3.0) == [(1, 3.0)]
+
+
 def test_beats_go_only_to_peers_nothing_was_sent_to_lately() -> None:
     live = Liveness([1, 2, 3], timeout_s=5.0, now=0.0)
     assert live.beat_interval_s == 1.0

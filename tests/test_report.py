@@ -119,7 +119,8 @@ def test_html_report_embeds_the_figures_and_tables(tmp_path: Path) -> None:
     [page] = write_report(run_dir)
     assert page == run_dir / "report.html"
     html = page.read_text()
-    assert html.count('src="data:image/png;base64,') == 4  # iterations, loss, time split, gaps
+    # diagnosis (stragglers, lag), iterations, loss, time split, gaps
+    assert html.count('src="data:image/png;base64,') == 6
     assert "<td>0</td><td>2</td><td>3</td><td>1</td><td class=\"bad\">NO</td>" in html
     assert "2 of 6 pairs EXCEED" in html
     assert "<td>2</td><td>finished</td><td>5</td><td>4</td><td>0.62</td><td>75.0%</td><td>12.5%</td>" in html
@@ -131,8 +132,8 @@ def test_markdown_report_writes_pngs_beside_the_page(tmp_path: Path) -> None:
     written = write_report(run_dir, out)
     assert written[0] == out
     pngs = written[1:]
-    assert {p.name for p in pngs} == {"summary-iterations.png", "summary-loss.png", "summary-time_split.png",
-                                      "summary-gaps.png"}
+    assert {p.name for p in pngs} == {"summary-stragglers.png", "summary-lag.png", "summary-iterations.png",
+                                      "summary-loss.png", "summary-time_split.png", "summary-gaps.png"}
     for png in pngs:
         assert png.read_bytes().startswith(b"\x89PNG") and f"]({png.name})" in out.read_text()
     assert "| 0 | 2 | 3 | 1 | NO |" in out.read_text()
@@ -164,7 +165,8 @@ def test_report_cli_writes_page_and_trace(tmp_path: Path, capsys: pytest.Capture
     code = main(["report", str(run_dir), "--trace", str(tmp_path / "t.json")])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert out.splitlines() == [f"wrote {run_dir / 'report.html'}", f"wrote {tmp_path / 't.json'}"]
+    assert out.splitlines()[-2:] == [f"wrote {run_dir / 'report.html'}", f"wrote {tmp_path / 't.json'}"]
+    assert out.splitlines()[0].startswith("diagnosis: rank 2 computes 6.0x the median")
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 

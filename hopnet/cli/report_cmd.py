@@ -9,7 +9,9 @@ Read a run directory written by `hopnet launch` (graph.json, launch.json and the
 rank{R}.jsonl event logs) and write a report: loss and iteration against wall time per
 worker, each worker's time split into compute, waiting for updates, waiting for tokens
 and mixing, and the largest iteration gap between neighbours beside Hop's Table 1
-bound. HTML is one self-contained page; md writes a Markdown page with PNGs beside it.
+bound, under a diagnosis: which ranks or links limited the run, whom each worker waited
+on, and an option to try with the simulator's predicted effect. HTML is one
+self-contained page; md writes a Markdown page with PNGs beside it.
 """
 
 
@@ -23,12 +25,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="html (default, or from OUT's suffix) or md (PNGs beside the page)")
     parser.add_argument("--trace", default=None, metavar="TRACE.json",
                         help="also write Chrome trace events (open in Perfetto or chrome://tracing)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="diagnose without the simulator's predictions (faster; no torch import)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from hopnet.report.build import write_report
+    from hopnet.report.diagnosis import Predictor
 
-    for path in write_report(args.run_dir, args.output, args.format, args.trace):
+    predictor: Predictor | None = None
+    if not args.no_predict:
+        from hopnet.sim.whatif import predict
+
+        predictor = predict
+    for path in write_report(args.run_dir, args.output, args.format, args.trace, predictor=predictor,
+                             echo=lambda line: print(f"diagnosis: {line}")):
         print(f"wrote {path}")
     return 0

@@ -198,7 +198,7 @@ class AdPsgdProtocol(Protocol):
             self.node.handover_point(False)
             self._awaited = None
             self._reply = None
-            self.node.waited("updates", loop.time() - began)
+            self.node.waited("updates", loop.time() - began, [partner])
         if sent is not None:
             await sent  # received means sent; this only lets the send's bookkeeping finish
         if not served:

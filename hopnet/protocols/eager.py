@@ -283,7 +283,7 @@ class EagerProtocol(Protocol):
             await self.node.clock.wait(asyncio.shield(done), what, peer=peer, iteration=iteration)
         finally:
             self._waiting_for = None
-            self.node.waited("updates", self.node.clock.now() - started)
+            self.node.waited("updates", self.node.clock.now() - started, () if peer is None else [peer])
         self._raise_failure()
 
     def _take_result(self, grads: torch.Tensor) -> None:

@@ -613,11 +613,20 @@ class HopProtocol(Protocol):
             return
         node = self.node
         began = node.timer()
+        # The peers still missing when the wait was last re-checked: the ones whose arrival ended it.
+        missing = list(describe()[1])
+
+        def tracked() -> bool:
+            if ready():
+                return True
+            missing[:] = describe()[1]
+            return False
+
         # Waiting here, the model is consistent (the reduce comes after): a neighbour's replacement may
         # take it now (in a strict run it may be what this worker waits for).
         node.handover_point()
         try:
-            await node.clock.wait(waitable.wait_until(ready), "", iteration=k)
+            await node.clock.wait(waitable.wait_until(tracked), "", iteration=k)
         except WaitTimeout as exc:
             what, peers = describe()
             peer = peers[0] if peers else None
@@ -626,7 +635,9 @@ class HopProtocol(Protocol):
                               iteration=k, waited_s=exc.waited_s) from None
         finally:
             node.handover_point(False)
-            node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began)
+            still = set(describe()[1])
+            node.waited("updates" if waitable is self.queue else "tokens", node.timer() - began,
+                        [j for j in missing if j not in still] or missing)
 
     # ------------------------------------------------------------------ mixing
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from hopnet.errors import ConfigError
 from hopnet.report.content import build_content
+from hopnet.report.diagnosis import Predictor, diagnose
+from hopnet.report.diagnosis_view import diagnosis_section
 from hopnet.report.rundir import load_run_dir
 from hopnet.report.trace import write_trace
 
@@ -17,11 +20,14 @@ def default_output(run_dir: Path, fmt: str) -> Path:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, fmt: str | None = None,
-                 trace: str | Path | None = None) -> list[Path]:
+                 trace: str | Path | None = None, predictor: Predictor | None = None,
+                 echo: Callable[[str], None] | None = None) -> list[Path]:
     """Write the report of ``run_dir`` and return the files written.
 
     ``fmt`` is ``html`` (one self-contained page) or ``md`` (a page plus PNGs); without it
     the format follows ``out``'s suffix, else HTML. ``trace`` also writes Chrome trace events.
+    The page opens with a diagnosis (:mod:`hopnet.report.diagnosis`); ``predictor`` adds the
+    simulator's predictions to it, and ``echo`` is handed its lines.
     """
     if fmt is None:
         fmt = "md" if out is not None and Path(out).suffix.lower() in (".md", ".markdown") else "html"
@@ -32,6 +38,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, fmt: str | 
     if target.is_dir():
         target = default_output(target, fmt)
     content = build_content(run)
+    diagnosis = diagnose(run, predictor=predictor)
+    content.sections.insert(0, diagnosis_section(run, predictor=predictor, diagnosis=diagnosis))
+    if echo is not None:
+        for line in diagnosis.lines():
+            echo(line)
     written: list[Path] = []
     try:
         if fmt == "html":

@@ -135,3 +135,71 @@ def gap_plot(gaps: list[EdgeGap]) -> bytes | None:
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, axis="y")
     return _png(fig)
+
+
+STRAGGLER_COLOR = "#c44e52"
+
+
+def straggler_plot(stats: RunStats, highlight: set[int]) -> bytes:
+    """Each worker's step time as shares (compute, waits, mixing), one bar per rank, the most
+    computing rank on top: a straggler is a long compute bar among bars that are mostly waiting."""
+    ranks = sorted(stats.ranks, key=lambda r: (-stats.ranks[r].share("compute_s"), r))
+    fig, ax = _figure(8.0, max(2.5, min(14.0, 0.3 * len(ranks) + 1.5)))
+    labels = [f"rank {r}" + (" (straggler)" if r in highlight else "") for r in ranks]
+    left = [0.0] * len(ranks)
+    for part, label in time_parts(stats):
+        values = [100 * stats.ranks[r].share(part) for r in ranks]
+        ax.barh(labels, values, left=left, color=PART_COLORS[part], label=label,
+                edgecolor=["black" if r in highlight else "none" for r in ranks], linewidth=1.2)
+        left = [a + v for a, v in zip(left, values)]
+    ax.invert_yaxis()
+    for tick, rank in zip(ax.get_yticklabels(), ranks):
+        if rank in highlight:
+            tick.set_color(STRAGGLER_COLOR)
+            tick.set_fontweight("bold")
+    if len(ranks) > 40:
+        ax.set_yticks(range(len(ranks)), [""] * len(ranks))
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("% of the worker's step time")
+    ax.set_title("Compute against waiting, per worker (most computing first)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, axis="x")
+    return _png(fig)
+
+
+def lag_plot(stats: RunStats, highlight: set[int], samples: int = 400) -> bytes:
+    """How many iterations each worker was behind the furthest one, against wall time: the
+    ranks' progress lines pulled apart (a straggler's lag is the highest; skips drop it)."""
+    import bisect
+
+    fig, ax = _figure()
+    n = len(stats.ranks)
+    series = {r: ([m for m, _ in s.progress], [k for _, k in s.progress]) for r, s in stats.ranks.items()}
+    starts = [times[0] for times, _ in series.values() if times]
+    ends = [times[-1] for times, _ in series.values() if times]
+    if starts:
+        lo, hi = min(starts), max(ends)
+        grid = [lo + (hi - lo) * i / max(1, samples - 1) for i in range(samples)]
+
+        def finished(rank: int, t: float) -> int:
+            times, iters = series[rank]
+            at = bisect.bisect_right(times, t)
+            return iters[at - 1] if at else -1
+
+        done = {r: [finished(r, t) for t in grid] for r in series}
+        lead = [max(done[r][i] for r in done) for i in range(samples)]
+        for rank in series:
+            if not series[rank][0]:
+                continue
+            straggler = rank in highlight
+            ax.step([t - stats.t0 for t in grid], [a - b for a, b in zip(lead, done[rank])], where="post",
+                    color="black" if straggler else _rank_color(rank, n),
+                    linewidth=2.4 if straggler else 1.0, zorder=3 if straggler else 2,
+                    label=f"rank {rank}" + (" (straggler)" if straggler else ""))
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("iterations behind the furthest worker")
+    ax.set_title("Lag behind the furthest worker")
+    if n <= LEGEND_LIMIT:
+        ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
+    ax.grid(alpha=0.3)
+    return _png(fig)

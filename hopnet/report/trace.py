@@ -8,6 +8,10 @@ ones; their order inside a step is nominal (with the parallel approach the optim
 step, counted as compute, actually runs after the mix). Skips, departures, dead peers
 errors and rejoins are instant ("i") events, and so is each restart of a rank by the launcher
 (``launch.json``'s ``restarts``, ``--max-restarts``), on the rank's track when its replacement started.
+
+A wait that the protocol attributed to peers (``wait_updates_from``, ``wait_tokens_from``) names
+them (``wait for updates from 1``), and a flow arrow runs from each such peer's send of the
+update (when it entered the iteration) to the end of the wait it ended.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from hopnet.output_spec import GENERIC_OUTPUT
+from hopnet.report.diagnosis import update_arrivals
 from hopnet.report.rundir import RunData
 
 SPAN_ORDER = (("compute_s", "compute"), ("wait_updates_s", "wait for updates"),
               ("mix_s", "mixing"), ("wait_tokens_s", "wait for tokens"))
 STEP_TID = 0
+PEER_FIELDS = {"wait_updates_s": "wait_updates_from", "wait_tokens_s": "wait_tokens_from"}
+FLOW_LIMIT = 20_000
 
 
 def _us(seconds: float) -> int:
@@ -56,15 +63,20 @@ def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float,
             continue
         end = _us(mono - t0)
         if kind == "iteration":
-            durations = [(name, _us(float(rec.get(field) or 0.0))) for field, name in spans]
-            cursor = end - sum(d for _, d in durations)
+            durations = [(field, name, _us(float(rec.get(field) or 0.0))) for field, name in spans]
+            cursor = end - sum(d for _, _, d in durations)
             if previous_end is not None:
                 cursor = max(cursor, previous_end)  # rounding and thread hand-offs: never overlap
-            for name, duration in durations:
+            for field, name, duration in durations:
                 stop = min(cursor + duration, end)
                 if stop > cursor:
+                    args: dict[str, Any] = {"iter": rec.get("iter")}
+                    peers = rec.get(PEER_FIELDS.get(field, ""))
+                    if isinstance(peers, dict) and peers:
+                        name = f"{name} from {', '.join(sorted(peers, key=int))}"
+                        args["seconds_by_peer"] = peers
                     events.append({"name": name, "cat": "step", "ph": "X", "ts": cursor, "dur": stop - cursor,
-                                   "pid": rank, "tid": STEP_TID, "args": {"iter": rec.get("iter")}})
+                                   "pid": rank, "tid": STEP_TID, "args": args})
                     cursor = stop
             previous_end = end if previous_end is None else max(end, previous_end)
         elif kind == "skip":
@@ -87,6 +99,18 @@ def restart_events(run: RunData, t0: float) -> list[dict[str, Any]]:
     return events
 
 
+def update_flows(run: RunData, t0: float) -> list[dict[str, Any]]:
+    """Flow arrows from a peer's send of an update to the end of the wait it ended (the first
+    :data:`FLOW_LIMIT`); each end sits 1 us inside its span, so the viewer binds it there."""
+    events: list[dict[str, Any]] = []
+    for n, (src, dst, k, sent, arrived) in enumerate(update_arrivals(run)[:FLOW_LIMIT]):
+        common = {"name": f"update {k}", "cat": "update", "id": n, "tid": STEP_TID}
+        events.append({**common, "ph": "s", "ts": max(0, _us(sent - t0) - 1), "pid": src})
+        events.append({**common, "ph": "f", "bp": "e", "ts": max(0, _us(arrived - t0) - 1), "pid": dst,
+                       "args": {"from": src, "iter": k}})
+    return events
+
+
 def chrome_trace(run: RunData) -> dict[str, Any]:
     """The whole run as a Chrome trace object (``{"traceEvents": [...]}``), times relative to its start."""
     t0 = run.t0
@@ -95,6 +119,7 @@ def chrome_trace(run: RunData) -> dict[str, Any]:
     for rank, records in sorted(run.events.items()):
         events.extend(rank_trace_events(rank, records, t0, spans))
     events.extend(restart_events(run, t0))
+    events.extend(update_flows(run, t0))
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run_dir": str(run.path)}}
 
 

@@ -9,6 +9,7 @@ Node) feeds it the clock and does the sending, so it is tested with a fake clock
 ::
 
     live = Liveness(peers, timeout_s=5.0, now=clock.now())
+    live.look(now)                    # the watcher runs (a long pause of its own resets silences)
     live.heard(peer, now)             # a message arrived from ``peer``
     live.sent(peer, now)              # something was sent to ``peer``
     for peer in live.beat_due(now):   # nothing sent to them lately: send a beat
@@ -51,6 +52,7 @@ class Liveness:
                               f"shorter than the peer timeout ({self.timeout_s}s)")
         self._last_heard: dict[int, float] = {p: now for p in peers}
         self._last_sent: dict[int, float] = {p: now for p in self._last_heard}
+        self._last_look = now
 
     @property
     def watched(self) -> frozenset[int]:
@@ -66,6 +68,19 @@ class Liveness:
         """The earliest time a watched peer's silence reaches the limit (``inf``: none watched)."""
         times = [last + self.timeout_s for last in self._last_heard.values()]
         return max(now, min(times)) if times else math.inf
+
+    def look(self, now: float) -> float:
+        """The watcher looks at ``now``; returns how long it was away, if that was too long to judge
+        anyone by (else 0). A watcher away for half the silence limit or more was not running
+        itself (its process stopped, or starved of CPU): the silence it would see is its own, so
+        every peer starts a fresh silence limit from ``now``. Without this a worker SIGSTOPped
+        and continued would declare all its live neighbours dead the moment it woke."""
+        away, self._last_look = now - self._last_look, now
+        if away < self.timeout_s / 2:
+            return 0.0
+        for peer in self._last_heard:
+            self._last_heard[peer] = max(self._last_heard[peer], now)
+        return away
 
     def heard(self, peer: int, now: float) -> None:
         """A valid message from ``peer`` arrived: it is alive as of ``now``."""

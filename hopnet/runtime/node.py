@@ -19,7 +19,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from hopnet.errors import HopnetError, PeerFailure
@@ -41,12 +41,22 @@ P = TypeVar("P", bound=TrainingProtocol)
 class StepTimes:
     """Where the current step's time went so far (seconds); reset at the start of each step."""
 
-    __slots__ = ("wait_updates", "wait_tokens", "apply")
+    __slots__ = ("wait_updates", "wait_tokens", "apply", "updates_from", "tokens_from")
 
     def __init__(self) -> None:
         self.wait_updates = 0.0
         self.wait_tokens = 0.0
         self.apply = 0.0
+        self.updates_from: dict[int, float] = {}
+        """Seconds of ``wait_updates`` blamed on each peer (the protocols that name it)."""
+        self.tokens_from: dict[int, float] = {}
+
+    def reset(self) -> None:
+        self.wait_updates = self.wait_tokens = self.apply = 0.0
+        if self.updates_from:
+            self.updates_from.clear()
+        if self.tokens_from:
+            self.tokens_from.clear()
 
 
 class Node(Generic[P]):
@@ -272,6 +282,9 @@ class Node(Generic[P]):
         period = liveness.beat_interval_s
         while liveness.watched:
             now = self.clock.now()
+            away = liveness.look(now)
+            if away:
+                self.record("watch_paused", away_s=round(away, 3), iter=self.protocol.iteration)
             heard, self._heard = self._heard, set()
             for peer in heard:
                 liveness.heard(peer, now)
@@ -638,7 +651,7 @@ class Node(Generic[P]):
             return
         timer = self.timer
         times = self.step_times
-        times.wait_updates = times.wait_tokens = times.apply = 0.0
+        times.reset()
         began = timer()
         self._in_step = True
         try:
@@ -658,6 +671,10 @@ class Node(Generic[P]):
                 # up to it: the hand-overs between the trainer and the loop count as mixing.
                 since = began if self._step_ended is None else self._step_ended + compute_s
                 record["mix_s"] = round(max(0.0, ended - since - waited - times.apply), 6)
+                if times.updates_from:
+                    record["wait_updates_from"] = _by_peer(times.updates_from)
+                if times.tokens_from:
+                    record["wait_tokens_from"] = _by_peer(times.tokens_from)
                 record["mono"] = ended
                 self._step_ended = ended
                 self.record("iteration", **record)
@@ -671,12 +688,18 @@ class Node(Generic[P]):
                 self.step_times.apply += self.timer() - began
         return timed
 
-    def waited(self, what: str, seconds: float) -> None:
-        """The protocol waited ``seconds`` for ``"updates"`` or ``"tokens"`` (acks count as tokens)."""
+    def waited(self, what: str, seconds: float, peers: Sequence[int] = ()) -> None:
+        """The protocol waited ``seconds`` for ``"updates"`` or ``"tokens"`` (acks count as tokens);
+        ``peers``: the neighbours it waited on (the wait is split evenly between them)."""
+        times = self.step_times
         if what == "updates":
-            self.step_times.wait_updates += seconds
+            times.wait_updates += seconds
+            by_peer = times.updates_from
         else:
-            self.step_times.wait_tokens += seconds
+            times.wait_tokens += seconds
+            by_peer = times.tokens_from
+        for peer in peers:
+            by_peer[peer] = by_peer.get(peer, 0.0) + seconds / len(peers)
 
     def iteration_done(self, iteration: int, protocol: TrainingProtocol) -> None:
         """The protocol finished ``iteration``; its record is written when the step ends."""
@@ -701,6 +724,11 @@ class Node(Generic[P]):
         if self._logging:
             self.events.write({"event": event, "rank": self.rank,
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
+
+
+def _by_peer(seconds: dict[int, float]) -> dict[str, float]:
+    """A per-peer wait as the record writes it: JSON keys are strings."""
+    return {str(peer): round(s, 6) for peer, s in sorted(seconds.items())}
 
 
 class _DonorGone(Exception):
