@@ -1,20 +1,31 @@
-"""What one checkpoint costs a worker: the copy of its state and the atomic write
-(:class:`hopnet.checkpoint.Checkpointer`), for the digits MLP and a ~100 MB model with SGD momentum.
+"""What one checkpoint costs a worker: the copy of its state, the atomic write
+(:class:`hopnet.checkpoint.Checkpointer`), and how long the writer thread holds the GIL, for the
+digits MLP and a ~100 MB model with SGD momentum; format 2 (:func:`hopnet.checkpoint.dump`)
+against ``torch.save`` (format 1, what hopnet wrote before).
 
     python bench/checkpoint_cost.py [--dir DIR] [--repeats 5]
 
 The trainer (and so, under the synchronous protocols, its neighbours) waits only for the copy;
 the write runs in a background thread (``Worker.save_checkpoint``), and is waited for only
-when the next checkpoint comes before it is done.
+when the next checkpoint comes before it is done. What the writer still takes from the
+trainer's thread and the node's event loop is the time it holds the GIL: measured as the
+writer's CPU time serialising into a sink that discards the bytes (no system call, so all of
+that CPU time is spent holding the GIL, unless the serialiser releases it, which format 2 does
+around every tensor's write(2)). CPU time, not wall time: the load of a shared machine
+hardly changes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,22 +38,53 @@ def models() -> dict[str, torch.nn.Module]:
             "~100 MB MLP (25M params)": torch.nn.Sequential(*[torch.nn.Linear(2500, 2500) for _ in range(4)])}
 
 
-def measure(model: torch.nn.Module, directory: Path, repeats: int) -> tuple[float, float, float]:
+class Discard(io.RawIOBase):
+    """A stream that takes every byte and keeps none: serialising into it makes no system call."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return memoryview(data).nbytes
+
+
+def torch_save_write(payload: dict[str, Any], path: Path) -> None:
+    """hopnet's write_atomic before format 2."""
+    partial = path.with_name(f".{path.name}.tmp")
+    with open(partial, "wb") as stream:
+        torch.save(payload, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(partial, path)
+
+
+WRITERS: dict[str, tuple[Callable[[dict[str, Any], Path], None], Callable[[Any, Any], None]]] = {
+    "torch.save": (torch_save_write, lambda payload, stream: torch.save(payload, stream)),
+    "format 2": (checkpoint.write_atomic, checkpoint.dump),
+}
+
+
+def measure(model: torch.nn.Module, directory: Path, repeats: int) -> dict[str, list[float]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, model[0].in_features)).sum().backward()
     optimizer.step()  # momentum buffers exist, as in training
-    writer = checkpoint.Checkpointer(directory, rank=0, every=1)
-    copies, writes = [], []
+    found: dict[str, list[float]] = {"copy": [], "size": []}
     for i in range(repeats):
         started = time.perf_counter()
         payload = checkpoint.copied({"iteration": i, "model": model.state_dict(),
                                      "states": {"optimizer": optimizer.state_dict()}, "rng": checkpoint.rng_states()})
-        copied = time.perf_counter()
-        writer.save(i, payload)
-        copies.append(copied - started)
-        writes.append(time.perf_counter() - copied)
-    size = (directory / checkpoint.checkpoint_name(0, repeats - 1)).stat().st_size
-    return statistics.median(copies) * 1e3, statistics.median(writes) * 1e3, size / 1e6
+        found["copy"].append(time.perf_counter() - started)
+        for name, (write, serialise) in WRITERS.items():  # alternated: the machine's load hits both alike
+            path = directory / f"{name}-{i}.pt"
+            began = time.perf_counter()
+            write(payload, path)
+            found.setdefault(f"{name} write", []).append(time.perf_counter() - began)
+            found["size"].append(path.stat().st_size)
+            path.unlink()
+            cpu = time.thread_time()
+            serialise(payload, Discard())
+            found.setdefault(f"{name} gil", []).append(time.thread_time() - cpu)
+    return found
 
 
 def main() -> None:
@@ -53,9 +95,12 @@ def main() -> None:
     torch.set_num_threads(1)
     for name, model in models().items():
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-            copy_ms, write_ms, mb = measure(model, Path(folder), args.repeats)
-        print(f"{name}: {mb:.1f} MB file, copy {copy_ms:.1f} ms, write+fsync+rename {write_ms:.1f} ms "
-              f"(median of {args.repeats})", flush=True)
+            found = measure(model, Path(folder), args.repeats)
+        ms = {key: statistics.median(values) * 1e3 for key, values in found.items() if key != "size"}
+        print(f"{name}: {max(found['size']) / 1e6:.1f} MB file, copy {ms['copy']:.2f} ms; "
+              + "; ".join(f"{writer}: write+fsync+rename {ms[f'{writer} write']:.1f} ms, "
+                          f"GIL held {ms[f'{writer} gil']:.2f} ms" for writer in WRITERS)
+              + f" (medians of {args.repeats})", flush=True)
 
 
 if __name__ == "__main__":

@@ -151,12 +151,18 @@ class Worker:
         self._states: dict[str, Any] = {}
         self._resumed: dict[str, Any] = {}
         """The user state of the checkpoint this worker resumed from, loaded as it registers."""
+        held = self.node.protocol.checkpoint_state()
+        if held is not None:  # the protocol's own state (DiLoCo's outer optimizer) travels with the model
+            self._states[checkpoint.PROTOCOL_STATE] = held
         self.node.max_restarts = max_restarts
         self.node.survives_losses = max_restarts > 0 or max_failures > 0
         self.node.restart = restart
         self.node.mailbox.replaceable = max_restarts > 0
         self.node.handover_now = self._hand_over_on_loop
         self.node.load_state = self._load_handover
+        self._resuming = bool(start_iteration)
+        """Resumed from a checkpoint whose load (:meth:`load_checkpoint`) has not yet run the
+        protocol's :meth:`~hopnet.protocols.base.Protocol.after_resume`."""
         if start_iteration:
             self.node.protocol.resume_at(start_iteration)
         try:
@@ -378,7 +384,11 @@ class Worker:
         for name in list(self._resumed):
             if name in self._states:
                 checkpoint.load_state_into(self._states[name], self._resumed.pop(name))
-        self.record("resumed", iter=state["iteration"])
+        if self._resuming:  # every rank of the resumed run is here, before its trainer computes
+            self._resuming = False
+            self._thread.run(self.node.protocol.after_resume())
+        self.record("resumed", iter=state["iteration"],
+                    fingerprint=rejoin.fingerprint(self.node.protocol.model_tensors()))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

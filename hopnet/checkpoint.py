@@ -7,6 +7,14 @@ always holds a complete checkpoint, and a kill during a write leaves only a ``.t
 that nothing reads. The :data:`KEEP` newest checkpoints of each rank are kept, so that ranks a
 few iterations apart (Hop) still share one.
 
+The file (:func:`dump`, format 2) is a small header, the payload pickled with every CPU tensor
+left out (a reference to its place instead), then each tensor's bytes as they lie in memory. The
+writer thread holds the GIL only to pickle that skeleton; the tensor bytes go out by
+``write(2)`` from a view of the tensor, which runs with the GIL released, so the trainer's
+thread and the node's event loop (and so the neighbours waiting on them) are not held up by
+the write (``torch.save`` held it through the pickling, the copies and the CRC of every byte:
+bench/README.md, "Checkpoint cost"). :func:`load` also reads the ``torch.save`` files of format 1.
+
 The resume point (:func:`common_iteration`) is the highest iteration for which every rank has
 a complete checkpoint: the synchronous protocols need all ranks to resume from the same one.
 
@@ -23,15 +31,18 @@ under torchrun and srun):
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import random
 import re
+import struct
 import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -43,6 +54,8 @@ RESUME = "HOPNET_RESUME"
 DEFAULT_SUBDIR = "checkpoints"
 OPTIMIZER_STATE = "hopnet.optimizer"
 """The name a DistributedOptimizer registers its state under (:meth:`hopnet.api.Worker.register_state`)."""
+PROTOCOL_STATE = "hopnet.protocol"
+"""The name a protocol's own state is saved under (:meth:`hopnet.protocols.base.Protocol.checkpoint_state`)."""
 KEEP = 3
 """Checkpoints kept per rank (the newest): enough for ranks a few iterations apart to share one."""
 _NAME = re.compile(r"rank(\d+)-iter(\d+)\.pt")
@@ -75,14 +88,108 @@ def common_iteration(directory: Path, world_size: int) -> int | None:
     return max(common) if common else None
 
 
+MAGIC = b"HOPNETCK"
+FORMAT = 2
+_HEADER = struct.Struct("<8sIQQ")  # magic, format, skeleton bytes, tensor bytes
+_ALIGN = 64
+
+
+class _TensorsOut(pickle.Pickler):
+    """Pickles a payload's skeleton: each plain CPU tensor becomes a reference to its bytes,
+    written after the skeleton."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.offset = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided or obj.is_quantized \
+                or obj.device.type != "cpu" or obj.requires_grad:
+            return None  # pickled as torch pickles it (a CUDA tensor, say: copied() moves none there)
+        tensor = obj.resolve_conj().resolve_neg().contiguous()
+        place = (self.offset, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        self.tensors.append(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.offset += -(-nbytes // _ALIGN) * _ALIGN
+        return place
+
+
+class _TensorsIn(pickle.Unpickler):
+    def __init__(self, stream: IO[bytes], blob: IO[bytes], start: int) -> None:
+        super().__init__(stream)
+        self.blob = blob
+        self.start = start
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        offset, dtype, shape = pid
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        view = _bytes_of(tensor)
+        self.blob.seek(self.start + offset)
+        while view:  # a read(2) returns at most about 2 GB
+            got = self.blob.readinto(view)  # type: ignore[attr-defined]
+            if not got:
+                raise ConfigError(f"checkpoint {getattr(self.blob, 'name', '')}: truncated")
+            view = view[got:]
+        return tensor
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (a 0-d or empty one included)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    data: memoryview = tensor.reshape(-1).view(torch.uint8).numpy().data  # 1-d uint8: format "B"
+    return data
+
+
+def dump(payload: Any, stream: IO[bytes]) -> None:
+    """Write ``payload`` in format 2 (see the module's docstring) to the binary ``stream``."""
+    skeleton = io.BytesIO()
+    pickler = _TensorsOut(skeleton)
+    pickler.dump(payload)
+    _write_all(stream, memoryview(_HEADER.pack(MAGIC, FORMAT, skeleton.tell(), pickler.offset)))
+    _write_all(stream, skeleton.getbuffer())
+    _write_all(stream, memoryview(b"\0" * (-(_HEADER.size + skeleton.tell()) % _ALIGN)))
+    position = 0
+    for tensor in pickler.tensors:
+        view = _bytes_of(tensor)
+        _write_all(stream, view)  # write(2) from the tensor's memory, the GIL released
+        position += len(view)
+        padding = -position % _ALIGN
+        _write_all(stream, memoryview(b"\0" * padding))
+        position += padding
+
+
+def _write_all(stream: IO[bytes], view: memoryview) -> None:
+    while view:
+        written = stream.write(view)
+        view = view[written if written is not None else len(view):]
+
+
+def read(path: Path) -> Any:
+    """A checkpoint file of either format: 2 (:func:`dump`), or 1 (``torch.save``)."""
+    with open(path, "rb", buffering=0) as stream:
+        head = stream.read(_HEADER.size)
+        if len(head) < _HEADER.size or not head.startswith(MAGIC):
+            stream.seek(0)
+            return torch.load(stream, map_location="cpu", weights_only=False)
+        _, version, skeleton_size, tensor_bytes = _HEADER.unpack(head)
+        if version != FORMAT:
+            raise ConfigError(f"checkpoint {path}: format {version}, this hopnet reads {FORMAT} and 1")
+        start = -(-(_HEADER.size + skeleton_size) // _ALIGN) * _ALIGN
+        if os.fstat(stream.fileno()).st_size < start + tensor_bytes:
+            raise ConfigError(f"checkpoint {path}: truncated")
+        skeleton = stream.read(skeleton_size)
+        return _TensorsIn(io.BytesIO(skeleton), stream, start).load()
+
+
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file in the same directory: fsync, rename,
+    """:func:`dump` to ``path`` through a temporary file in the same directory: fsync, rename,
     fsync the directory. ``path`` is either absent or complete, whenever the writer dies."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(partial, "wb") as stream:
-            torch.save(payload, stream)
-            stream.flush()
+        with open(partial, "wb", buffering=0) as stream:
+            dump(payload, stream)
             os.fsync(stream.fileno())
         os.replace(partial, path)
     except BaseException:
@@ -98,7 +205,7 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
 def load(directory: Path, rank: int, iteration: int) -> dict[str, Any]:
     path = directory / checkpoint_name(rank, iteration)
     try:
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+        state: dict[str, Any] = read(path)
     except FileNotFoundError:
         raise ConfigError(f"resume: rank {rank} has no checkpoint of iteration {iteration} in {directory}") from None
     return state

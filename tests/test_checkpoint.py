@@ -3,6 +3,7 @@ after the launcher was SIGKILLed mid-run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -12,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
-from hopnet import checkpoint
+from hopnet import checkpoint, registry
+from hopnet.errors import ConfigError
 
 from support.env import clean_env
 from support.launch import kill, launch_in_process, recorded_worker_pids, run_launch, start_launch
@@ -32,14 +35,14 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     writer = checkpoint.Checkpointer(tmp_path, rank=0, every=10)
     writer.save(9, {"iteration": 9, "w": torch.arange(4.0)})
-    real_save = torch.save
+    real_dump = checkpoint.dump
 
     def dies_midway(obj: Any, stream: Any) -> None:
-        real_save(obj, stream)
+        real_dump(obj, stream)
         stream.truncate(stream.tell() // 2)  # half the bytes are out when the writer dies
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", dies_midway)
+    monkeypatch.setattr(checkpoint, "dump", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         writer.save(19, {"iteration": 19, "w": torch.zeros(1000)})
     monkeypatch.undo()
@@ -58,12 +61,56 @@ def test_a_writer_process_sigkilled_while_writing_leaves_no_checkpoint_name(tmp_
             "from hopnet import checkpoint\n"
             "def dies(obj, stream):\n"
             "    stream.write(b'x' * 100000); stream.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
-            "checkpoint.torch.save = dies\n"
+            "checkpoint.dump = dies\n"
             f"checkpoint.Checkpointer(Path({str(tmp_path)!r}), 0, 1).save(1, {{}})\n")
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert checkpoint.rank_iterations(tmp_path, 0) == [0]
     assert checkpoint.load(tmp_path, 0, 0) == {"iteration": 0}
+
+
+def _payload() -> dict[str, Any]:
+    layer = torch.nn.Linear(3, 2)
+    optimizer = {"state": {0: {"momentum_buffer": torch.randn(2, 3)}, 1: {"momentum_buffer": torch.randn(2)}},
+                 "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": [0, 1]}]}  # an SGD state_dict's shape
+    return checkpoint.copied({
+        "iteration": 7, "model": layer.state_dict(), "states": {"optimizer": optimizer},
+        "rng": checkpoint.rng_states(), "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4), "half": torch.arange(5, dtype=torch.bfloat16), "mask": torch.tensor([True, False]),
+        "strided": torch.arange(12.0).reshape(3, 4).t(), "ints": [torch.arange(3), (torch.ones(2, dtype=torch.int8),)]})
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, numpy.ndarray):  # numpy's RNG state
+        return bool(numpy.array_equal(a, b))
+    return bool(a == b)
+
+
+def test_a_checkpoint_loads_back_what_was_saved_tensors_of_every_kind_included(tmp_path: Path) -> None:
+    payload = _payload()
+    checkpoint.write_atomic(payload, tmp_path / checkpoint.checkpoint_name(0, 7))
+    assert (tmp_path / checkpoint.checkpoint_name(0, 7)).read_bytes().startswith(checkpoint.MAGIC)
+    assert _equal(checkpoint.load(tmp_path, 0, 7), payload)
+
+
+def test_a_checkpoint_written_by_torch_save_still_loads(tmp_path: Path) -> None:
+    payload = _payload()
+    torch.save(payload, tmp_path / checkpoint.checkpoint_name(1, 7))  # format 1, before format 2
+    assert _equal(checkpoint.load(tmp_path, 1, 7), payload)
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / checkpoint.checkpoint_name(0, 7)
+    checkpoint.write_atomic({"w": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match="truncated"):
+        checkpoint.load(tmp_path, 0, 7)
 
 
 def test_the_resume_point_is_the_newest_iteration_every_rank_has(tmp_path: Path) -> None:
@@ -110,7 +157,12 @@ def test_resume_refuses_a_conflicting_flag_in_one_line(tmp_path: Path) -> None:
     assert not (run_dir / "attempts").exists()
 
 
-def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tmp_path: Path) -> None:
+def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every built-in protocol resumes: stand in one that declares it cannot (a plugin's, say).
+    monkeypatch.setitem(registry._specs, "eager-sgd", dataclasses.replace(registry.lookup("eager-sgd"),
+                                                                          resumable=False))
+    takers = ", ".join(spec.name for spec in registry.specs() if spec.resumable)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "launch.json").write_text('{"resumable_argv": ["--nproc", "4", "--protocol", "eager-sgd", '
@@ -119,9 +171,13 @@ def test_resume_refuses_a_protocol_that_cannot_resume_before_touching_the_run(tm
     result = launch_in_process(["--resume", str(run_dir)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet "
-        "(ad-psgd, allreduce, hop, notify-ack, partial-reduce, prague can)"]
+        f"hopnet launch: error: --resume: --protocol eager-sgd cannot resume from checkpoints yet ({takers} can)"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["launch.json", "rank0.jsonl"]
+
+
+def test_the_eight_protocols_of_issue_17_resume() -> None:
+    eight = ("hop", "notify-ack", "allreduce", "pipe-sgd", "eager-sgd", "ad-psgd", "partial-reduce", "prague")
+    assert [name for name in eight if not registry.lookup(name).resumable] == []
 
 
 def test_resume_refuses_a_directory_without_a_run(tmp_path: Path) -> None:
@@ -199,6 +255,58 @@ def test_hop_resumed_after_a_sigkilled_launcher_reaches_95_percent(tmp_path: Pat
     resumed_at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
     assert resumed_at is not None and 149 <= int(resumed_at.group(1)) < 999
 
+
+
+def _final_parameters(run_dir: Path, nproc: int) -> list[torch.Tensor]:
+    return [torch.load(run_dir / f"final_rank{rank}.pt") for rank in range(nproc)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
+def test_pipe_sgd_resumed_after_a_sigkilled_launcher_restarts_its_pipeline_empty(tmp_path: Path, k: int) -> None:
+    """Every rank resumes from the common checkpoint with no all-reduce in flight: with K = 1 nothing
+    was in flight, and the run ends bit for bit as an uninterrupted one; with K = 2 the gradient in
+    flight is lost, and the ranks still end with one model."""
+    script = [DIGITS, "--iterations", "800", "--eval-every", "100000"]
+    common = ["--nproc", "3", "--protocol", "pipe-sgd", "--pipeline-k", str(k), "--checkpoint-every", "50",
+              "--no-progress"]
+    run_dir = tmp_path / "killed"
+    _kill_launcher_after_checkpoint(run_dir, [*common, "--run-dir", str(run_dir), *script], 3, after=199)
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    at = re.search(r"checkpoint of iteration (\d+)", resumed.stderr)
+    assert at is not None and 199 <= int(at.group(1)) < 799
+    starts = [records(run_dir, rank, "resumed")[-1] for rank in range(3)]
+    assert len({r["fingerprint"] for r in starts}) == 1, starts  # one model: the same averaged steps
+    finals = _final_parameters(run_dir, 3)
+    assert all(torch.equal(final, finals[0]) for final in finals)
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
+    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.95, accuracies
+    if k == 1:
+        whole = run_launch([*common, "--run-dir", str(tmp_path / "whole"), *script])
+        assert whole.returncode == 0, whole.stderr
+        assert torch.equal(finals[0], _final_parameters(tmp_path / "whole", 1)[0])
+    else:  # the warm-up after the resume applied no gradient, as the first one did
+        steps = [r for r in records(run_dir, 0, "iteration") if r["iter"] > int(at.group(1))]
+        assert steps and steps[0].get("grad_iter") is None and steps[1].get("grad_iter") == steps[0]["iter"], \
+            steps[:2]
+
+
+@pytest.mark.slow
+def test_eager_sgd_resumed_after_a_sigkilled_launcher_starts_every_rank_from_one_model(tmp_path: Path) -> None:
+    """The ranks' checkpoints of one iteration may differ (a rank that took only the newest of two
+    rounds skipped a result): every rank takes rank 0's model before computing, then trains on."""
+    run_dir = tmp_path / "run"
+    args = ["--nproc", "3", "--protocol", "eager-sgd", "--checkpoint-every", "50", "--no-progress",
+            "--run-dir", str(run_dir), DIGITS, "--iterations", "800", "--eval-every", "100000"]
+    _kill_launcher_after_checkpoint(run_dir, args, 3, after=199)
+    resumed = run_launch(["--resume", str(run_dir), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr
+    starts = [records(run_dir, rank, "resumed")[-1] for rank in range(3)]
+    assert len({r["iter"] for r in starts}) == 1 and 199 <= starts[0]["iter"] < 799, starts
+    assert len({r["fingerprint"] for r in starts}) == 1, starts
+    accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
+    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.95, accuracies
 
 
 def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:

@@ -294,7 +294,7 @@ def test_simulated_int8_shrinks_the_allreduce_about_fourfold() -> None:
 
 
 def test_pipe_sgd_options_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"--pipeline-k, --compress: option\(s\) that --protocol allreduce does not take \(taken by pipe-sgd\)"):
+    with pytest.raises(ConfigError, match=r"--pipeline-k, --compress: option\(s\) that --protocol allreduce does not take \(taken by diloco, pipe-sgd\)"):
         ProtocolConfig(protocol="allreduce", pipeline_k=3, compress="int8")
     with pytest.raises(ConfigError, match="--pipeline-k must be an integer >= 1"):
         ProtocolConfig(protocol="pipe-sgd", pipeline_k=0)

@@ -19,7 +19,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.registry import lookup, specs
-from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp
+from hopnet.runtime.services import AllReduce, ApplyFn, NodeServices, ReduceOp, Stateful
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 
@@ -67,6 +67,11 @@ class Protocol(abc.ABC):
             takers = ", ".join(spec.name for spec in specs() if spec.resumable)
             raise ConfigError(f"--protocol {self.name} cannot resume from a checkpoint yet ({takers} can)")
         self.iteration = iteration
+
+    async def after_resume(self) -> None:
+        """Every rank loaded its checkpoint (after :meth:`resume_at` and :meth:`start`), before its
+        trainer computes anything: what the protocol must do with the others first. Called on every
+        rank of a resumed run (a collective here is met by all of them)."""
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -165,6 +170,11 @@ class Protocol(abc.ABC):
         By default a departure after the previous iteration; a protocol that knows what it
         last received from the peer says so instead."""
         self.on_peer_departed(peer, self.iteration - 1)
+
+    def checkpoint_state(self) -> Stateful | None:
+        """The protocol's own state to save in checkpoints beside the model and to load on resume
+        (``state_dict``/``load_state_dict``), or None: it has none a resume needs."""
+        return None
 
     def snapshot(self) -> dict[str, Any]:
         """Small state summary for each iteration's record (queue depth, tokens...)."""

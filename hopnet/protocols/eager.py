@@ -512,6 +512,21 @@ class EagerProtocol(Protocol):
     async def after_rejoin(self) -> None:
         await self._restart_rounds()
 
+    # ------------------------------------------------------------------ resume from checkpoints
+    async def after_resume(self) -> None:
+        """Every rank resumes from its checkpoint of the same iteration with the rounds numbered from
+        0 again and nothing pending (the gradients that were in ``pend`` or in a round at the kill are
+        lost). The checkpoints need not hold the same model: a rank that took only the newest of
+        several finished rounds skipped the others' results. So the lowest rank's model (parameters
+        and floating buffers) goes to every rank, exactly, before any trainer computes: the resumed
+        run starts from one model, as the first run did."""
+        if self.world_size < 2 or not self.flats:
+            return
+        if self.rank != 0:
+            for tensor in self.flats:
+                tensor.zero_()
+        await allreduce_each(self.collective, self.everyone, self.flats, "sum", tag=self._tag("resume"))
+
     # ------------------------------------------------------------------ peers and the end
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
         self.left_early[peer] = last_iteration
@@ -622,6 +637,7 @@ register(ProtocolSpec(
     averages=Averages.GRADIENTS,
     uses_graph=False,
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
+    resumable=True,
     restartable=True,
     output=EAGER_OUTPUT,
 ))

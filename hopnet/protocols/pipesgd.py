@@ -217,6 +217,14 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         await super().after_rejoin()
         self.pipeline_start = self.iteration
 
+    def resume_at(self, iteration: int) -> None:
+        """Every rank resumes from its checkpoint of ``iteration - 1`` (the same model and optimizer
+        state on all: they applied the same averaged gradients) with the pipeline empty: the ``K-1``
+        all-reduces in flight at the kill are lost, and the next ``K-1`` steps warm up as the first
+        ones did. With ``K = 1`` nothing is in flight between two steps: the resumed run is exact."""
+        super().resume_at(iteration)
+        self.pipeline_start = iteration
+
     def on_peer_rejoined(self, peer: int) -> None:
         super().on_peer_rejoined(peer)
         self._rejoined = peer
@@ -397,6 +405,7 @@ register(ProtocolSpec(
     build=lambda config, options, model, grads: PipeSgdProtocol(config, options, grads, model),
     averages=Averages.GRADIENTS,
     uses_graph=False,
+    resumable=True,
     restartable=True,
     output=PIPE_SGD_OUTPUT,
 ))

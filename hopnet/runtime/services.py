@@ -148,6 +148,14 @@ class NodeServices(Protocol):
     def iteration_done(self, iteration: int, protocol: TrainingProtocol) -> None: ...
 
 
+class Stateful(Protocol):
+    """State saved in checkpoints the way torch saves a module's or an optimizer's."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
 class TrainingProtocol(Protocol):
     """What the node asks of the protocol it drives (see :class:`hopnet.protocols.base.Protocol`)."""
 
@@ -189,11 +197,17 @@ class TrainingProtocol(Protocol):
 
     async def after_rejoin(self) -> None: ...
 
+    def resume_at(self, iteration: int) -> None: ...
+
+    async def after_resume(self) -> None: ...
+
     def on_peer_done(self, peer: int) -> None: ...
 
     async def quiesce(self) -> None: ...
 
     def model_tensors(self) -> list[torch.Tensor]: ...
+
+    def checkpoint_state(self) -> Stateful | None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
@@ -203,4 +217,4 @@ class TrainingProtocol(Protocol):
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 
 __all__ = ["AddressExchange", "AllReduce", "ApplyFn", "CollectiveFactory", "CoordinatorChannel", "NodeServices",
-           "ReduceOp", "Timer", "TrainingProtocol"]
+           "ReduceOp", "Stateful", "Timer", "TrainingProtocol"]

@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from hopnet import Graph, ProtocolConfig, Worker
+from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.runtime.events import EventLog
 from hopnet.transports.inproc import InprocNetwork
@@ -37,8 +38,10 @@ def seeded(build: Callable[[], M], seed: int = 0) -> M:
 
 
 def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *,
-              graph: Graph | None = None) -> list[T]:
-    """Run ``body`` for ranks ``0..n-1`` in threads; their results, in rank order."""
+              graph: Graph | None = None, buffers: bool = False) -> list[T]:
+    """Run ``body`` for ranks ``0..n-1`` in threads; their results, in rank order. ``buffers``: the
+    workers hold the model's floating buffers too (:meth:`ModelState.of`, as ``hopnet.init`` does),
+    not only its parameters."""
     graph = Graph.ring(n) if graph is None else graph
     network = InprocNetwork()
     barrier = threading.Barrier(n)
@@ -53,7 +56,7 @@ def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *
         workers: list[Worker] = []
 
         def start(model: torch.nn.Module) -> Worker:
-            worker = Worker(rank=rank, graph=graph, config=config, params=flatten_parameters(model),
+            worker = Worker(rank=rank, graph=graph, config=config, params=ModelState.of(model) if buffers else flatten_parameters(model),
                             grads=FlatGradients(model),
                             transport=network.transport(rank, frozenset(graph.peers(rank))), exchange=exchange,
                             events=EventLog())
