@@ -36,10 +36,11 @@ OWN: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "pipe-sgd": ({}, ("wait all-reduce", "pipeline depth", "all-reduces in flight"), "ring:4"),
     "ad-psgd": ({}, ("wait partner", "role", "averagings", "averagings served"), "ring:4"),
     "allreduce": ({}, ("wait all-reduce",), "ring:4"),
+    "diloco": ({"local_steps": 2}, ("wait outer", "outer steps", "local steps (H)"), "ring:4"),
 }
 HOP_LIKE = ("hop", "notify-ack")
 IN_STEP = ("eager-sgd", "pipe-sgd", "allreduce")  # no iteration gap worth showing
-NO_GRAPH = ("partial-reduce", "eager-sgd", "pipe-sgd", "allreduce")  # the graph plays no part
+NO_GRAPH = ("partial-reduce", "eager-sgd", "pipe-sgd", "allreduce", "diloco")  # the graph plays no part
 
 
 def test_every_protocol_is_covered() -> None:
@@ -69,7 +70,8 @@ def test_simulate_shows_what_matters_for_the_protocol(protocol: str, capsys: pyt
     own = {"prague": ("own groups", "groups served"), "partial-reduce": ("groups",),
            "eager-sgd": ("rounds started", "late contributions"),
            "pipe-sgd": ("pipeline depth", "all-reduces in flight"),
-           "ad-psgd": ("role", "averagings", "averagings served")}.get(protocol, ())
+           "ad-psgd": ("role", "averagings", "averagings served"),
+           "diloco": ("outer steps", "local steps (H)")}.get(protocol, ())
     assert set(own) <= set(labels), text
 
 

@@ -65,6 +65,7 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, Protocol
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 from hopnet.runtime.services import AllReduce, NodeServices
@@ -448,6 +449,14 @@ def build(config: ProtocolConfig, options: DiLoCoOptions, model: ModelState | to
     return QuorumDiLoCoProtocol(config, options, model)
 
 
+DILOCO_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for the outer step", "wait outer"),),
+    counts=(Count("outer_steps", "outer steps", "max"), Count("local_steps", "local steps (H)", "max"),
+            Count("late_taken", "late pseudo-gradients taken"),
+            Count("rounds", "rounds", "max", in_summary=False),
+            Count("max_staleness", "most rounds stale", "max", in_summary=False)),
+    gaps="all")
+
 register(ProtocolSpec(
     name="diloco",
     summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
@@ -460,4 +469,5 @@ register(ProtocolSpec(
     resumable=True,
     gap_bound=gap_bound,
     gap_rule=gap_rule,
+    output=DILOCO_OUTPUT,
 ))

@@ -183,9 +183,11 @@ def _largest_gap_note(run: RunData) -> str:
         return "No gaps: the logs have no enter records."
     observed = max_gap_from_run(events, n)
     gap, i, j = max((int(observed[a][b]), a, b) for a in range(n) for b in range(n) if a != b)
+    rule = bound_rule(run.config) if run.config is not None else None
     protocol = run.config.protocol if run.config is not None else "this protocol"
+    bound = f"; bound for this setting: {rule}" if rule is not None else f"; --protocol {protocol} proves no bound on it"
     return (f"The largest Iter(i) − Iter(j) between any two workers was {gap}" + (f" (i = {i}, j = {j})" if gap else "")
-            + f"; --protocol {protocol} proves no bound on it.")
+            + bound + ".")
 
 
 def _describe(rec: dict[str, Any], t0: float) -> str:
