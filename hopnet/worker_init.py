@@ -93,15 +93,46 @@ class WorkerContext:
         return exchange
 
 
+class NoLauncherError(ConfigError):
+    """:func:`hopnet.init` in a process no launcher started (``python train.py``). Uncaught, it is
+    one line on stderr, not a traceback: :func:`_one_line_when_uncaught`."""
+
+
+def _script_command() -> str:
+    """``hopnet launch --nproc 4 SCRIPT ARGS`` for the script this process runs."""
+    import shlex
+
+    argv = list(sys.argv) or ["train.py"]
+    script = argv[0] if argv[0] not in ("", "-c", "-m") else "train.py"
+    return shlex.join(["hopnet", "launch", "--nproc", "4", script, *argv[1:]])
+
+
+def _one_line_when_uncaught() -> None:
+    """Print an uncaught :class:`NoLauncherError` as one line (the traceback would only bury how
+    to run the script); every other exception as before."""
+    previous = sys.excepthook
+    if getattr(previous, "_hopnet_one_line", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, NoLauncherError):
+            print(f"hopnet: error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    hook._hopnet_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping[str, str]) -> WorkerContext:
     """The launcher's view of this worker: `hopnet launch`'s variables, else torchrun's or srun's."""
     launched = WorkerEnv.from_environ(environ)
     if launched is None:
         external = detect(environ)
         if external is None:
-            raise ConfigError("hopnet.init() reads its rank, graph and peers from a launcher: run the script "
-                              "with `hopnet launch --graph G.json SCRIPT`, torchrun or srun, or build a "
-                              "hopnet.Worker")
+            _one_line_when_uncaught()
+            raise NoLauncherError(f"hopnet.init() takes its rank and peers from a launcher: run `{_script_command()}` "
+                                  "(or under torchrun or srun)")
         attached = attach(external, graph, environ)
         context = WorkerContext(attached.rank, attached.world_size, attached.graph, attached.flags, attached.explicit,
                                 attached.bind_host, attached.store_endpoint, keys_from_environ(environ),

@@ -205,7 +205,8 @@ def _context(**changes: object) -> WorkerContext:
 
 
 def test_find_launcher_without_one_says_how_to_start_the_script() -> None:
-    with pytest.raises(ConfigError, match="run the script with `hopnet launch --graph G.json SCRIPT`"):
+    with pytest.raises(ConfigError, match=r"from a launcher: run `hopnet launch --nproc 4 \S+.*` \(or under torchrun "
+                                          r"or srun\)"):
         find_launcher(None, {})
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 
+from hopnet.launch.run_dir import previous_run_files
+
 from support.env import clean_env
 from support.launch import recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import ROOT, WORKERS
@@ -117,7 +119,13 @@ def test_an_exception_leaves_promptly_and_is_blamed(tmp_path: Path) -> None:
     assert summary.startswith("hopnet launch: worker 1 failed in iteration 5 (exit code 1): "
                               "RuntimeError: rank 1 broke in iteration 5"), proc.stderr
     assert "[rank 1] RuntimeError: rank 1 broke in iteration 5" in proc.stderr  # its traceback, as Python prints it
-    assert "worker_main" not in proc.stderr and "runpy" not in proc.stderr
+    assert "worker_main" not in proc.stderr and "runpy" not in proc.stderr and "forkserver" not in proc.stderr
+    # one traceback, rank 1's; a rank that failed because of it says so in one line
+    assert proc.stderr.count("Traceback") == 1 and "[rank 1] Traceback" in proc.stderr, proc.stderr
+    for rank in (0, 2, 3):
+        said = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert len(said) <= 1 and all(re.match(r"\[rank \d\] hopnet: (PeerFailure|WaitTimeout): ", line)
+                                      for line in said), proc.stderr
     assert result_of(run_dir)["worker_returncodes"]["1"] == 1
     (err,) = [r for r in records(run_dir, 1) if r["event"] == "error"]
     assert (err["error"], err["exit_code"], err["iter"]) == ("RuntimeError", 1, 5)
@@ -167,7 +175,9 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
     assert out == ""
     lines = err.splitlines()
     assert lines[0].startswith("hopnet launch: 4 workers")
-    before = ("hopnet launch: running ", "hopnet launch: OMP_NUM_THREADS")  # lines printed before the signal
+    before = ("hopnet launch: running ", "hopnet launch: OMP_NUM_THREADS", "hopnet launch: starting 4 workers",
+              "hopnet launch: waiting for the workers to reach hopnet.init", "hopnet launch: 4/4 ready after ")
+    # (lines printed before the signal)
     rest = [line for line in lines[1:] if not line.startswith(before)]
     assert rest == [f"hopnet launch: received {signal.Signals(signum).name}, stopping 4 workers; run dir {run_dir}"]
     codes = result_of(run_dir)["worker_returncodes"]
@@ -206,13 +216,17 @@ def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase
 
 # ----------------------------------------------------------------------------- options
 def test_code_cannot_change_an_explicit_flag(tmp_path: Path) -> None:
-    proc = launch("--nproc", "3", "--max-ig", "3", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "3", "--max-ig", "3", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
                   "--iterations", "5", "--init-option", "max_ig=4")
-    assert proc.returncode == 1
-    assert "[rank 0] hopnet: error: --max-ig 3 on the command line, max_ig=4 in hopnet.init()" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert summary_line(proc.stderr).startswith("hopnet launch: worker ")
-    assert "(exit code 2): ConfigError: --max-ig 3 on the command line" in summary_line(proc.stderr)
+    # every rank refuses it; the launcher says it once, exits 2 and keeps no run directory
+    assert proc.returncode == 2, proc.stderr
+    message = "--max-ig 3 on the command line, max_ig=4 in hopnet.init()"
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert summary_line(proc.stderr).startswith(f"hopnet launch: error: {message}")
+    assert "Traceback" not in proc.stderr and "per-rank summary" not in proc.stderr
+    # hopnet's files are gone; the directory stays for the files the script wrote before its init
+    assert sorted(p.name for p in run_dir.iterdir()) == [f"initial_rank{r}.pt" for r in range(3)]
 
 
 def test_options_set_in_code_are_what_runs_and_what_is_recorded(tmp_path: Path) -> None:
@@ -230,20 +244,20 @@ def test_options_set_in_code_are_what_runs_and_what_is_recorded(tmp_path: Path) 
 
 
 def test_ranks_that_disagree_on_options_all_fail_at_the_rendezvous(tmp_path: Path) -> None:
-    proc = launch("--nproc", "3", "--run-dir", str(tmp_path / "run"), HOP_WORKER, *FAST,
+    run_dir = tmp_path / "run"
+    proc = launch("--nproc", "3", "--run-dir", str(run_dir), HOP_WORKER, *FAST,
                   "--iterations", "5", "--init-option", "1:max_ig=4")
-    assert proc.returncode == 1
+    assert proc.returncode == 2, proc.stderr  # a configuration error, which every rank meets
     # the first rank to register sets the options; which one that is depends on timing
-    found = re.search(r"hopnet: error: ranks (\d) and (\d) run different protocol options: "
+    found = re.search(r"hopnet launch: error: ranks (\d) and (\d) run different protocol options: "
                       r"max_ig=(\d) on rank \1, max_ig=(\d) on rank \2", proc.stderr)
     assert found, proc.stderr
     first, second, first_ig, second_ig = map(int, found.groups())
     assert 1 in (first, second) and {first_ig, second_ig} == {2, 4} and (first_ig == 4) == (first == 1)
-    message = found.group(0)
-    for rank in range(3):  # every rank fails at once, with one line and no traceback
-        assert f"[rank {rank}] {message}" in proc.stderr.splitlines(), proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert summary_line(proc.stderr).endswith(message.removeprefix("hopnet: error: "))
+    # every rank fails at once; the launcher says it once, without a traceback or a table
+    assert proc.stderr.count("run different protocol options") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr and "per-rank summary" not in proc.stderr
+    assert previous_run_files(run_dir) == []
 
 
 # ------------------------------------------------------------------------ max failures

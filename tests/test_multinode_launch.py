@@ -42,6 +42,35 @@ def test_nnodes_without_rdzv_endpoint_is_refused_before_anything_starts(tmp_path
     assert not (tmp_path / "r").exists()
 
 
+def test_node_1_refuses_at_once_what_node_0_would_refuse(tmp_path: Path) -> None:
+    """Off loopback without --key-file: refused before waiting for node 0 (which is not there)."""
+    from hopnet.launch.launcher import launch
+
+    with pytest.raises(ConfigError, match="several machines with CurveZMQ need the same --key-file"):
+        launch(HOP_WORKER, graph="ring:4", nnodes=2, node_rank=1, bind="0.0.0.0",
+               rdzv_endpoint=f"127.0.0.1:{free_port()}", run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_node_1_says_what_it_waits_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from hopnet.errors import HopnetError
+    from hopnet.launch import prepare
+    from hopnet.launch.launcher import launch
+
+    monkeypatch.setattr(prepare, "JOIN_TIMEOUT_S", 1.0)
+    endpoint = f"127.0.0.1:{free_port()}"  # nobody: node 0's launcher never comes
+    err = io.StringIO()
+    with pytest.raises(HopnetError, match="unreachable after 1s"):
+        launch(HOP_WORKER, graph="ring:4", nnodes=2, node_rank=1, insecure=True, rdzv_endpoint=endpoint,
+               run_dir=tmp_path / "r", stderr=err)
+    assert err.getvalue().splitlines()[0] == (
+        f"hopnet launch: waiting for node 0's launcher at {endpoint} to publish the run "
+        "(node 1 of 2 machines; node 0 hosts the rendezvous)")
+    assert not (tmp_path / "r").exists()
+
+
 # --------------------------------------------------------------------------- two launchers
 
 def _two_launchers(tmp_path: Path, graph: str, extra: list[str], worker_args: list[str]) -> list[tuple[int, str, str]]:

@@ -201,6 +201,11 @@ def test_cli_bad_values_exit_2_with_one_line(argv, capsys):
     assert len(lines) == 1 and lines[0].startswith("hopnet simulate: error: "), captured.err
 
 
+def test_cli_takes_no_prefix_of_a_flag(capsys):
+    assert cli(["simulate", "--iter", "5"]) == 2  # not --iterations
+    assert "unrecognized arguments: --iter 5" in capsys.readouterr().err
+
+
 def test_cli_failed_run_exits_1_with_one_line(capsys):
     assert cli(["simulate", "--graph", "ring_based:8", "--iterations", "60", "--stop", "3:10"]) == 1
     captured = capsys.readouterr()

@@ -141,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed through untouched")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, exit_at_once=True)  # the launcher's teardown would only delay the shell
 
 
 RESUME_DISPLAY_FLAGS = frozenset({"progress", "prefix", "grace"})

@@ -35,12 +35,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"hopnet {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    if argv is None and getattr(args, "exit_at_once", False):
+        _exit_at_once(code)
+    return code
+
+
+def _exit_at_once(code: int) -> None:
+    """The program's end without the interpreter's teardown: with torch loaded that takes
+    seconds on a busy machine, after everything was said (`hopnet launch` asks for it)."""
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

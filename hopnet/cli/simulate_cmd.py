@@ -61,6 +61,7 @@ def register(subparsers: Any) -> None:
         help="run a protocol on a graph in virtual time (no training)",
         description=DESCRIPTION,
         epilog=EPILOG,
+        allow_abbrev=False,  # as for `hopnet launch`: a flag is taken whole, never as a prefix of another
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim = parser.add_argument_group("simulation")

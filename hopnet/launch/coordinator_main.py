@@ -60,4 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hopnet.launch.worker_main import leave
+
+    leave(main())  # without the interpreter's teardown, which the launcher would wait for

@@ -240,19 +240,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_server(sock)
 
 
-def run_server(sock: socket.socket) -> int:
-    """Serve the launcher on ``sock``; in each forked child, run its entry and exit."""
+def run_server(sock: socket.socket) -> NoReturn:
+    """Serve the launcher on ``sock``; in each forked child, run its entry and exit; exit once the
+    launcher closes ``sock``."""
+    forked: _Forked | None = None
     try:
         serve(sock)
-    except _Forked as forked:
-        code = 1
-        try:
-            code = importlib.import_module(ENTRIES[forked.entry]).main(forked.argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        finally:
-            _exit_worker(code)
-    return 0
+    except _Forked as child:
+        forked = child
+    if forked is None:
+        # The launcher waits for this exit: skip tearing torch's modules down (most of a second
+        # on a busy machine); the children are ended and there is nothing to flush but stdio.
+        _exit_worker(0)
+    # Outside the except block, so an exception the worker raises is not chained to _Forked
+    # (its traceback would open with the fork server's frames).
+    code = 1
+    try:
+        code = importlib.import_module(ENTRIES[forked.entry]).main(forked.argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        _exit_worker(code)
 
 
 # --------------------------------------------------------------------------- the launcher's side

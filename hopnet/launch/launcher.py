@@ -33,7 +33,7 @@ store) and the rendezvous server, and publishes the run there; a failure beyond
 
 The phases, in the order :func:`run_launch` drives them: :func:`~hopnet.launch.spec.validate`
 (a :class:`~hopnet.launch.spec.LaunchSpec` into a :class:`~hopnet.launch.spec.LaunchPlan`),
-:func:`~hopnet.launch.prepare.join_launchers`, :func:`~hopnet.launch.prepare.secure_run`,
+:func:`~hopnet.launch.prepare.secure_run`, :func:`~hopnet.launch.prepare.join_launchers`,
 :func:`~hopnet.launch.prepare.prepare_run_dir`, then the methods of :class:`Launch`: store and
 rendezvous, coordinator, spawn, monitor, settle, stop, release and summarise, over one
 :class:`~hopnet.launch.state.RunState` (a :class:`~hopnet.launch.state.WorkerState` per worker).
@@ -92,7 +92,9 @@ from hopnet.launch.spec import (
 )
 from hopnet.launch.state import RunState
 from hopnet.launch.store import HostedStore, host_store
+from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
+from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
 
 ABORT_POLL_S = 0.25
@@ -166,7 +168,9 @@ class Launch:
     over the resources they start (store, rendezvous, coordinator, workers) and a :class:`RunState`."""
 
     def __init__(self, plan: LaunchPlan, machines: JoinedMachines | None, security: RunSecurity,
-                 run_dir: Path, record: LaunchRecord, output: LauncherOutput) -> None:
+                 run_dir: Path, record: LaunchRecord, output: LauncherOutput, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
+        """When the launch began (``time.monotonic()``): start-up counts from here."""
         self.plan = plan
         self.spec = plan.spec
         self.machines = machines
@@ -201,6 +205,8 @@ class Launch:
         self.death_watch = DeathWatch(run_dir, plan.nodes.ranks, stopped_limit_s=plan.config.peer_timeout_s)
         self.restarts = RestartBudget(self.spec.max_restarts)
         self._next_death_check = 0.0
+        self.startup_talk = StartupTalk(plan.world_size, self.started)
+        self.shutdown_talk = ShutdownTalk()
 
     @property
     def node_rank(self) -> int:
@@ -274,7 +280,11 @@ class Launch:
     # ------------------------------------------------------------------------ spawn
     def spawn(self) -> None:
         """Start one worker per rank of this machine (stopping at a signal or a failure to start)."""
-        for rank in self.plan.nodes.ranks:
+        ranks = self.plan.nodes.ranks
+        self.output.say(f"starting {len(ranks)} worker{'' if len(ranks) == 1 else 's'}"
+                        + (f" ({ranks_text(ranks)} of {self.plan.world_size})" if len(ranks) < self.plan.world_size
+                           else ""))
+        for rank in ranks:
             if self._signalled() or self.state.summary is not None:
                 break
             try:
@@ -324,6 +334,7 @@ class Launch:
                 state.fail(None, "coordinator died", f"{self.coordinator.label} died ({describe_exit(code)})")
                 self.output.say(f"{state.summary}; the workers waiting on it fail")
                 return
+            self._talk()
             if not self._announced and self.server is not None and self.server.complete.is_set():
                 self._announced = True
                 self._announce_options()
@@ -344,13 +355,35 @@ class Launch:
             if self._restart(rank, code):
                 continue
             state.ended(rank, code)
+            self.shutdown_talk.finished(time.monotonic())
             if code != 0:
                 total_lost = self.group.lose() if self.group is not None else len(state.lost)
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
-                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}); the others go on "
-                                    f"({len(state.lost)} of --max-failures {spec.max_failures})")
+                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{self._config_note(rank, code)});"
+                                    f" the others go on ({len(state.lost)} of --max-failures {spec.max_failures})")
+
+    def _config_note(self, rank: int, code: int) -> str:
+        """``: ConfigError: MESSAGE`` for a worker that exited 2 on a configuration error, which a
+        worker under the launcher does not print itself; else nothing."""
+        if code != 2:
+            return ""
+        error = read_log_facts(self.run_dir / f"rank{rank}.jsonl").error
+        if error is None or error.get("error") in (None, "SystemExit"):
+            return ""
+        return f": {error.get('error')}: {error.get('message')}"
+
+    def _talk(self) -> None:
+        """Say what start-up or shutdown waits for (:mod:`hopnet.launch.talk`)."""
+        now = time.monotonic()
+        if self.server is not None:  # the machine that hosts the rendezvous sees every rank register
+            line = self.startup_talk.poll(now, self.server.registered_ranks(), self.server.completed_at)
+            if line is not None:
+                self.output.say(line)
+        line = self.shutdown_talk.poll(now, self.state.pending)
+        if line is not None:
+            self.output.say(line)
 
     def _restart(self, rank: int, code: int) -> bool:
         """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
@@ -446,6 +479,7 @@ class Launch:
             # SIGTERM, not SIGINT, for both: a worker leaves quietly on SIGTERM.
             self._terminate(signal.SIGTERM)
         elif state.pending:
+            self.output.say(f"stopping {ranks_text(state.pending)} (SIGTERM, then SIGKILL after {self.spec.grace_s:g}s)")
             self._terminate(signal.SIGTERM)
 
     def _abort_other_machines(self, group: LaunchGroup) -> None:
@@ -512,9 +546,14 @@ class Launch:
         self.watch_read = self.watch_write = -1
 
     # -------------------------------------------------------------------- summarise
-    def summarise(self, wall_s: float) -> LaunchResult:
-        """Name what went wrong, record the result in ``launch.json``, print the per-rank table."""
+    def summarise(self, wall_s: float | None = None) -> LaunchResult:
+        """Name what went wrong, record the result in ``launch.json``, print the per-rank table.
+        ``wall_s``: the launch's length (default: from :attr:`started` to now), split into start-up,
+        training and shutdown from the event logs (:mod:`hopnet.report.timeline`)."""
         state, plan = self.state, self.plan
+        ended = time.monotonic() if wall_s is None else self.started + wall_s
+        phases = run_phases(self.run_dir, plan.nodes.ranks, self.started, ended, self.workers.exit_times)
+        wall_s = phases.total_s
         machine = f"{host_name(plan.bind)}, node {self.node_rank}" if self.group is not None else None
         conclude(state, self.run_dir, max_failures=self.spec.max_failures, world_size=plan.world_size,
                  machine=machine)
@@ -538,16 +577,17 @@ class Launch:
             "lost_ranks": lost,
             "worker_returncodes": {str(r): c for r, c in result.worker_returncodes.items()},
             "wall_s": round(wall_s, 3),
+            "phases": phases.to_json(),
             "rendezvous_refused_handshakes": refused,
             "end_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         self.record.try_write()
-        if state.signal is None:  # after Ctrl-C/SIGTERM the launcher says one line only
+        if state.signal is None and not state.config_error:  # after Ctrl-C/SIGTERM the launcher says one line only
             self.output.print_summary()
             if self.spec.save_model:
                 self.output.say(saved_model_line(self.run_dir))
             status = "finished" if state.returncode == 0 else "failed"
-            self.output.say(f"{status} in {wall_s:.1f}s; run dir {self.run_dir}")
+            self.output.say(f"{status} in {phases.line()}; run dir {self.run_dir}")
         return result
 
 
@@ -562,14 +602,15 @@ def saved_model_line(run_dir: Path) -> str:
 
 def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
     """The driver: run ``spec``'s phases in order (see :func:`launch`)."""
+    started = time.monotonic()
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
     output = LauncherOutput(out_stream, err_stream)
     plan = validate(spec)
-    machines = join_launchers(plan)
+    security = secure_run(plan)  # before joining: node R refuses at once what node 0 would
+    machines = join_launchers(plan, output.say)
     claim: RunDirClaim | None = None
     try:
-        security = secure_run(plan, machines)
         claim = prepare_run_dir(plan, security, output.say)
         record = launch_record(plan, security, claim.path)
     except BaseException:
@@ -581,8 +622,7 @@ def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[st
     with claim:  # the run directory is this launch's until its summary is written
         run_dir = claim.path
         output.show_progress(run_dir, list(plan.nodes.ranks), spec.progress and spec.prefix, out_stream, err_stream)
-        run = Launch(plan, machines, security, run_dir, record, output)
-        started = time.monotonic()
+        run = Launch(plan, machines, security, run_dir, record, output, started)
         try:
             run.start_store_and_rendezvous()
             run.start_coordinator()
@@ -593,7 +633,10 @@ def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[st
                 run.stop()
         finally:
             run.release()
-        return run.summarise(time.monotonic() - started)
+        result = run.summarise()
+        if run.state.config_error and not spec.resume:
+            claim.discard()  # nothing ran: a configuration error leaves no run directory behind
+        return result
 
 
 def launch(

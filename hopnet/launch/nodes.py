@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -62,7 +63,10 @@ def place_ranks(graph: Graph, nnodes: int, node_rank: int) -> list[int]:
 class LaunchGroup:
     """The launchers of one multi-machine run, talking through node 0's store."""
 
-    def __init__(self, *, nnodes: int, node_rank: int, endpoint: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, *, nnodes: int, node_rank: int, endpoint: str, timeout_s: float = 300.0,
+                 waiting: Callable[[float], None] | None = None) -> None:
+        """``waiting`` (node R > 0) is called with the seconds waited so far while node 0's store
+        does not answer yet, and later while :meth:`await_run` waits."""
         host, port = parse_endpoint(endpoint)
         self.nnodes = nnodes
         self.node_rank = node_rank
@@ -73,7 +77,8 @@ class LaunchGroup:
             assert self.hosted.store is not None
             self.store: dist.TCPStore = self.hosted.store
         else:
-            self.store = connect_store(self.endpoint, timeout_s)
+            self.store = connect_store(self.endpoint, timeout_s, waiting)
+        self.waiting = waiting
         self.store.set_timeout(timedelta(seconds=timeout_s))
 
     # -- the run, from node 0
@@ -125,6 +130,8 @@ class LaunchGroup:
     def _wait(self, keys: list[str], what: str, timeout_s: float) -> None:
         started = time.monotonic()
         while not self.store.check(keys):
+            if self.waiting is not None and self.node_rank > 0:
+                self.waiting(time.monotonic() - started)
             if time.monotonic() - started >= timeout_s:
                 raise WaitTimeout(f"{what} on {self.endpoint}", waited_s=time.monotonic() - started)
             time.sleep(POLL_S)

@@ -2,7 +2,10 @@
 
 :func:`blame_run` names the rank at the root of a failure from every rank's event log
 (:mod:`hopnet.launch.blame`); :func:`conclude` decides the exit status and the closing
-line from the :class:`~hopnet.launch.state.RunState` the earlier phases left.
+line from the :class:`~hopnet.launch.state.RunState` the earlier phases left. A run that
+every failing rank left with a :class:`~hopnet.errors.ConfigError` before any iteration
+ended on a configuration error (:func:`config_error`): the launcher says it once, as its
+own ``error:`` line, and exits 2.
 """
 
 from __future__ import annotations
@@ -42,6 +45,28 @@ def blame_run(run_dir: Path, state: RunState) -> Blame:
     return Blame(rank, reason, f"worker {rank} failed ({reason})")
 
 
+def config_error(run_dir: Path, state: RunState) -> str | None:
+    """The message of the configuration error that ended the run before it trained, if one did:
+    every failed rank exited 2 with an ``error`` record of an exception (a
+    :class:`~hopnet.errors.ConfigError` or a subclass, such as the rendezvous's refusal of
+    ranks that run different options; not ``sys.exit(2)``), which the workers launched by
+    `hopnet launch` leave to the launcher to print, and no rank finished an iteration. The
+    lowest rank's message, when ranks differ."""
+    lost = state.lost
+    if not lost:
+        return None
+    messages: dict[int, str] = {}
+    for rank in state.returncodes:
+        facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
+        if facts.last_iter is not None:
+            return None
+        if rank in lost:
+            if lost[rank] != 2 or facts.error is None or facts.error.get("error") in (None, "SystemExit"):
+                return None
+            messages[rank] = str(facts.error.get("message"))
+    return messages[min(messages)]
+
+
 def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: int,
              machine: str | None = None) -> None:
     """Settle ``state``'s exit status, failed rank, reason and closing line once every worker ended.
@@ -59,6 +84,11 @@ def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: i
     if state.failed_rank is not None or state.summary is not None:
         return  # a phase already named the failure (a worker that did not start, another machine)
     if len(lost) > max_failures or (state.first_failure is not None and machine is not None):
+        message = config_error(run_dir, state)
+        if message is not None:
+            state.fail(min(lost), "config error", f"error: {message}", returncode=2)
+            state.config_error = True
+            return
         blame = blame_run(run_dir, state)
         summary = blame.summary if machine is None else f"{blame.summary} [rank {blame.rank} runs on {machine}]"
         state.fail(blame.rank, blame.reason, summary)
@@ -67,4 +97,4 @@ def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: i
                          f"the other {world_size - len(lost)} workers finished")
 
 
-__all__ = ["blame_run", "conclude", "plural_ranks"]
+__all__ = ["blame_run", "conclude", "config_error", "plural_ranks"]

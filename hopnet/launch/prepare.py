@@ -28,6 +28,7 @@ from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, 
 from hopnet.launch.spec import LaunchPlan
 from hopnet.launch.store import parse_endpoint
 from hopnet.launch.pythonpath import worker_pythonpath
+from hopnet.launch.talk import WaitTalk
 from hopnet.launch.threads import limit_worker_threads
 from hopnet.security import KEY_ENV, RunSecurity, is_loopback, resolve_run_key
 
@@ -50,16 +51,27 @@ class JoinedMachines:
         return self.group.node_rank
 
 
-def join_launchers(plan: LaunchPlan) -> JoinedMachines | None:
+def join_launchers(plan: LaunchPlan, say: Callable[[str], None] | None = None) -> JoinedMachines | None:
     """Meet the other machines' launchers at ``--rdzv-endpoint`` (``None`` on one machine).
 
     Node 0 hosts the launchers' store; every other node waits for the run node 0 publishes
-    and refuses to go on when its graph or options differ."""
+    (and ``say``s so, then every :data:`~hopnet.launch.talk.REMIND_S` while it waits) and
+    refuses to go on when its graph or options differ."""
     spec = plan.spec
     if spec.single_machine:
         return None
     assert spec.rdzv_endpoint is not None  # validate() refused its absence
-    group = LaunchGroup(nnodes=spec.nnodes, node_rank=spec.node_rank, endpoint=spec.rdzv_endpoint)
+    waiting = None
+    if say is not None and spec.node_rank > 0:
+        talk = WaitTalk(f"node 0's launcher at {spec.rdzv_endpoint} to publish the run "
+                        f"(node {spec.node_rank} of {spec.nnodes} machines; node 0 hosts the rendezvous)")
+
+        def waiting(waited_s: float) -> None:
+            line = talk.poll(waited_s)
+            if line is not None:
+                say(line)
+    group = LaunchGroup(nnodes=spec.nnodes, node_rank=spec.node_rank, endpoint=spec.rdzv_endpoint,
+                        timeout_s=JOIN_TIMEOUT_S, waiting=waiting)
     if spec.node_rank == 0:
         return JoinedMachines(group)
     try:
@@ -75,11 +87,12 @@ def join_launchers(plan: LaunchPlan) -> JoinedMachines | None:
 
 
 # ---------------------------------------------------------------------------- security
-def secure_run(plan: LaunchPlan, machines: JoinedMachines | None) -> RunSecurity:
-    """The run key (CurveZMQ) or plain sockets, as :func:`resolve_run_key` decides for ``--bind``."""
+def secure_run(plan: LaunchPlan) -> RunSecurity:
+    """The run key (CurveZMQ) or plain sockets, as :func:`resolve_run_key` decides for ``--bind``.
+    Called before :func:`join_launchers`: every machine refuses at once what node 0 would refuse."""
     spec = plan.spec
     security = resolve_run_key(plan.bind, insecure=spec.insecure, secure=spec.secure, key_file=spec.key_file)
-    if machines is not None and security.keys is not None and spec.key_file is None:
+    if not spec.single_machine and security.keys is not None and spec.key_file is None:
         # the launchers' store is not encrypted: the run key never travels through it
         raise ConfigError("several machines with CurveZMQ need the same --key-file on every machine "
                           "(make one with `hopnet keygen PATH`), or --insecure on a trusted network")
@@ -94,11 +107,13 @@ def prepare_run_dir(plan: LaunchPlan, security: RunSecurity, say: Callable[[str]
     security warnings, the config checks' notes. The launch holds the returned claim
     until it ends; a refusal writes nothing into the directory."""
     spec = plan.spec
+    existed = spec.run_dir is not None and os.path.exists(spec.run_dir)
     path = make_run_dir(spec.run_dir, plan.config.protocol, graph_label(plan.graph, spec.graph))
     if spec.resume:
         claim = claim_for_resume(spec.run_dir if spec.run_dir is not None else path)
     else:
         claim = claim_run_dir(path if spec.run_dir is None else spec.run_dir, spec.overwrite)  # named as given
+        claim.created = not existed
     try:
         _write_graph_and_notes(plan, security, say, claim)
     except BaseException:

@@ -112,6 +112,8 @@ class WorkerProcesses:
         self.fork_entry = list(fork_entry)
         self.forkserver_failure: str | None = None
         """Why the fork server stopped being used, if it did."""
+        self.exit_times: dict[int, float] = {}
+        """When each rank's (latest) process was seen to exit (``time.monotonic()``)."""
 
     def spawn(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> None:
         """Start ``argv`` for ``rank``. ``pass_fds`` are inherited at the same numbers (the fork
@@ -154,7 +156,9 @@ class WorkerProcesses:
             self.threads.append(thread)
 
     def _wait(self, rank: int, proc: WorkerHandle) -> None:
-        self.exits.put((rank, proc.wait()))
+        code = proc.wait()
+        self.exit_times[rank] = time.monotonic()
+        self.exits.put((rank, code))
 
     def next_exit(self, timeout_s: float = POLL_S) -> tuple[int, int] | None:
         """The next ``(rank, returncode)`` to arrive within ``timeout_s``, else ``None``."""

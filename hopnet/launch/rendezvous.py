@@ -61,6 +61,7 @@ from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.security import CurveKeys, HandshakeWatch, make_curve_client, make_curve_server
 
 __all__ = [
+    "RendezvousConfigError",
     "RendezvousError",
     "RendezvousServer",
     "barrier",
@@ -76,6 +77,11 @@ _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
 
 class RendezvousError(HopnetError):
     """The rendezvous server refused a request (the message says why)."""
+
+
+class RendezvousConfigError(RendezvousError, ConfigError):
+    """The rendezvous refused the ranks' configuration (ranks that run different protocol
+    options): a configuration error, which every rank meets (exit status 2)."""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -130,6 +136,8 @@ class RendezvousServer:
         self._waiting: dict[int, tuple[bytes, bool]] = {}
         self.complete = threading.Event()
         """Set once every rank has registered its address."""
+        self.completed_at: float | None = None
+        """When :attr:`complete` was set (``time.monotonic()``)."""
         # barriers: name -> {rank: (identity, as_json)}
         self._barriers: dict[str, dict[int, tuple[bytes, bool]]] = {}
         self._barriers_done: list[str] = []
@@ -263,9 +271,11 @@ class RendezvousServer:
     def _reply(sock: zmq.Socket, identity: bytes, obj: Mapping[str, Any], as_json: bool) -> None:
         sock.send_multipart([identity, b"", _encode(obj, as_json)])
 
-    def _refuse(self, sock: zmq.Socket, identity: bytes, message: str, as_json: bool) -> None:
+    def _refuse(self, sock: zmq.Socket, identity: bytes, message: str, as_json: bool, config: bool = False) -> None:
+        """Answer with ``message``; ``config``: the configuration is refused (a :class:`RendezvousConfigError`)."""
         self.errors.append(message)
-        self._reply(sock, identity, {"error": message}, as_json)
+        self._reply(sock, identity, {"error": message, "config_error": True} if config else {"error": message},
+                    as_json)
 
     def _handle(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         # A REQ client sends [identity, b"", payload]; a DEALER may omit the delimiter.
@@ -327,7 +337,7 @@ class RendezvousServer:
         if message is None:
             return True
         for ident, js in [*waiting.values(), (identity, as_json)]:
-            self._refuse(sock, ident, message, js)
+            self._refuse(sock, ident, message, js, config=True)
         return False
 
     def _register(self, sock: zmq.Socket, identity: bytes, rank: int, address: Any, as_json: bool,
@@ -358,6 +368,8 @@ class RendezvousServer:
                 waiting = self._waiting if full else {}
                 if full:
                     self._waiting = {}
+                    if not self.complete.is_set():
+                        self.completed_at = time.monotonic()
                     self.complete.set()
         if message is not None:
             self._refuse(sock, identity, message, as_json)
@@ -419,7 +431,7 @@ def _unpack_reply(data: bytes, endpoint: str) -> dict[str, Any]:
     if not isinstance(reply, dict):
         raise RendezvousError(f"rendezvous at {endpoint}: malformed reply")
     if "error" in reply:
-        raise RendezvousError(str(reply["error"]))
+        raise (RendezvousConfigError if reply.get("config_error") else RendezvousError)(str(reply["error"]))
     return reply
 
 

@@ -84,6 +84,8 @@ class RunDirClaim:
         self.cleared = cleared
         """What ``--overwrite`` removed, in one line (``None``: nothing)."""
         self._fd: int | None = fd
+        self.created = False
+        """This launch made the directory (it did not exist before): :meth:`discard` may remove it."""
 
     @property
     def held(self) -> bool:
@@ -94,6 +96,23 @@ class RunDirClaim:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+    def discard(self) -> bool:
+        """Remove this launch's hopnet files and, when this launch made it and nothing else is
+        left in it, the directory itself; then release it. Whether the directory is gone."""
+        for f in previous_run_files(self.path):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+        self.release()
+        if not self.created:
+            return False
+        try:
+            self.path.rmdir()
+        except OSError:  # the script's own files, or another process's
+            return False
+        return True
 
     def __enter__(self) -> RunDirClaim:
         return self

@@ -52,6 +52,8 @@ class RunState:
     failed_rank: int | None = None
     reason: str | None = None
     summary: str | None = None
+    config_error: bool = False
+    """The run ended on a configuration error before it trained (exit 2; no run directory kept)."""
 
     # -- workers
     def started(self, rank: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -74,10 +75,14 @@ def host_store(host: str = "127.0.0.1", port: int = 0) -> HostedStore:
     return HostedStore(host, port=port)
 
 
-def _wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_until_reachable(host: str, port: int, timeout_s: float,
+                          waiting: Callable[[float], None] | None = None) -> None:
+    started = time.monotonic()
+    deadline = started + timeout_s
     last: OSError | None = None
     while True:
+        if waiting is not None:
+            waiting(time.monotonic() - started)
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout_s))):
                 return
@@ -89,14 +94,16 @@ def _wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
         time.sleep(STORE_CONNECT_RETRY_S)
 
 
-def connect_store(endpoint: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """Open the run's store as a client. Fails naming the endpoint, never hangs.
+def connect_store(endpoint: str, timeout_s: float = 60.0,
+                  waiting: Callable[[float], None] | None = None) -> dist.TCPStore:
+    """Open the run's store as a client. Fails naming the endpoint, never hangs; ``waiting`` is
+    called with the seconds waited so far while the endpoint does not answer yet.
 
     ``timeout_s`` bounds the connection and every later blocking call on the store
     (``get``/``wait`` of a key nobody sets fail after it).
     """
     host, port = parse_endpoint(endpoint)
-    _wait_until_reachable(host, port, timeout_s)  # a clear message instead of torch's retry log
+    _wait_until_reachable(host, port, timeout_s, waiting)  # a clear message instead of torch's retry log
     try:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s))

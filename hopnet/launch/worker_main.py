@@ -13,9 +13,12 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
   (:func:`hopnet.runtime.shutdown.finish`): normally on success, promptly with an
   ``error`` record otherwise;
 * it exits with the script's own status: 0, ``N`` for ``sys.exit(N)``, 1 for an
-  uncaught exception (traceback printed as Python would, without this module's frames),
+  uncaught exception (traceback printed as Python would, without this module's frames;
+  one line for a failure a peer caused, a :class:`~hopnet.errors.PeerFailure` or a
+  :class:`~hopnet.errors.WaitTimeout` naming the peer),
   2 for a hopnet :class:`~hopnet.errors.ConfigError` (one line; a rendezvous refusal,
-  such as ranks that disagree on options, is one line too), 143 for SIGTERM (nothing
+  such as ranks that disagree on options, is one line too; under `hopnet launch`, which
+  prints a configuration error once for all ranks from their error records, nothing), 143 for SIGTERM (nothing
   printed: the launcher says why it stopped the run).
 """
 
@@ -26,8 +29,10 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 from types import FrameType, TracebackType
+from typing import NoReturn
 
 from hopnet.launch import parent_watch
 from hopnet.runtime import shutdown
@@ -63,12 +68,26 @@ def _report(exc: BaseException) -> None:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
         return
+    if isinstance(exc, ConfigError) and os.environ.get(parent_watch.LAUNCHER_PID):
+        return  # `hopnet launch` prints it once for every rank, from this rank's error record
     if isinstance(exc, (ConfigError, RendezvousError)):
         print(f"hopnet: error: {exc}", file=sys.stderr)
+        return
+    if _caused_by_a_peer(exc):
+        # A consequence of another rank's failure: that rank prints its own traceback and the
+        # launcher names it; the hopnet internals of how this one noticed would only bury it.
+        print(f"hopnet: {type(exc).__name__}: {exc}", file=sys.stderr)
         return
     tb = _script_traceback(exc.__traceback__)
     exc.with_traceback(tb)  # the interpreter's hook prints the exception's own traceback
     sys.excepthook(type(exc), exc, tb)
+
+
+def _caused_by_a_peer(exc: BaseException) -> bool:
+    """A :class:`~hopnet.errors.PeerFailure`, or a wait that names the peer it waited on."""
+    from hopnet.errors import PeerFailure, WaitTimeout
+
+    return isinstance(exc, PeerFailure) or (isinstance(exc, WaitTimeout) and exc.peer is not None)
 
 
 def run(argv: list[str]) -> BaseException | None:
@@ -179,5 +198,21 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def leave(code: int) -> NoReturn:
+    """End the process as the interpreter would (wait for the script's non-daemon threads, run
+    the atexit handlers, flush), without tearing its modules down: with torch loaded that takes
+    seconds on a busy machine, after the last iteration, while the launcher waits (a forked
+    worker ends the same way, see :mod:`hopnet.launch.forkserver`). The script's module-level
+    objects are released when it returns (so a file it left open there is flushed then); what
+    it left open elsewhere is not flushed, as with ``os._exit``: close what you write."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush_stdio()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -16,6 +16,7 @@ from hopnet.report import plots
 from hopnet.report.gaps import EdgeGap, bound_rule, edge_gaps, format_bound
 from hopnet.report.rundir import RunData
 from hopnet.report.stats import RunStats, run_stats, time_parts
+from hopnet.report.timeline import launch_phases
 
 
 @dataclass
@@ -69,7 +70,9 @@ def _overview(run: RunData, stats: RunStats) -> Table:
         rows.append(["started", str(run.launch["start_time"])])
     total = stats.total
     rows.append(["iterations", f"{total} planned" if total is not None else "not announced by the trainer"])
-    rows.append(["wall time", f"{stats.wall_s:.2f} s (first start to last iteration)"])
+    phases = launch_phases(run)
+    rows.append(["wall time", f"{phases.line()}, as the launcher said" if phases is not None
+                 else f"{stats.wall_s:.2f} s (first start to last iteration)"])
     result = run.launch.get("result")
     if isinstance(result, dict):
         outcome = "exit 0" if result.get("returncode") == 0 else f"exit {result.get('returncode')}"
