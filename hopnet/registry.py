@@ -1,17 +1,18 @@
 """Where protocols declare themselves, and where everything else looks them up.
 
-Each protocol module in :mod:`hopnet.protocols` ends with one :func:`register` call of a
-:class:`ProtocolSpec`: its name, its options, whether it uses the graph, what it
-averages, its coordinator and its message kinds. The command-line flags, the keyword
-options of :func:`hopnet.init`, the ``HOPNET_*`` variables, the config checks, the
-simulator and the report all read that declaration; no other list of protocol names
-exists.
+Each built-in protocol's declaration module in :mod:`hopnet.protocols.specs` ends with one
+:func:`register` call of a :class:`ProtocolSpec`: its name, its options, whether it uses the
+graph, what it averages, its coordinator and its message kinds. The command-line flags, the
+keyword options of :func:`hopnet.init`, the ``HOPNET_*`` variables, the config checks, the
+simulator and the report all read that declaration; no other list of protocol names exists.
 
-Built-in protocols are found by importing every module of :mod:`hopnet.protocols` the
-first time a name is looked up. Protocols of other packages register the same way when
-their module is imported: name it in ``HOPNET_PLUGINS`` (comma-separated module names,
-imported in every process of a run, the launcher's included) or declare it as an entry
-point of the ``hopnet.protocols`` group.
+Built-in protocols are found by importing every module of :mod:`hopnet.protocols.specs` the
+first time a name is looked up: declarations import no torch (``build`` imports the
+algorithm), so the command line stays fast. Protocols of other packages register the same way
+when their module is imported (one that imports torch makes every command that looks up a
+protocol load it): name it in ``HOPNET_PLUGINS`` (comma-separated module names, imported in
+every process of a run, the launcher's included) or declare it as an entry point of the
+``hopnet.protocols`` group.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ import pkgutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hopnet.errors import ConfigError
 from hopnet.options import NoOptions, OptionField, ProtocolOptions, option_fields
 from hopnet.output_spec import UPDATES_WAIT, OutputSpec
-from hopnet.wire import register_kind
+from hopnet.kinds import register_kind
 
 if TYPE_CHECKING:
     import numpy as np
@@ -170,7 +170,7 @@ def _discover() -> None:
         if _discovered:
             return
         _discovered = True
-        import hopnet.protocols as package
+        import hopnet.protocols.specs as package
 
         for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             importlib.import_module(module.name)
@@ -179,6 +179,8 @@ def _discover() -> None:
                 importlib.import_module(name)
             except ImportError as exc:
                 raise ConfigError(f"{PLUGINS_VARIABLE}: cannot import {name!r}: {exc}") from None
+        from importlib.metadata import entry_points  # slow to import; needed only once a protocol is looked up
+
         for point in entry_points(group=ENTRY_POINT_GROUP):
             point.load()
 

@@ -20,19 +20,8 @@ import msgpack
 import torch
 
 from hopnet.errors import HopnetError
-
-# Kinds every transport accepts. Protocols add theirs with register_kind().
-# ``bye``: the sender leaves after iteration ``iter``; ``meta`` may hold its planned last
-# iteration under ``"f"``. ``beat``: a heartbeat, sent to a neighbour nothing else went to
-# lately (see hopnet.runtime.liveness); it carries nothing but the sender's iteration.
-# ``done``: the sender finished training and is quiescing for the consensus (it starts no
-# exchange any more, so no neighbour should wait on it for one); it still beats, and says
-# ``bye`` when it closes.
-_KNOWN_KINDS: set[str] = {"update", "token", "ack", "hello", "bye", "beat", "done"}
-BYE_FINAL_ITER = "f"
-# Kinds accepted from any rank of the run, not only from graph neighbours (collectives
-# among groups formed on the fly, and the goodbye every rank may say to any other).
-_ANY_RANK_KINDS: set[str] = {"bye"}
+from hopnet.kinds import (BYE_FINAL_ITER, any_rank_kinds, is_any_rank_kind, is_known_kind, known_kinds,
+                          register_kind)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,32 +52,6 @@ class DecodeError(HopnetError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-def register_kind(kind: str, *, any_rank: bool = False) -> None:
-    """Allow a protocol-specific message kind on the wire.
-
-    With ``any_rank`` the kind is accepted from every rank of the run; otherwise only
-    from the graph neighbours the transport was given."""
-    _KNOWN_KINDS.add(kind)
-    if any_rank:
-        _ANY_RANK_KINDS.add(kind)
-
-
-def known_kinds() -> frozenset[str]:
-    return frozenset(_KNOWN_KINDS)
-
-
-def is_known_kind(kind: str) -> bool:
-    return kind in _KNOWN_KINDS
-
-
-def any_rank_kinds() -> frozenset[str]:
-    return frozenset(_ANY_RANK_KINDS)
-
-
-def is_any_rank_kind(kind: str) -> bool:
-    return kind in _ANY_RANK_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +138,7 @@ def decode_header(data: bytes | memoryview) -> Header:
     kind = head.get("k")
     if not isinstance(kind, str):
         raise DecodeError("bad_header", "missing kind")
-    if kind not in _KNOWN_KINDS:
+    if not is_known_kind(kind):
         raise DecodeError("unknown_kind", repr(kind)[:40])
     src, dst, it = head.get("s"), head.get("d"), head.get("i")
     if not (isinstance(src, int) and isinstance(dst, int) and isinstance(it, int)):

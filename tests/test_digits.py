@@ -30,7 +30,8 @@ def _consensus_error(run_dir: Path, n: int) -> float:
     [],                                   # the README command: Hop on the default ring
     ["--backup-workers", "1"],
     ["--staleness", "2"],
-], ids=["standard", "backup-workers", "staleness"])
+    ["--stream-mib", "0.01"],             # updates streamed in chunks of 10 KiB, each mixed as it arrives
+], ids=["standard", "backup-workers", "staleness", "streamed"])
 @pytest.mark.slow
 def test_digits_reaches_95_percent_on_every_worker(launch, tmp_path: Path,
                                                    protocol_flags: list[str]) -> None:

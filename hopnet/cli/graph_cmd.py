@@ -12,10 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import GraphError
-from hopnet.graph import Graph
+
+if TYPE_CHECKING:
+    from hopnet.graph import Graph
+
+NAME = "graph"
+HELP = "validate, inspect or generate a communication graph"
 
 SPEC_HELP = ("builder spec: ring:N, ring_based:N, double_ring:N, complete:N, exponential:N, "
              "torus:RxC, hierarchical:A,B,...")
@@ -24,7 +29,7 @@ SPEC_HELP = ("builder spec: ring:N, ring_based:N, double_ring:N, complete:N, exp
 def register(subparsers: Any) -> None:
     """Add the ``graph`` subcommand and its ``validate`` / ``show`` / ``make`` actions."""
     parser = subparsers.add_parser(
-        "graph", help="validate, inspect or generate a communication graph",
+        NAME, help=HELP,
         description="Validate, inspect or generate a communication graph (JSON schema: docs/graph-schema.md).",
     )
     sub = parser.add_subparsers(dest="graph_command", metavar="ACTION")
@@ -49,6 +54,8 @@ def register(subparsers: Any) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from hopnet.graph import Graph
+
     g = Graph.load(args.file)
     print(f"{args.file}: ok ({g.n} nodes, {g.num_edges} edges)")
     return 0
@@ -100,6 +107,8 @@ def _ranges(ids: list[int]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from hopnet.graph import Graph
+
     g = Graph.load(args.graph)
     s = summary(g)
     if args.json:
@@ -126,6 +135,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _make(args: argparse.Namespace) -> int:
+    from hopnet.graph import Graph
+
     g = Graph.by_name(args.spec)
     if args.output:
         try:

@@ -8,11 +8,14 @@ import sys
 
 from hopnet.errors import ConfigError
 
+NAME = "keygen"
+HELP = "write a CurveZMQ run key for `hopnet launch --key-file`"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "keygen",
-        help="write a CurveZMQ run key for `hopnet launch --key-file`",
+        NAME,
+        help=HELP,
         description="Write a fresh CurveZMQ keypair to PATH (a ZeroMQ certificate, readable by "
                     "you only). Give the same file to every launcher of a run with --key-file; "
                     "whoever holds it can join the run.",

@@ -6,11 +6,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hopnet.config import add_protocol_arguments, config_from_args, explicit_options
 from hopnet.errors import ConfigError
+
+NAME = "launch"
+HELP = "run a training script once per graph node on this machine"
 
 DEFAULT_GRACE_S = 5.0
 
@@ -64,8 +67,8 @@ def _count(text: str) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "launch",
-        help="run a training script once per graph node on this machine",
+        NAME,
+        help=HELP,
         description=DESCRIPTION,
         epilog=EPILOG,
         allow_abbrev=False,  # a script's --slow must reach it, not be taken for a prefix of --slowdown
@@ -136,6 +139,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "loopback ports)")
     security.add_argument("--insecure", action="store_true",
                           help="plain ZeroMQ sockets even off loopback: no authentication, no encryption")
+    from hopnet.config import add_protocol_arguments  # here, not above: `hopnet --help` needs none of it
+
     add_protocol_arguments(parser)
     parser.add_argument("script", metavar="SCRIPT", nargs="?", default=None,
                         help="the training script (a .py file)")
@@ -158,6 +163,8 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     """The recorded run's arguments (``RUN_DIR/launch.json``), for ``--resume RUN_DIR``; a flag of
     ``args`` that differs from both its default and the recorded value raises ConfigError. The
     launcher moves to the recorded working directory, where the recorded relative paths point."""
+    from hopnet.config import explicit_options
+
     run_dir = Path(args.resume)
     try:
         record = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))
@@ -192,20 +199,21 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # the launch's account of its time: start-up includes these checks
     argv = list(sys.argv)
     if args.resume is not None:
         args = resumed_args(args)
         argv = list(args.recorded_argv)
     elif args.script is None:
         raise ConfigError("hopnet launch: SCRIPT is required (or --resume RUN_DIR)")
-    config = config_from_args(args)
-    from hopnet.launch.launcher import launch
+    from hopnet.config import config_from_args, explicit_options
+    from hopnet.launch.spec import LaunchSpec, validate
 
-    result = launch(
-        args.script,
-        list(args.script_args),
+    plan = validate(LaunchSpec(
+        script=args.script,
+        script_args=list(args.script_args),
+        config=config_from_args(args),
         graph=args.graph,
-        config=config,
         nproc=args.nproc,
         run_dir=args.run_dir,
         bind=args.bind,
@@ -229,5 +237,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume is not None,
-    )
+    ))
+    # Only now torch: every argument was checked above, a bad one costs no torch import.
+    from hopnet.launch.launcher import run_plan
+
+    result = run_plan(plan, started=started)
     return result.returncode

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+NAME = "report"
+HELP = "plots and tables of a run, from its run directory"
+
 DESCRIPTION = """\
 Read a run directory written by `hopnet launch` (graph.json, launch.json and the
 rank{R}.jsonl event logs) and write a report: loss and iteration against wall time per
@@ -16,7 +19,7 @@ self-contained page; md writes a Markdown page with PNGs beside it.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("report", help="plots and tables of a run, from its run directory",
+    parser = subparsers.add_parser(NAME, help=HELP,
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (runs/<time>-<protocol>-<graph>)")
     parser.add_argument("-o", "--output", default=None, metavar="OUT",

@@ -21,18 +21,19 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hopnet.config import ProtocolConfig, add_protocol_arguments, config_from_args
-from hopnet.config_checks import check_config_for_graph
+
 from hopnet.errors import ConfigError, HopnetError
-from hopnet.graph import Graph
-from hopnet.launch.launcher import DEFAULT_NPROC
-from hopnet.launch.launcher import resolve_graph as resolve_run_graph
 from hopnet.output_spec import Count, combine, format_value, present
-from hopnet.sim.engine import GAP_MATRIX_MAX_N, ComputeModel, SimResult, SimSpec, simulate
-from hopnet.sim.links import load_link_model
-from hopnet.transports.inproc import LinkModel
+from hopnet.sim import GAP_MATRIX_MAX_N
+
+if TYPE_CHECKING:  # the simulator (torch) is imported once the arguments are checked
+    from hopnet.graph import Graph
+    from hopnet.sim.engine import ComputeModel, SimResult, SimSpec
+
+NAME = "simulate"
+HELP = "run a protocol on a graph in virtual time (no training)"
 
 DEFAULT_ITERATIONS = 100
 DEFAULT_COMPUTE = "10"
@@ -56,9 +57,11 @@ for want of a departed peer; 2 for bad arguments.
 
 
 def register(subparsers: Any) -> None:
+    from hopnet.launch.spec import DEFAULT_NPROC
+
     parser = subparsers.add_parser(
-        "simulate",
-        help="run a protocol on a graph in virtual time (no training)",
+        NAME,
+        help=HELP,
         description=DESCRIPTION,
         epilog=EPILOG,
         allow_abbrev=False,  # as for `hopnet launch`: a flag is taken whole, never as a prefix of another
@@ -94,6 +97,8 @@ def register(subparsers: Any) -> None:
                           f"{GAP_MATRIX_MAX_N} workers (default: auto)")
     sim.add_argument("--json", default=None, metavar="FILE",
                      help="write the full result as JSON to FILE ('-' = stdout; the summary then goes to stderr)")
+    from hopnet.config import add_protocol_arguments  # here, not above: `hopnet --help` needs none of it
+
     add_protocol_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -125,6 +130,8 @@ def _number(flag: str, text: str) -> float:
 
 def resolve_graph(source: str | None, nproc_text: str | None) -> tuple[Graph, str]:
     """The graph and a label for it: ``--graph`` (checked against ``--nproc``) or a ring."""
+    from hopnet.launch.spec import resolve_graph as resolve_run_graph
+
     nproc = None if nproc_text is None else _int("--nproc", nproc_text)
     graph, _ = resolve_run_graph(source, nproc)
     return graph, graph.name or source or f"ring:{graph.n}"
@@ -138,6 +145,8 @@ def _rank(flag: str, text: str, n: int, item: str) -> int:
 
 
 def parse_compute(default: str, per_rank: list[str], n: int) -> ComputeModel:
+    from hopnet.sim.engine import ComputeModel
+
     model = ComputeModel.parse(default)
     for item in per_rank:
         rank_text, sep, spec = item.partition(":")
@@ -165,6 +174,9 @@ def parse_stops(items: list[str], n: int) -> dict[int, int]:
 
 def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     """The simulation ``args`` ask for, and its inputs as a JSON-ready dict."""
+    from hopnet.config import config_from_args
+    from hopnet.config_checks import check_config_for_graph
+
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
     config = config_from_args(args)
@@ -173,11 +185,15 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     iterations = _int("--iterations", args.iterations)
     if iterations < 1:
         raise ConfigError(f"--iterations must be >= 1 (got {iterations})")
-    compute = parse_compute(args.compute_ms, list(args.compute_ms_rank), n)
     latency_ms = _number("--link-latency-ms", args.link_latency_ms)
     gbps = _number("--link-gbps", args.link_gbps)
     model_mb = _number("--model-mb", args.model_mb)
     stops = parse_stops(list(args.stop), n)
+    compute = parse_compute(args.compute_ms, list(args.compute_ms_rank), n)  # imports the simulator (torch)
+    from hopnet.sim.engine import SimSpec
+    from hopnet.sim.links import load_link_model
+    from hopnet.transports.inproc import LinkModel
+
     link = LinkModel(latency_s=latency_ms / 1000.0, bytes_per_s=gbps * 1e9 / 8)
     link_inputs: dict[str, Any] = {"latency_ms": latency_ms, "gbps": gbps, "latency_s": link.latency_s,
                                    "bytes_per_s": link.bytes_per_s}
@@ -217,6 +233,8 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     """The summary: what every run has, then what the protocol's declaration says matters for it
     (``ProtocolSpec.output``: its counts, its coordinator's, the gaps; no graph line where the graph
     plays no part)."""
+    from hopnet.config import ProtocolConfig
+
     n = result.n
     config = inputs["config"]
     protocol = ProtocolConfig.from_dict(config)
@@ -258,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             raise ConfigError(f"--json {args.json}: no such directory {folder}")
+    from hopnet.sim.engine import simulate
+
     try:
         result = simulate(spec)
     except ConfigError:

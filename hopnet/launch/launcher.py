@@ -603,10 +603,20 @@ def saved_model_line(run_dir: Path) -> str:
 def run_launch(spec: LaunchSpec, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
     """The driver: run ``spec``'s phases in order (see :func:`launch`)."""
     started = time.monotonic()
+    return run_plan(validate(spec), stdout=stdout, stderr=stderr, started=started)
+
+
+def run_plan(plan: LaunchPlan, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+             started: float | None = None) -> LaunchResult:
+    """The phases after :func:`~hopnet.launch.spec.validate`, which `hopnet launch` runs before it
+    imports this module (and torch with it), so that a bad argument costs no torch import.
+    ``started``: the ``time.monotonic()`` the launch's account of its time starts from (the
+    command's own start, so that its argument checks and imports count as start-up)."""
+    started = time.monotonic() if started is None else started
+    spec = plan.spec
     out_stream = stdout if stdout is not None else sys.stdout
     err_stream = stderr if stderr is not None else sys.stderr
     output = LauncherOutput(out_stream, err_stream)
-    plan = validate(spec)
     security = secure_run(plan)  # before joining: node R refuses at once what node 0 would
     machines = join_launchers(plan, output.say)
     claim: RunDirClaim | None = None
@@ -723,4 +733,4 @@ def launch(
 
 
 __all__ = ["DEFAULT_NPROC", "Launch", "LaunchPlan", "LaunchResult", "LaunchSpec", "LauncherOutput", "NodePlan",
-           "launch", "resolve_graph", "run_launch"]
+           "launch", "resolve_graph", "run_launch", "run_plan"]

@@ -25,13 +25,14 @@ import json
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.graph import Graph
 from hopnet.launch.store import HostedStore, connect_store, format_endpoint, host_store, parse_endpoint
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 PREFIX = "hopnet-launch/"
 POLL_S = 0.05

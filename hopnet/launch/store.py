@@ -16,10 +16,12 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from hopnet.errors import ConfigError, HopnetError
+
+if TYPE_CHECKING:  # torch is imported where a store is made: `hopnet launch`'s argument checks load none
+    import torch.distributed as dist
 
 STORE_CONNECT_RETRY_S = 0.1
 
@@ -48,6 +50,8 @@ class HostedStore:
     """The master side of the run's TCPStore; :meth:`close` shuts its server down."""
 
     def __init__(self, host: str, timeout_s: float = 300.0, port: int = 0) -> None:
+        import torch.distributed as dist
+
         try:
             self.store: dist.TCPStore | None = dist.TCPStore(
                 host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
@@ -102,6 +106,8 @@ def connect_store(endpoint: str, timeout_s: float = 60.0,
     ``timeout_s`` bounds the connection and every later blocking call on the store
     (``get``/``wait`` of a key nobody sets fail after it).
     """
+    import torch.distributed as dist
+
     host, port = parse_endpoint(endpoint)
     _wait_until_reachable(host, port, timeout_s, waiting)  # a clear message instead of torch's retry log
     try:

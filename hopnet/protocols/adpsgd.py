@@ -9,6 +9,8 @@ models, not gradients. Every worker, every iteration:
 3. an *active* worker picks one *passive* neighbour at random (seeded) and
 4. averages with it atomically: ``x_i, x_j <- (x_i + x_j) / 2``.
 
+With ``--local-steps H`` an active does steps 3-4 only at every H-th iteration (and its last).
+
 Active and passive sets are the two sides of the bipartite communication graph (every
 edge joins an active and a passive worker). Only actives initiate, so no cycle of
 workers can wait on each other and nothing deadlocks; a non-bipartite graph is refused
@@ -49,6 +51,9 @@ declared dead during the wait fails the active with :class:`PeerFailure` naming 
 averaging may or may not have happened on its side); under ``--max-restarts`` the active
 skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.adpsgd`,
+which imports no torch.
 """
 
 from __future__ import annotations
@@ -62,23 +67,15 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.finite import all_finite_in, refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import NoOptions
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.protocols.specs.adpsgd import REPLY, REQUEST, AdPsgdOptions, check_bipartite
+from hopnet.protocols.specs.local_steps import mixes_at
 from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
-
-REQUEST = "avg_req"
-"""Active -> passive: the active's model, asking for an averaging (``iter``: the active's iteration)."""
-REPLY = "avg_reply"
-"""Passive -> active: the mean of the two models."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,8 @@ AveragingObserver = Callable[[Averaging], None]
 class AdPsgdProtocol(Protocol):
     name = "ad-psgd"
 
-    def __init__(self, config: ProtocolConfig, model: ModelState | torch.Tensor | None) -> None:
+    def __init__(self, config: ProtocolConfig, model: ModelState | torch.Tensor | None,
+                 options: AdPsgdOptions | None = None) -> None:
         super().__init__()
         state = ModelState.wrap(model)
         if state is None:
@@ -112,6 +110,7 @@ class AdPsgdProtocol(Protocol):
         if any(f.dim() != 1 or not f.is_contiguous() for f in state.flats):
             raise ConfigError("the ad-psgd protocol averages flat, contiguous tensors")
         self.config = config
+        self.local_steps = (options or AdPsgdOptions()).local_steps
         self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
         self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in self.flats)
         self.observer: AveragingObserver | None = None  # called by a passive for each averaging it serves
@@ -120,8 +119,9 @@ class AdPsgdProtocol(Protocol):
         self.gone: dict[int, str] = {}  # neighbour -> "departed" | "dead"
         self.done: set[int] = set()  # neighbours that quiesced for the consensus: they average no more
         # Active side
-        self.partners: list[int | None] = []  # per iteration: the passive averaged with, None if skipped
+        self.partners: list[int | None] = []  # per mixing iteration: the passive averaged with, None if skipped
         self.skips: list[dict[str, Any]] = []
+        self._partner_now: int | None = None  # this iteration's partner (None: skipped, or a local step)
         self._reply_buffers: list[torch.Tensor] | None = None
         self._awaited: int | None = None  # the passive whose reply this active waits for
         self._reply: asyncio.Future[bool] | None = None
@@ -159,8 +159,11 @@ class AdPsgdProtocol(Protocol):
         if apply is not None:
             with self.node.model_lock:
                 apply()
+        self._partner_now = None
         if self.active:
-            self.partners.append(await self._average_with_a_passive(k))
+            if mixes_at(k, self.local_steps, self.final_iteration):
+                self._partner_now = await self._average_with_a_passive(k)
+                self.partners.append(self._partner_now)
         elif last:
             await self._serve_until_actives_leave()
         self.node.iteration_done(k, self)
@@ -374,7 +377,7 @@ class AdPsgdProtocol(Protocol):
     # ------------------------------------------------------------------ records
     def snapshot(self) -> dict[str, Any]:
         if self.active:
-            return {"partner": self.partners[-1] if self.partners else None}
+            return {"partner": self._partner_now}
         return {"served": self._served_this_iteration}
 
     def summary(self) -> dict[str, Any]:
@@ -384,41 +387,4 @@ class AdPsgdProtocol(Protocol):
         return {"role": "passive", "averagings_served": self.served}
 
 
-def check_bipartite(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The active and passive sets: the graph's two sides. A graph that has none (an odd cycle,
-    which would let averagings wait on each other in a circle) or whose edges go one way only
-    (a pair must talk both ways) is refused in one line."""
-    if not graph.is_undirected():
-        raise ConfigError(f"--protocol ad-psgd needs an undirected graph: {graph_in_words(graph)} has "
-                          "one-way edges, and an averaging pair talks both ways")
-    sides = graph.two_colouring()
-    if isinstance(sides, list):
-        raise ConfigError(f"{graph_in_words(graph)} is not bipartite: odd cycle {'-'.join(map(str, sides))} "
-                          "(--protocol ad-psgd needs active and passive sides with every edge between them)")
-    return sides
-
-
-def _no_notes(_: object) -> list[str]:
-    return []
-
-
-AD_PSGD_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for partner", "wait partner"),),
-    counts=(Count("role", "role", "tally"), Count("averagings", "averagings"),
-            Count("averagings_served", "averagings served"), Count("averagings_skipped", "averagings skipped")),
-    gaps="all")
-
-register(ProtocolSpec(
-    name="ad-psgd",
-    summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
-            "with one random passive neighbour per iteration.",
-    options=NoOptions,
-    build=lambda config, options, model, grads: AdPsgdProtocol(config, model),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    message_kinds=(MessageKind(REQUEST), MessageKind(REPLY)),
-    check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
-    resumable=True,
-    restartable=True,
-    output=AD_PSGD_OUTPUT,
-))
+__all__ = ["REPLY", "REQUEST", "AdPsgdProtocol", "Averaging", "check_bipartite"]

@@ -27,6 +27,9 @@ behind takes that model and that iteration (its own step is void: recorded as
 replacements every rank has taken back (``Node.epoch``), so no chunk of a broken round
 mixes into a later one. The models are identical again afterwards; the optimizer state of
 a member that was behind, or of the replacement (fresh), differs from the others'.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.allreduce`,
+which imports no torch.
 """
 
 from __future__ import annotations
@@ -38,13 +41,11 @@ import torch
 from hopnet.config import ProtocolConfig
 from hopnet.errors import PeerFailure
 from hopnet.model_state import ModelState
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
-from hopnet.protocols.buffer_sync import GradientOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.protocols.overlap import DEFAULT_BUCKET_MB, BucketOptions
-from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.protocols.specs.allreduce import AllReduceOptions
+from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions, GradientOptions
 
 __all__ = ["DEFAULT_BUCKET_MB", "AllReduceOptions", "AllReduceProtocol"]
 
@@ -136,25 +137,3 @@ class AllReduceProtocol(AllRanksGradientProtocol):
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1, **self.overlap_summary(),
                 **({"resyncs": self.resyncs} if self.resyncs else {})}
-
-
-AllReduceOptions = BucketOptions
-
-
-ALLREDUCE_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
-    counts=(Count("rounds", "rounds", "max", in_summary=False), Count("buckets", "buckets", "max", in_summary=False),
-            Count("overlapped", "reduced in backward")))
-
-register(ProtocolSpec(
-    name="allreduce",
-    summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
-            "no part in it.",
-    options=AllReduceOptions,
-    build=lambda config, options, model, grads: AllReduceProtocol(config, grads, model, options),
-    averages=Averages.GRADIENTS,
-    uses_graph=False,
-    resumable=True,
-    restartable=True,
-    output=ALLREDUCE_OUTPUT,
-))

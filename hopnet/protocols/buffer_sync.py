@@ -3,8 +3,8 @@
 Averaged gradients keep the parameters identical on every rank, but a buffer that the
 forward pass updates (BatchNorm's running statistics) follows each rank's own batches
 and drifts apart. torch's DistributedDataParallel broadcasts rank 0's buffers before each
-forward pass; the gradient protocols take ``--buffers``, declared once here
-(:class:`GradientOptions`) for all of them:
+forward pass; the gradient protocols take ``--buffers``, declared once (:class:`GradientOptions`,
+in :mod:`hopnet.protocols.specs.gradient_options`) for all of them:
 
 * ``broadcast`` (the default, DDP's choice): after each step every rank takes rank 0's
   buffers. Rank 0's own buffers follow its own batches exactly as under DDP.
@@ -26,24 +26,13 @@ buffers lag by as many iterations as the gradients do.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hopnet.options import ProtocolOptions, option
+from hopnet.protocols.specs.gradient_options import BUFFER_MODES, GradientOptions
 from hopnet.runtime.services import AllReduce
 
-BUFFER_MODES = ("broadcast", "average", "local")
 ROOT = 0
-
-
-@dataclass(frozen=True)
-class GradientOptions(ProtocolOptions):
-    """The options every protocol that averages gradients takes."""
-
-    buffers: str = option("broadcast", choices=BUFFER_MODES,
-                          help="keep the model's floating buffers (BatchNorm statistics) in step after each step: "
-                               "broadcast rank 0's (as torch DDP does), average them, or keep them local")
 
 
 class BufferSync:

@@ -32,6 +32,9 @@ that ran before a rank's call carries that rank's older copy (as it carries its 
 gradient), so the last call of every rank syncs the live buffers once more, blocking, as
 ``--full-sync-every`` does: every rank ends with the same buffers.
 ``--full-sync-every`` averages the whole model, parameters and floating buffers.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.eager`,
+which imports no torch.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,22 +50,14 @@ from hopnet.collectives.ring import RingCollective
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.model_state import ModelState
-from hopnet.options import option
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
-from hopnet.protocols.buffer_sync import BufferSync, GradientOptions
+from hopnet.protocols.buffer_sync import BufferSync
 from hopnet.protocols.resync import resynchronize
-from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+from hopnet.protocols.specs.eager import ACTIVATION_KIND, EagerOptions
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
 
-ACTIVATION_KIND = "eager"
-"""An activation: ``iter`` is the round id, ``meta["r"]`` the root (initiator) of its tree.
-With ``meta["fin"]`` instead: the sender has finished its iterations (majority rounds it
-was to start are then started by whoever waits for them). With ``meta["sync"] = k``: the
-sender is in the full synchronisation of iteration k, a barrier, so a majority round it
-was to start is started by whoever waits for it in iteration k."""
 TAG_PREFIX = "eager"
 
 
@@ -605,39 +599,4 @@ class EagerProtocol(Protocol):
                 "active_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0])))}
 
 
-@dataclass(frozen=True)
-class EagerOptions(GradientOptions):
-    eager_mode: str = option("solo", choices=("solo", "majority"),
-                             help="who starts a round: solo (whoever arrives first; never waits for another's "
-                                  "compute) or majority (a seeded random rank; earlier arrivals wait for it)")
-    full_sync_every: int | None = option(None, minimum=1, metavar="N",
-                                         help="average the models with a blocking all-reduce every N iterations")
-
-    def settings(self) -> list[str]:
-        shown = [f"mode {self.eager_mode}"]
-        if self.buffers != "broadcast":
-            shown.append(f"buffers {self.buffers}")
-        if self.full_sync_every is not None:
-            shown.append(f"full sync every {self.full_sync_every}")
-        return shown
-
-
-EAGER_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for round", "wait round"),),
-    counts=(Count("initiated", "rounds started", "per_rank"), Count("stale_calls", "late contributions"),
-            Count("rounds", "rounds", "max", in_summary=False),
-            Count("rounds_skipped", "rounds skipped", in_summary=False),
-            Count("active_mean", "mean ranks active per round", "mean", in_summary=False)))
-
-register(ProtocolSpec(
-    name="eager-sgd",
-    summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
-    options=EagerOptions,
-    build=lambda config, options, model, grads: EagerProtocol(config, options, model, grads),
-    averages=Averages.GRADIENTS,
-    uses_graph=False,
-    message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
-    resumable=True,
-    restartable=True,
-    output=EAGER_OUTPUT,
-))
+__all__ = ["ACTIVATION_KIND", "EagerOptions", "EagerProtocol", "activation_targets", "majority_initiator"]

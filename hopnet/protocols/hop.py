@@ -27,39 +27,42 @@ rides on the update it sends anyway, so a symmetric graph pays no extra message.
 The grants also tell a worker which iteration each out-neighbour has reached, which
 is all it needs to skip sending updates that would arrive late (Sec. 6.2), with no
 round trip.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.hop`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError, PeerFailure, ProtocolError, WaitTimeout
 from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
-from hopnet.output_spec import SKIPS, TOKENS_WAIT, UPDATES_WAIT, Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
-from hopnet.runtime.mix_sums import MixSums, mix_into
+from hopnet.protocols.specs.hop import (DEFAULT_MAX_IG, WELCOME, HopOptions, NotifyAckOptions, backup_workers_flag,
+                                        check_hop_graph, gap_bound, gap_rule, largest_lead, notify_ack_gap_bound,
+                                        parse_backup_workers, restart_refusal)
+from hopnet.protocols.specs.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
+from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
 
 CREDIT = "c"
-WELCOME = "hop_welcome"
-"""Worker -> a neighbour's replacement (``--max-restarts``): the iteration it is in, and, when it
-sends updates to that neighbour, its update of that iteration (the one the dead process got)."""
+PART = "p"
+"""Meta key of one chunk of a streamed update: its region's index in the plan (:func:`plan_regions`)."""
+STREAM_WINDOW = 2
+"""Chunks of one streamed update in the transport at once, per out-neighbour: one on the wire, one
+queued behind it. The receiver then has about as many in flight (the torch plane posts a receive per
+chunk whose header came), whatever the update's size."""
 
 
 _ANY_SENDER = -1
@@ -84,6 +87,7 @@ class HopProtocol(Protocol):
         self.notify_ack = notify_ack
         self.use_tokens = options.token_queues and not self.notify_ack
         self.staleness = options.staleness
+        self.local_steps = options.local_steps
         self.specs = tuple(TensorSpec(f.dtype, tuple(f.shape)) for f in flats)
         self.skipped_iterations = 0
         self.late_updates_dropped = 0
@@ -111,15 +115,26 @@ class HopProtocol(Protocol):
             flats = self.flats
             factory = lambda: [torch.empty_like(f) for f in flats]  # noqa: E731
         self.num_slots = self._slots_needed(graph)
-        # One pool for every sender: a buffer is held only while it is received, summed or (with
-        # staleness) the newest update of its sender, so no sender needs buffers of its own.
-        self.pool = BufferPool(factory, (_ANY_SENDER,), per_sender=1)
         self.queue = UpdateQueue(self.num_slots)
         self.summing = self.staleness is None and bool(self.flats)
         """Mix by accumulation (:mod:`hopnet.runtime.mix_sums`): the queue then only records which
         updates came. With staleness the newest update of a sender replaces its older one, which
         a sum could not take back, so the queue keeps the newest update's tensors until the reduce."""
-        self.sums = MixSums(self._release)
+        # With staleness: one pool for every sender: a buffer is held only while it is received or
+        # the newest update of its sender, so no sender needs buffers of its own.
+        self.pool = BufferPool(factory if not self.summing else None, (_ANY_SENDER,), per_sender=1)
+        model_bytes = sum(spec.nbytes for spec in self.specs)
+        chunk = self.options.stream_bytes(self.config.bulk, model_bytes)
+        self.streaming = self.summing and chunk > 0 and model_bytes > chunk
+        """Updates go as chunks of ``--stream-mib``, each added into its sum as it arrives."""
+        self.regions = plan_regions(self.specs, chunk if self.streaming else None, [f.device for f in self.flats])
+        self.region_pool = RegionPool()
+        self.sums = MixSums(self.regions, self.region_pool)
+        self._arriving: dict[tuple[int, int], set[int]] = {}
+        """(iteration, sender) -> the chunks of a streamed update received so far."""
+        self._reduced = -1
+        """The last iteration mixed into the model: chunks of it that come later are dropped."""
+        self.late_chunks_dropped = 0
         self.tokens = TokenCredits(self.out_peers, self.options.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
         self.last_used: dict[int, int] = {j: -1 for j in self.in_peers}
@@ -158,13 +173,28 @@ class HopProtocol(Protocol):
                 self.node.count_drop("bad_payload")
                 return DISCARD
             return None
+        part = header.meta.get(PART) if header.meta else None
+        if part is not None:
+            if not (self.streaming and header.kind == "update" and type(part) is int
+                    and 0 <= part < len(self.regions) and header.specs == (self.regions[part].spec,)):
+                self.node.count_drop("bad_payload")
+                return DISCARD
+            return [self.region_pool.take(self.regions[part])]
         if header.specs != self.specs:
             self.node.count_drop("bad_payload")
             return DISCARD
+        if self.streaming:
+            return None  # a whole update of a streamed model (a welcome): added as it is
+        if self.summing:  # each tensor is one region: it becomes its part, or is pooled again
+            return [self.region_pool.take(region) for region in self.regions]
         return self.pool.acquire(_ANY_SENDER)
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
-        self.pool.release(_ANY_SENDER, tensors)
+        if not self.summing:
+            self.pool.release(_ANY_SENDER, tensors)
+        elif tensors is not None and not self.streaming:
+            for t in tensors:
+                self.region_pool.give(t)
 
     def _store(self, update: Update) -> bool:
         """Queue an update (False for a duplicate, whose buffers are given back); when summing, its
@@ -187,7 +217,7 @@ class HopProtocol(Protocol):
             self._drop_non_finite(update.iter, update.src, update.iter)
             self._release(tensors)
             return True
-        self.sums.add(update.iter, tensors, self.in_weight[update.src])
+        self._release(self.sums.add_whole(update.iter, tensors, self.in_weight[update.src]))
         return True
 
     def _drop_non_finite(self, k: int, src: int, update_iter: int) -> None:
@@ -210,6 +240,9 @@ class HopProtocol(Protocol):
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
                 return
+            if msg.meta and PART in msg.meta:
+                self._on_chunk(msg)
+                return
             if msg.iter > self.newest_received[msg.src]:
                 self.newest_received[msg.src] = msg.iter
             if self._is_late(msg.iter, msg.src) or (self.staleness is not None
@@ -230,6 +263,37 @@ class HopProtocol(Protocol):
         else:
             self.node.count_drop("unexpected_kind")
 
+    def _on_chunk(self, msg: Message) -> None:
+        """One chunk of a streamed update: added, weighted, into its region of the iteration's sum. The
+        update counts as arrived (for the wait rules) once all its chunks are in."""
+        k, src = msg.iter, msg.src
+        assert msg.meta is not None
+        index: int = msg.meta[PART]
+        tensor = msg.tensors[0]
+        if self._is_late(k, src) or k <= self._reduced:
+            self.late_chunks_dropped += 1
+            if index == 0 and (k, src) not in self._arriving:
+                self.late_updates_dropped += 1
+            self.region_pool.give(tensor)
+            return
+        got = self._arriving.setdefault((k, src), set())
+        if index in got:
+            self.node.count_drop("duplicate_chunk")
+            self.region_pool.give(tensor)
+            return
+        got.add(index)
+        if all_finite_in([tensor]):
+            self.sums.add(k, index, tensor, self.in_weight[src])
+        else:  # left out of its region's mix; the rest of the update counts
+            self._drop_non_finite(k, src, k)
+            self.region_pool.give(tensor)
+        if len(got) < len(self.regions):
+            return
+        del self._arriving[(k, src)]
+        if k > self.newest_received[src]:
+            self.newest_received[src] = k
+        self.queue.enqueue(Update(k, src, None))
+
     def _on_credit(self, msg: Message) -> None:
         meta = msg.meta
         if not meta or CREDIT not in meta:
@@ -240,8 +304,17 @@ class HopProtocol(Protocol):
             return
         self.tokens.grant(msg.src, count, msg.iter)
 
+    @property
+    def round(self) -> int:
+        """The round this worker is in (``--local-steps``): what its messages, queues and tokens count;
+        the iteration itself when every iteration mixes."""
+        return round_of(self.iteration, self.local_steps)
+
+    def _mixes(self, iteration: int) -> bool:
+        return mixes_at(iteration, self.local_steps, self.final_iteration)
+
     def _oldest_useful(self) -> int:
-        return self.iteration - (self.staleness or 0)
+        return self.round - (self.staleness or 0)
 
     def _is_late(self, iteration: int, src: int) -> bool:
         if iteration < self._oldest_useful():
@@ -249,18 +322,23 @@ class HopProtocol(Protocol):
         return self.staleness is not None and iteration <= self.last_used[src]
 
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
-        self.departed_after[peer] = last_iteration
+        # a goodbye names the peer's iteration: it sent its model up to the round it last entered
+        final = self.node.final_iterations.get(peer, self.final_iteration)
+        self._departed(peer, rounds_sent_by(last_iteration, self.local_steps, final))
+
+    def _departed(self, peer: int, last_round: int) -> None:
+        self.departed_after[peer] = last_round
         if peer in self._out_peer_set:
             self.tokens.depart(peer)
         self.queue.wake()
 
     def on_peer_dead(self, peer: int) -> None:
         # Nothing is on its way from a dead peer: the newest update it sent is its last.
-        self.on_peer_departed(peer, self.newest_received.get(peer, -1))
+        self._departed(peer, self.newest_received.get(peer, -1))
 
     # ------------------------------------------------------------------ replacements (--max-restarts)
     def _check_restartable(self) -> None:
-        refusal = _restart_refusal(self.options, self.config.protocol)
+        refusal = restart_refusal(self.options, self.config.protocol)
         if refusal is not None:
             raise ConfigError(f"--max-restarts: {refusal}")
 
@@ -272,7 +350,7 @@ class HopProtocol(Protocol):
         self._check_restartable()
         if peer not in self.peers:
             return
-        k = self.iteration
+        k = self.round
         self.departed_after.pop(peer, None)
         self._joined_late.add(peer)
         if peer in self._out_peer_set:
@@ -366,7 +444,7 @@ class HopProtocol(Protocol):
             self.node.post(Message("token", self.rank, peer, start - 1, meta={CREDIT: credit}))
 
     def _beyond_window(self, iteration: int) -> bool:
-        return iteration >= self.iteration + self.num_slots - (self.staleness or 0)
+        return iteration >= self.round + self.num_slots - (self.staleness or 0)
 
     def _expected(self, k: int) -> Sequence[int]:
         """In-neighbours that will still send an update of iteration ``k``."""
@@ -381,42 +459,65 @@ class HopProtocol(Protocol):
 
     def resume_at(self, iteration: int) -> None:
         super().resume_at(iteration)
-        # Every rank resumes at ``iteration``: no ack of an earlier one will come.
-        self.acks = {j: iteration - 1 for j in self.acks}
-        self.last_used = {j: iteration - 1 for j in self.last_used}
-        self.newest_received = {j: iteration - 1 for j in self.newest_received}
+        # Every rank resumes at ``iteration`` (in the middle of a round, possibly: it mixes where it
+        # would have): no ack of an earlier round will come.
+        before = self.round - 1
+        self.acks = {j: before for j in self.acks}
+        self.last_used = {j: before for j in self.last_used}
+        self.newest_received = {j: before for j in self.newest_received}
 
     async def begin(self) -> None:
-        await self._enter(self.iteration, 1)
+        if self._mixes(self.iteration):
+            await self._enter(self.iteration, 1)
 
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
         k = self.iteration
+        if not self._mixes(k):  # a local step (--local-steps): no message, no wait
+            if apply is not None:
+                apply()
+            self.node.iteration_done(k, self)
+            if not last:
+                await self._advance(k + 1, 1)
+            return
+        await self._mix(apply, k, self.round, last)
+
+    async def _mix(self, apply: ApplyFn | None, k: int, r: int, last: bool) -> None:
+        """Finish mixing iteration ``k``, the end of round ``r`` (the same number without local steps)."""
         if self.options.serial:
             if apply is not None:
                 apply()
-            self._send_updates(k, credit=0)
-            updates, iters = await self._recv(k)
+            self._send_updates(r, credit=0)
+            updates, iters = await self._recv(r)
             await self.node.flush()
-            self._reduce(updates, iters, k)
+            self._reduce(updates, iters, r)
         else:
-            updates, iters = await self._recv(k)
+            updates, iters = await self._recv(r)
             await self.node.flush()
-            self._reduce(updates, iters, k)
+            self._reduce(updates, iters, r)
             if apply is not None:
                 apply()
         if self.notify_ack:
             for j in self.in_peers:
                 if j not in self.departed_after:
-                    self.node.post(Message("ack", self.rank, j, k))
+                    self.node.post(Message("ack", self.rank, j, r))
         self.node.iteration_done(k, self)
         if last:
             return
-        target = await self._maybe_skip(k)
+        target = await self._maybe_skip(r)  # skipping is refused with local steps: rounds are iterations here
+        await self._advance(target if self.local_steps == 1 else k + 1, target - r)
+
+    async def _advance(self, k: int, count: int) -> None:
+        """Go on to iteration ``k``; at a mixing iteration, enter its round having advanced ``count`` rounds
+        (the token queues' wait, then the grants and, in the parallel approach, the model sent)."""
+        if not self._mixes(k):
+            self.iteration = k
+            return
         if self.use_tokens:
-            await self._wait(lambda: self.tokens.available(target - k), self.tokens,
-                             lambda: ("tokens", self.tokens.missing(target - k)), target)
-            await self.tokens.acquire(target - k)
-        await self._enter(target, target - k)
+            r = round_of(k, self.local_steps)
+            await self._wait(lambda: self.tokens.available(count), self.tokens,
+                             lambda: ("tokens", self.tokens.missing(count)), r)
+            await self.tokens.acquire(count)
+        await self._enter(k, count)
 
     async def stop(self) -> None:
         await self.say_goodbye(peer for peer in self.peers if peer not in self.departed_after)
@@ -448,9 +549,11 @@ class HopProtocol(Protocol):
         self.node.record("skip", iter=k, to=target, behind=behind)
         return target
 
-    async def _enter(self, k: int, count: int) -> None:
-        """Enter iteration ``k`` having advanced ``count`` iterations: grant, then send (parallel)."""
-        self.iteration = k
+    async def _enter(self, iteration: int, count: int) -> None:
+        """Enter mixing iteration ``iteration``, so its round, having advanced ``count`` rounds: grant, then
+        send (parallel). Entries count rounds (its ``enter`` record, the gap tracker)."""
+        self.iteration = iteration
+        k = self.round
         self._discard_older_than(self._oldest_useful())
         if self.notify_ack and k > 0:
             await self._wait(lambda: all(self.acks[j] >= k - 1 for j in self._live_out()), self.tokens,
@@ -486,12 +589,23 @@ class HopProtocol(Protocol):
                     if meta is not None:
                         self.node.post_express(Message("token", self.rank, peer, k, meta=meta))
                     continue
-                self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=payload))
+                self._post_update(peer, k, meta)
             else:
                 if peer in self._out_peer_set:
                     self.updates_not_sent += 1
                 if meta is not None:
                     self.node.post(Message("token", self.rank, peer, k, meta=meta))
+
+    def _post_update(self, peer: int, k: int, meta: dict[str, Any] | None) -> None:
+        """The model as iteration ``k``'s update to ``peer``: one message, or (streaming) one per
+        region, in order, the credit riding on the first."""
+        if not self.streaming:
+            self.node.post(Message("update", self.rank, peer, k, meta=meta, tensors=self.flats))
+            return
+        chunks = [Message("update", self.rank, peer, k, meta={PART: index, **(meta or {})} if index == 0
+                          else {PART: index}, tensors=[region.of(self.flats)])
+                  for index, region in enumerate(self.regions)]
+        self.node.post_stream(chunks, STREAM_WINDOW)
 
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
         if self.staleness is not None:
@@ -535,7 +649,7 @@ class HopProtocol(Protocol):
         also = f"; in-neighbour(s) {others} are gone too" if others else ""
         if state == "dead":
             silent = self.node.dead.get(peer, 0.0)
-            message = (f"rank {self.rank} cannot finish iteration {k}: peer {peer} went silent "
+            message = (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} went silent "
                        f"(dead: nothing heard from it for {silent:.1f}s; its process died or hangs, "
                        f"or its host is unreachable) and {need_text}{also}")
         else:
@@ -546,15 +660,21 @@ class HopProtocol(Protocol):
         last = self.departed_after[peer]
         final = self.node.final_iterations.get(peer)
         mine = self.final_iteration
-        if final is not None and last >= final and (mine is None or mine > final):
-            runs_to = f"runs to iteration {mine}" if mine is not None else f"needs its update of iteration {k}"
+        if final is not None and last >= round_of(final, self.local_steps) and (mine is None or mine > final):
+            runs_to = f"runs to iteration {mine}" if mine is not None else f"needs its update of {self._at(k)}"
             return (f"peer {peer} finished at iteration {final} but rank {self.rank} {runs_to}: "
                     "every rank must run the same number of iterations")
-        if final is not None and last < final:
-            return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left at iteration "
-                    f"{last}, before its last iteration {final}, and {need_text}")
-        return (f"rank {self.rank} cannot finish iteration {k}: peer {peer} left after iteration "
-                f"{last} and {need_text}")
+        if final is not None and last < round_of(final, self.local_steps):
+            return (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} left at {self._at(last)}, "
+                    f"before its last iteration {final}, and {need_text}")
+        return (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} left after {self._at(last)} "
+                f"and {need_text}")
+
+    def _at(self, r: int) -> str:
+        """Round ``r`` in words: its iteration, or with local steps the round and where it mixes."""
+        if self.local_steps == 1:
+            return f"iteration {r}"
+        return f"round {r} (iteration {mixing_iteration(r, self.local_steps, self.final_iteration)})"
 
     def _missing_updates(self, k: int) -> list[int]:
         return [j for j in self._expected(k) if not self.queue.size(iter=k, w_id=j)]
@@ -597,6 +717,8 @@ class HopProtocol(Protocol):
     def _discard_older_than(self, iteration: int) -> None:
         self._release_updates(self.queue.take_older_than(iteration))
         self.sums.discard_older_than(iteration)
+        for key in [key for key in self._arriving if key[0] < iteration]:
+            del self._arriving[key]
 
     def _release_updates(self, updates: list[Update]) -> None:
         for update in updates:
@@ -643,10 +765,13 @@ class HopProtocol(Protocol):
     def _reduce(self, updates: list[Update], iters: list[int], k: int) -> None:
         """Weighted average of this worker's parameters and the received ones (Eq. 1 / Eq. 2)."""
         if self.summing:
+            self._reduced = k
+            for key in [key for key in self._arriving if key[0] == k]:
+                del self._arriving[key]  # its regions that came are in the sum; the rest are late
             summed = self.sums.pop(k)  # what came of iteration k: at least the updates taken
             if summed is not None:
-                mix_into(self.flats, self.self_weight, summed)
-                self._release(summed.tensors)
+                mix_into(self.flats, self.self_weight, summed, self.regions)
+                self.sums.release(summed)
             return
         if not self.flats or not updates:
             self._release_updates(updates)
@@ -683,7 +808,8 @@ class HopProtocol(Protocol):
                 "token_high_water": self.tokens.high_water if self.use_tokens else None,
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
-                "buffers_allocated": self.pool.allocated, "sums_high_water": self.sums.high_water}
+                "buffers_allocated": self.pool.allocated + self.region_pool.allocated,
+                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}
@@ -692,320 +818,6 @@ class HopProtocol(Protocol):
         return snap
 
 
-
-# ---------------------------------------------------------------------- options
-def parse_backup_workers(text: str | int | dict[int, int] | dict[str, int] | None) -> int | dict[int, int]:
-    """``N`` (every rank) or ``R:N,R:N`` (per rank; unnamed ranks get 0)."""
-    if text is None:
-        return 0
-    if isinstance(text, bool):
-        raise ConfigError(f"--backup-workers must be a count, not {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"--backup-workers must be >= 0 (got {text})")
-        return text
-    if isinstance(text, dict):
-        return {int(k): int(v) for k, v in text.items()}
-    text = text.strip()
-    if ":" not in text:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
-        if value < 0:
-            raise ConfigError(f"--backup-workers must be >= 0 (got {value})")
-        return value
-    result: dict[int, int] = {}
-    for item in text.split(","):
-        try:
-            rank_text, count_text = item.split(":")
-            rank, count = int(rank_text), int(count_text)
-        except ValueError:
-            raise ConfigError(f"--backup-workers {text!r}: expected N or R:N,R:N") from None
-        if rank < 0 or count < 0:
-            raise ConfigError(f"--backup-workers {text!r}: ranks and counts must be >= 0")
-        if rank in result:
-            raise ConfigError(f"--backup-workers {text!r}: rank {rank} given twice")
-        result[rank] = count
-    return result
-
-
-DEFAULT_MAX_IG = 2
-
-
-@dataclass(frozen=True)
-class HopOptions(ProtocolOptions):
-    """Hop's options (Table 1's settings)."""
-
-    max_ig: int = option(DEFAULT_MAX_IG, minimum=1, metavar="N",
-                         help="maximum iteration gap between neighbours, via token queues")
-    token_queues: bool = option(True, help="turn token queues off (the gap is then bounded by path lengths only)")
-    serial: bool = option(False, help="serial approach: compute, apply, send, then reduce (default: parallel)")
-    backup_workers: int | dict[int, int] = option(0, metavar="N|R:N,...", parse=parse_backup_workers,
-                                                  help="updates a worker may go without per iteration: one "
-                                                       "number or per rank")
-    staleness: int | None = option(None, minimum=0, metavar="S",
-                                   help="bounded staleness: use neighbours' newest update if no older than k-S")
-    skip_threshold: int | None = option(None, minimum=1, metavar="T",
-                                        help="skip iterations when more than T behind every out-neighbour")
-    max_jump: int | None = option(None, minimum=1, metavar="J", help="at most J iterations per skip")
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "backup_workers", parse_backup_workers(self.backup_workers))
-        super().__post_init__()
-
-    def check(self) -> None:
-        if (self.max_jump is None) != (self.skip_threshold is None):
-            raise ConfigError("--skip-threshold and --max-jump go together")
-        if self.skip_threshold is not None and not self.token_queues:
-            raise ConfigError("iteration skipping needs token queues (it reads them to spot a straggler)")
-        if self.has_backup_workers and not self.token_queues:
-            raise ConfigError("backup workers need token queues: without them the iteration gap is unbounded")
-
-    def check_ranks(self, world_size: int) -> None:
-        if isinstance(self.backup_workers, dict):
-            bad = sorted(r for r in self.backup_workers if r >= world_size)
-            if bad:
-                raise ConfigError(f"--backup-workers: rank {bad[0]} out of range (there are {world_size} workers)")
-
-    @property
-    def has_backup_workers(self) -> bool:
-        bw = self.backup_workers
-        return any(v > 0 for v in bw.values()) if isinstance(bw, dict) else bw > 0
-
-    def backup_workers_for(self, rank: int) -> int:
-        bw = self.backup_workers
-        return bw.get(rank, 0) if isinstance(bw, dict) else bw
-
-    def settings(self) -> list[str]:
-        shown = [f"max_ig={self.max_ig}" if self.token_queues else "no token queues"]
-        if self.serial:
-            shown.append("serial")
-        if self.backup_workers:
-            shown.append(f"backup_workers={self.backup_workers}")
-        if self.staleness is not None:
-            shown.append(f"staleness={self.staleness}")
-        if self.skip_threshold is not None:
-            shown.append(f"skip_threshold={self.skip_threshold} max_jump={self.max_jump}")
-        return shown
-
-
-@dataclass(frozen=True)
-class NotifyAckOptions(ProtocolOptions):
-    """Notify-ack is a baseline: its gap of at most 2 leaves no room for backup workers, staleness,
-    skipping or token queues (Sec. 3.4-3.5); only the approach is a choice."""
-
-    serial: bool = option(False, help="serial approach: compute, apply, send, then reduce (default: parallel)")
-
-    def as_hop(self) -> HopOptions:
-        return HopOptions(serial=self.serial)
-
-
-# ---------------------------------------------------------------------- checks against the graph
-# What is refused, and why (Table 1 and Sec. 4-5; ``d(a, b)`` is the shortest path a -> b):
-#
-# * More backup workers at a rank than it has in-neighbours (Fig. 8 needs
-#   ``N_buw(i) < |N_in(i)|`` with the self-loop counted).
-# * Iteration skipping that can never trigger. A worker ``i`` skips when it is more than
-#   ``T`` iterations behind every out-neighbour ``j``. How far ``j`` can get ahead of its
-#   in-neighbour ``i`` is ``min(b0, max_ig * d(j, i))``: ``b0`` is 1 when ``j`` needs
-#   ``i``'s update of every iteration, ``s + 1`` with staleness ``s`` and unbounded when
-#   ``j`` has backup workers; the token queues give the second term. When ``T`` is not
-#   below that for any worker, nothing ever skips. A jump is also capped at
-#   ``max_ig - 1`` iterations (docs/design.md), so ``--max-ig 1`` never skips.
-#
-# What is accepted, with a note:
-#
-# * ``--staleness S`` that the token queues always pre-empt. Worker ``i`` can be at most
-#   ``max_ig * d(i, j)`` iterations ahead of its in-neighbour ``j``, and with the parallel
-#   approach the update that carries ``j``'s token is the update itself, so ``i`` always
-#   holds an update no older than ``k - max_ig * d(i, j)`` (one older with ``--serial``).
-#   When ``S`` is at least that on every edge, the bound never makes a worker wait, and
-#   ``S`` only sets Eq. 2's mixing weights: asynchronous within the token bound, so not refused.
-# * ``--max-jump J`` above ``max_ig - 1``: it acts as ``max_ig - 1``.
-def check_hop_graph(config: ProtocolConfig, options: HopOptions, graph: Graph) -> list[str]:
-    _check_backup_workers(options, graph)
-    notes: list[str] = []
-    # These checks need only each edge's way back (Graph.back_lengths), not the n x n path
-    # lengths (O(n^2) memory: 800 MB at 10,000 workers).
-    if options.skip_threshold is not None:
-        notes.extend(_check_skipping(options, graph))
-    if options.staleness is not None and options.token_queues:
-        notes.extend(_staleness_notes(options, graph))
-    return notes
-
-
-def backup_workers_flag(options: HopOptions) -> str:
-    """``--backup-workers`` as the user would have written it."""
-    bw = options.backup_workers
-    if isinstance(bw, dict):
-        return "--backup-workers " + ",".join(f"{r}:{n}" for r, n in sorted(bw.items()))
-    return f"--backup-workers {bw}"
-
-
-def _check_backup_workers(options: HopOptions, graph: Graph) -> None:
-    for rank in range(graph.n):
-        wanted = options.backup_workers_for(rank)
-        degree = len(graph.in_peers(rank))
-        if wanted > degree:
-            noun = "in-neighbour" if degree == 1 else "in-neighbours"
-            raise ConfigError(f"{backup_workers_flag(options)}: rank {rank} of {graph_in_words(graph)} has "
-                              f"{degree} {noun}, so it can go without at most {degree} of their updates")
-
-
-def _lead_bound(options: HopOptions, back: Mapping[tuple[int, int], int], i: int, j: int) -> float:
-    """How far out-neighbour ``j`` can ever get ahead of its in-neighbour ``i`` (Table 1);
-    ``back[i, j]`` is d(j, i)."""
-    if options.backup_workers_for(j) > 0:
-        own = math.inf  # j can go on without i's updates
-    elif options.staleness is not None:
-        own = options.staleness + 1
-    else:
-        own = 1
-    return min(own, options.max_ig * float(back[i, j]))
-
-
-def largest_lead(options: HopOptions, graph: Graph) -> float:
-    """The most any worker can ever be behind *all* its out-neighbours: what a skip threshold must stay below."""
-    back = graph.back_lengths()
-    best = 0.0
-    for i in range(graph.n):
-        outs = graph.out_peers(i)
-        if outs:
-            best = max(best, min(_lead_bound(options, back, i, j) for j in outs))
-    return best
-
-
-def _check_skipping(options: HopOptions, graph: Graph) -> list[str]:
-    threshold, max_jump, max_ig = options.skip_threshold, options.max_jump, options.max_ig
-    assert threshold is not None and max_jump is not None
-    flag = f"--skip-threshold {threshold}"
-    if max_ig < 2:
-        raise ConfigError(f"{flag}: a jump is capped at max_ig - 1 iterations, so --max-ig {max_ig} "
-                          "never skips (use --max-ig 2 or more)")
-    lead = largest_lead(options, graph)
-    if lead <= 1 and options.staleness is None and not options.has_backup_workers:
-        raise ConfigError(f"{flag} is never passed: without --backup-workers or --staleness a worker is never "
-                          "more than 1 iteration behind its out-neighbours (Hop Table 1), so nothing would skip")
-    if threshold >= lead:
-        limit = int(lead)
-        if options.staleness is not None and not options.has_backup_workers and lead == options.staleness + 1:
-            why = f"with --staleness {options.staleness}"
-        elif lead == max_ig:
-            why = f"with --max-ig {max_ig}"
-        else:
-            why = f"with these options on {graph_in_words(graph)}"
-        hint = f" (use a threshold below {limit})" if limit >= 2 else ""
-        raise ConfigError(f"{flag} is never passed: {why} no worker falls more than {limit} "
-                          f"iteration{'s' if limit != 1 else ''} behind all its out-neighbours, "
-                          f"so nothing would skip{hint}")
-    notes = []
-    if max_jump > max_ig - 1:
-        notes.append(f"--max-jump {max_jump} acts as {max_ig - 1}: a jump is capped at max_ig - 1 iterations "
-                     f"(--max-ig {max_ig})")
-    return notes
-
-
-def _staleness_notes(options: HopOptions, graph: Graph) -> list[str]:
-    staleness = options.staleness
-    assert staleness is not None
-    extra = 1 if options.serial else 0
-    back = graph.back_lengths()  # back[j, i] = d(i, j) for each in-neighbour j of i
-    reach = max((options.max_ig * back[j, i] + extra for i in range(graph.n) for j in graph.in_peers(i)),
-                default=0)
-    if staleness < reach:
-        return []
-    return [f"--staleness {staleness} never makes a worker wait here: the token queues (--max-ig {options.max_ig}) "
-            f"stop it first, so it only sets the mixing weights (a bound that binds is below {reach})"]
-
-
-# ---------------------------------------------------------------------- the gap bound (Table 1)
-def gap_bound(options: HopOptions, graph: Graph) -> np.ndarray:
-    """The upper bound on Iter(i) - Iter(j) as an N x N matrix (inf = unbounded)."""
-    d = graph.shortest_path_lengths().astype(float)
-    forward = d.T  # forward[i][j] = length(Path j -> i)
-    backward = d   # backward[i][j] = length(Path i -> j)
-    if options.has_backup_workers:
-        base = np.full_like(forward, np.inf)
-    elif options.staleness is not None:
-        base = (options.staleness + 1) * forward
-    else:
-        base = forward
-    if options.token_queues:
-        return np.minimum(base, options.max_ig * backward)
-    return base
-
-
-def gap_rule(options: HopOptions) -> str:
-    """:func:`gap_bound` in words (len = shortest path length)."""
-    tokens = f"{options.max_ig}·len(i→j)" if options.token_queues else None
-    if options.has_backup_workers:
-        base = None
-    elif options.staleness is not None:
-        base = f"{options.staleness + 1}·len(j→i)"
-    else:
-        base = "len(j→i)"
-    if base is None:
-        return tokens or "unbounded"
-    return f"min({base}, {tokens})" if tokens else base
-
-
-def notify_ack_gap_bound(options: NotifyAckOptions, graph: Graph) -> np.ndarray:
-    d = graph.shortest_path_lengths().astype(float)
-    return np.minimum(d.T, 2 * d)
-
-
-def _restart_refusal(options: HopOptions, protocol: str = "hop") -> str | None:
-    if options.serial:
-        return f"--protocol {protocol} --serial cannot replace a dead worker"
-    if protocol == "hop" and not options.token_queues:
-        return "--protocol hop cannot replace a dead worker without token queues (its welcome counts on them)"
-    return None
-
-
-HOP_COUNTS = (Count(SKIPS, "skips"), Count("skipped_iterations", "iterations skipped", in_summary=False),
-              Count("late_updates_dropped", "late updates dropped", in_summary=False),
-              Count("updates_not_sent", "updates not sent", in_summary=False),
-              Count("queue_high_water", "queue high water", "max", in_summary=False),
-              Count("token_high_water", "token high water", "max", in_summary=False))
-HOP_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, TOKENS_WAIT), counts=HOP_COUNTS, gaps="neighbours")
-NOTIFY_ACK_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, Wait("wait_tokens_s", "wait for acknowledgements", "wait acks")),
-                               counts=HOP_COUNTS, gaps="neighbours")
-
-register(ProtocolSpec(
-    name="hop",
-    summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
-            "token queues bounding the gap (--max-ig), and backup workers, bounded staleness and "
-            "iteration skipping for stragglers.",
-    options=HopOptions,
-    build=lambda config, options, model, grads: HopProtocol(config, options, model),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    check_graph=check_hop_graph,
-    gap_bound=gap_bound,
-    gap_rule=gap_rule,
-    simulated_without_tensors=True,
-    resumable=True,
-    restartable=True,
-    restart_refusal=_restart_refusal,
-    message_kinds=(MessageKind(WELCOME),),
-    output=HOP_OUTPUT,
-))
-
-register(ProtocolSpec(
-    name="notify-ack",
-    summary="the baseline Hop improves on: a worker enters iteration k once every out-neighbour "
-            "acknowledged its update k-1.",
-    options=NotifyAckOptions,
-    build=lambda config, options, model, grads: HopProtocol(config, options.as_hop(), model, notify_ack=True),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    gap_bound=notify_ack_gap_bound,
-    gap_rule=lambda options: "min(len(j→i), 2·len(i→j))",
-    simulated_without_tensors=True,
-    resumable=True,
-    restartable=True,
-    restart_refusal=lambda options: _restart_refusal(options.as_hop(), "notify-ack"),
-    message_kinds=(MessageKind(WELCOME),),
-    output=NOTIFY_ACK_OUTPUT,
-))
+__all__ = ["DEFAULT_MAX_IG", "WELCOME", "HopOptions", "HopProtocol", "NotifyAckOptions", "backup_workers_flag",
+           "check_hop_graph", "gap_bound", "gap_rule", "largest_lead", "notify_ack_gap_bound", "parse_backup_workers",
+           "restart_refusal"]

@@ -32,27 +32,15 @@ from typing import Any
 
 import torch
 
-from hopnet.options import option
 from hopnet.params import FlatGradients
-from hopnet.protocols.buffer_sync import GradientOptions
+from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions
 
 MB = 1 << 20
-DEFAULT_BUCKET_MB = 25.0
 
 ReduceFn = Callable[[torch.Tensor, str], Awaitable[Any]]
 """All-reduce (mean) a slice of the gradient buffer in place, under a tag."""
 TagFn = Callable[[int, int], str]
 """The tag of round ``r``'s bucket ``b`` (called on the loop, where the iteration is read)."""
-
-
-@dataclass(frozen=True)
-class BucketOptions(GradientOptions):
-    """The options of the gradient protocols that can reduce during the backward pass."""
-
-    bucket_mb: float = option(DEFAULT_BUCKET_MB, minimum=0, metavar="MB",
-                              help="all-reduce the gradient in buckets of at most this many MiB while the backward "
-                                   "pass runs, as torch DDP's bucket_cap_mb (pipe-sgd: with --pipeline-k 1 only); "
-                                   "0: one all-reduce after it")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ Every worker, every iteration:
    mix (with constant weights, a plain mean all-reduce: the same result, one rounding less).
    Every member ends with bit-identical parameters, and sets its counter to ``max_k``.
 
+With ``--local-steps H`` steps 2-4 come only at every H-th iteration (and the last): the
+worker trains alone in between, and its counter counts rounds of H iterations.
+
 A group of one (the last worker left) is a no-op with weight 1. The trainer's model cannot
 change while it computes a gradient: averaging happens only inside ``step()``, between two
 computes, which is the consistency the paper finds AD-PSGD lacks.
@@ -36,30 +39,28 @@ wait on members that are alive but will send nothing more. So a member whose gro
 ``preduce_abort`` message naming the culprit, and they fail at once naming it too, instead
 of waiting out ``--timeout``. The controller's death is the coordinator client's to report
 (``CoordinatorLost``).
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.partial_reduce`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator.base import Coordinator
 from hopnet.coordinator.mixing import GROUP_RECORD
-from hopnet.coordinator.partial_reduce import PartialReduceController
-from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
+from hopnet.protocols.specs.local_steps import mixes_at, round_of
+from hopnet.protocols.specs.partial_reduce import (ABORT, DEFAULT_EMA_DECAY, DEFAULT_GROUP_SIZE, PartialReduceOptions,
+                                                   make_controller)
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -68,9 +69,6 @@ READY = "ready"
 GROUP = "group"
 BYE = "bye"
 BYE_OK = "bye_ok"
-ABORT = "preduce_abort"
-"""Member -> the other members of a group: the group failed; ``meta``: ``gid``, and the
-``peer`` to blame with its ``state`` ("dead" or "departed")."""
 ABORTS_REMEMBERED = 64
 """Aborts of groups this worker has not reached yet that it keeps (a member may fail
 before this worker even got its group message)."""
@@ -91,7 +89,7 @@ class PartialReduceProtocol(Protocol):
         self.config = config
         self.options = options
         self.flats = state.flats  # parameters and floating buffers, one tensor per dtype
-        self.counter = 0  # the model's iteration counter k (sent with ready; a group sets it to max k)
+        self.counter = 0  # the model's round counter k (sent with ready; a group sets it to max k)
         self.groups = 0
         self.groups_alone = 0
         self.groups_while_leaving = 0
@@ -124,7 +122,8 @@ class PartialReduceProtocol(Protocol):
 
     def resume_at(self, iteration: int) -> None:
         super().resume_at(iteration)
-        self.counter = iteration  # every rank resumes at the same iteration: equal counters, a fresh controller
+        # every rank resumes at the same iteration: equal counters (the rounds done), a fresh controller
+        self.counter = round_of(iteration, self.options.local_steps)
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -138,6 +137,12 @@ class PartialReduceProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
+        if not mixes_at(k, self.options.local_steps, self.final_iteration):  # a local step: no group
+            self.node.iteration_done(k, self)
+            if not last:
+                self.iteration = k + 1
+                self.node.entered(k + 1, self)
+            return
         refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self.counter += 1
         client = self._client()
@@ -351,59 +356,5 @@ async def _cancel(task: asyncio.Task[Any], within_s: float) -> None:
         task.exception()  # retrieved: superseded by the caller's own outcome
 
 
-DEFAULT_GROUP_SIZE = 3
-DEFAULT_EMA_DECAY = 0.9
-
-
-@dataclass(frozen=True)
-class PartialReduceOptions(ProtocolOptions):
-    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
-    weights: str = option("const", choices=WEIGHT_MODES,
-                          help="const (1/P, keeps the mean) or dynamic (staleness-aware EMA weights, Eq. 9)")
-    ema_decay: float = option(DEFAULT_EMA_DECAY, metavar="ALPHA", help="dynamic weights: the EMA decay")
-    missing_policy: str = option("oldest", choices=MISSING_POLICIES,
-                                 help="dynamic weights: who gets the weight of staleness levels no member holds "
-                                      "(oldest is the paper's reading)")
-    frozen_window: int | None = option(None, minimum=0, metavar="T",
-                                       help="keep the sync graph of the last T groups connected (none: derived "
-                                            "from the world and group sizes; 0 switches group-frozen avoidance "
-                                            "off)")
-
-    def check(self) -> None:
-        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float)) \
-                or not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"--ema-decay must be in [0, 1) (got {self.ema_decay!r})")
-
-
-def make_controller(config: ProtocolConfig, options: PartialReduceOptions, graph: Graph) -> Coordinator:
-    """The controller of a run on ``graph`` (its nodes are the workers)."""
-    if options.group_size > graph.n:
-        raise ConfigError(f"--group-size {options.group_size} is larger than the run's {graph.n} workers")
-    return PartialReduceController(graph.n, options.group_size, weights=options.weights,
-                                   ema_decay=options.ema_decay, missing_policy=options.missing_policy,
-                                   frozen_window=options.frozen_window)
-
-
-PARTIAL_REDUCE_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for group", "wait group"),),
-    counts=(Count("groups", "groups"), Count("groups_alone", "groups alone", in_summary=False),
-            Count("groups_failed", "groups failed", in_summary=False)),
-    coordinator_counts=(Count("groups_formed", "groups formed"), Count("repairs", "frozen-group repairs"),
-                        Count("frozen_accepted", "frozen groups accepted"), Count("shrunk_groups", "groups shrunk")),
-    gaps="all")
-
-register(ProtocolSpec(
-    name="partial-reduce",
-    summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
-            "controller forms (--weights).",
-    options=PartialReduceOptions,
-    build=lambda config, options, model, grads: PartialReduceProtocol(config, options, model),
-    averages=Averages.MODELS,
-    uses_graph=False,
-    coordinator=CoordinatorSpec(build=make_controller,
-                                options=("group_size", "weights", "ema_decay", "missing_policy", "frozen_window")),
-    message_kinds=(MessageKind(ABORT, any_rank=True),),
-    resumable=True,
-    restartable=True,
-    output=PARTIAL_REDUCE_OUTPUT,
-))
+__all__ = ["ABORT", "DEFAULT_EMA_DECAY", "DEFAULT_GROUP_SIZE", "PartialReduceOptions", "PartialReduceProtocol",
+           "make_controller"]

@@ -52,29 +52,28 @@ through a slot, like a bare tensor, and unpacked into the ``.grad`` views when a
 
 Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
 collective's codec hook; see :mod:`hopnet.collectives.compression`.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.pipesgd`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.collectives.ring import RingCollective
 from hopnet.collectives.codec import IdentityCodec
-from hopnet.collectives.compression import COMPRESSIONS, make_codec
+from hopnet.collectives.compression import make_codec
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
-from hopnet.options import option
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
-from hopnet.protocols.overlap import BucketOptions
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.protocols.specs.pipesgd import DEFAULT_PIPELINE_K, PipeSgdOptions
 from hopnet.runtime.services import AllReduce
 
 TAG_PREFIX = "pipe"
@@ -376,36 +375,4 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()  # surfaced by _wait_for; retrieved here so asyncio does not log it twice
 
 
-DEFAULT_PIPELINE_K = 2
-
-
-@dataclass(frozen=True)
-class PipeSgdOptions(BucketOptions):
-    pipeline_k: int = option(DEFAULT_PIPELINE_K, minimum=1, metavar="K",
-                             help="each step applies the averaged gradient of K-1 iterations earlier while the "
-                                  "newer all-reduces run behind the compute (Algorithm 1's g[t-K]); 1 is "
-                                  "synchronous")
-    compress: str = option("none", choices=COMPRESSIONS,
-                           help="compress every hop of the ring: trunc16 keeps the top 16 bits of each float32 "
-                                "(2x fewer bytes), int8 quantizes with scale max|block|/127 (4x)")
-
-
-PIPE_SGD_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
-    counts=(Count("pipeline_k", "pipeline depth", "max"), Count("mean_in_flight", "all-reduces in flight", "mean"),
-            Count("overlapped", "reduced in backward", in_summary=False),
-            Count("applied", "gradients applied", in_summary=False),
-            Count("discarded", "gradients discarded", in_summary=False)))
-
-register(ProtocolSpec(
-    name="pipe-sgd",
-    summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
-            "(--pipeline-k, --compress).",
-    options=PipeSgdOptions,
-    build=lambda config, options, model, grads: PipeSgdProtocol(config, options, grads, model),
-    averages=Averages.GRADIENTS,
-    uses_graph=False,
-    resumable=True,
-    restartable=True,
-    output=PIPE_SGD_OUTPUT,
-))
+__all__ = ["DEFAULT_PIPELINE_K", "PipeSgdOptions", "PipeSgdProtocol"]

@@ -26,6 +26,10 @@ Where groups come from (``--group-generator``):
 
 A group of one member is a counted "no sync" (nothing to average).
 
+With ``--local-steps H`` a worker requests and syncs only at every H-th iteration (and the last):
+it trains alone in between, the GG's requests count rounds, and the static schedule steps once a
+round.
+
 Leaving: after its last iteration a worker says ``{"t": "bye"}`` and keeps running the
 groups GO'd to it until the coordinator answers ``bye_ok``. The coordinator puts it in no
 group after the ``bye``, and everything it sent before reaches the worker first, so no
@@ -40,30 +44,27 @@ waiting: the coordinator tells the others (``peer_failed``), so a group waiting 
 fails at once, naming it, instead of after ``--timeout``.
 A coordinator that stops answering fails the wait for a GO with
 :class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
+
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.prague`,
+which imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.config_checks import graph_in_words
-from hopnet.coordinator.base import Coordinator
-from hopnet.coordinator.random_gg import RandomGroupGenerator
-from hopnet.coordinator.smart_gg import SmartGroupGenerator
-from hopnet.coordinator.static_schedule import check_static_schedule, static_group
+from hopnet.coordinator.static_schedule import static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
-from hopnet.graph import Graph
 from hopnet.model_state import ModelState
-from hopnet.options import ProtocolOptions, option
-from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
+from hopnet.protocols.specs.local_steps import mixes_at, round_of
+from hopnet.protocols.specs.prague import (DEFAULT_GROUP_SIZE, DEFAULT_SLOW_FILTER, PragueOptions,
+                                           check_prague_graph, make_group_generator, restart_refusal)
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -92,6 +93,7 @@ class PragueProtocol(Protocol):
         self.served = 0  # groups run that others initiated
         self.no_sync = 0
         self._served_this_iteration = 0
+        self._requested = -1  # the last iteration whose group this worker asked the GG for
         self._said_bye = False
         self._failed = False  # a step raised: leave without waiting for the GG, and say so
         self.groups_failed = 0  # P-Reduces a dead member took with it (--max-restarts: rolled back)
@@ -117,14 +119,20 @@ class PragueProtocol(Protocol):
         return coordinator
 
     async def start(self) -> None:
-        if self.node.max_restarts and (refusal := _restart_refusal(self.options)) is not None:
+        if self.node.max_restarts and (refusal := restart_refusal(self.options)) is not None:
             raise ConfigError(f"--max-restarts: {refusal}")
         self.node.entered(self.iteration, self)
         self._request(self.iteration)
 
+    def _mixes(self, iteration: int) -> bool:
+        return mixes_at(iteration, self.options.local_steps, self.final_iteration)
+
     def _request(self, k: int) -> None:
-        if not self.static:
+        """Ask the GG for a group at the start of mixing iteration ``k`` (with local steps, the GG counts
+        requests, so rounds)."""
+        if not self.static and self._mixes(k):
             self._gg.send({"t": "req", "iter": k})
+            self._requested = k
 
     # ------------------------------------------------------------------ one iteration
     async def finish_iteration(self, apply: ApplyFn | None, *, last: bool = False) -> None:
@@ -138,11 +146,20 @@ class PragueProtocol(Protocol):
         k = self.iteration
         if apply is not None:
             apply()
-        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         self._served_this_iteration = 0
+        if not self._mixes(k):  # a local step: no group (a group GO'd to this worker waits for its next sync)
+            self.node.iteration_done(k, self)
+            if not last:
+                self.iteration = k + 1
+                self.node.entered(k + 1, self)
+                self._request(k + 1)
+            return
+        refuse_non_finite_model(self.flats, rank=self.rank, iteration=k, to="its group")
         if self.static:
             await self._static_sync(k)
         else:
+            if self._requested != k:  # a last iteration not known as such when it began (local steps)
+                self._request(k)
             await self._sync(k)
         self.node.iteration_done(k, self)
         if last:
@@ -228,7 +245,7 @@ class PragueProtocol(Protocol):
                              peer_state=failure.peer_state)
 
     async def _static_sync(self, k: int) -> None:
-        group = static_group(self.rank, k, self.machines)
+        group = static_group(self.rank, round_of(k, self.options.local_steps), self.machines)
         members = sorted(group) if group else [self.rank]
         if len(members) == 1:
             self.no_sync += 1
@@ -296,81 +313,5 @@ class PragueProtocol(Protocol):
                 "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
 
 
-DEFAULT_GROUP_SIZE = 3
-DEFAULT_SLOW_FILTER = 4
-
-
-@dataclass(frozen=True)
-class PragueOptions(ProtocolOptions):
-    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
-    group_generator: str = option("smart", choices=("random", "smart", "static"),
-                                  help="random (a central Group Generator with a lock vector and FIFO queue), "
-                                       "smart (Group Buffer, Global Division, Inter-Intra and the slow-worker "
-                                       "filter) or static (a conflict-free schedule each worker computes alone)")
-    group_buffer: bool = option(True, help="smart GG: switch the Group Buffer off")
-    global_division: bool = option(True, help="smart GG: switch Global Division off")
-    inter_intra: bool = option(True, help="smart GG: switch the Inter-Intra phases (by the graph's machine "
-                                          "field) off")
-    slow_filter: int = option(DEFAULT_SLOW_FILTER, minimum=0, metavar="C",
-                              help="smart GG: leave out of a Global Division the workers C or more requests "
-                                   "behind its initiator; 0 switches the filter off")
-
-
-def _restart_refusal(options: PragueOptions) -> str | None:
-    if options.group_generator == "static":
-        return ("--protocol prague --group-generator static cannot replace a dead worker (its schedule counts on "
-                "every rank in every iteration); use random or smart")
-    return None
-
-
-def make_group_generator(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> Coordinator:
-    if options.group_generator == "random":
-        return RandomGroupGenerator(graph.n, options.group_size, config.seed)
-    return SmartGroupGenerator(graph.n, group_size=options.group_size, group_buffer=options.group_buffer,
-                               global_division=options.global_division, inter_intra=options.inter_intra,
-                               slow_filter=options.slow_filter, machines=graph.machines, seed=config.seed)
-
-
-def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> list[str]:
-    """The static schedule refuses graphs it cannot serve; the smart GG notes an Inter-Intra that is off."""
-    if options.group_generator == "static":
-        check_static_schedule(graph.machines)
-        return []
-    if (options.group_generator == "smart" and options.inter_intra and options.global_division
-            and any(m is None for m in graph.machines)):
-        return [f"Inter-Intra is off: {graph_in_words(graph)} has no machine labels (the graph's "
-                "\"machine\" field); groups are drawn over all workers"]
-    return []
-
-
-GROUP_WAIT = Wait("wait_updates_s", "wait for group", "wait group")
-PRAGUE_OUTPUT = OutputSpec(
-    waits=(GROUP_WAIT,),
-    counts=(Count("own_groups", "own groups"), Count("served_groups", "groups served"), Count("no_sync", "no syncs"),
-            Count("mean_group_size", "mean group size", "mean", in_summary=False),
-            Count("groups_failed", "groups failed", in_summary=False)),
-    coordinator_counts=(Count("groups_formed", "groups formed"), Count("no_syncs", "groups of one"),
-                        Count("no_sync", "groups of one"), Count("buffer_hits", "Group Buffer hits"),
-                        Count("global_divisions", "global divisions"),
-                        Count("filtered_out", "left out by the slow filter"),
-                        Count("went_pending", "requests that waited for a member")),
-    gaps="all")
-
-register(ProtocolSpec(
-    name="prague",
-    summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
-            "(--group-generator).",
-    options=PragueOptions,
-    build=lambda config, options, model, grads: PragueProtocol(config, options, model),
-    averages=Averages.MODELS,
-    uses_graph=True,
-    coordinator=CoordinatorSpec(
-        build=make_group_generator,
-        options=("group_generator", "group_size", "group_buffer", "global_division", "inter_intra", "slow_filter"),
-        needed=lambda options: options.group_generator != "static"),
-    check_graph=check_prague_graph,
-    resumable=True,
-    restartable=True,
-    restart_refusal=_restart_refusal,
-    output=PRAGUE_OUTPUT,
-))
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SLOW_FILTER", "PragueOptions", "PragueProtocol", "check_prague_graph",
+           "make_group_generator", "restart_refusal"]

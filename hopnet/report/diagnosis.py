@@ -236,6 +236,8 @@ def update_arrivals(run: RunData) -> list[tuple[int, int, int, float, float]]:
     one machine compare; across machines the clocks differ and so may these."""
     if run.config is not None and run.config.protocol not in SENDS_ON_ENTERING:
         return []
+    if run.config is not None and getattr(run.config.options, "local_steps", 1) > 1:
+        return []  # --local-steps: entries count rounds, the iteration records iterations; not paired (yet)
     entered = {rank: entered_at(records) for rank, records in run.events.items()}
     arrivals = []
     for dst, records in run.events.items():

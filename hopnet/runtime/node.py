@@ -575,6 +575,39 @@ class Node(Generic[P]):
         modified again (``None``: the transport already let go of them)."""
         return self._post(msg, self.transport.send)
 
+    def post_stream(self, msgs: Sequence[Message], window: int) -> None:
+        """Send ``msgs`` (to one peer) in order, at most ``window`` of them in the transport at once:
+        a large update as chunks, whose receiver then holds a few chunks in flight, not all of them.
+        :meth:`flush` waits for the last."""
+        if not msgs:
+            return
+        if self._send_nowait is not None:
+            for msg in msgs:
+                self._post(msg, self.transport.send)
+            return
+        if self.liveness is not None:
+            self.liveness.sent(msgs[0].dst, self.clock.now())
+        task = asyncio.get_running_loop().create_task(self._stream(msgs, window))
+        self._pending.add(task)
+        task.add_done_callback(self._sent)
+
+    async def _stream(self, msgs: Sequence[Message], window: int) -> None:
+        if self._exchanged is not None and not self._exchanged.is_set():
+            await self.connect_to([msgs[0].dst])
+        loop = asyncio.get_running_loop()
+        sending: set[asyncio.Task[None]] = set()
+        try:
+            for msg in msgs:
+                while len(sending) >= window:
+                    done, sending = await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
+                    for finished in done:
+                        finished.result()
+                sending.add(loop.create_task(self.transport.send(msg)))
+            await asyncio.gather(*sending)
+        finally:
+            for task in sending:
+                task.cancel()
+
     def _post(self, msg: Message, send: Callable[[Message], Coroutine[Any, Any, None]]) -> asyncio.Task[None] | None:
         """Every post goes through here: the send counts as a sign of life to ``msg.dst``."""
         if self.liveness is not None:

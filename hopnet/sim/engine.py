@@ -37,6 +37,7 @@ from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
 from hopnet.runtime.mailbox import COLLECTIVE_KIND
 from hopnet.runtime.node import Node
+from hopnet.sim import GAP_MATRIX_MAX_N
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork, LinkModel
 
@@ -96,8 +97,6 @@ class ComputeModel:
         return {"const": self.a, "uniform": (self.a + self.b) / 2, "exp": self.a, "normal": self.a}[self.kind]
 
 
-GAP_MATRIX_MAX_N = 1024
-"""Up to this many workers a run keeps the largest gap of every pair of workers by default."""
 
 
 @dataclass

@@ -116,9 +116,16 @@ STAGE_POOL_BYTES = 32 << 20
 """Most bytes of idle staging buffers a transport keeps for reuse."""
 
 HWM = 100_000
-"""Send and receive high-water marks, in messages per peer. DEALER and ROUTER never drop
-inbound or outbound messages at the HWM (they block / apply back-pressure), so this only
-bounds how much can queue for a peer that is slow or not up yet."""
+"""Send high-water mark, in messages per peer. A DEALER never drops outbound messages at the HWM
+(it blocks), so this only bounds how much can queue for a peer that is slow or not up yet."""
+
+RCVHWM = 8
+"""Messages the ROUTER takes in ahead of the reader, per connection. libzmq reads a peer's messages
+off the socket into its own frames as fast as they come, whatever the reader does with them: past
+this many it stops reading that connection, and the peer's messages wait on its side (its ``send``
+waits, up to ``send_timeout``). So a receiver holds at most this many messages per peer that it has
+not handled: with Hop's streamed updates (chunks of ``--stream-mib``) a few MiB per in-neighbour,
+where the whole update piled up before (bench/README.md, "Memory (issue 18)")."""
 
 MAX_FRAME_BYTES = 64 << 20
 """Largest frame the ROUTER accepts (libzmq disconnects a peer that sends a bigger one):
@@ -371,7 +378,7 @@ class ZmqTransport(Transport):
         # pyzmq's stubs tie an asyncio Context to asyncio sockets; socket_class overrides it
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)  # type: ignore[arg-type, assignment]
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
         # ROUTER_HANDOVER stays off unless peers may be replaced: a second connection presenting
         # a connected peer's routing id is ignored rather than allowed to cut off the real peer's
         # pipe. A replacement must get through even while its dead predecessor's pipe lingers.

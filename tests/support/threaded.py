@@ -20,6 +20,7 @@ from hopnet import Graph, ProtocolConfig, Worker
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.runtime.events import EventLog
+from hopnet.transports.base import Transport
 from hopnet.transports.inproc import InprocNetwork
 
 T = TypeVar("T")
@@ -38,10 +39,12 @@ def seeded(build: Callable[[], M], seed: int = 0) -> M:
 
 
 def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *,
-              graph: Graph | None = None, buffers: bool = False) -> list[T]:
+              graph: Graph | None = None, buffers: bool = False,
+              wrap: Callable[[int, Transport], Transport] | None = None) -> list[T]:
     """Run ``body`` for ranks ``0..n-1`` in threads; their results, in rank order. ``buffers``: the
     workers hold the model's floating buffers too (:meth:`ModelState.of`, as ``hopnet.init`` does),
-    not only its parameters."""
+    not only its parameters. ``wrap(rank, transport)`` may put a rank's in-process transport inside
+    another (a fault-injecting one)."""
     graph = Graph.ring(n) if graph is None else graph
     network = InprocNetwork()
     barrier = threading.Barrier(n)
@@ -56,9 +59,12 @@ def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *
         workers: list[Worker] = []
 
         def start(model: torch.nn.Module) -> Worker:
-            worker = Worker(rank=rank, graph=graph, config=config, params=ModelState.of(model) if buffers else flatten_parameters(model),
-                            grads=FlatGradients(model),
-                            transport=network.transport(rank, frozenset(graph.peers(rank))), exchange=exchange,
+            transport: Transport = network.transport(rank, frozenset(graph.peers(rank)))
+            if wrap is not None:
+                transport = wrap(rank, transport)
+            worker = Worker(rank=rank, graph=graph, config=config,
+                            params=ModelState.of(model) if buffers else flatten_parameters(model),
+                            grads=FlatGradients(model), transport=transport, exchange=exchange,
                             events=EventLog())
             workers.append(worker)
             return worker

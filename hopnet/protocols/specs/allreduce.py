@@ -1,0 +1,48 @@
+"""allreduce's declaration (:mod:`hopnet.protocols.allreduce` is the algorithm)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hopnet.config import ProtocolConfig
+from hopnet.output_spec import Count, OutputSpec, Wait
+from hopnet.protocols.specs.gradient_options import BucketOptions
+from hopnet.registry import Averages, ProtocolSpec, register
+
+if TYPE_CHECKING:
+    import torch
+
+    from hopnet.model_state import ModelState
+    from hopnet.params import FlatGradients
+    from hopnet.protocols.base import Protocol
+
+AllReduceOptions = BucketOptions
+
+
+def _build(config: ProtocolConfig, options: AllReduceOptions, model: ModelState | None,
+           grads: FlatGradients | torch.Tensor | None) -> Protocol:
+    from hopnet.protocols.allreduce import AllReduceProtocol
+
+    return AllReduceProtocol(config, grads, model, options)
+
+
+ALLREDUCE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
+    counts=(Count("rounds", "rounds", "max", in_summary=False), Count("buckets", "buckets", "max", in_summary=False),
+            Count("overlapped", "reduced in backward")))
+
+
+register(ProtocolSpec(
+    name="allreduce",
+    summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
+            "no part in it.",
+    options=AllReduceOptions,
+    build=_build,
+    averages=Averages.GRADIENTS,
+    uses_graph=False,
+    resumable=True,
+    restartable=True,
+    output=ALLREDUCE_OUTPUT,
+))
+
+__all__ = ["AllReduceOptions"]

@@ -1,0 +1,155 @@
+"""DiLoCo's declaration (:mod:`hopnet.protocols.diloco` is the algorithm, and
+:mod:`hopnet.protocols.diloco_quorum` its ``--outer-quorum`` variant): its options, its sync
+schedule and the gap bound that follows from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import Count, OutputSpec, Wait
+from hopnet.protocols.specs.compression import COMPRESSIONS
+from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
+
+if TYPE_CHECKING:
+    import torch
+
+    from hopnet.model_state import ModelState
+    from hopnet.protocols.diloco import DiLoCoProtocol
+
+READY_KIND = "diloco_ready"
+"""Under ``--outer-quorum``, rank -> every rank: ``meta["n"]``, the pseudo-gradients it has announced
+so far (this one included); ``meta["done"]``: it finished training and announces no more
+(:mod:`hopnet.protocols.diloco_quorum`)."""
+
+@dataclass(frozen=True)
+class DiLoCoOptions(ProtocolOptions):
+    local_steps: int = option(10, minimum=1, metavar="H",
+                              help="inner steps (the trainer's optimizer) between two outer steps")
+    outer_lr: float = option(0.7, minimum=0.0, metavar="LR", help="the outer optimizer's learning rate")
+    outer_momentum: float = option(0.9, minimum=0.0, metavar="M", help="the outer optimizer's momentum (0: none)")
+    outer_nesterov: bool = option(True, help="plain momentum in the outer step instead of Nesterov's")
+    compress: str = option("none", choices=COMPRESSIONS,
+                           help="compress every hop of the ring's all-reduce (diloco: of the pseudo-gradients): "
+                                "trunc16 keeps the top 16 bits of each float32 (2x fewer bytes), int8 quantizes "
+                                "with scale max|block|/127 (4x)")
+    fragments: int = option(1, minimum=1, metavar="F",
+                            help="streaming DiLoCo: sync the model in F fragments on staggered schedules")
+    overlap_steps: int | None = option(None, minimum=0, metavar="D",
+                                       help="inner steps a fragment's all-reduce runs behind before its outer step "
+                                            "is applied (default 1 with --fragments > 1, else 0: the sync blocks)")
+
+    outer_quorum: int | None = option(None, minimum=1, metavar="P",
+                                      help="close each outer round over the first P ready workers; a late worker's "
+                                           "pseudo-gradient joins a later round, weighted 1/(1+staleness) "
+                                           "(default: every worker)")
+    max_stale_rounds: int = option(2, minimum=0, metavar="S",
+                                   help="with --outer-quorum: no round closes without a worker whose "
+                                        "pseudo-gradient would then be more than S rounds stale")
+
+    def check(self) -> None:
+        if self.outer_quorum is not None and (self.fragments != 1 or self.overlap()):
+            raise ConfigError("--outer-quorum takes neither --fragments nor --overlap-steps")
+        if self.outer_momentum >= 1:
+            raise ConfigError(f"--outer-momentum must be < 1 (got {self.outer_momentum!r})")
+        if self.fragments > self.local_steps:
+            raise ConfigError(f"--fragments {self.fragments} must be at most --local-steps {self.local_steps}")
+        if self.overlap() >= self.local_steps:
+            raise ConfigError(f"--overlap-steps {self.overlap()} must be below --local-steps {self.local_steps} "
+                              "(a fragment's reduction must land before its next sync)")
+
+    def check_ranks(self, world_size: int) -> None:
+        if self.outer_quorum is not None and self.outer_quorum > world_size:
+            raise ConfigError(f"--outer-quorum {self.outer_quorum} is more than the {world_size} workers")
+
+    def overlap(self) -> int:
+        if self.overlap_steps is not None:
+            return self.overlap_steps
+        return 1 if self.fragments > 1 else 0
+
+    def settings(self) -> list[str]:
+        shown = [f"H={self.local_steps}", f"outer lr {self.outer_lr:g}",
+                 f"momentum {self.outer_momentum:g}{' nesterov' if self.outer_nesterov else ''}"]
+        if self.compress != "none":
+            shown.append(f"compress {self.compress}")
+        if self.fragments > 1:
+            shown.append(f"{self.fragments} fragments, overlap {self.overlap()}")
+        if self.outer_quorum is not None:
+            shown.append(f"quorum {self.outer_quorum}, at most {self.max_stale_rounds} rounds stale")
+        return shown
+
+
+def sync_offsets(local_steps: int, fragments: int) -> list[int]:
+    """Fragment ``f`` syncs after iteration ``t`` when ``(t + 1 + offset[f]) % H == 0``."""
+    return [f * local_steps // fragments for f in range(fragments)]
+
+
+def sync_interval(local_steps: int, fragments: int) -> int:
+    """The most iterations between two consecutive syncs (of any fragments)."""
+    offsets = sync_offsets(local_steps, fragments)
+    return max([b - a for a, b in zip(offsets, offsets[1:])] + [local_steps - offsets[-1] + offsets[0]])
+
+
+def gap_bound(options: DiLoCoOptions, graph: Graph) -> np.ndarray:
+    """Iter(i) - Iter(j) <= the sync interval plus --overlap-steps, for every pair: a worker passes the
+    landing of a sync only once every rank has finished the step that launched it, and the next
+    landing is at most that many iterations further."""
+    if options.outer_quorum is not None and options.max_stale_rounds > 0:
+        bound = np.full((graph.n, graph.n), np.inf)  # rounds close without the slow: it falls behind
+    else:
+        bound = np.full((graph.n, graph.n), float(sync_interval(options.local_steps, options.fragments)
+                                                   + options.overlap()))
+    np.fill_diagonal(bound, 0.0)
+    return bound
+
+
+def gap_rule(options: DiLoCoOptions) -> str:
+    if options.outer_quorum is not None and options.max_stale_rounds > 0:
+        return f"unbounded in iterations; a pseudo-gradient is at most {options.max_stale_rounds} rounds stale"
+    interval = sync_interval(options.local_steps, options.fragments)
+    return f"{interval + options.overlap()} (every sync is a barrier: {interval} iterations apart" + \
+        (f", landing {options.overlap()} later)" if options.overlap() else ")")
+
+
+def build(config: ProtocolConfig, options: DiLoCoOptions, model: ModelState | torch.Tensor | None,
+          grads: object) -> DiLoCoProtocol:
+    if options.outer_quorum is None:
+        from hopnet.protocols.diloco import DiLoCoProtocol
+
+        return DiLoCoProtocol(config, options, model)
+    from hopnet.protocols.diloco_quorum import QuorumDiLoCoProtocol
+
+    return QuorumDiLoCoProtocol(config, options, model)
+
+
+DILOCO_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for the outer step", "wait outer"),),
+    counts=(Count("outer_steps", "outer steps", "max"), Count("local_steps", "local steps (H)", "max"),
+            Count("late_taken", "late pseudo-gradients taken"),
+            Count("rounds", "rounds", "max", in_summary=False),
+            Count("max_staleness", "most rounds stale", "max", in_summary=False)),
+    gaps="all")
+
+
+register(ProtocolSpec(
+    name="diloco",
+    summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
+            "pseudo-gradient (--local-steps, --outer-lr, --fragments, --compress).",
+    options=DiLoCoOptions,
+    build=build,
+    message_kinds=(MessageKind(READY_KIND, any_rank=True),),
+    averages=Averages.MODELS,
+    uses_graph=False,
+    resumable=True,
+    gap_bound=gap_bound,
+    gap_rule=gap_rule,
+    output=DILOCO_OUTPUT,
+))
+
+__all__ = ["READY_KIND", "DiLoCoOptions", "build", "gap_bound", "gap_rule", "sync_interval", "sync_offsets"]
