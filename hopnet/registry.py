@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hopnet.errors import ConfigError
 from hopnet.options import NoOptions, OptionField, ProtocolOptions, option_fields
+from hopnet.output_spec import UPDATES_WAIT, OutputSpec
 from hopnet.kinds import register_kind
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ class ProtocolSpec(Generic[OptionsT]):
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""
+    output: OutputSpec = field(default=OutputSpec(waits=(UPDATES_WAIT,)))
+    """What the launcher's summary, `hopnet report` and `hopnet simulate` show of its runs: its waits,
+    its counts (from the ``stop`` records), whether iteration gaps matter (:mod:`hopnet.output_spec`)."""
 
     def option_fields(self) -> tuple[OptionField, ...]:
         return option_fields(self.options)

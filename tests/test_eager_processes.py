@@ -55,6 +55,9 @@ def test_majority_over_zeromq_finishes_with_identical_round_counts(launch, tmp_p
     stops = [records(run_dir, r, "stop")[-1] for r in range(n)]
     assert len({s["rounds"] for s in stops}) == 1
     assert sum(s["initiated"] for s in stops) >= stops[0]["rounds"]  # every round had an initiator
+    # the launcher's summary shows eager-SGD's own quantities (its declaration), no tokens or skips
+    header = next(line.split() for line in result.stderr.splitlines() if line.split()[:3] == ["rank", "iterations", "it/s"])
+    assert header[3:] == ["wait", "round", "rounds", "started", "late", "contributions", "dropped", "status"]
 
 
 def test_eager_flags_are_refused_with_other_protocols_in_one_line(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from hopnet.errors import ConfigError, HopnetError
+from hopnet.output_spec import Count, combine, format_value, present
 from hopnet.sim import GAP_MATRIX_MAX_N
 
 if TYPE_CHECKING:  # the simulator (torch) is imported once the arguments are checked
@@ -42,8 +43,9 @@ DESCRIPTION = """\
 Run N workers of a protocol on a communication graph in one process, in virtual
 time: compute phases are virtual sleeps drawn from --compute-ms (stretched by
 --slowdown), messages arrive after the link model's latency plus size over
-bandwidth. Reports each worker's iteration rate, the largest iteration gap observed
-between every pair of workers, queue and token high-water marks and skips. The same
+bandwidth. Reports each worker's iteration rate and what matters for the protocol: for
+Hop the largest iteration gap, skips, queue and token high-water marks; for group
+protocols their groups and coordinator; for eager-SGD who started the rounds. The same
 inputs and seed give byte-identical --json output.
 """
 
@@ -228,39 +230,42 @@ def result_json(result: SimResult, inputs: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------ output
 def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
+    """The summary: what every run has, then what the protocol's declaration says matters for it
+    (``ProtocolSpec.output``: its counts, its coordinator's, the gaps; no graph line where the graph
+    plays no part)."""
     from hopnet.config import ProtocolConfig
 
     n = result.n
     config = inputs["config"]
+    protocol = ProtocolConfig.from_dict(config)
+    spec = protocol.spec
+    output = spec.output
     rates = result.rates
-    largest, gi, gj = result.largest_gap
-    q_rank = max(range(n), key=lambda r: result.queue_high_water[r])
-    settings = [config["protocol"], *ProtocolConfig.from_dict(config).options.settings()]
+    settings = [config["protocol"], *protocol.options.settings()]
     done = [len(times) for times in result.finish_times]  # iterations each worker completed
+    workers = f"{n} worker{'' if n == 1 else 's'}"
     lines = [
-        f"graph:             {inputs['graph']} ({n} worker{'' if n == 1 else 's'})",
+        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {n}",
         f"protocol:          {', '.join(settings)}",
         f"iterations:        {inputs['requested_iterations']} requested; completed "
         + (f"{done[0]} by every worker" if len(set(done)) == 1 else f"min {min(done)}, max {max(done)}"),
         f"virtual time:      {result.virtual_time:.6g} s",
         f"iterations/s:      mean {sum(rates) / n:.6g}, min {min(rates):.6g} (rank {rates.index(min(rates))}), "
         f"max {max(rates):.6g} (rank {rates.index(max(rates))})",
-        f"largest gap:       {largest}" + (f" (Iter({gi}) - Iter({gj}))" if largest > 0 else ""),
-        f"queue high water:  {result.queue_high_water[q_rank]} updates (rank {q_rank})",
     ]
-    if config.get("token_queues"):  # the protocol bounds the gap with token queues
-        t_rank = max(range(n), key=lambda r: result.token_high_water[r])
-        lines.append(f"token high water:  {result.token_high_water[t_rank]} tokens (rank {t_rank})")
-    skipped = sum(s["to"] - s["iter"] - 1 for s in result.skips)
-    lines.append(f"skips:             {len(result.skips)}"
-                 + (f" ({skipped} iterations skipped)" if result.skips else ""))
-    if result.dropped_late_updates or result.updates_not_sent:
-        lines.append(f"late updates:      {result.dropped_late_updates} dropped on arrival, "
-                     f"{result.updates_not_sent} not sent")
+    if output.gaps != "none":
+        largest, gi, gj = result.largest_gap
+        lines.append(f"largest gap:       {largest}" + (f" (Iter({gi}) - Iter({gj}))" if largest > 0 else ""))
+    per_rank = dict(enumerate(result.counts))
+    for count in present(output.counts, per_rank.values()):
+        values = {rank: counts.get(count.field) for rank, counts in per_rank.items()}
+        if count.in_summary or any(values.values()):  # a secondary count only when it happened
+            lines.append(f"{count.label + ':':<18} {combine(count, values)}")
     if result.coordinator is not None:
         c = result.coordinator
-        lines.append(f"coordinator:       {c.get('coordinator')}: {c.get('groups_formed', 0)} groups formed, "
-                     f"{c.get('messages_in', 0)} messages in, {c.get('messages_out', 0)} out")
+        shown = present(output.coordinator_counts, [c]) or (Count("groups_formed", "groups formed"),)
+        lines.append(f"coordinator:       {c.get('coordinator')}: "
+                     + ", ".join(f"{format_value(c.get(count.field, 0))} {count.label}" for count in shown))
     lines.append(f"wall clock:        {result.wall_seconds:.3f} s")
     return lines
 

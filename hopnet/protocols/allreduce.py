@@ -135,4 +135,5 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         self.voided = None
 
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.iteration + 1, **({"resyncs": self.resyncs} if self.resyncs else {})}
+        return {"rounds": self.iteration + 1, **self.overlap_summary(),
+                **({"resyncs": self.resyncs} if self.resyncs else {})}

@@ -49,6 +49,8 @@ class AllRanksGradientProtocol(Protocol):
         """``--bucket-mb`` where the protocol reduces during the backward pass (0: it does not)."""
         self.reducer: BackwardReducer | None = None
         """The hooks that reduce the gradient in buckets during the backward pass (``--bucket-mb``)."""
+        self.overlapped = 0
+        """Steps whose whole gradient the backward pass reduced (nothing left for the step)."""
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -90,7 +92,15 @@ class AllRanksGradientProtocol(Protocol):
         reducer.reset()
         if error is not None:
             raise error
+        self.overlapped += reduced
         return reduced
+
+    def overlap_summary(self) -> dict[str, Any]:
+        """The ``stop`` record's account of the overlap (``--bucket-mb``): buckets, and steps the backward
+        pass reduced; nothing when this worker reduced at the step only."""
+        if self.reducer is None:
+            return {}
+        return {"buckets": len(self.reducer.buckets), "overlapped": self.overlapped}
 
     def _close_reducer(self) -> None:
         if self.reducer is not None:

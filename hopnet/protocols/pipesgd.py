@@ -102,6 +102,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         """For each finished iteration, the iteration whose averaged gradient its step applied
         (None in the warm-up): the record a test reads to check Algorithm 1's schedule."""
         self.discarded = 0
+        self.in_flight_total = 0  # all-reduces in flight at the end of each step, summed (the overlap)
         self.pipeline_start = 0
         """The first iteration whose gradient is applied: 0, or where a resync restarted the pipeline."""
         self.voided: int | None = None  # the iteration a resync threw away (--max-restarts)
@@ -184,6 +185,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
             self.applied.append(due)
         else:
             self.applied.append(None)  # warm-up: g[1-K..0] = 0, no step
+        self.in_flight_total += len(self._reductions)
         self.node.iteration_done(t, self)
         if last:
             await self._drain()
@@ -363,7 +365,9 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
 
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1, "pipeline_k": self.k, "compress": self.options.compress,
-                "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded}
+                "applied": sum(1 for a in self.applied if a is not None), "discarded": self.discarded,
+                "mean_in_flight": round(self.in_flight_total / len(self.applied), 3) if self.applied else None,
+                **self.overlap_summary()}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hopnet.analysis import max_gap_from_run
 from hopnet.config import ProtocolConfig, describe_options
+from hopnet.output_spec import combine, format_value
 from hopnet.report import plots
 from hopnet.report.gaps import EdgeGap, bound_rule, edge_gaps, format_bound
 from hopnet.report.rundir import RunData
-from hopnet.report.stats import PART_LABELS, TIME_PARTS, RunStats, run_stats
+from hopnet.report.stats import RunStats, run_stats, time_parts
 from hopnet.report.timeline import launch_phases
 
 
@@ -83,7 +85,11 @@ def _overview(run: RunData, stats: RunStats) -> Table:
     if restarts:
         rows.append(["restarts", f"{len(restarts)}: " + ", ".join(
             f"rank {r.get('rank')} ({r.get('reason') or 'died'})" for r in restarts)])
-    rows.append(["skips", f"{stats.skips} ({sum(s.skipped_iterations for s in stats.ranks.values())} iterations skipped)"])
+    for count in stats.shown_counts(summary=True):  # the protocol's own, over all ranks
+        rows.append([count.label, combine(count, {rank: s.counts.get(count.field) for rank, s in stats.ranks.items()})])
+    coordinator = stats.coordinator or {}
+    for count in stats.shown_coordinator_counts():
+        rows.append([f"coordinator: {count.label}", format_value(coordinator.get(count.field))])
     return Table(["", ""], rows)
 
 
@@ -118,13 +124,15 @@ def restart_table(run: RunData, t0: float) -> Table:
 
 
 def rank_table(stats: RunStats) -> Table:
-    headers = ["rank", "status", "iterations", "steps", "it/s", *(PART_LABELS[p] for p in TIME_PARTS),
-               "skips", "dropped", "late updates dropped", "last loss"]
+    """Per rank: progress, the step's time split, the protocol's own counts (its declaration), drops, loss."""
+    parts, counts = time_parts(stats), stats.shown_counts()
+    headers = ["rank", "status", "iterations", "steps", "it/s", *(label for _, label in parts),
+               *(c.label for c in counts), "dropped", "last loss"]
     rows = []
     for rank, s in stats.ranks.items():
         rows.append([str(rank), s.status, str(s.iterations), str(s.steps), f"{s.rate:.2f}",
-                     *(_pct(s.share(p)) for p in TIME_PARTS), str(s.skips), str(s.dropped),
-                     str(s.late_updates_dropped), "-" if s.last_loss is None else f"{s.last_loss:.4g}"])
+                     *(_pct(s.share(p)) for p, _ in parts), *(format_value(s.counts.get(c.field)) for c in counts),
+                     str(s.dropped), "-" if s.last_loss is None else f"{s.last_loss:.4g}"])
     return Table(headers, rows)
 
 
@@ -152,6 +160,39 @@ def _gap_note(run: RunData, gaps: list[EdgeGap]) -> str:
             f"{max(g.observed for g in gaps)}.")
 
 
+def gap_section(run: RunData, stats: RunStats) -> Section | None:
+    """The iteration gaps, as far as they matter for the protocol (``OutputSpec.gaps``): between graph
+    neighbours against its proven bound (Hop), the largest between any two workers, or none."""
+    scope = stats.output.gaps
+    if scope == "neighbours":
+        gaps = edge_gaps(run)
+        section = Section("Iteration gaps", paragraphs=[_gap_note(run, gaps)])
+        figure = plots.gap_plot(gaps)
+        if figure is not None:
+            section.figures.append(Figure("gaps", "Largest gap per pair of neighbours", "Observed (bars) "
+                                          "beside Hop's Table 1 bound (hatched).", figure))
+        if gaps:
+            section.tables.append(gap_table(gaps))
+        return section
+    if scope == "all":
+        return Section("Iteration gaps", paragraphs=[_largest_gap_note(run)])
+    return None
+
+
+def _largest_gap_note(run: RunData) -> str:
+    n = run.world_size
+    events = {rank: records for rank, records in run.events.items() if 0 <= rank < n}
+    if n < 2 or not any(rec.get("event") == "enter" and "mono" in rec for recs in events.values() for rec in recs):
+        return "No gaps: the logs have no enter records."
+    observed = max_gap_from_run(events, n)
+    gap, i, j = max((int(observed[a][b]), a, b) for a in range(n) for b in range(n) if a != b)
+    rule = bound_rule(run.config) if run.config is not None else None
+    protocol = run.config.protocol if run.config is not None else "this protocol"
+    bound = f"; bound for this setting: {rule}" if rule is not None else f"; --protocol {protocol} proves no bound on it"
+    return (f"The largest Iter(i) − Iter(j) between any two workers was {gap}" + (f" (i = {i}, j = {j})" if gap else "")
+            + bound + ".")
+
+
 def _describe(rec: dict[str, Any], t0: float) -> str:
     at = rec.get("mono")
     when = f"{at - t0:.2f} s" if isinstance(at, (int, float)) else "?"
@@ -172,14 +213,15 @@ def _describe(rec: dict[str, Any], t0: float) -> str:
 
 def build_content(run: RunData) -> ReportContent:
     stats = run_stats(run)
-    gaps = edge_gaps(run)
     progress = Section("Progress", tables=[rank_table(stats)], paragraphs=[
         "iterations: finished iterations, skipped ones included; steps: iterations computed; "
-        "it/s: iterations from starting iteration 0 to finishing the last one. The four shares split "
+        "it/s: iterations from starting iteration 0 to finishing the last one. The shares split "
         "each step: compute is the trainer's time between steps (optimizer step included), the waits "
-        "are the protocol's, mixing is the rest of the step (averaging, sending)."])
-    progress.figures.append(Figure("iterations", "Iteration against wall time", "A straggler's line is "
-                                   "flatter; its neighbours' lines follow it within the gap bound.",
+        "are the protocol's, mixing is the rest of the step (averaging, sending). The columns after them "
+        "are the protocol's own counts, from each worker's stop record."])
+    caption = ("A straggler's line is flatter; its neighbours' lines follow it within the gap bound."
+               if stats.output.gaps == "neighbours" else "A straggler's line is flatter.")
+    progress.figures.append(Figure("iterations", "Iteration against wall time", caption,
                                    plots.iteration_plot(stats)))
     loss = plots.loss_plot(stats)
     if loss is not None:
@@ -188,16 +230,12 @@ def build_content(run: RunData) -> ReportContent:
     else:
         progress.paragraphs.append("No worker reported a loss (worker.report(loss=...)), so there is no loss plot.")
     split = Section("Where the time went", figures=[Figure(
-        "time_split", "Time per worker", "Stacked: compute, waiting for neighbours' updates, waiting for "
-        "tokens (the max_ig limit), mixing.", plots.time_split_plot(stats))])
-    gap_section = Section("Iteration gaps", paragraphs=[_gap_note(run, gaps)])
-    figure = plots.gap_plot(gaps)
-    if figure is not None:
-        gap_section.figures.append(Figure("gaps", "Largest gap per pair of neighbours", "Observed (bars) "
-                                          "beside Hop's Table 1 bound (hatched).", figure))
-    if gaps:
-        gap_section.tables.append(gap_table(gaps))
-    sections = [progress, split, gap_section]
+        "time_split", "Time per worker", "Stacked: " + ", ".join(label for _, label in time_parts(stats)) + ".",
+        plots.time_split_plot(stats))])
+    sections = [progress, split]
+    gaps = gap_section(run, stats)
+    if gaps is not None:
+        sections.append(gaps)
     if launch_restarts(run):
         sections.append(Section("Restarts", tables=[restart_table(run, stats.t0)], paragraphs=[
             "Workers that died and were started again (hopnet launch --max-restarts), from launch.json; "

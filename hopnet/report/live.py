@@ -1,7 +1,7 @@
 """What `hopnet launch` shows while a run goes, and the summary when it ends.
 
 :class:`ProgressState` folds the ranks' event records into the status line (slowest and
-fastest worker's iteration, iterations per second, latest loss, skips, time left);
+fastest worker's iteration, iterations per second, latest loss, skips where the protocol skips, time left);
 it does no I/O. :class:`LaunchProgress` is what the launcher holds: on a terminal it
 tails the rank logs every half second in a thread and keeps a rich live status line
 at the bottom, with the workers' output printed above it through the same console; on a
@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hopnet.errors import HopnetError
+from hopnet.output_spec import SKIPS
+from hopnet.registry import lookup
 from hopnet.report.rundir import LogTail, Record, load_run_dir, rank_logs
 from hopnet.report.stats import run_stats
 from hopnet.report.summary import print_summary
@@ -61,6 +64,9 @@ class ProgressState:
         self.ranks: dict[int, RankProgress] = {}
         self.loss: float | None = None
         self._loss_mono = -math.inf
+        self.shows_skips = True
+        """Whether the protocol skips iterations at all (its ``output`` counts skips), as the
+        workers' ``start`` records name it; until one is read (or for an unknown one), yes."""
 
     def add(self, rank: int, records: list[Record]) -> None:
         state = self.ranks.setdefault(rank, RankProgress())
@@ -85,8 +91,20 @@ class ProgressState:
                 state.stopped = True
             elif event == "error":
                 state.failed = True
-            elif event == "start" and rec.get("restart"):
-                state.stopped = state.failed = False  # a replacement (--max-restarts) runs on
+            elif event == "start":
+                if rec.get("restart"):
+                    state.stopped = state.failed = False  # a replacement (--max-restarts) runs on
+                self._protocol_from(rec.get("config"))
+
+    def _protocol_from(self, config: Any) -> None:
+        protocol = config.get("protocol") if isinstance(config, dict) else None
+        if not isinstance(protocol, str):
+            return
+        try:
+            output = lookup(protocol).output
+        except HopnetError:
+            return
+        self.shows_skips = any(count.field == SKIPS for count in output.counts)
 
     @property
     def total(self) -> int | None:
@@ -108,7 +126,8 @@ class ProgressState:
         parts.append(f"{rate:.2f} it/s" if rate is not None else "- it/s")
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4g}")
-        parts.append(f"skips {sum(s.skips for s in self.ranks.values())}")
+        if self.shows_skips:
+            parts.append(f"skips {sum(s.skips for s in self.ranks.values())}")
         if total is not None and rates:
             slowest_rate = min(rates)
             left = max(0, total - slowest) / slowest_rate if slowest_rate > 0 else math.inf

@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from hopnet.report.gaps import EdgeGap
-from hopnet.report.stats import PART_LABELS, TIME_PARTS, RunStats
+from hopnet.report.stats import RunStats, time_parts
 
 PART_COLORS = {"compute_s": "#4c72b0", "wait_updates_s": "#dd8452",
                "wait_tokens_s": "#c44e52", "mix_s": "#55a868"}
@@ -90,13 +90,14 @@ def iteration_plot(stats: RunStats) -> bytes:
 
 
 def time_split_plot(stats: RunStats) -> bytes:
-    """Each worker's time as stacked bars: compute, wait for updates, wait for tokens, mixing."""
+    """Each worker's time as stacked bars: compute, the protocol's waits (Hop's: for updates, for
+    tokens), mixing."""
     ranks = list(stats.ranks)
     fig, ax = _figure(max(6.0, min(16.0, 0.45 * len(ranks) + 3)), 4.0)
     bottom = [0.0] * len(ranks)
-    for part in TIME_PARTS:
+    for part, label in time_parts(stats):
         values = [stats.ranks[r].time_s[part] for r in ranks]
-        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=PART_COLORS[part], label=PART_LABELS[part])
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, color=PART_COLORS[part], label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xlabel("rank")
     ax.set_ylabel("seconds")
@@ -146,9 +147,9 @@ def straggler_plot(stats: RunStats, highlight: set[int]) -> bytes:
     fig, ax = _figure(8.0, max(2.5, min(14.0, 0.3 * len(ranks) + 1.5)))
     labels = [f"rank {r}" + (" (straggler)" if r in highlight else "") for r in ranks]
     left = [0.0] * len(ranks)
-    for part in TIME_PARTS:
+    for part, label in time_parts(stats):
         values = [100 * stats.ranks[r].share(part) for r in ranks]
-        ax.barh(labels, values, left=left, color=PART_COLORS[part], label=PART_LABELS[part],
+        ax.barh(labels, values, left=left, color=PART_COLORS[part], label=label,
                 edgecolor=["black" if r in highlight else "none" for r in ranks], linewidth=1.2)
         left = [a + v for a, v in zip(left, values)]
     ax.invert_yaxis()

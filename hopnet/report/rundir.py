@@ -29,6 +29,8 @@ class RunData:
     graph: Graph | None = None
     config: ProtocolConfig | None = None
     launch: dict[str, Any] = field(default_factory=dict)
+    coordinator: Record | None = None
+    """The coordinator's ``stop`` record (``coordinator.jsonl``), for runs that had one."""
 
     @property
     def ranks(self) -> list[int]:
@@ -99,7 +101,19 @@ def load_run_dir(run_dir: str | Path) -> RunData:
             graph = Graph.from_json(path / "graph.json")
         except HopnetError as exc:
             raise ConfigError(f"{path / 'graph.json'}: {exc}") from None
-    return RunData(path=path, events=events, graph=graph, config=_config(launch, events), launch=launch)
+    return RunData(path=path, events=events, graph=graph, config=_config(launch, events), launch=launch,
+                   coordinator=_coordinator_stop(path / "coordinator.jsonl"))
+
+
+def _coordinator_stop(path: Path) -> Record | None:
+    """The coordinator's last ``stop`` record; None without a coordinator log or before it stopped."""
+    if not path.exists():
+        return None
+    try:
+        records = parse_log(path)
+    except ConfigError:
+        return None  # the coordinator's counts are extras: a damaged log must not cost the report
+    return next((rec for rec in reversed(records) if rec.get("event") == "stop"), None)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Everything here is computed from the records alone (docs/events.md): ``iteration``
 records give progress (``iter``, ``mono``), the time split (``compute_s``,
 ``wait_updates_s``, ``wait_tokens_s``, ``mix_s``) and the trainer's metrics (``loss``);
-``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest. A rank
+``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest. Which of the
+waits and counts matter is the protocol's declaration (:class:`hopnet.output_spec.OutputSpec`). A rank
 replaced while the run went on (``--max-restarts``) logs each of its processes in turn in one
 log, each replacement from a ``start`` record with ``"restart": N``: its numbers cover them all.
 """
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hopnet.output_spec import GENERIC_OUTPUT, SKIPS, WAIT_PARTS, Count, OutputSpec, Wait, present
 from hopnet.report.rundir import Record, RunData
 
 TIME_PARTS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
@@ -47,6 +49,8 @@ class RankStats:
     stopped: bool = False
     error: Record | None = None
     """The last process's error record (a replacement starts without one)."""
+    stop: Record | None = None
+    """The last ``stop`` record: the protocol's own counts (``OutputSpec.counts``)."""
     restarts: int = 0
     """Replacement processes of this rank (``start`` records with ``"restart"``, ``--max-restarts``)."""
     progress: list[tuple[float, int]] = field(default_factory=list)
@@ -75,6 +79,11 @@ class RankStats:
         """Fraction of the step time spent in ``part`` (one of :data:`TIME_PARTS`)."""
         busy = self.busy_s
         return self.time_s[part] / busy if busy > 0 else 0.0
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        """The values :class:`hopnet.output_spec.Count` fields name: the ``stop`` record's, and ``skips``."""
+        return {**(self.stop or {}), SKIPS: self.skips}
 
     @property
     def status(self) -> str:
@@ -142,6 +151,7 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                 stats.skip_points.append((mono, frm, to))
         elif event == "stop":
             stats.stopped = True
+            stats.stop = rec
             dropped = rec.get("dropped") or {}
             if isinstance(dropped, dict):
                 stats.dropped = sum(int(v) for v in dropped.values() if isinstance(v, int))
@@ -161,6 +171,26 @@ class RunStats:
     ranks: dict[int, RankStats]
     notable: list[Record]
     """``peer_left``, ``peer_dead``, ``error`` and ``rejoined`` records of every rank, in time order."""
+    output: OutputSpec = GENERIC_OUTPUT
+    """What matters for the protocol that ran (all of Hop's quantities when the run's options are unknown)."""
+    coordinator: Record | None = None
+    """The coordinator's ``stop`` record (``coordinator.jsonl``), for runs that had one."""
+
+    def shown_waits(self) -> tuple[Wait, ...]:
+        """The protocol's waits, and any other wait a rank spent time in (shown rather than lost)."""
+        declared = self.output.waits
+        parts = {wait.part for wait in declared}
+        extra = tuple(Wait(part, f"wait ({part})", part.removesuffix("_s").replace("_", " ")) for part in WAIT_PARTS
+                      if part not in parts and any(s.time_s[part] > 0 for s in self.ranks.values()))
+        return declared + extra
+
+    def shown_counts(self, *, summary: bool = False) -> tuple[Count, ...]:
+        """The protocol's per-rank counts that some rank's records hold (``summary``: the table's only)."""
+        counts = self.output.summary_counts() if summary else self.output.counts
+        return present(counts, (s.counts for s in self.ranks.values()))
+
+    def shown_coordinator_counts(self) -> tuple[Count, ...]:
+        return present(self.output.coordinator_counts, [self.coordinator or {}])
 
     @property
     def total(self) -> int | None:
@@ -177,9 +207,16 @@ class RunStats:
         return sum(s.skips for s in self.ranks.values())
 
 
+def time_parts(stats: RunStats) -> list[tuple[str, str]]:
+    """The parts a step's time is split into, with their labels: compute, the protocol's waits, mixing."""
+    return [("compute_s", PART_LABELS["compute_s"]), *((w.part, w.label) for w in stats.shown_waits()),
+            ("mix_s", PART_LABELS["mix_s"])]
+
+
 def run_stats(run: RunData) -> RunStats:
     ranks = {rank: rank_stats(rank, records) for rank, records in sorted(run.events.items())}
     notable = sorted((rec for records in run.events.values() for rec in records
                       if rec.get("event") in NOTABLE_EVENTS),
                      key=lambda rec: (_number(rec.get("mono")) or 0.0, rec.get("rank", 0)))
-    return RunStats(t0=run.t0, ranks=ranks, notable=notable)
+    output = run.config.spec.output if run.config is not None else GENERIC_OUTPUT
+    return RunStats(t0=run.t0, ranks=ranks, notable=notable, output=output, coordinator=run.coordinator)

@@ -2,7 +2,8 @@
 
 One process per rank (``pid`` = rank). Each computed iteration becomes up to four
 complete ("X") spans laid end to end, ending at the iteration record's ``mono``:
-compute, wait for updates, mixing, wait for tokens. Their lengths are the measured
+compute, wait for updates, mixing, wait for tokens (named as the protocol names its waits:
+"wait for group"...). Their lengths are the measured
 ones; their order inside a step is nominal (with the parallel approach the optimizer
 step, counted as compute, actually runs after the mix). Skips, departures, dead peers
 errors and rejoins are instant ("i") events, and so is each restart of a rank by the launcher
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hopnet.output_spec import GENERIC_OUTPUT
 from hopnet.report.diagnosis import update_arrivals
 from hopnet.report.rundir import RunData
 
@@ -38,7 +40,15 @@ def _instant(name: str, rank: int, ts: int, args: dict[str, Any]) -> dict[str, A
             "args": args}
 
 
-def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+def span_order(run: RunData) -> tuple[tuple[str, str], ...]:
+    """:data:`SPAN_ORDER` with the waits named as the run's protocol names them ("wait for group")."""
+    output = run.config.spec.output if run.config is not None else GENERIC_OUTPUT
+    labels = {wait.part: wait.label for wait in output.waits}
+    return tuple((field, labels.get(field, name)) for field, name in SPAN_ORDER)
+
+
+def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float,
+                      spans: tuple[tuple[str, str], ...] = SPAN_ORDER) -> list[dict[str, Any]]:
     """One rank's spans and instant events; its spans never overlap."""
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": rank, "tid": STEP_TID, "args": {"name": f"rank {rank}"}},
@@ -53,7 +63,7 @@ def rank_trace_events(rank: int, records: list[dict[str, Any]], t0: float) -> li
             continue
         end = _us(mono - t0)
         if kind == "iteration":
-            durations = [(field, name, _us(float(rec.get(field) or 0.0))) for field, name in SPAN_ORDER]
+            durations = [(field, name, _us(float(rec.get(field) or 0.0))) for field, name in spans]
             cursor = end - sum(d for _, _, d in durations)
             if previous_end is not None:
                 cursor = max(cursor, previous_end)  # rounding and thread hand-offs: never overlap
@@ -104,9 +114,10 @@ def update_flows(run: RunData, t0: float) -> list[dict[str, Any]]:
 def chrome_trace(run: RunData) -> dict[str, Any]:
     """The whole run as a Chrome trace object (``{"traceEvents": [...]}``), times relative to its start."""
     t0 = run.t0
+    spans = span_order(run)
     events: list[dict[str, Any]] = []
     for rank, records in sorted(run.events.items()):
-        events.extend(rank_trace_events(rank, records, t0))
+        events.extend(rank_trace_events(rank, records, t0, spans))
     events.extend(restart_events(run, t0))
     events.extend(update_flows(run, t0))
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run_dir": str(run.path)}}

@@ -27,6 +27,7 @@ from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.output_spec import SKIPS
 from hopnet.protocols import make_protocol
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.adpsgd import REPLY as AVERAGING_REPLY
@@ -155,6 +156,9 @@ class SimResult:
     coordinator: dict[str, Any] | None = None
     """The coordinator's summary (group protocols), None when the run had none."""
     coordinator_events: list[dict[str, Any]] | None = None
+    counts: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank, what a real worker's ``stop`` record would carry of its protocol's counts
+    (``protocol.summary()``, and ``skips``): what ``ProtocolSpec.output`` names."""
 
     def to_dict(self, include_wall: bool = False) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -310,5 +314,6 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         events=[node.events.records for node in nodes] if spec.keep_events else None,
         coordinator=coordinator.summary() if coordinator is not None else None,
         coordinator_events=coordinator.records if coordinator is not None and spec.keep_events else None,
+        counts=[{**p.summary(), SKIPS: len(p.skip_log)} for p in protocols],
     )
 

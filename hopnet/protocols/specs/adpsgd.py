@@ -9,6 +9,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.local_steps import LocalStepsOptions
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 
@@ -56,6 +57,13 @@ def _build(config: ProtocolConfig, options: AdPsgdOptions, model: ModelState | N
     return AdPsgdProtocol(config, model, options)
 
 
+AD_PSGD_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for partner", "wait partner"),),
+    counts=(Count("role", "role", "tally"), Count("averagings", "averagings"),
+            Count("averagings_served", "averagings served"), Count("averagings_skipped", "averagings skipped")),
+    gaps="all")
+
+
 register(ProtocolSpec(
     name="ad-psgd",
     summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
@@ -68,6 +76,7 @@ register(ProtocolSpec(
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
     resumable=True,
     restartable=True,
+    output=AD_PSGD_OUTPUT,
 ))
 
 __all__ = ["REPLY", "REQUEST", "AdPsgdOptions", "check_bipartite"]

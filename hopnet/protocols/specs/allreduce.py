@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.gradient_options import BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
 
@@ -25,6 +26,12 @@ def _build(config: ProtocolConfig, options: AllReduceOptions, model: ModelState 
     return AllReduceProtocol(config, grads, model, options)
 
 
+ALLREDUCE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
+    counts=(Count("rounds", "rounds", "max", in_summary=False), Count("buckets", "buckets", "max", in_summary=False),
+            Count("overlapped", "reduced in backward")))
+
+
 register(ProtocolSpec(
     name="allreduce",
     summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
@@ -35,6 +42,7 @@ register(ProtocolSpec(
     uses_graph=False,
     resumable=True,
     restartable=True,
+    output=ALLREDUCE_OUTPUT,
 ))
 
 __all__ = ["AllReduceOptions"]

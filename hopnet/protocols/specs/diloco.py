@@ -13,6 +13,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.compression import COMPRESSIONS
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 
@@ -127,6 +128,15 @@ def build(config: ProtocolConfig, options: DiLoCoOptions, model: ModelState | to
     return QuorumDiLoCoProtocol(config, options, model)
 
 
+DILOCO_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for the outer step", "wait outer"),),
+    counts=(Count("outer_steps", "outer steps", "max"), Count("local_steps", "local steps (H)", "max"),
+            Count("late_taken", "late pseudo-gradients taken"),
+            Count("rounds", "rounds", "max", in_summary=False),
+            Count("max_staleness", "most rounds stale", "max", in_summary=False)),
+    gaps="all")
+
+
 register(ProtocolSpec(
     name="diloco",
     summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
@@ -139,6 +149,7 @@ register(ProtocolSpec(
     resumable=True,
     gap_bound=gap_bound,
     gap_rule=gap_rule,
+    output=DILOCO_OUTPUT,
 ))
 
 __all__ = ["READY_KIND", "DiLoCoOptions", "build", "gap_bound", "gap_rule", "sync_interval", "sync_offsets"]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.gradient_options import GradientOptions
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 
@@ -49,6 +50,14 @@ def _build(config: ProtocolConfig, options: EagerOptions, model: ModelState | No
     return EagerProtocol(config, options, model, grads)
 
 
+EAGER_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for round", "wait round"),),
+    counts=(Count("initiated", "rounds started", "per_rank"), Count("stale_calls", "late contributions"),
+            Count("rounds", "rounds", "max", in_summary=False),
+            Count("rounds_skipped", "rounds skipped", in_summary=False),
+            Count("active_mean", "mean ranks active per round", "mean", in_summary=False)))
+
+
 register(ProtocolSpec(
     name="eager-sgd",
     summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
@@ -59,6 +68,7 @@ register(ProtocolSpec(
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
     resumable=True,
     restartable=True,
+    output=EAGER_OUTPUT,
 ))
 
 __all__ = ["ACTIVATION_KIND", "EagerOptions"]

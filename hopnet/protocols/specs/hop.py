@@ -19,6 +19,7 @@ from hopnet.config_checks import graph_in_words
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.options import option
+from hopnet.output_spec import SKIPS, TOKENS_WAIT, UPDATES_WAIT, Count, OutputSpec, Wait
 from hopnet.protocols.specs.local_steps import LocalStepsOptions
 from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
 
@@ -359,6 +360,16 @@ def _build_notify_ack(config: ProtocolConfig, options: NotifyAckOptions, model: 
     return HopProtocol(config, options.as_hop(), model, notify_ack=True)
 
 
+HOP_COUNTS = (Count(SKIPS, "skips"), Count("skipped_iterations", "iterations skipped", in_summary=False),
+              Count("late_updates_dropped", "late updates dropped", in_summary=False),
+              Count("updates_not_sent", "updates not sent", in_summary=False),
+              Count("queue_high_water", "queue high water", "max", in_summary=False),
+              Count("token_high_water", "token high water", "max", in_summary=False))
+HOP_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, TOKENS_WAIT), counts=HOP_COUNTS, gaps="neighbours")
+NOTIFY_ACK_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, Wait("wait_tokens_s", "wait for acknowledgements", "wait acks")),
+                               counts=HOP_COUNTS, gaps="neighbours")
+
+
 register(ProtocolSpec(
     name="hop",
     summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
@@ -376,6 +387,7 @@ register(ProtocolSpec(
     restartable=True,
     restart_refusal=restart_refusal,
     message_kinds=(MessageKind(WELCOME),),
+    output=HOP_OUTPUT,
 ))
 
 register(ProtocolSpec(
@@ -394,4 +406,5 @@ register(ProtocolSpec(
     restartable=True,
     restart_refusal=lambda options: restart_refusal(options.as_hop(), "notify-ack"),
     message_kinds=(MessageKind(WELCOME),),
+    output=NOTIFY_ACK_OUTPUT,
 ))

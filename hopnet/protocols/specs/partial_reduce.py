@@ -13,6 +13,7 @@ from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.local_steps import LocalStepsOptions
 from hopnet.registry import Averages, CoordinatorSpec, MessageKind, ProtocolSpec, register
 
@@ -67,6 +68,15 @@ def _build(config: ProtocolConfig, options: PartialReduceOptions, model: ModelSt
     return PartialReduceProtocol(config, options, model)
 
 
+PARTIAL_REDUCE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for group", "wait group"),),
+    counts=(Count("groups", "groups"), Count("groups_alone", "groups alone", in_summary=False),
+            Count("groups_failed", "groups failed", in_summary=False)),
+    coordinator_counts=(Count("groups_formed", "groups formed"), Count("repairs", "frozen-group repairs"),
+                        Count("frozen_accepted", "frozen groups accepted"), Count("shrunk_groups", "groups shrunk")),
+    gaps="all")
+
+
 register(ProtocolSpec(
     name="partial-reduce",
     summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
@@ -80,6 +90,7 @@ register(ProtocolSpec(
     message_kinds=(MessageKind(ABORT, any_rank=True),),
     resumable=True,
     restartable=True,
+    output=PARTIAL_REDUCE_OUTPUT,
 ))
 
 __all__ = ["ABORT", "DEFAULT_EMA_DECAY", "DEFAULT_GROUP_SIZE", "PartialReduceOptions", "make_controller"]

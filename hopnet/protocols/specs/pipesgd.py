@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.compression import COMPRESSIONS
 from hopnet.protocols.specs.gradient_options import BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
@@ -39,6 +40,14 @@ def _build(config: ProtocolConfig, options: PipeSgdOptions, model: ModelState | 
     return PipeSgdProtocol(config, options, grads, model)
 
 
+PIPE_SGD_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
+    counts=(Count("pipeline_k", "pipeline depth", "max"), Count("mean_in_flight", "all-reduces in flight", "mean"),
+            Count("overlapped", "reduced in backward", in_summary=False),
+            Count("applied", "gradients applied", in_summary=False),
+            Count("discarded", "gradients discarded", in_summary=False)))
+
+
 register(ProtocolSpec(
     name="pipe-sgd",
     summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
@@ -49,6 +58,7 @@ register(ProtocolSpec(
     uses_graph=False,
     resumable=True,
     restartable=True,
+    output=PIPE_SGD_OUTPUT,
 ))
 
 __all__ = ["COMPRESSIONS", "DEFAULT_PIPELINE_K", "PipeSgdOptions"]

@@ -14,6 +14,7 @@ from hopnet.coordinator.smart_gg import SmartGroupGenerator
 from hopnet.coordinator.static_schedule import check_static_schedule
 from hopnet.graph import Graph
 from hopnet.options import option
+from hopnet.output_spec import Count, OutputSpec, Wait
 from hopnet.protocols.specs.local_steps import LocalStepsOptions
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
 
@@ -78,6 +79,19 @@ def _build(config: ProtocolConfig, options: PragueOptions, model: ModelState | N
     return PragueProtocol(config, options, model)
 
 
+PRAGUE_OUTPUT = OutputSpec(
+    waits=(Wait("wait_updates_s", "wait for group", "wait group"),),
+    counts=(Count("own_groups", "own groups"), Count("served_groups", "groups served"), Count("no_sync", "no syncs"),
+            Count("mean_group_size", "mean group size", "mean", in_summary=False),
+            Count("groups_failed", "groups failed", in_summary=False)),
+    coordinator_counts=(Count("groups_formed", "groups formed"), Count("no_syncs", "groups of one"),
+                        Count("no_sync", "groups of one"), Count("buffer_hits", "Group Buffer hits"),
+                        Count("global_divisions", "global divisions"),
+                        Count("filtered_out", "left out by the slow filter"),
+                        Count("went_pending", "requests that waited for a member")),
+    gaps="all")
+
+
 register(ProtocolSpec(
     name="prague",
     summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
@@ -94,6 +108,7 @@ register(ProtocolSpec(
     resumable=True,
     restartable=True,
     restart_refusal=restart_refusal,
+    output=PRAGUE_OUTPUT,
 ))
 
 __all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SLOW_FILTER", "PragueOptions", "check_prague_graph", "make_group_generator",
