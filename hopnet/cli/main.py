@@ -65,16 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_at_once(code: int) -> None:
     """The program's end without the interpreter's teardown: with torch loaded that takes
     seconds on a busy machine, after everything was said (`hopnet launch` asks for it)."""
-    import atexit
-    import os
+    from hopnet.launch.quick_exit import exit_now
 
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ the launcher records each worker's pid in ``launch.json`` (``worker_pids``).
 
 from __future__ import annotations
 
-import atexit
 import gc
 import importlib
 import os
@@ -54,6 +53,7 @@ import msgpack
 
 from hopnet.launch import parent_watch
 from hopnet.launch.pythonpath import worker_pythonpath
+from hopnet.launch.quick_exit import exit_now
 
 MAX_MESSAGE = 1 << 20
 """The largest request (an environment and an argv) the fork server accepts."""
@@ -105,17 +105,7 @@ def _preload() -> None:
 def _exit_worker(code: int) -> NoReturn:
     """End a forked worker as the interpreter would, without tearing its modules down: that
     would write to every inherited object and copy the fork server's whole heap."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def _become_worker(request: Mapping[str, object], fds: list[int], parent_pid: int) -> list[str]:

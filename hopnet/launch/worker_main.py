@@ -24,17 +24,16 @@ It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
 
 from __future__ import annotations
 
-import atexit
 import os
 import runpy
 import signal
 import sys
-import threading
 import time
 from types import FrameType, TracebackType
 from typing import NoReturn
 
 from hopnet.launch import parent_watch
+from hopnet.launch.quick_exit import exit_now, flush_stdio
 from hopnet.runtime import shutdown
 
 USAGE = "usage: python -m hopnet.launch.worker_main [-m MODULE | SCRIPT] [ARGS...]"
@@ -174,44 +173,27 @@ def main(argv: list[str] | None = None) -> int:
         code, exc = late.exit_code, late
     if isinstance(exc, shutdown.Terminated):
         _exit_now(code)
-    _flush_stdio()
+    flush_stdio()
     return code
 
 
-def _flush_stdio() -> None:
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-
-
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """Asked to stop: run the atexit handlers, then skip the interpreter's teardown.
 
     The workers are closed and their logs flushed by now; tearing down torch's modules
     can take seconds on a busy machine, and a worker whose launcher died must be gone
     within a few (the default action of SIGTERM would not even run the atexit handlers).
     """
-    atexit._run_exitfuncs()
-    _flush_stdio()
-    os._exit(code)
+    exit_now(code, join_threads=False)
 
 
 def leave(code: int) -> NoReturn:
-    """End the process as the interpreter would (wait for the script's non-daemon threads, run
-    the atexit handlers, flush), without tearing its modules down: with torch loaded that takes
-    seconds on a busy machine, after the last iteration, while the launcher waits (a forked
-    worker ends the same way, see :mod:`hopnet.launch.forkserver`). The script's module-level
-    objects are released when it returns (so a file it left open there is flushed then); what
-    it left open elsewhere is not flushed, as with ``os._exit``: close what you write."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    _flush_stdio()
-    os._exit(code)
+    """End the process as the interpreter would, without tearing its modules down
+    (:mod:`hopnet.launch.quick_exit`; a forked worker ends the same way, see
+    :mod:`hopnet.launch.forkserver`). The script's module-level objects are released when it
+    returns (so a file it left open there is flushed then); what it left open elsewhere is not
+    flushed, as with ``os._exit``: close what you write."""
+    exit_now(code)
 
 
 if __name__ == "__main__":
