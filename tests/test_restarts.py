@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hopnet.analysis import incarnations, load_run
 
@@ -211,3 +212,26 @@ def test_a_replacement_killed_past_the_budget_is_a_loss(tmp_path: Path, max_fail
         assert proc.returncode == 0, err
         assert any(line.startswith(f"hopnet launch: lost rank {victim} ") for line in lines), err
         assert result["lost_ranks"] == [victim]
+
+
+@pytest.mark.slow
+def test_a_batchnorm_trainer_under_allreduce_ends_with_one_model_after_a_replacement(tmp_path: Path) -> None:
+    """examples/train_cnn.py (BatchNorm, AdamW, GradScaler): a death during the buffers' round, after
+    the step was applied, once left the replacement an iteration behind the others, running it
+    alone until --timeout. Every rank must finish with the same floating-point state."""
+    run_dir = tmp_path / "run"
+    proc = start_launch(["--nproc", str(WORLD), "--protocol", "allreduce", "--max-restarts", "1", "--timeout", "30",
+                         "--no-progress", "--run-dir", str(run_dir), str(EXAMPLES / "train_cnn.py"),
+                         "--iterations", "200"], new_session=True)
+    try:
+        log = LogFollower(run_dir / "rank2.jsonl")
+        _wait_for(proc, log, lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 20, "iteration 20")
+        os.kill(worker_pids(run_dir, WORLD)[2], signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        kill(proc)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    finals = [torch.load(run_dir / f"final_rank{rank}.pt") for rank in range(WORLD)]
+    for name, tensor in finals[0].items():
+        if tensor.is_floating_point():
+            assert all(torch.equal(tensor, other[name]) for other in finals[1:]), name

@@ -93,7 +93,10 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         except PeerFailure as exc:
             if not self._survivable(exc):
                 raise
-            if await self._resync():  # the step is applied: a member ahead had applied it too
+            # The step is applied: this worker's model stands at k + 1. A replacement that took a
+            # neighbour's model here stands at k, and the resync moves it on to k + 1 with it
+            # (resyncing at k, it would run iteration k again, alone: BatchNorm trainers met it).
+            if await self._resync(at=k + 1):
                 self.node.iteration_done(k, self)
                 self.node.entered(self.iteration, self)
                 return

@@ -158,14 +158,17 @@ class AllRanksGradientProtocol(Protocol):
         """The replacement resynchronizes with the others before its trainer computes a gradient."""
         await self._resync()
 
-    async def _resync(self) -> bool:
+    async def _resync(self, at: int | None = None) -> bool:
         """Every rank takes the furthest rank's model and iteration (:mod:`hopnet.protocols.resync`).
-        Whether this worker was behind and moved on."""
-        done = await resynchronize(self.node, self.node.collective, self.everyone, self.iteration,
+        ``at``: the iteration this worker's model stands at, when its step of the current one is
+        already applied (the next); by default the current one. Whether this worker was behind
+        and moved on."""
+        at = self.iteration if at is None else at
+        done = await resynchronize(self.node, self.node.collective, self.everyone, at,
                                    self.model_tensors(), self._tag, self.config.timeout_s)
         self.resync_needed = False
         self.resyncs += 1
-        if done.furthest <= self.iteration:
+        if done.furthest <= at:
             return False
         self.iteration = done.furthest
         self.synchronized = -1
