@@ -226,17 +226,14 @@ class HopProtocol(Protocol):
 
     def on_message(self, msg: Message) -> None:
         kind = msg.kind
-        if kind == WELCOME:
-            self._on_welcome(msg)
-            return
-        if kind == "update" and msg.src in self._joined_late and self._beyond_window(msg.iter):
-            # a replacement that started further ahead than this worker's queue reaches (it took the
-            # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
-            self.node.count_drop("update_beyond_window")
-            self._release(msg.tensors if self.specs else None)
-            self._on_credit(msg)
-            return
         if kind == "update":
+            if msg.src in self._joined_late and self._beyond_window(msg.iter):
+                # a replacement that started further ahead than this worker's queue reaches (it took the
+                # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
+                self.node.count_drop("update_beyond_window")
+                self._release(msg.tensors if self.specs else None)
+                self._on_credit(msg)
+                return
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
                 return
@@ -256,6 +253,8 @@ class HopProtocol(Protocol):
             self._store(Update(msg.iter, msg.src, msg.tensors))
         elif kind == "token":
             self._on_credit(msg)
+        elif kind == WELCOME:
+            self._on_welcome(msg)
         elif kind == "ack":
             if msg.src in self._out_peer_set and msg.iter > self.acks[msg.src]:
                 self.acks[msg.src] = msg.iter
@@ -308,7 +307,7 @@ class HopProtocol(Protocol):
     def round(self) -> int:
         """The round this worker is in (``--local-steps``): what its messages, queues and tokens count;
         the iteration itself when every iteration mixes."""
-        return round_of(self.iteration, self.local_steps)
+        return self.iteration // self.local_steps  # round_of(), inline: read several times per message
 
     def _mixes(self, iteration: int) -> bool:
         return mixes_at(iteration, self.local_steps, self.final_iteration)
@@ -317,7 +316,7 @@ class HopProtocol(Protocol):
         return self.round - (self.staleness or 0)
 
     def _is_late(self, iteration: int, src: int) -> bool:
-        if iteration < self._oldest_useful():
+        if iteration < self.round - (self.staleness or 0):  # _oldest_useful(), inline: once per update
             return True
         return self.staleness is not None and iteration <= self.last_used[src]
 

@@ -274,18 +274,23 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         rng = random.Random(f"{config.seed}:{rank}")
         compute = spec.compute.for_rank(rank)
         stop = spec.stop_at.get(rank)
+        last = spec.iterations - 1
+        finished = finish_times[rank]
+        slowed = bool(slowdown)
         await protocol.start()
         node.plan(spec.iterations)
         while True:
             k = protocol.iteration
             if stop is not None and k >= stop:
                 break
-            compute_s = compute.sample(rng) * slowdown.factor(rank, k)
+            compute_s = compute.sample(rng)
+            if slowed:  # (a factor of 1.0 would leave compute_s as it is)
+                compute_s *= slowdown.factor(rank, k)
             await asyncio.sleep(compute_s)
-            await node.run_step(None, last=k >= spec.iterations - 1, compute_s=compute_s)
-            finish_times[rank].append(node.clock.now())
+            await node.run_step(None, last=k >= last, compute_s=compute_s)
+            finished.append(virtual_time())
             completed[rank] = k + 1 if protocol.iteration == k else protocol.iteration
-            if k >= spec.iterations - 1:
+            if k >= last:
                 break
         await node.close()
 

@@ -8,13 +8,21 @@ callbacks in FIFO order, identically for the same inputs.
 
 A state in which nothing is ready and no timer is pending is a deadlock; the loop
 raises :class:`Deadlock` instead of hanging.
+
+Two things make it cheaper per event than the loop it derives from, without changing
+which callback runs when: its timer heap orders plain floats (:class:`_Due`) rather than
+timer handles, whose comparison is a Python method (a heap of 10,000 sleeping workers
+compares ~15 times per timer), and a burst of in-process deliveries shares one handle
+(:meth:`VirtualTimeLoop.call_soon_in_turn`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import heapq
 import selectors
+from asyncio import base_events
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +31,15 @@ from hopnet.errors import HopnetError
 
 class Deadlock(HopnetError):
     """Every simulated worker is waiting and nothing is scheduled to wake any of them."""
+
+
+class _Due(float):
+    """A timer's due time, as its heap entry: a float, so the heap compares in C. Floats that
+    are equal compare as their timers do (neither is less), so the heap keeps the very order
+    a heap of the timer handles would have, ties included."""
+
+    __slots__ = ("timer",)
+    timer: asyncio.TimerHandle
 
 
 class _VirtualSelector(selectors.BaseSelector):
@@ -68,6 +85,75 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._now
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()  # type: ignore[attr-defined]
+        if self._debug:  # type: ignore[attr-defined]
+            self._check_thread()  # type: ignore[attr-defined]
+            self._check_callback(callback, "call_at")  # type: ignore[attr-defined]
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        if timer._source_traceback:  # type: ignore[attr-defined]
+            del timer._source_traceback[-1]  # type: ignore[attr-defined]
+        due = _Due(when)
+        due.timer = timer
+        heapq.heappush(self._scheduled, due)  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
+
+    def _run_once(self) -> None:
+        """asyncio's ``BaseEventLoop._run_once`` (3.11-3.13) on the heap of :class:`_Due`, with the
+        selector's wait inlined: time jumps to the next timer, by the same arithmetic."""
+        scheduled: list[_Due] = self._scheduled  # type: ignore[has-type]
+        sched_count = len(scheduled)
+        if (sched_count > base_events._MIN_SCHEDULED_TIMER_HANDLES  # type: ignore[attr-defined]
+                and self._timer_cancelled_count / sched_count  # type: ignore[has-type]
+                > base_events._MIN_CANCELLED_TIMER_HANDLES_FRACTION):  # type: ignore[attr-defined]
+            kept = []
+            for due in scheduled:
+                if due.timer._cancelled:  # type: ignore[attr-defined]
+                    due.timer._scheduled = False  # type: ignore[attr-defined]
+                else:
+                    kept.append(due)
+            heapq.heapify(kept)
+            self._scheduled = scheduled = kept
+            self._timer_cancelled_count = 0
+        else:
+            while scheduled and scheduled[0].timer._cancelled:  # type: ignore[attr-defined]
+                self._timer_cancelled_count -= 1
+                heapq.heappop(scheduled).timer._scheduled = False  # type: ignore[attr-defined]
+
+        ready = self._ready  # type: ignore[attr-defined]
+        if not (ready or self._stopping):  # type: ignore[attr-defined]
+            if not scheduled:
+                raise Deadlock("simulation deadlocked: every worker is waiting and no event is scheduled")
+            timeout = min(max(0, scheduled[0] - self._now), base_events.MAXIMUM_SELECT_TIMEOUT)
+            if timeout > 0:
+                self._now += timeout
+
+        end_time = self._now + self._clock_resolution
+        while scheduled:
+            if scheduled[0] >= end_time:
+                break
+            timer = heapq.heappop(scheduled).timer
+            timer._scheduled = False  # type: ignore[attr-defined]
+            ready.append(timer)
+
+        popleft = ready.popleft
+        for _ in range(len(ready)):
+            handle = popleft()
+            if handle._cancelled:
+                continue
+            if self._debug:  # type: ignore[attr-defined]
+                try:
+                    self._current_handle = handle
+                    handle._run()
+                finally:
+                    self._current_handle = None
+            else:
+                handle._run()
 
     def call_soon_in_turn(self, callback: Callable[..., object], *args: Any,
                           context: contextvars.Context | None = None) -> None:
