@@ -715,9 +715,10 @@ class HopProtocol(Protocol):
 
     def _discard_older_than(self, iteration: int) -> None:
         self._release_updates(self.queue.take_older_than(iteration))
-        self.sums.discard_older_than(iteration)
-        for key in [key for key in self._arriving if key[0] < iteration]:
-            del self._arriving[key]
+        if self.summing:  # (sums and chunks arriving exist only then)
+            self.sums.discard_older_than(iteration)
+            for key in [key for key in self._arriving if key[0] < iteration]:
+                del self._arriving[key]
 
     def _release_updates(self, updates: list[Update]) -> None:
         for update in updates:

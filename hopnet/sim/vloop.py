@@ -24,9 +24,12 @@ import heapq
 import selectors
 from asyncio import base_events
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVarTuple, Unpack
 
 from hopnet.errors import HopnetError
+
+
+_Ts = TypeVarTuple("_Ts")
 
 
 class Deadlock(HopnetError):
@@ -91,7 +94,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._now
 
-    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+    def call_at(self, when: float, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
@@ -134,7 +137,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if not (ready or self._stopping):  # type: ignore[attr-defined]
             if not scheduled:
                 raise Deadlock("simulation deadlocked: every worker is waiting and no event is scheduled")
-            timeout = min(max(0, scheduled[0] - self._now), base_events.MAXIMUM_SELECT_TIMEOUT)
+            longest: float = base_events.MAXIMUM_SELECT_TIMEOUT  # type: ignore[attr-defined]
+            timeout = min(max(0, scheduled[0] - self._now), longest)
             if timeout > 0:
                 self._now += timeout
 
