@@ -190,9 +190,11 @@ class HopProtocol(Protocol):
         return self.pool.acquire(_ANY_SENDER)
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
+        if tensors is None:  # nothing to give back (an update without a model: the simulator's, mostly)
+            return
         if not self.summing:
             self.pool.release(_ANY_SENDER, tensors)
-        elif tensors is not None and not self.streaming:
+        elif not self.streaming:
             for t in tensors:
                 self.region_pool.give(t)
 
