@@ -187,6 +187,12 @@ def express_routing_id(rank: int) -> bytes:
     return b"x" + routing_id(rank)
 
 
+def zmq_endpoint(address: str) -> str:
+    """The ZeroMQ endpoint of a transport's address (without its ``?data=PORT``), for a
+    plain ZeroMQ socket that talks to the transport's ROUTER."""
+    return ps.split_address(address)[0]
+
+
 def _check_address(address: str, what: str) -> None:
     if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{what} must be tcp://HOST:PORT or ipc:///path, got {address!r}")
@@ -1199,4 +1205,4 @@ def _new_tensor(dtype: torch.dtype, shape: tuple[int, ...], frames: list[zmq.Fra
     return t
 
 
-__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "STAGE_BYTES", "ZmqTransport", "routing_id", "tune_malloc"]
+__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "STAGE_BYTES", "ZmqTransport", "routing_id", "tune_malloc", "zmq_endpoint"]
