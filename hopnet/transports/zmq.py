@@ -384,6 +384,9 @@ class ZmqTransport(Transport):
         self._handshakes_fd: int | None = None
         self.address: str | None = None
         self.payload_stream = ps.enabled(payload_stream) and curve is None
+        """Whether large messages' tensors may go over payload streams (to peers that advertise one)."""
+        self.streamed_messages = 0
+        """Messages sent with their tensors over a payload stream (also in ``stats.sent_messages``)."""
         self._inbox: ps.StreamInbox | None = None
         self._lane_ranks = {routing_id(s): s for s in self.allowed_senders}
 
@@ -703,6 +706,7 @@ class ZmqTransport(Transport):
         if reason is None:
             self.stats.sent_messages += 1
             self.stats.sent_bytes += total
+            self.streamed_messages += 1
         else:
             self.stats.drop(reason)
         return True
