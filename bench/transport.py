@@ -106,6 +106,9 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         hz.CHUNK_BYTES = int(args.chunk_mib * MiB)
     if args.stage_mib is not None:
         hz.STAGE_BYTES = int(args.stage_mib * MiB)
+    if args.stream_min_kib is not None:
+        import hopnet.transports.payload_stream as ps
+        ps.MIN_BYTES = int(args.stream_min_kib * 1024)
     if args.no_tune_malloc:
         os.environ["HOPNET_TUNE_MALLOC"] = "0"
     peer = 1 - role
@@ -259,12 +262,15 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         for s in sizes if args.only != "rtt" else ():
             n = count_for(s, args.total_mib) if rnd else 2
             for method in methods(args):
+                cpu0 = time.process_time()
                 if method.startswith("hopnet"):
                     dt = await bulk_hopnet(method.split("-")[1], payloads[s], n)
                 elif method == "socket":
                     dt = bulk_socket(payloads[s], n)
                 else:
                     dt = bulk_gloo(payloads[s], n)
+                if rnd:  # CPU time of this process, all its threads, per MiB moved
+                    results.setdefault(("cpu", s, method), []).append((time.process_time() - cpu0) * 1e6 / (n * s))
                 if dt is not None and rnd:
                     results.setdefault(("GB/s", s, method), []).append(n * s * MiB / dt / 1e9)
         pings = args.pings if rnd else 200
@@ -275,9 +281,8 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
                 results.setdefault(("rtt", 0, method), []).append(statistics.median(lat) * 1e6)
 
     barrier()
-    if role == 0:
-        results["stats"] = {mode: tr.stats.as_dict() for mode, tr in trs.items()}
-        conn.send(("results", results))
+    results["stats"] = {mode: tr.stats.as_dict() for mode, tr in trs.items()}
+    conn.send(("results", results))
     for tr in trs.values():
         await tr.close()
     bare.close(0)
@@ -312,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override hopnet's chunk size (MiB) in both processes, for tuning")
     p.add_argument("--stage-mib", type=float, default=None,
                    help="override hopnet's staging limit (MiB; 0 = always zero-copy), for tuning")
+    p.add_argument("--stream-min-kib", type=float, default=None,
+                   help="override the smallest message sent over the payload stream (KiB), for tuning")
     p.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
     p.add_argument("--payload-stream", default="on",
                    help="ZmqTransport's payload stream: on, off, or on,off to time both (default on)")
@@ -343,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         k0, v0 = _get(conns[0])
         if k0 == "results":
             results = v0
+            _, receiver = _get(conns[1])
+            for key, values in receiver.items():
+                if key[0] == "cpu":  # both sides' CPU time, round by round
+                    results[key] = [a + b for a, b in zip(results[key], values)]
             break
         k1, _ = _get(conns[1])
         assert (k0, k1) == ("sync", "sync"), (k0, k1)
@@ -378,6 +389,13 @@ def _print_table(results: dict, args: argparse.Namespace) -> None:
         so, g = med[("GB/s", s, "socket")], med[("GB/s", s, "gloo")]
         print(f"| {s:g} MiB float32 | " + " | ".join(f"{h:.2f} GB/s" for h in hs)
               + f" | {so:.2f} GB/s | {g:.2f} GB/s | " + " | ".join(f"{h / so:.2f}x" for h in hs) + " |")
+    if args.only != "rtt":
+        print()
+        print("CPU time per MiB moved, sender + receiver (all threads; less sensitive to load than throughput):")
+        print("| size | " + " | ".join(methods(args)) + " |")
+        print("|---|" + "---|" * len(methods(args)))
+        for s in [float(x) for x in args.sizes.split(",")]:
+            print(f"| {s:g} MiB | " + " | ".join(f"{med[('cpu', s, m)]:.0f} µs" for m in methods(args)) + " |")
     if args.only == "bulk":
         b = 0.0
     else:
@@ -390,7 +408,7 @@ def _print_table(results: dict, args: argparse.Namespace) -> None:
         print("|---|" + "---|" * (2 * len(modes) + 1))
         print(f"| {args.pings} pings | " + " | ".join(f"{h:.0f} µs" for h in hs) + f" | {b:.0f} µs | "
               + " | ".join(f"{h / b:.2f}x" for h in hs) + " |")
-    spread = {k: (min(v), max(v)) for k, v in results.items() if isinstance(k, tuple)}
+    spread = {k: (min(v), max(v)) for k, v in results.items() if isinstance(k, tuple) and k[0] != "cpu"}
     print()
     print("spread over rounds (min..max): " + ", ".join(
         f"{k[2]}@{k[1] or 'rtt'}: {lo:.2f}..{hi:.2f}" for k, (lo, hi) in sorted(spread.items(), key=str)))

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 ENV = "HOPNET_ZMQ_PAYLOAD_STREAM"
 
-MIN_BYTES = 256 << 10
+MIN_BYTES = 64 << 10
 """Smallest message (tensor bytes in total) sent over the stream; smaller ones go over
 ZeroMQ. Chosen by bench/transport.py (bench/README.md, "Issue 18: tensor payloads over a
 TCP stream")."""
