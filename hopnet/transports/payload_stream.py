@@ -75,6 +75,11 @@ CONNECT_TIMEOUT_S = 5.0
 RETRY_S = 30.0
 """After a stream could not be opened, how long the sender uses ZeroMQ before trying again."""
 
+HELLO_WAIT_S = 30.0
+"""How long a streamed message's header waits for its stream's hello before it is dropped.
+The sender writes the hello before it sends the header, so only a stream that died at once
+(or a confused peer) leaves a header waiting that long."""
+
 HELLO = struct.Struct("<4sHxxIQ")  # magic, version, sender rank, token
 DESCRIPTOR = struct.Struct("<BxxxQQ")  # 0xC1, token, sequence number
 PREFIX = struct.Struct("<QQ")  # sequence number, byte count
@@ -265,6 +270,7 @@ class _Lane:
 
     current: Pending | None = None
     reading: bool = False  # current's bytes are being read
+    timer: asyncio.TimerHandle | None = None  # current waits for its stream's hello until then
     waiting: deque[Any] = field(default_factory=deque)  # ZeroMQ messages (frame lists), in order
     dead: deque[int] = field(default_factory=lambda: deque(maxlen=_DEAD_TOKENS))
 
@@ -335,6 +341,9 @@ class StreamInbox:
             self._listener = None
         for stream in [*self._streams.values(), *self._unnamed]:
             stream.close()
+        for lane in self._lanes.values():
+            if lane.timer is not None:
+                lane.timer.cancel()
         self._streams.clear()
         self._unnamed.clear()
         self._lanes.clear()
@@ -380,18 +389,30 @@ class StreamInbox:
         stream = self._streams.get(rank)
         if stream is not None and stream.token == item.token and not stream.closed:
             lane.reading = True
+            if lane.timer is not None:
+                lane.timer.cancel()
+                lane.timer = None
             tensors, reason = self._prepare(item.header)
             stream.read(item, tensors, reason, self._scratch)
-        elif item.token in lane.dead or stream is not None:
-            # Its stream is closed, or a newer one replaced it: those bytes never come.
+        elif item.token in lane.dead:  # its stream closed: those bytes never come
             self._drop("stream_closed")
             self._next(rank, lane)
-        # else its stream's hello has not been read yet: _named starts it
+        elif lane.timer is None:  # its stream's hello is not read yet: _named starts it
+            lane.timer = self.loop.call_later(HELLO_WAIT_S, self._give_up, rank, lane, item)
+
+    def _give_up(self, rank: int, lane: _Lane, item: Pending) -> None:
+        lane.timer = None
+        if lane.current is item and not lane.reading and self._lanes.get(rank) is lane:
+            self._drop("stream_closed")
+            self._next(rank, lane)
 
     def _next(self, rank: int, lane: _Lane) -> None:
         """The current message is done with: handle what waited, up to the next streamed one."""
         lane.current = None
         lane.reading = False
+        if lane.timer is not None:
+            lane.timer.cancel()
+            lane.timer = None
         while lane.current is None and lane.waiting:
             self._handle(lane.waiting.popleft())  # may call begin(), which sets lane.current
 
