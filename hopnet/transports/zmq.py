@@ -34,6 +34,12 @@ Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensor
 - larger: zero-copy from the tensors' memory, and ``send`` waits until libzmq has
   released every frame (written it to the kernel).
 
+Before all of these: a message with at least ``payload_stream.MIN_BYTES`` of tensors, to a
+peer whose address names a data port (``tcp://HOST:PORT?data=DPORT``), sends its header
+over ZeroMQ and its tensor bytes over a plain TCP stream to that peer, which receives them
+straight into its buffers (:mod:`hopnet.transports.payload_stream`: wire, order, failures).
+Off with CURVE keys, ``ipc://``, ``payload_stream=False`` or ``HOPNET_ZMQ_PAYLOAD_STREAM=0``.
+
 Messages to one peer leave in the order of the ``send`` calls, also when ``send`` is
 called from several tasks at once.
 
@@ -1095,7 +1101,6 @@ class ZmqTransport(Transport):
         stats.received_bytes += sum(sizes)
         receiver.deliver(Message(header.kind, header.src, header.dst, header.iter,
                                  header.tag, header.meta, tensors))
-
 
     # ------------------------------------------------------- receiving: payload streams
 
