@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 import zmq
+import zmq.asyncio
 
 from hopnet.security import CurveKeys
 from hopnet.transports import payload_stream as ps
-from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport
-from hopnet.wire import Header, Message
+from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport, zmq_endpoint
+from hopnet.wire import Header, Message, encode_header
 
 TIMEOUT = 10.0
 
@@ -295,3 +296,54 @@ def test_addresses_with_and_without_a_data_port():
     assert ps.split_address("tcp://10.0.0.2:5555") == ("tcp://10.0.0.2:5555", None)
     assert ps.split_address("ipc:///tmp/x.sock") == ("ipc:///tmp/x.sock", None)
     assert ps.split_address("tcp://h:1?data=0")[1] is None
+
+
+async def test_a_readmitted_peer_at_a_new_address_gets_a_new_stream(pair):
+    a, b, inbox = pair
+    src = torch.randn(CHUNK_BYTES // 4)
+    await a.send(Message("update", 0, 1, 1, tensors=[src]))
+    await inbox.get()
+    await b.close()  # rank 1's process ends; its replacement listens elsewhere
+    inbox2 = Inbox()
+    b2 = await started(1, {0}, inbox2)
+    try:
+        a.forget_peer(1)
+        a.readmit_peer(1, b2.address)
+        await a.send(Message("update", 0, 1, 2, tensors=[src]))
+        got = await inbox2.get()
+        assert got.iter == 2 and torch.equal(got.tensors[0], src) and a.streamed_messages == 2
+    finally:
+        await b2.close()
+
+
+async def test_a_prefix_that_does_not_match_its_header_closes_the_stream_before_a_byte_lands():
+    inbox = Inbox()
+    slot = torch.zeros(ps.MIN_BYTES // 4)
+    inbox.buffers = [slot]
+    recv = await started(1, {0}, inbox)
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"0")
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        _, (host, port) = ps.split_address(recv.address)
+        dealer.connect(zmq_endpoint(recv.address))
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(ps.HELLO.pack(ps.MAGIC, ps.VERSION, 0, 99))
+        header = encode_header(Message("update", 0, 1, 1, tensors=[slot]))
+        await dealer.send_multipart([ps.descriptor(99, 0), header])
+        writer.write(ps.PREFIX.pack(5, ps.MIN_BYTES) + b"\xff" * ps.MIN_BYTES)  # sequence 5, not 0
+        await writer.drain()
+        await dealer.send_multipart([encode_header(Message("token", 0, 1, 2))])
+        got = await inbox.get()  # the later control message still arrives
+        assert got.kind == "token" and recv.stats.dropped == {"stream_desync": 1}
+        assert not slot.any()
+        try:  # closed by the receiver: a reset, since the rest of the payload was left unread
+            assert await asyncio.wait_for(reader.read(), TIMEOUT) == b""
+        except ConnectionResetError:
+            pass
+        writer.close()
+    finally:
+        dealer.close()
+        ctx.term()
+        await recv.close()
