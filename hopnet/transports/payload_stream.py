@@ -191,10 +191,6 @@ class OutStream:
             raise
         return cls(loop, sock, token)
 
-    @property
-    def pending(self) -> int:
-        return len(self._jobs)
-
     def write(self, buffers: list[memoryview], nbytes: int) -> tuple[int, asyncio.Future[str | None]]:
         """Queue one message (its tensors' bytes); returns its sequence number and Future."""
         seq = self._seq
