@@ -272,15 +272,18 @@ async def test_with_curve_keys_payloads_stay_on_zeromq():
         await b.close()
 
 
-async def test_the_off_switch(monkeypatch):
+async def test_the_off_switch_and_ipc(monkeypatch, tmp_path):
     inbox = Inbox()
     off = await started(1, {0}, inbox, payload_stream=False)
     monkeypatch.setenv(ps.ENV, "0")
     off_by_env = await started(2, {0}, Inbox())
     monkeypatch.delenv(ps.ENV)
+    over_ipc = await started(3, {0}, Inbox(), bind=f"ipc://{tmp_path}/r3.sock")
+    await over_ipc.close()
     a = await started(0, {1, 2})
     try:
         assert "?data=" not in off.address and "?data=" not in off_by_env.address and a.payload_stream
+        assert over_ipc.address == f"ipc://{tmp_path}/r3.sock"
         await a.connect({1: off.address, 2: off_by_env.address})
         src = torch.randn(CHUNK_BYTES // 4)
         await a.send(Message("update", 0, 1, 1, tensors=[src]))
