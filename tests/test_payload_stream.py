@@ -334,7 +334,7 @@ async def test_a_prefix_that_does_not_match_its_header_closes_the_stream_before_
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(ps.HELLO.pack(ps.MAGIC, ps.VERSION, 0, 99))
         header = encode_header(Message("update", 0, 1, 1, tensors=[slot]))
-        await dealer.send_multipart([ps.descriptor(99, 0), header])
+        await dealer.send_multipart([ps.described(99, 0, header)])
         writer.write(ps.PREFIX.pack(5, ps.MIN_BYTES) + b"\xff" * ps.MIN_BYTES)  # sequence 5, not 0
         await writer.drain()
         await dealer.send_multipart([encode_header(Message("token", 0, 1, 2))])

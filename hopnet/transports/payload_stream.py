@@ -18,9 +18,9 @@ Wire (both ends must run this version):
   (:data:`HELLO`: magic, version, its rank, a random 64-bit token naming this stream).
   The receiver accepts it only from a rank it would accept messages from (``not_neighbor``
   otherwise), and a new stream from a rank replaces that rank's old one.
-- A streamed message is the ZeroMQ multipart ``[descriptor, header]``, the descriptor
-  (:data:`DESCRIPTOR`) naming the stream's token and the message's sequence number on it;
-  its first byte, 0xC1, is one msgpack never uses, so it cannot be taken for a header. On
+- A streamed message is one ZeroMQ frame: a descriptor (:data:`DESCRIPTOR`) naming the
+  stream's token and the message's sequence number on it, then the header. Its first byte,
+  0xC1, is one msgpack never uses, so it cannot be taken for a header alone. On
   the stream the message is a prefix (:data:`PREFIX`: sequence number, byte count), then
   the tensors' raw bytes back to back.
 
@@ -120,12 +120,13 @@ def split_address(address: str) -> tuple[str, tuple[str, int] | None]:
     return endpoint, (host, port)
 
 
-def descriptor(token: int, seq: int) -> bytes:
-    return DESCRIPTOR.pack(DESCRIPTOR_BYTE, token, seq)
+def described(token: int, seq: int, header: bytes) -> bytes:
+    """The ZeroMQ frame of a streamed message: its descriptor, then its header."""
+    return DESCRIPTOR.pack(DESCRIPTOR_BYTE, token, seq) + header
 
 
-def is_descriptor(frame: memoryview | bytes) -> bool:
-    return len(frame) == DESCRIPTOR.size and frame[0] == DESCRIPTOR_BYTE
+def is_described(frame: memoryview | bytes) -> bool:
+    return len(frame) > DESCRIPTOR.size and frame[0] == DESCRIPTOR_BYTE
 
 
 def _family(host: str) -> socket.AddressFamily:

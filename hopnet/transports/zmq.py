@@ -692,7 +692,7 @@ class ZmqTransport(Transport):
                 return False
         # From here to the ZeroMQ send, no await: headers and payloads keep the order of the calls.
         seq, done = stream.write([_byte_view(t).data for t, n in zip(tensors, sizes) if n], total)
-        parts = [ps.descriptor(stream.token, seq), header]
+        parts = [ps.described(stream.token, seq, header)]
         peer.streaming += 1
         try:
             sent = False
@@ -1015,7 +1015,7 @@ class ZmqTransport(Transport):
         if len(frames) < 2:
             stats.drop("truncated")
             return
-        if ps.is_descriptor(frames[1].buffer):
+        if ps.is_described(frames[1].buffer):
             self._handle_streamed(frames)
             return
         try:
@@ -1105,17 +1105,18 @@ class ZmqTransport(Transport):
     # ------------------------------------------------------- receiving: payload streams
 
     def _handle_streamed(self, frames: list[zmq.Frame]) -> None:
-        """``[descriptor, header]``: the message's tensor bytes come over the sender's stream."""
+        """``[descriptor + header]``: the message's tensor bytes come over the sender's stream."""
         stats = self.stats
-        if len(frames) != 3:
-            stats.drop("truncated" if len(frames) < 3 else "extra_frames")
+        if len(frames) != 2:
+            stats.drop("extra_frames")
             return
         inbox = self._inbox
         if inbox is None:  # this rank advertised no stream
             stats.drop("bad_header")
             return
+        frame = frames[1].buffer
         try:
-            header = decode_header(frames[2].buffer)
+            header = decode_header(frame[ps.DESCRIPTOR.size:])
         except DecodeError as exc:
             stats.drop(exc.reason)
             return
@@ -1129,7 +1130,7 @@ class ZmqTransport(Transport):
         if not header.specs:
             stats.drop("bad_header")
             return
-        _, token, seq = ps.DESCRIPTOR.unpack(frames[1].buffer)
+        _, token, seq = ps.DESCRIPTOR.unpack_from(frame)
         inbox.begin(header.src, ps.Pending(header, token, seq, _stream_nbytes(header.specs)))
 
     def _admits_stream(self, rank: int) -> bool:
