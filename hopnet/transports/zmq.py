@@ -692,17 +692,17 @@ class ZmqTransport(Transport):
                 return False
         # From here to the ZeroMQ send, no await: headers and payloads keep the order of the calls.
         seq, done = stream.write([_byte_view(t).data for t, n in zip(tensors, sizes) if n], total)
-        parts = [ps.described(stream.token, seq, header)]
+        frame = ps.described(stream.token, seq, header)
         peer.streaming += 1
         try:
             sent = False
             if not peer.busy:
                 try:
-                    _send_now(peer.raw, parts)
+                    peer.raw.send(frame, _NOBLOCK)
                     sent = True
                 except zmq.Again:
                     pass
-            if not sent and not await self._send_queued(peer, parts, 0, count=False):
+            if not sent and not await self._send_queued(peer, [frame], 0, count=False):
                 stream.abort("send_timeout")  # its bytes would never be claimed: start a new stream
                 return True  # _send_queued counted the drop
             reason = await self._await_stream(peer, stream, done)
