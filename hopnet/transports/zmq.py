@@ -1105,20 +1105,20 @@ class ZmqTransport(Transport):
     # ------------------------------------------------------- receiving: payload streams
 
     def _handle_streamed(self, frames: list[zmq.Frame]) -> None:
-        """``[descriptor + header]``: the message's tensor bytes come over the sender's stream."""
+        """``[descriptor + header]``: the message's tensor bytes come over the sender's stream.
+
+        Whatever is wrong with the frame counts as ``bad_header``: its first byte makes it one
+        to :func:`decode_header`, which is what a frame that is not a streamed message is."""
         stats = self.stats
-        if len(frames) != 2:
-            stats.drop("extra_frames")
-            return
         inbox = self._inbox
-        if inbox is None:  # this rank advertised no stream
+        if len(frames) != 2 or inbox is None:  # inbox: this rank advertised no stream
             stats.drop("bad_header")
             return
         frame = frames[1].buffer
         try:
             header = decode_header(frame[ps.DESCRIPTOR.size:])
-        except DecodeError as exc:
-            stats.drop(exc.reason)
+        except DecodeError:
+            stats.drop("bad_header")
             return
         reason = self.check_header(header)
         if reason is not None:
