@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,28 +21,20 @@ from hopnet.transports import payload_stream as ps
 from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport, zmq_endpoint
 from hopnet.wire import Header, Message, encode_header
 
+from support.transport_checks import Recorder
+
 TIMEOUT = 10.0
 
 
-class Inbox:
-    """A Receiver: records messages; ``buffers`` decides what buffers_for returns."""
+class Inbox(Recorder):
+    """A Recorder that runs ``on_header`` as each header arrives, before its bytes are read."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
-        self.buffers: object = None
-        self.on_header = None
+    on_header: Callable[[Header], None] | None = None
 
-    def buffers_for(self, header: Header):
+    def buffers_for(self, header: Header) -> object:
         if self.on_header is not None:
             self.on_header(header)
-        b = self.buffers
-        return b(header) if callable(b) else b
-
-    def deliver(self, msg: Message) -> None:
-        self.queue.put_nowait(msg)
-
-    async def get(self) -> Message:
-        return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+        return super().buffers_for(header)
 
 
 async def started(rank: int, senders: set[int], inbox: Inbox | None = None, **kw) -> ZmqTransport:
@@ -94,7 +87,7 @@ async def test_payloads_of_many_sizes_arrive_byte_exact_in_order_with_control_me
 async def test_received_straight_into_the_buffers_the_receiver_names(pair):
     a, _b, inbox = pair
     slot = torch.empty(CHUNK_BYTES // 4)
-    inbox.buffers = [slot]
+    inbox.buffers = lambda h: [slot]
     src = torch.randn(CHUNK_BYTES // 4)
     await a.send(Message("update", 0, 1, 1, tensors=[src]))
     got = await inbox.get()
@@ -194,7 +187,7 @@ async def test_a_sender_killed_mid_payload_is_dropped_and_a_new_one_gets_through
         while not recv.stats.dropped and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert killed == [7] and recv.stats.dropped == {"stream_closed": 1}
-        assert inbox.queue.empty()
+        assert inbox.inbox.empty()
         inbox.on_header = None
         again = await started(0, {1})  # the rank's new process
         try:
@@ -322,7 +315,7 @@ async def test_a_readmitted_peer_at_a_new_address_gets_a_new_stream(pair):
 async def test_a_prefix_that_does_not_match_its_header_closes_the_stream_before_a_byte_lands():
     inbox = Inbox()
     slot = torch.zeros(ps.MIN_BYTES // 4)
-    inbox.buffers = [slot]
+    inbox.buffers = lambda h: [slot]
     recv = await started(1, {0}, inbox)
     ctx = zmq.asyncio.Context()
     dealer = ctx.socket(zmq.DEALER)
