@@ -134,6 +134,16 @@ class HopProtocol(Protocol):
         """(iteration, sender) -> the chunks of a streamed update received so far."""
         self._reduced = -1
         """The last iteration mixed into the model: chunks of it that come later are dropped."""
+        self._awaiting = -1
+        """The newest iteration :meth:`_recv` waited for (a skip waits past the next iteration)."""
+        self._hold_from = frozenset(j for j in self.in_peers if self.summing and self.options.backup_workers_for(j) == 0
+                                    and rank in graph.in_peers(j))
+        """In-neighbours whose updates of the iterations after the one this worker mixes next are held
+        back, unread, on a transport that can (:meth:`hold`): those that need this worker's updates
+        (no backup workers), so that holding theirs back couples them to this worker no more than
+        they already are."""
+        self.updates_held = 0
+        self._last_held: dict[int, tuple[int, Any]] = {}
         self.late_chunks_dropped = 0
         self.tokens = TokenCredits(self.out_peers, self.options.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
@@ -188,6 +198,24 @@ class HopProtocol(Protocol):
         if self.summing:  # each tensor is one region: it becomes its part, or is pooled again
             return [self.region_pool.take(region) for region in self.regions]
         return self.pool.acquire(_ANY_SENDER)
+
+    def hold(self, header: Header) -> bool:
+        """Hold back an update of an iteration after the one this worker mixes next (memory: it would
+        start a second sum, a model's size). Safe: the sender ``j`` needs this worker's update of that
+        iteration anyway (it is in ``_hold_from``), which this worker sends only once it mixed the
+        one before, so ``j`` could not have finished that iteration earlier; and this worker mixes
+        its next iteration with updates ``j`` sent before the held one, on the same FIFO link, so
+        nothing it waits for is behind what it holds. By induction on the iteration, no cycle of
+        waits (docs/design.md, "Memory")."""
+        if header.kind != "update" or header.src not in self._hold_from or self.node.max_restarts:
+            return False
+        if header.iter <= max(self._reduced + 1, self.round, self._awaiting):
+            return False
+        key = (header.iter, header.meta.get(PART) if header.meta else None)
+        if self._last_held.get(header.src) != key:  # counted once, however often it is asked again
+            self._last_held[header.src] = key
+            self.updates_held += 1
+        return True
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
         if not self.summing:
@@ -610,6 +638,9 @@ class HopProtocol(Protocol):
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
         if self.staleness is not None:
             return await self._recv_stale(k)
+        if k > self._awaiting:
+            self._awaiting = k
+            self.node.take_in_held()
         need = len(self.in_peers) - self.n_buw
         while True:
             await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
@@ -772,6 +803,7 @@ class HopProtocol(Protocol):
             if summed is not None:
                 mix_into(self.flats, self.self_weight, summed, self.regions)
                 self.sums.release(summed)
+            self.node.take_in_held()  # the next iteration's updates, into the buffers just freed
             return
         if not self.flats or not updates:
             self._release_updates(updates)
@@ -809,7 +841,8 @@ class HopProtocol(Protocol):
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
                 "buffers_allocated": self.pool.allocated + self.region_pool.allocated,
-                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped}
+                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped,
+                "updates_held": self.updates_held}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}
