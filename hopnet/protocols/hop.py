@@ -50,7 +50,7 @@ from hopnet.protocols.specs.hop import (DEFAULT_MAX_IG, WELCOME, HopOptions, Not
                                         check_hop_graph, gap_bound, gap_rule, largest_lead, notify_ack_gap_bound,
                                         parse_backup_workers, restart_refusal)
 from hopnet.protocols.specs.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
-from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
+from hopnet.runtime.mix_sums import MixSums, Region, RegionPool, mix_into, plan_regions
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
@@ -200,22 +200,39 @@ class HopProtocol(Protocol):
         return self.pool.acquire(_ANY_SENDER)
 
     def hold(self, header: Header) -> bool:
-        """Hold back an update of an iteration after the one this worker mixes next (memory: it would
-        start a second sum, a model's size). Safe: the sender ``j`` needs this worker's update of that
-        iteration anyway (it is in ``_hold_from``), which this worker sends only once it mixed the
-        one before, so ``j`` could not have finished that iteration earlier; and this worker mixes
-        its next iteration with updates ``j`` sent before the held one, on the same FIFO link, so
-        nothing it waits for is behind what it holds. By induction on the iteration, no cycle of
-        waits (docs/design.md, "Memory")."""
+        """Hold back an update of an iteration after the one this worker mixes next: taking it in would
+        allocate a sum for that iteration, a model's size more. Unless every update of the iteration
+        mixed next is in and a free buffer can take it: then the next iteration's first update lands
+        while this one is mixed, in memory already there.
+
+        Safe: the sender ``j`` needs this worker's update of that iteration anyway (``j`` is in
+        ``_hold_from``: no backup workers, and this worker is its in-neighbour), which this worker
+        sends only once it mixed the iteration before, so ``j`` could not finish that iteration
+        earlier; and what this worker waits for to mix its next iteration, ``j`` sent before the held
+        update on the same FIFO link, so nothing it needs queues behind what it holds. By induction
+        on the iteration, no cycle of waits (docs/design.md, "Memory")."""
         if header.kind != "update" or header.src not in self._hold_from or self.node.max_restarts:
             return False
-        if header.iter <= max(self._reduced + 1, self.round, self._awaiting):
+        mixing = max(self._reduced + 1, self.round, self._awaiting)
+        if header.iter <= mixing or (header.iter == mixing + 1 and self._all_in(mixing)
+                                     and self.region_pool.has_free(self._regions_of(header))):
             return False
         key = (header.iter, header.meta.get(PART) if header.meta else None)
         if self._last_held.get(header.src) != key:  # counted once, however often it is asked again
             self._last_held[header.src] = key
             self.updates_held += 1
         return True
+
+    def _all_in(self, k: int) -> bool:
+        """Every update of iteration ``k`` expected has come whole: no buffer is needed for ``k`` any more."""
+        return (self.queue.size(iter=k) >= len(self._expected(k))
+                and not any(key[0] == k for key in self._arriving))
+
+    def _regions_of(self, header: Header) -> tuple[Region, ...]:
+        part = header.meta.get(PART) if header.meta else None
+        if type(part) is int and 0 <= part < len(self.regions):
+            return (self.regions[part],)
+        return self.regions
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
         if not self.summing:
@@ -246,6 +263,7 @@ class HopProtocol(Protocol):
             self._release(tensors)
             return True
         self._release(self.sums.add_whole(update.iter, tensors, self.in_weight[update.src]))
+        self.node.take_in_held()  # a buffer may have been freed
         return True
 
     def _drop_non_finite(self, k: int, src: int, update_iter: int) -> None:
@@ -315,6 +333,7 @@ class HopProtocol(Protocol):
         else:  # left out of its region's mix; the rest of the update counts
             self._drop_non_finite(k, src, k)
             self.region_pool.give(tensor)
+        self.node.take_in_held()  # a buffer may have been freed
         if len(got) < len(self.regions):
             return
         del self._arriving[(k, src)]
