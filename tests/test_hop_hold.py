@@ -97,3 +97,4 @@ def test_a_peer_whose_update_is_held_back_is_not_taken_for_dead() -> None:
                                  heartbeats=True)
     assert sum(s["updates_held"] for s in summaries) > 0
     assert not [r for rank in records for r in rank if r["event"] == "peer_dead"]
+
