@@ -89,11 +89,11 @@ def test_holding_back_ends_without_deadlock(graph: Graph, flags: dict[str, objec
 
 
 def test_a_peer_whose_update_is_held_back_is_not_taken_for_dead() -> None:
-    """ring:4, peer timeout 0.5 s, rank 2 pauses 1.5 s once: rank 1 holds rank 0's next update while it waits
+    """ring:4, peer timeout 0.5 s, rank 2 pauses 1.2 s once: rank 1 holds rank 0's next update while it waits
     for rank 2, and rank 0's beats queue behind it. Rank 0 waits on rank 1 and is alive: nobody is
     declared dead (rank 2, slow but beating, neither)."""
     config = ProtocolConfig(protocol="hop", timeout_s=30.0, peer_timeout_s=0.5)
-    _, summaries, records = _run(config, Graph.ring(4), hold=True, slow=2, pause_s=1.5, pause_at=range(1, 2),
+    _, summaries, records = _run(config, Graph.ring(4), hold=True, slow=2, pause_s=1.2, pause_at=range(1, 2),
                                  heartbeats=True)
     assert sum(s["updates_held"] for s in summaries) > 0
     assert not [r for rank in records for r in rank if r["event"] == "peer_dead"]
