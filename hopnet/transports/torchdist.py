@@ -259,6 +259,8 @@ class TorchBulkTransport(Transport):
         self._held: dict[int, deque[_Inbound]] = {}
         """Per sender, bulk messages not taken in yet: the first was held by the receiver, the others
         came behind it."""
+        self._taking_in = False
+        self._take_again = False
         self._failed: dict[int, str] = {}
         self._departed: set[int] = set()
         self._closed = False
@@ -476,20 +478,28 @@ class TorchBulkTransport(Transport):
         self._take_in(entry, receiver)
 
     def take_in_held(self) -> None:
-        receiver = self._receiver
-        if receiver is None:
+        if self._taking_in:  # asked again by what a take-in delivered: the loop below goes round again
+            self._take_again = True
             return
-        for src in list(self._held):
-            held = self._held[src]
-            while held:
-                entry = held[0]
-                assert entry.header is not None
-                if receiver.hold(entry.header):
-                    break
-                held.popleft()
-                self._take_in(entry, receiver)
-            if not held:
-                del self._held[src]
+        self._taking_in = True
+        try:
+            self._take_again = True
+            while self._take_again:
+                self._take_again = False
+                for src in list(self._held):
+                    held = self._held.get(src)
+                    receiver = self._receiver
+                    while held and receiver is not None:
+                        entry = held[0]
+                        assert entry.header is not None
+                        if receiver.hold(entry.header):
+                            break
+                        held.popleft()
+                        self._take_in(entry, receiver)
+                    if not held and self._held.get(src) is held:
+                        del self._held[src]
+        finally:
+            self._taking_in = False
 
     def _take_in(self, entry: _Inbound, receiver: Receiver) -> None:
         """Give ``entry`` its buffers and post its receives (once the pair's channel is up)."""
