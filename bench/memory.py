@@ -45,6 +45,7 @@ SETTINGS: dict[str, list[str]] = {
     "hop-backup": ["--protocol", "hop", "--backup-workers", "1"],
     "hop-complete": ["--protocol", "hop", "--graph", "complete:4"],  # in-degree 3 instead of 2
     "hop-zmq": ["--protocol", "hop", "--bulk", "zmq"],  # updates over ZeroMQ (auto: gloo from 16 MiB)
+    "hop-nohold": ["--protocol", "hop", "--no-hold-back"],  # the next iteration's updates taken in as they come
     # Group protocols over ZeroMQ: on --bulk auto a 100 MB Prague run timed out in its first ring
     # all-reduce (chunks of 16 MiB over gloo between ranks that are not graph neighbours).
     "prague": ["--protocol", "prague", "--group-size", "2", "--bulk", "zmq"],

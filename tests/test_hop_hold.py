@@ -71,6 +71,15 @@ def test_the_next_iterations_updates_wait_until_this_one_is_mixed(stream_mib: fl
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_no_hold_back_takes_every_update_in_as_it_comes() -> None:
+    """``--no-hold-back``: on a transport that could hold, nothing is held, and the next iteration's
+    updates take buffers of their own as before."""
+    config = ProtocolConfig(protocol="hop", timeout_s=30.0, hold_back=False)
+    _, summaries, _ = _run(config, Graph.ring(4), hold=True)
+    assert sum(s["updates_held"] for s in summaries) == 0
+    assert max(s["buffers_allocated"] for s in summaries) > 2
+
+
 @pytest.mark.parametrize("graph, flags", [
     (Graph.ring(4), {"serial": True}),
     (Graph.ring(4), {"max_ig": 1}),

@@ -136,8 +136,8 @@ class HopProtocol(Protocol):
         """The last iteration mixed into the model: chunks of it that come later are dropped."""
         self._awaiting = -1
         """The newest iteration :meth:`_recv` waited for (a skip waits past the next iteration)."""
-        self._hold_from = frozenset(j for j in self.in_peers if self.summing and self.options.backup_workers_for(j) == 0
-                                    and rank in graph.in_peers(j))
+        self._hold_from = frozenset(j for j in self.in_peers if self.summing and self.options.hold_back
+                                    and self.options.backup_workers_for(j) == 0 and rank in graph.in_peers(j))
         """In-neighbours whose updates of the iterations after the one this worker mixes next are held
         back, unread, on a transport that can (:meth:`hold`): those that need this worker's updates
         (no backup workers), so that holding theirs back couples them to this worker no more than
