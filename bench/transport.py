@@ -1,14 +1,15 @@
 """Transport benchmark: ZmqTransport against a plain TCP socket, torch.distributed gloo and
 bare zmq.asyncio, between two processes on 127.0.0.1.
 
-    python bench/transport.py [--sizes 1,16,64] [--repeat 5] [--transport tcp|ipc]
+    python bench/transport.py [--sizes 1,16,64] [--repeat 5] [--transport tcp|ipc] [--payload-stream on,off]
 
 Throughput is one-way bulk: the sender sends N messages of one float32 tensor back to back
 (each send returns only when the sender may reuse the tensor), the receiver receives each
 into the same preallocated buffer and, after the N-th, sends a 1-byte ack; the sender's
 clock runs from its first send to the ack. N is about --total-mib / size (at least 4).
 Latency is the median round trip of --pings control messages, one at a time.
-Every configuration runs --repeat times, interleaved with the others so load changes hit
+--payload-stream times ZmqTransport with its payload stream on, off, or both (one transport
+each, interleaved). Every configuration runs --repeat times, interleaved with the others so load changes hit
 all alike, after one untimed warm-up round; the table shows the median.
 See bench/README.md ("Transport") for results.
 """
@@ -32,7 +33,6 @@ if __package__ in (None, ""):
 import multiprocessing as mp
 
 MiB = 1 << 20
-METHODS = ("hopnet", "socket", "gloo")
 
 
 def free_port() -> int:
@@ -41,8 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def count_for(size_mib: int, total_mib: int) -> int:
-    return max(4, total_mib // size_mib)
+def count_for(size_mib: float, total_mib: int) -> int:
+    return max(4, int(total_mib / size_mib))
+
+
+def methods(args: argparse.Namespace) -> list[str]:
+    return [f"hopnet-{mode}" for mode in args.payload_stream] + ["socket", "gloo"]
 
 
 # ------------------------------------------------------------------ worker processes
@@ -102,6 +106,9 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         hz.CHUNK_BYTES = int(args.chunk_mib * MiB)
     if args.stage_mib is not None:
         hz.STAGE_BYTES = int(args.stage_mib * MiB)
+    if args.stream_min_kib is not None:
+        import hopnet.transports.payload_stream as ps
+        ps.MIN_BYTES = int(args.stream_min_kib * 1024)
     if args.no_tune_malloc:
         os.environ["HOPNET_TUNE_MALLOC"] = "0"
     peer = 1 - role
@@ -121,9 +128,13 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         bind = "tcp://127.0.0.1:*"
     else:
         bind = f"ipc://{args.ipc_dir}/hopnet-bench-{role}.sock"
-    rec = BenchReceiver()
-    tr = ZmqTransport(role, frozenset({peer}), bind=bind)
-    await tr.connect({peer: exchange(await tr.start(rec))})
+    recs: dict[str, BenchReceiver] = {}
+    trs: dict[str, ZmqTransport] = {}
+    for mode in args.payload_stream:
+        recs[mode] = BenchReceiver()
+        trs[mode] = ZmqTransport(role, frozenset({peer}), bind=bind.replace(".sock", f"-{mode}.sock"),
+                                 payload_stream=mode == "on")
+        await trs[mode].connect({peer: exchange(await trs[mode].start(recs[mode]))})
 
     # bare zmq.asyncio ROUTER (role 1) / DEALER (role 0), same address family
     ctx = zmq.asyncio.Context()
@@ -153,7 +164,8 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
     results: dict = {}
     barrier()
 
-    async def bulk_hopnet(payload, n: int) -> float | None:
+    async def bulk_hopnet(mode: str, payload, n: int) -> float | None:
+        tr, rec = trs[mode], recs[mode]
         if role == 0:
             rec.done = loop.create_future()
             msg = Message("update", 0, 1, 0, tensors=[payload])
@@ -207,7 +219,8 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         dist.send(ack, dst=0)
         return None
 
-    async def rtt_hopnet(pings: int) -> list[float] | None:
+    async def rtt_hopnet(mode: str, pings: int) -> list[float] | None:
+        tr, rec = trs[mode], recs[mode]
         if role == 0:
             out = []
             barrier()
@@ -227,7 +240,7 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
         rec.queue = None
         return None
 
-    async def rtt_bare(pings: int) -> list[float] | None:
+    async def rtt_bare(_mode: str, pings: int) -> list[float] | None:
         if role == 0:
             out = []
             barrier()
@@ -243,31 +256,35 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
             await bare.send_multipart(m)
         return None
 
-    sizes = [int(s) for s in args.sizes.split(",")]
-    payloads = {s: torch.ones(s * MiB // 4) for s in sizes}
+    sizes = [float(s) for s in args.sizes.split(",")]
+    payloads = {s: torch.ones(int(s * MiB) // 4) for s in sizes}
     for rnd in range(args.repeat + 1):  # round 0 warms up and is not recorded
         for s in sizes if args.only != "rtt" else ():
             n = count_for(s, args.total_mib) if rnd else 2
-            for method in METHODS:
-                if method == "hopnet":
-                    dt = await bulk_hopnet(payloads[s], n)
+            for method in methods(args):
+                cpu0 = time.process_time()
+                if method.startswith("hopnet"):
+                    dt = await bulk_hopnet(method.split("-")[1], payloads[s], n)
                 elif method == "socket":
                     dt = bulk_socket(payloads[s], n)
                 else:
                     dt = bulk_gloo(payloads[s], n)
+                if rnd:  # CPU time of this process, all its threads, per MiB moved
+                    results.setdefault(("cpu", s, method), []).append((time.process_time() - cpu0) * 1e6 / (n * s))
                 if dt is not None and rnd:
                     results.setdefault(("GB/s", s, method), []).append(n * s * MiB / dt / 1e9)
         pings = args.pings if rnd else 200
-        for method, fn in (("hopnet", rtt_hopnet), ("bare-zmq", rtt_bare)) if args.only != "bulk" else ():
-            lat = await fn(pings)
+        rtts = [(f"hopnet-{mode}", mode, rtt_hopnet) for mode in args.payload_stream] + [("bare-zmq", "", rtt_bare)]
+        for method, mode, fn in rtts if args.only != "bulk" else ():
+            lat = await fn(mode, pings)
             if lat is not None and rnd:
                 results.setdefault(("rtt", 0, method), []).append(statistics.median(lat) * 1e6)
 
     barrier()
-    if role == 0:
-        results["stats"] = tr.stats.as_dict()
-        conn.send(("results", results))
-    await tr.close()
+    results["stats"] = {mode: tr.stats.as_dict() for mode, tr in trs.items()}
+    conn.send(("results", results))
+    for tr in trs.values():
+        await tr.close()
     bare.close(0)
     ctx.term()
     sock.close()
@@ -300,8 +317,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="override hopnet's chunk size (MiB) in both processes, for tuning")
     p.add_argument("--stage-mib", type=float, default=None,
                    help="override hopnet's staging limit (MiB; 0 = always zero-copy), for tuning")
+    p.add_argument("--stream-min-kib", type=float, default=None,
+                   help="override the smallest message sent over the payload stream (KiB), for tuning")
     p.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
+    p.add_argument("--payload-stream", default="on",
+                   help="ZmqTransport's payload stream: on, off, or on,off to time both (default on)")
     args = p.parse_args(argv)
+    args.payload_stream = [m.strip() for m in args.payload_stream.split(",")]
+    if not args.payload_stream or any(m not in ("on", "off") for m in args.payload_stream):
+        p.error("--payload-stream takes on, off or on,off")
     args.ipc_dir = f"/tmp/hopnet-bench-{os.getpid()}"
     if args.transport == "ipc":
         os.makedirs(args.ipc_dir, exist_ok=True)
@@ -316,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         conns.append(parent_end)
         procs.append(proc)
 
-    # Relay the three setup exchanges (hopnet, bare zmq, socket), then the barriers.
-    for _ in range(3):
+    # Relay the setup exchanges (each hopnet transport, bare zmq, socket), then the barriers.
+    for _ in range(len(args.payload_stream) + 2):
         (k0, a0), (k1, a1) = _get(conns[0]), _get(conns[1])
         assert (k0, k1) == ("addr", "addr"), (k0, k1)
         conns[0].send(a1)
@@ -326,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         k0, v0 = _get(conns[0])
         if k0 == "results":
             results = v0
+            _, receiver = _get(conns[1])
+            for key, values in receiver.items():
+                if key[0] == "cpu":  # both sides' CPU time, round by round
+                    results[key] = [a + b for a, b in zip(results[key], values)]
             break
         k1, _ = _get(conns[1])
         assert (k0, k1) == ("sync", "sync"), (k0, k1)
@@ -351,22 +379,42 @@ def _print_table(results: dict, args: argparse.Namespace) -> None:
     print(f"hopnet transport benchmark: {args.transport}, {args.loop} loop, {os.cpu_count()} cpus, "
           f"median of {args.repeat} rounds, {args.total_mib} MiB per throughput trial")
     print()
-    print("| one-way throughput | hopnet ZmqTransport | plain TCP socket | gloo send/recv | hopnet / socket |")
-    print("|---|---|---|---|---|")
-    for s in [int(x) for x in args.sizes.split(",")] if args.only != "rtt" else ():
-        h, so, g = (med[("GB/s", s, m)] for m in METHODS)
-        print(f"| {s} MiB float32 | {h:.2f} GB/s | {so:.2f} GB/s | {g:.2f} GB/s | {h / so:.2f}x |")
-    print()
-    h, b = med.get(("rtt", 0, "hopnet"), 0), med.get(("rtt", 0, "bare-zmq"), 1)
-    print("| control round trip (median) | hopnet ZmqTransport | bare zmq.asyncio | hopnet / bare |")
-    print("|---|---|---|---|")
-    print(f"| {args.pings} pings | {h:.0f} µs | {b:.0f} µs | {h / b:.2f}x |")
-    spread = {k: (min(v), max(v)) for k, v in results.items() if isinstance(k, tuple)}
+    modes = args.payload_stream
+    hop = " | ".join(f"hopnet stream {m}" for m in modes)
+    ratio = " | ".join(f"stream {m} / socket" for m in modes)
+    print(f"| one-way throughput | {hop} | plain TCP socket | gloo send/recv | {ratio} |")
+    print("|---|" + "---|" * (2 * len(modes) + 2))
+    for s in [float(x) for x in args.sizes.split(",")] if args.only != "rtt" else ():
+        hs = [med[("GB/s", s, f"hopnet-{m}")] for m in modes]
+        so, g = med[("GB/s", s, "socket")], med[("GB/s", s, "gloo")]
+        print(f"| {s:g} MiB float32 | " + " | ".join(f"{h:.2f} GB/s" for h in hs)
+              + f" | {so:.2f} GB/s | {g:.2f} GB/s | " + " | ".join(f"{h / so:.2f}x" for h in hs) + " |")
+    if args.only != "rtt":
+        print()
+        print("CPU time per MiB moved, sender + receiver (all threads; less sensitive to load than throughput):")
+        print("| size | " + " | ".join(methods(args)) + " |")
+        print("|---|" + "---|" * len(methods(args)))
+        for s in [float(x) for x in args.sizes.split(",")]:
+            print(f"| {s:g} MiB | " + " | ".join(f"{med[('cpu', s, m)]:.0f} µs" for m in methods(args)) + " |")
+    if args.only == "bulk":
+        b = 0.0
+    else:
+        print()
+        b = med.get(("rtt", 0, "bare-zmq"), 1)
+    if b:
+        hs = [med.get(("rtt", 0, f"hopnet-{m}"), 0) for m in modes]
+        ratio = " | ".join(f"stream {m} / bare" for m in modes)
+        print(f"| control round trip (median) | {hop} | bare zmq.asyncio | {ratio} |")
+        print("|---|" + "---|" * (2 * len(modes) + 1))
+        print(f"| {args.pings} pings | " + " | ".join(f"{h:.0f} µs" for h in hs) + f" | {b:.0f} µs | "
+              + " | ".join(f"{h / b:.2f}x" for h in hs) + " |")
+    spread = {k: (min(v), max(v)) for k, v in results.items() if isinstance(k, tuple) and k[0] != "cpu"}
     print()
     print("spread over rounds (min..max): " + ", ".join(
         f"{k[2]}@{k[1] or 'rtt'}: {lo:.2f}..{hi:.2f}" for k, (lo, hi) in sorted(spread.items(), key=str)))
-    if results["stats"]["dropped"]:
-        print("hopnet drops:", results["stats"]["dropped"])
+    for mode, stats in results["stats"].items():
+        if stats["dropped"]:
+            print(f"hopnet (stream {mode}) drops:", stats["dropped"])
 
 
 if __name__ == "__main__":

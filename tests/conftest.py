@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from support.env import clean_env
 from support.launch import run_launch
 from support.template import forkserver_template, use_template
+
+# Tests run several ranks as threads of one process (support/threaded.py); intra-op threads would
+# only spin against them for the cores (the launcher gives its workers one thread each when they
+# outnumber the cores, for the same reason). Processes that a test starts choose their own.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

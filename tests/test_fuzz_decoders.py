@@ -34,7 +34,7 @@ from hopnet.coordinator import wire as coordinator_wire
 from hopnet.coordinator.host import CoordinatorHost
 from hopnet.launch.rendezvous import RendezvousError, RendezvousServer, _unpack_reply
 from hopnet.transports.torchdist import decode_bulk
-from hopnet.transports.zmq import ZmqTransport
+from hopnet.transports.zmq import ZmqTransport, zmq_endpoint
 from hopnet.wire import (
     DTYPES,
     MAX_TENSOR_BYTES,
@@ -200,7 +200,7 @@ class _Fuzzed:
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.ROUTING_ID, b"1")
         self.dealer.setsockopt(zmq.SNDHWM, 0)
-        self.dealer.connect(address)
+        self.dealer.connect(zmq_endpoint(address))
         self.sent = 0
 
     def accounted(self) -> int:

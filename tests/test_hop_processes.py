@@ -142,7 +142,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
 
     import zmq
 
-    from hopnet.transports.zmq import routing_id
+    from hopnet.transports.zmq import routing_id, zmq_endpoint
     from hopnet.wire import Message, encode_header
 
     run_dir = tmp_path / "run"
@@ -168,7 +168,7 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
         # connected neighbour's identity is refused by the ROUTER outright.
         rogue.setsockopt(zmq.ROUTING_ID, routing_id(2))
         rogue.setsockopt(zmq.LINGER, 2000)  # deliver everything before closing
-        rogue.connect(address)
+        rogue.connect(zmq_endpoint(address))
         bad_shape = encode_header(Message("update", 1, 0, 5, tensors=[torch.zeros(64, dtype=torch.float64)]))
         garbage = [
             [b"\xc1\xff not msgpack"],

@@ -122,12 +122,9 @@ def train(protocol: str, local_steps: int, steps: int, *, hidden: int = 32, resu
         await asyncio.gather(*(life(r) for r in range(RANKS)))
 
     loop = VirtualTimeLoop()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # four ranks on one thread: intra-op threads would only contend
     try:
         loop.run_until_complete(main())
     finally:
-        torch.set_num_threads(threads)
         loop.close()
     return result
 

@@ -20,6 +20,7 @@ from hopnet.protocols.pipesgd import PipeSgdOptions
 
 from support.bn_task import LR, cnn, set_lr, state
 from support.env import clean_env
+from support.once import made_once
 from support.overlap_task import MICRO_BATCHES, micro_batch
 from support.paths import ROOT, WORKERS
 from support.ports import free_port
@@ -122,13 +123,14 @@ def test_bucket_mb_0_and_one_bucket_give_bitwise_the_same_model() -> None:
 
 @pytest.fixture(scope="module")
 def ddp_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    out = tmp_path_factory.mktemp("ddp") / "ddp.pt"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(WORKERS / "ddp_accumulate.py"), str(STEPS), str(SMALL_MB), str(out)],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
-    assert run.returncode == 0, run.stderr[-3000:]
-    states: dict[str, dict[str, torch.Tensor]] = torch.load(out)
+    def run_ddp(out: Path) -> None:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                              str(WORKERS / "ddp_accumulate.py"), str(STEPS), str(SMALL_MB), str(out)],
+                             capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
+        assert run.returncode == 0, run.stderr[-3000:]
+
+    states: dict[str, dict[str, torch.Tensor]] = torch.load(made_once(tmp_path_factory, "overlap_ddp.pt", run_ddp))
     return states
 
 

@@ -28,7 +28,7 @@ from hopnet.security import (
     secure_server,
     write_key_file,
 )
-from hopnet.transports.zmq import ZmqTransport
+from hopnet.transports.zmq import ZmqTransport, zmq_endpoint
 from hopnet.wire import Message, encode_header
 
 from support.paths import WORKERS
@@ -65,7 +65,7 @@ def _rogue_dealer(ctx: zmq.Context, address: str, *, as_rank: int, keys: CurveKe
         make_curve_client(sock, keys)
         if server_key is not None:  # its own key pair, but it learned the server's public key
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-    sock.connect(address)
+    sock.connect(zmq_endpoint(address))
     return sock
 
 

@@ -19,6 +19,7 @@ from hopnet.transports.zmq import (
     STAGE_INFLIGHT,
     ZmqTransport,
     routing_id,
+    zmq_endpoint,
 )
 from hopnet.wire import Header, Message, decode_header
 
@@ -166,7 +167,7 @@ async def test_malformed_input_is_dropped_by_reason():
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.ROUTING_ID, routing_id(0))
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(addr)
+    raw.connect(zmq_endpoint(addr))
     f32_4 = ("float32", [4])
     cases = [
         ("bad_header", [b"\xc1 not msgpack"]),

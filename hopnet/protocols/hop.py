@@ -235,9 +235,11 @@ class HopProtocol(Protocol):
         return self.regions
 
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
+        if tensors is None:  # nothing to give back (an update without a model: the simulator's, mostly)
+            return
         if not self.summing:
             self.pool.release(_ANY_SENDER, tensors)
-        elif tensors is not None and not self.streaming:
+        elif not self.streaming:
             for t in tensors:
                 self.region_pool.give(t)
 
@@ -272,17 +274,14 @@ class HopProtocol(Protocol):
 
     def on_message(self, msg: Message) -> None:
         kind = msg.kind
-        if kind == WELCOME:
-            self._on_welcome(msg)
-            return
-        if kind == "update" and msg.src in self._joined_late and self._beyond_window(msg.iter):
-            # a replacement that started further ahead than this worker's queue reaches (it took the
-            # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
-            self.node.count_drop("update_beyond_window")
-            self._release(msg.tensors if self.specs else None)
-            self._on_credit(msg)
-            return
         if kind == "update":
+            if msg.src in self._joined_late and self._beyond_window(msg.iter):
+                # a replacement that started further ahead than this worker's queue reaches (it took the
+                # furthest neighbour's pace): its update is dropped, as one would be on a lossy link
+                self.node.count_drop("update_beyond_window")
+                self._release(msg.tensors if self.specs else None)
+                self._on_credit(msg)
+                return
             self._on_credit(msg)
             if msg.src not in self._in_peer_set:
                 return
@@ -302,6 +301,8 @@ class HopProtocol(Protocol):
             self._store(Update(msg.iter, msg.src, msg.tensors))
         elif kind == "token":
             self._on_credit(msg)
+        elif kind == WELCOME:
+            self._on_welcome(msg)
         elif kind == "ack":
             if msg.src in self._out_peer_set and msg.iter > self.acks[msg.src]:
                 self.acks[msg.src] = msg.iter
@@ -355,7 +356,7 @@ class HopProtocol(Protocol):
     def round(self) -> int:
         """The round this worker is in (``--local-steps``): what its messages, queues and tokens count;
         the iteration itself when every iteration mixes."""
-        return round_of(self.iteration, self.local_steps)
+        return self.iteration // self.local_steps  # round_of(), inline: read several times per message
 
     def _mixes(self, iteration: int) -> bool:
         return mixes_at(iteration, self.local_steps, self.final_iteration)
@@ -364,7 +365,7 @@ class HopProtocol(Protocol):
         return self.round - (self.staleness or 0)
 
     def _is_late(self, iteration: int, src: int) -> bool:
-        if iteration < self._oldest_useful():
+        if iteration < self.round - (self.staleness or 0):  # _oldest_useful(), inline: once per update
             return True
         return self.staleness is not None and iteration <= self.last_used[src]
 
@@ -766,9 +767,10 @@ class HopProtocol(Protocol):
 
     def _discard_older_than(self, iteration: int) -> None:
         self._release_updates(self.queue.take_older_than(iteration))
-        self.sums.discard_older_than(iteration)
-        for key in [key for key in self._arriving if key[0] < iteration]:
-            del self._arriving[key]
+        if self.summing:  # (sums and chunks arriving exist only then)
+            self.sums.discard_older_than(iteration)
+            for key in [key for key in self._arriving if key[0] < iteration]:
+                del self._arriving[key]
 
     def _release_updates(self, updates: list[Update]) -> None:
         for update in updates:

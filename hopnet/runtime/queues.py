@@ -106,6 +106,9 @@ class UpdateQueue:
     def size(self, iter: int | None = None, w_id: int | None = None) -> int:
         if iter is None and w_id is None:
             return self._count
+        if w_id is None and iter is not None:  # one iteration's: its slot's, if it holds that iteration
+            index = iter % self.num_slots
+            return len(self._slots[index]) if self._slot_iter[index] == iter else 0
         return sum(1 for _ in self._matching(iter, w_id))
 
     def __len__(self) -> int:
@@ -224,7 +227,9 @@ class TokenCredits:
         held = self._granted[peer] - self._consumed
         if held > self.high_water:
             self.high_water = held
-        self.wake()
+        waiter = self._waiter  # wake(), inline: a grant comes with every update
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def depart(self, peer: int) -> None:
         """``peer`` left for good: stop requiring its tokens."""
@@ -261,7 +266,10 @@ class TokenCredits:
 
     def available(self, count: int = 1) -> bool:
         consumed = self._consumed + count
-        return all(self._granted[j] >= consumed for j in self._granted if j not in self.departed)
+        for j, granted in self._granted.items():  # a loop, not all(): this runs twice per iteration
+            if granted < consumed and j not in self.departed:
+                return False
+        return True
 
     def missing(self, count: int = 1) -> list[int]:
         consumed = self._consumed + count

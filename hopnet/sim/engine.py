@@ -202,7 +202,7 @@ def simulate(spec: SimSpec) -> SimResult:
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return loop.run_until_complete(_run(spec, started))
+        return loop.run_until_complete(_run(spec, started, loop))
     finally:
         torch.set_num_threads(torch_threads)
         loop.close()
@@ -232,7 +232,7 @@ def _gradients(spec: SimSpec, rank: int, stand_in: int) -> torch.Tensor | None:
     return torch.randn(stand_in, generator=gen, dtype=torch.float32)
 
 
-async def _run(spec: SimSpec, started: float) -> SimResult:
+async def _run(spec: SimSpec, started: float, loop: VirtualTimeLoop) -> SimResult:
     graph, config = spec.graph, spec.config
     n = graph.n
     stand_in, scale = _stand_in_gradients(spec, n)
@@ -241,7 +241,7 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
                             byte_scale=None if spec.param_dim else {kind: scale for kind in stand_in_kinds})
     gaps = GapTracker(n, matrix=spec.keeps_gap_matrix())
     slowdown = config.make_slowdown()
-    virtual_time = asyncio.get_running_loop().time
+    virtual_time = loop.time
     machine = make_coordinator(config, graph)
     coordinator = SimCoordinator(machine, spec.link, keep_events=spec.keep_events) if machine is not None else None
     nodes: list[Node[Protocol]] = []
@@ -274,18 +274,23 @@ async def _run(spec: SimSpec, started: float) -> SimResult:
         rng = random.Random(f"{config.seed}:{rank}")
         compute = spec.compute.for_rank(rank)
         stop = spec.stop_at.get(rank)
+        last = spec.iterations - 1
+        finished = finish_times[rank]
+        slowed = bool(slowdown)
         await protocol.start()
         node.plan(spec.iterations)
         while True:
             k = protocol.iteration
             if stop is not None and k >= stop:
                 break
-            compute_s = compute.sample(rng) * slowdown.factor(rank, k)
-            await asyncio.sleep(compute_s)
-            await node.run_step(None, last=k >= spec.iterations - 1, compute_s=compute_s)
-            finish_times[rank].append(node.clock.now())
+            compute_s = compute.sample(rng)
+            if slowed:  # (a factor of 1.0 would leave compute_s as it is)
+                compute_s *= slowdown.factor(rank, k)
+            await loop.sleep(compute_s)
+            await node.run_step(None, last=k >= last, compute_s=compute_s)
+            finished.append(virtual_time())
             completed[rank] = k + 1 if protocol.iteration == k else protocol.iteration
-            if k >= spec.iterations - 1:
+            if k >= last:
                 break
         await node.close()
 

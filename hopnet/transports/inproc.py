@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 from hopnet.errors import HopnetError
@@ -101,11 +102,14 @@ class InprocNetwork:
         target, msg, nbytes = in_flight.popleft()
         target._on_message(msg, nbytes)
 
-    def _route(self, msg: Message, nbytes: int) -> None:
+    def _route(self, msg: Message, nbytes: int, sender: InprocTransport) -> None:
         target = self._endpoints.get(msg.dst)
         if target is None or target.loop is None:
             return  # like a network: a message to a rank that is gone is lost
-        sender_loop = asyncio.get_running_loop()
+        # The running loop: a transport sends on the loop it started on.
+        sender_loop, call_soon = sender.loop, sender._call_soon
+        if sender_loop is None or call_soon is None:
+            raise HopnetError(f"rank {sender.rank}: an in-process transport sends only once started")
         delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
         if target.loop is sender_loop:
             # Arrival times never decrease along a link, but timers due at the same instant may
@@ -114,7 +118,7 @@ class InprocNetwork:
             link = (msg.src, msg.dst)
             in_flight = self._in_flight.get(link)
             if delay <= 0 and not in_flight:  # nothing ahead of it on its link: due now, in send order
-                sender_loop.call_soon(target._on_message, msg, nbytes, context=self._context)
+                call_soon(target._on_message, msg, nbytes, context=self._context)
                 return
             if in_flight is None:
                 in_flight = self._in_flight[link] = deque()
@@ -122,9 +126,14 @@ class InprocNetwork:
             if delay > 0:
                 sender_loop.call_later(delay, self._deliver_oldest, in_flight, context=self._context)
             else:
-                sender_loop.call_soon(self._deliver_oldest, in_flight, context=self._context)
+                call_soon(self._deliver_oldest, in_flight, context=self._context)
         else:
             target.loop.call_soon_threadsafe(target._on_message, msg, nbytes)
+
+
+class _CallSoon(Protocol):
+    def __call__(self, callback: Callable[..., object], *args: Any,
+                 context: contextvars.Context | None = None) -> object: ...
 
 
 class InprocTransport(Transport):
@@ -135,9 +144,12 @@ class InprocTransport(Transport):
         self.network = network
         self.loop: asyncio.AbstractEventLoop | None = None
         self._receiver: Receiver | None = None
+        self._call_soon: _CallSoon | None = None
 
     async def start(self, receiver: Receiver) -> str:
         self.loop = asyncio.get_running_loop()
+        # The simulator's loop schedules a burst of deliveries with one handle (same order).
+        self._call_soon = getattr(self.loop, "call_soon_in_turn", self.loop.call_soon)
         self._receiver = receiver
         self.network._attach(self)
         return f"inproc://{self.rank}"
@@ -161,7 +173,7 @@ class InprocTransport(Transport):
             nbytes = self.network.virtual_bytes.get(msg.kind, 0)
         self.stats.sent_messages += 1
         self.stats.sent_bytes += nbytes
-        self.network._route(msg, nbytes)
+        self.network._route(msg, nbytes, self)
 
     def _on_message(self, msg: Message, nbytes: int) -> None:
         receiver = self._receiver
@@ -170,10 +182,11 @@ class InprocTransport(Transport):
         if not is_known_kind(msg.kind):
             self.stats.drop("unknown_kind")
             return
-        reason = self.check_route(msg.kind, msg.src, msg.dst)
-        if reason is not None:
-            self.stats.drop(reason)
-            return
+        if msg.dst != self.rank or msg.src not in self.allowed_senders:  # else check_route passes it
+            reason = self.check_route(msg.kind, msg.src, msg.dst)
+            if reason is not None:
+                self.stats.drop(reason)
+                return
         if msg.tensors:
             target = receiver.buffers_for(msg.header())
             if target is DISCARD:

@@ -34,6 +34,12 @@ Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensor
 - larger: zero-copy from the tensors' memory, and ``send`` waits until libzmq has
   released every frame (written it to the kernel).
 
+Before all of these: a message with at least ``payload_stream.MIN_BYTES`` of tensors, to a
+peer whose address names a data port (``tcp://HOST:PORT?data=DPORT``), sends its header
+over ZeroMQ and its tensor bytes over a plain TCP stream to that peer, which receives them
+straight into its buffers (:mod:`hopnet.transports.payload_stream`: wire, order, failures).
+Off with CURVE keys, ``ipc://``, ``payload_stream=False`` or ``HOPNET_ZMQ_PAYLOAD_STREAM=0``.
+
 Messages to one peer leave in the order of the ``send`` calls, also when ``send`` is
 called from several tasks at once.
 
@@ -77,8 +83,9 @@ import zmq.asyncio
 
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.security import CurveKeys, HandshakeWatch, is_loopback, make_curve_client, make_curve_server
+from hopnet.transports import payload_stream as ps
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.wire import DecodeError, Message, TensorSpec, decode_header, encode_header
+from hopnet.wire import DecodeError, Header, Message, TensorSpec, decode_header, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +193,17 @@ def express_routing_id(rank: int) -> bytes:
     return b"x" + routing_id(rank)
 
 
+def zmq_endpoint(address: str) -> str:
+    """The ZeroMQ endpoint of a transport's address (without its ``?data=PORT``), for a
+    plain ZeroMQ socket that talks to the transport's ROUTER."""
+    return ps.split_address(address)[0]
+
+
 def _check_address(address: str, what: str) -> None:
     if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{what} must be tcp://HOST:PORT or ipc:///path, got {address!r}")
+    if "?" in address and ps.split_address(address)[1] is None:
+        raise ConfigError(f"{what} must be tcp://HOST:PORT, optionally ?data=PORT, got {address!r}")
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
@@ -292,12 +307,14 @@ class _BufferPool:
 
 
 class _Peer:
-    __slots__ = ("address", "busy", "express", "express_raw", "held", "rank", "raw", "sending_held", "sock",
-                 "stage_waiters", "staged", "zero_copy")
+    __slots__ = ("address", "busy", "data", "endpoint", "express", "express_raw", "gate", "held", "rank", "raw",
+                 "sending_held", "sock", "stage_waiters", "staged", "stream", "stream_retry_at", "streaming",
+                 "zero_copy")
 
     def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket) -> None:
         self.rank = rank
         self.address = address
+        self.endpoint, self.data = ps.split_address(address)  # data: the payload stream's (host, port)
         self.sock = sock
         # A plain socket sharing the same libzmq socket: non-blocking sends without Futures.
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
@@ -310,19 +327,26 @@ class _Peer:
         self.express: zmq.asyncio.Socket | None = None  # a second connection, for send_express
         self.express_raw: zmq.Socket | None = None
         self.stage_waiters: list[asyncio.Future] = []
+        self.stream: ps.OutStream | None = None  # payloads of large messages (payload_stream.py)
+        self.stream_retry_at = 0.0  # after a failed open: when to try again
+        self.streaming = 0  # streamed messages whose bytes are not all in the kernel yet
+        self.gate: asyncio.Future[None] | None = None  # set while the stream opens: sends wait behind it
 
     def open_express(self, sock: zmq.asyncio.Socket) -> None:
         self.express = sock
         self.express_raw = zmq.Socket.shadow(sock.underlying)
 
-    def close(self, linger_ms: int) -> None:
+    def close(self, linger_ms: int, reason: str = "closed") -> None:
         self.sock.close(linger_ms)
         if self.express is not None:
             self.express.close(linger_ms)
+        if self.stream is not None:
+            self.stream.abort(reason)
 
     @property
     def backlogged(self) -> bool:
-        return bool(self.busy or self.staged or self.zero_copy or self.held is not None or self.sending_held)
+        return bool(self.busy or self.staged or self.zero_copy or self.streaming or self.held is not None
+                    or self.sending_held)
 
 
 class ZmqTransport(Transport):
@@ -333,9 +357,13 @@ class ZmqTransport(Transport):
     def __init__(self, rank: int, allowed_senders: frozenset[int], *, bind: str = "tcp://127.0.0.1:*",
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
                  context: zmq.asyncio.Context | None = None, tune_malloc: bool = True,
-                 curve: CurveKeys | None = None, handover: bool = False) -> None:
+                 curve: CurveKeys | None = None, handover: bool = False,
+                 payload_stream: bool | None = None) -> None:
         """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``): a
-        connection presenting a connected peer's routing id then takes over from the old one."""
+        connection presenting a connected peer's routing id then takes over from the old one.
+        ``payload_stream``: send the tensors of large messages over a TCP stream of their own
+        (:mod:`hopnet.transports.payload_stream`); ``None`` (default) means on unless
+        ``HOPNET_ZMQ_PAYLOAD_STREAM=0``. Always off with ``curve`` keys and ``ipc://`` addresses."""
         super().__init__(rank, frozenset(allowed_senders))
         _check_address(bind, "bind address")
         if send_timeout <= 0:
@@ -361,6 +389,12 @@ class ZmqTransport(Transport):
         self._handshakes: HandshakeWatch | None = None
         self._handshakes_fd: int | None = None
         self.address: str | None = None
+        self.payload_stream = ps.enabled(payload_stream) and curve is None
+        """Whether large messages' tensors may go over payload streams (to peers that advertise one)."""
+        self.streamed_messages = 0
+        """Messages sent with their tensors over a payload stream (also in ``stats.sent_messages``)."""
+        self._inbox: ps.StreamInbox | None = None
+        self._lane_ranks = {routing_id(s): s for s in self.allowed_senders}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -401,6 +435,8 @@ class ZmqTransport(Transport):
         self._router = sock
         self._receiver = receiver
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.payload_stream and self.address.startswith("tcp://"):
+            self._open_inbox()
         self._router_fd = sock.fileno()  # zmq.FD, the edge-triggered descriptor
         self._loop.add_reader(self._router_fd, self._on_readable)
         self._loop.call_soon(self._on_readable)  # the FD is edge-triggered: look once now
@@ -409,6 +445,21 @@ class ZmqTransport(Transport):
             self._loop.add_reader(self._handshakes_fd, self._on_handshake_events)
             self._loop.call_soon(self._on_handshake_events)
         return self.address
+
+    def _open_inbox(self) -> None:
+        """Listen for payload streams next to the ROUTER and advertise the port in the address."""
+        assert self.address is not None and self._loop is not None
+        _, host_port = ps.split_address(ps.with_data_port(self.address, 1))
+        assert host_port is not None
+        try:
+            self._inbox = ps.StreamInbox(self._loop, host_port[0], admits=self._admits_stream,
+                                         prepare=self._stream_targets, finish=self._stream_received,
+                                         handle=self._handle_now, drop=self.stats.drop)
+        except OSError as exc:
+            log.warning("rank %d: cannot listen for payload streams on %s (%s); tensors go over ZeroMQ",
+                        self.rank, host_port[0], exc)
+            return
+        self.address = ps.with_data_port(self.address, self._inbox.port)
 
     async def connect(self, addresses: Mapping[int, str]) -> None:
         if self._closed:
@@ -425,7 +476,7 @@ class ZmqTransport(Transport):
             self._peers[rank] = self._open_peer(rank, address)
 
     def _open_peer(self, rank: int, address: str) -> _Peer:
-        return _Peer(rank, address, self._open_dealer(address, routing_id(self.rank)))
+        return _Peer(rank, address, self._open_dealer(ps.split_address(address)[0], routing_id(self.rank)))
 
     def _open_dealer(self, address: str, identity: bytes) -> zmq.asyncio.Socket:
         assert self._ctx is not None
@@ -459,6 +510,9 @@ class ZmqTransport(Transport):
         self._peers.clear()
         for task in list(self._held_sends):
             task.cancel()
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self._router is not None:
             self._router.close(0)
             self._router = None
@@ -478,7 +532,7 @@ class ZmqTransport(Transport):
             self._drop_held(peer, "peer_left")
             # Closing without linger discards what is queued for the departed peer, which
             # releases the tensor memory that zero-copy sends to it are waiting on.
-            peer.close(0)
+            peer.close(0, "peer_left")
 
     def readmit_peer(self, rank: int, address: str | None) -> None:
         """See :meth:`Transport.readmit_peer`."""
@@ -504,7 +558,7 @@ class ZmqTransport(Transport):
             await self.send(msg)
             return
         if peer.express is None:
-            peer.open_express(self._open_dealer(peer.address, express_routing_id(self.rank)))
+            peer.open_express(self._open_dealer(peer.endpoint, express_routing_id(self.rank)))
         assert peer.express is not None and peer.express_raw is not None
         header = encode_header(msg)
         try:
@@ -553,7 +607,8 @@ class ZmqTransport(Transport):
     def _send_held_if_free(self, peer: _Peer) -> None:
         """Send the peer's held message once nothing else to it is still in libzmq."""
         held = peer.held
-        if held is None or peer.busy or peer.staged or peer.zero_copy or peer.sending_held or self._closed:
+        if (held is None or peer.busy or peer.staged or peer.zero_copy or peer.streaming or peer.sending_held
+                or self._closed):
             return
         if self._peers.get(peer.rank) is not peer:
             self._drop_held(peer, self._lost_reason(peer.rank))
@@ -581,6 +636,9 @@ class ZmqTransport(Transport):
 
     async def send(self, msg: Message) -> None:
         peer = self._peers.get(msg.dst)
+        while peer is not None and peer.gate is not None:  # a payload stream to it is opening
+            await asyncio.shield(peer.gate)
+            peer = self._peers.get(msg.dst)
         if peer is None:
             if msg.dst in self._departed:
                 self.stats.drop("peer_left")
@@ -610,6 +668,9 @@ class ZmqTransport(Transport):
                 raise HopnetError(f"ZmqTransport sends CPU tensors only, got one on {t.device}")
             sizes.append(t.numel() * t.element_size())
         total = sum(sizes)
+        if total >= ps.MIN_BYTES and peer.data is not None and self.payload_stream:
+            if await self._send_streamed(peer, header, tensors, sizes, total):
+                return
         if max(sizes) < COPY_THRESHOLD:
             # pyzmq copies every frame (all under sock.copy_threshold): done once libzmq has it.
             parts: list[Any] = [header]
@@ -619,6 +680,80 @@ class ZmqTransport(Transport):
             await self._send_staged(peer, header, tensors, sizes, total)
         else:
             await self._send_zero_copy(peer, header, tensors, sizes, total)
+
+    async def _send_streamed(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor],
+                             sizes: list[int], total: int) -> bool:
+        """The header over ZeroMQ, the bytes over the peer's payload stream (opened now if
+        need be). False if there is no stream to the peer: the caller sends over ZeroMQ."""
+        stream = peer.stream
+        if stream is None or stream.closed:
+            stream = await self._open_stream(peer)
+            if stream is None:
+                return False
+        # From here to the ZeroMQ send, no await: headers and payloads keep the order of the calls.
+        seq, done = stream.write([_byte_view(t).data for t, n in zip(tensors, sizes) if n], total)
+        frame = ps.described(stream.token, seq, header)
+        peer.streaming += 1
+        try:
+            sent = False
+            if not peer.busy:
+                try:
+                    peer.raw.send(frame, _NOBLOCK)
+                    sent = True
+                except zmq.Again:
+                    pass
+            if not sent and not await self._send_queued(peer, [frame], 0, count=False):
+                stream.abort("send_timeout")  # its bytes would never be claimed: start a new stream
+                return True  # _send_queued counted the drop
+            reason = await self._await_stream(peer, stream, done)
+        finally:
+            peer.streaming -= 1
+            self._send_held_if_free(peer)
+        if reason is None:
+            self.stats.sent_messages += 1
+            self.stats.sent_bytes += total
+            self.streamed_messages += 1
+        else:
+            self.stats.drop(reason)
+        return True
+
+    async def _open_stream(self, peer: _Peer) -> ps.OutStream | None:
+        loop = self._loop or asyncio.get_running_loop()
+        if peer.data is None or loop.time() < peer.stream_retry_at:
+            return None
+        gate = peer.gate = loop.create_future()
+        stream: ps.OutStream | None = None
+        try:
+            host, port = peer.data
+            stream = await ps.OutStream.open(loop, host, port, self.rank,
+                                             min(ps.CONNECT_TIMEOUT_S, self.send_timeout))
+        except (OSError, _WaitTimeout) as exc:
+            peer.stream_retry_at = loop.time() + ps.RETRY_S
+            log.warning("rank %d: cannot open a payload stream to rank %d at %s:%d (%s); its tensors go "
+                        "over ZeroMQ for %.0fs", self.rank, peer.rank, *peer.data, exc or "timed out", ps.RETRY_S)
+        finally:
+            peer.gate = None
+            gate.set_result(None)
+        if stream is not None and (self._closed or self._peers.get(peer.rank) is not peer):
+            stream.abort("closed")
+            return None
+        peer.stream = stream
+        return stream
+
+    async def _await_stream(self, peer: _Peer, stream: ps.OutStream, done: asyncio.Future[str | None]) -> str | None:
+        """Wait until the payload is in the kernel; None, or why it was dropped."""
+        if done.done():
+            return done.result()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.send_timeout)
+        except _WaitTimeout:
+            log.warning("rank %d: payload stream to rank %d took nothing for %.1fs; closing it", self.rank,
+                        peer.rank, self.send_timeout)
+            stream.abort("send_timeout")
+            return "send_timeout"
+        except asyncio.CancelledError:
+            stream.abort("cancelled")  # the caller owns the tensors again: never write from them later
+            raise
 
     async def _send_copied(self, peer: _Peer, parts: list[Any], total: int) -> None:
         if not peer.busy:
@@ -801,7 +936,7 @@ class ZmqTransport(Transport):
         if self._peers.get(peer.rank) is not peer or self._closed:
             return
         self._drop_held(peer, "send_timeout")
-        peer.close(0)
+        peer.close(0, "send_timeout")  # the stream too: headers queued in the DEALER are gone
         self._peers[peer.rank] = self._open_peer(peer.rank, peer.address)
 
     # ---------------------------------------------------------------- receiving
@@ -852,6 +987,24 @@ class ZmqTransport(Transport):
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
+            inbox = self._inbox
+            if inbox is not None:
+                # A sender's messages wait while a streamed one of its is still being received.
+                ident = frames[0].bytes
+                rank = self._lane_ranks.get(ident)
+                if rank is None and ident.isdigit() and len(ident) < 11:
+                    rank = int(ident)
+                if rank is not None and inbox.busy(rank):
+                    inbox.defer(rank, frames)
+                    return
+            self._handle_unsafe(frames)
+        except Exception:
+            self.stats.drop("internal_error")
+            log.debug("rank %d: error handling an inbound message", self.rank, exc_info=True)
+
+    def _handle_now(self, frames: list[zmq.Frame]) -> None:
+        """Handle a message that waited behind a streamed one (its turn has come)."""
+        try:
             self._handle_unsafe(frames)
         except Exception:
             self.stats.drop("internal_error")
@@ -861,6 +1014,9 @@ class ZmqTransport(Transport):
         stats = self.stats
         if len(frames) < 2:
             stats.drop("truncated")
+            return
+        if ps.is_described(frames[1].buffer):
+            self._handle_streamed(frames)
             return
         try:
             header = decode_header(frames[1].buffer)
@@ -946,6 +1102,78 @@ class ZmqTransport(Transport):
         receiver.deliver(Message(header.kind, header.src, header.dst, header.iter,
                                  header.tag, header.meta, tensors))
 
+    # ------------------------------------------------------- receiving: payload streams
+
+    def _handle_streamed(self, frames: list[zmq.Frame]) -> None:
+        """``[descriptor + header]``: the message's tensor bytes come over the sender's stream.
+
+        Whatever is wrong with the frame counts as ``bad_header``: its first byte makes it one
+        to :func:`decode_header`, which is what a frame that is not a streamed message is."""
+        stats = self.stats
+        inbox = self._inbox
+        if len(frames) != 2 or inbox is None:  # inbox: this rank advertised no stream
+            stats.drop("bad_header")
+            return
+        frame = frames[1].buffer
+        try:
+            header = decode_header(frame[ps.DESCRIPTOR.size:])
+        except DecodeError:
+            stats.drop("bad_header")
+            return
+        reason = self.check_header(header)
+        if reason is not None:
+            stats.drop(reason)
+            return
+        if frames[0].bytes != routing_id(header.src):
+            stats.drop("spoofed_src")
+            return
+        if not header.specs:
+            stats.drop("bad_header")
+            return
+        _, token, seq = ps.DESCRIPTOR.unpack_from(frame)
+        inbox.begin(header.src, ps.Pending(header, token, seq, _stream_nbytes(header.specs)))
+
+    def _admits_stream(self, rank: int) -> bool:
+        """Whether a payload stream's hello from ``rank`` is accepted: from any rank this one
+        takes messages from (its senders, or every rank of the run once ``admit_run``)."""
+        size = self.world_size
+        return rank in self.allowed_senders or (size is not None and 0 <= rank < size and rank != self.rank)
+
+    def _stream_targets(self, header: Header) -> ps.Prepared:
+        receiver = self._receiver
+        if receiver is None:
+            return [], "closed"
+        try:
+            target = receiver.buffers_for(header)
+        except Exception:
+            log.debug("rank %d: buffers_for failed", self.rank, exc_info=True)
+            return [], "internal_error"
+        if target is DISCARD:
+            return [], "discarded"
+        if target is None:
+            return [torch.empty(spec.shape, dtype=spec.dtype) for spec in header.specs], None
+        if not _buffers_match(target, header.specs):
+            log.debug("rank %d: buffers_for returned tensors that do not match %s", self.rank, header.specs)
+            return [], "bad_buffers"
+        return list(target), None
+
+    def _stream_received(self, header: Header, tensors: list[torch.Tensor]) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            return
+        self.stats.received_messages += 1
+        self.stats.received_bytes += _stream_nbytes(header.specs)
+        try:
+            receiver.deliver(Message(header.kind, header.src, header.dst, header.iter, header.tag, header.meta,
+                                     tensors))
+        except Exception:
+            self.stats.drop("internal_error")
+            log.debug("rank %d: error delivering a streamed message", self.rank, exc_info=True)
+
+
+def _stream_nbytes(specs: tuple[TensorSpec, ...]) -> int:
+    return sum(spec.nbytes for spec in specs)
+
 
 def _same_layout(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> bool:
     return len(mine) == len(theirs) and all(
@@ -987,4 +1215,4 @@ def _new_tensor(dtype: torch.dtype, shape: tuple[int, ...], frames: list[zmq.Fra
     return t
 
 
-__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "STAGE_BYTES", "ZmqTransport", "routing_id", "tune_malloc"]
+__all__ = ["CHUNK_BYTES", "COPY_THRESHOLD", "STAGE_BYTES", "ZmqTransport", "routing_id", "tune_malloc", "zmq_endpoint"]
