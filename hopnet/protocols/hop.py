@@ -660,7 +660,8 @@ class HopProtocol(Protocol):
             return await self._recv_stale(k)
         if k > self._awaiting:
             self._awaiting = k
-            self.node.take_in_held()
+            if self._hold_from:  # (never in the simulator: its models have no tensors to sum)
+                self.node.take_in_held()
         need = len(self.in_peers) - self.n_buw
         while True:
             await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
