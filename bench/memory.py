@@ -15,7 +15,10 @@ is the largest worker's peak RSS; ``beyond`` is peak minus the same setting's (h
 with a 1 MB model (the process's baseline: torch, hopnet, the transport),
 and ``x model`` is ``beyond / model``; ``x model (own)`` divides peak minus the worker's
 own RSS before the model was built (that baseline leaves out what the run allocates
-besides the model, so it reads a little higher).
+besides the model, so it reads a little higher). ``it/s`` is the ranks' iteration rate
+(examples/synthetic.py's ``rate`` records, after the warm-up: slowest-fastest rank, over every run)
+and ``held`` the updates (or chunks) Hop held back, summed over the ranks (``updates_held`` in the
+stop records; ``-`` for a protocol without them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from hopnet.analysis import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "memory_worker.py"
@@ -39,6 +45,7 @@ SETTINGS: dict[str, list[str]] = {
     "hop-backup": ["--protocol", "hop", "--backup-workers", "1"],
     "hop-complete": ["--protocol", "hop", "--graph", "complete:4"],  # in-degree 3 instead of 2
     "hop-zmq": ["--protocol", "hop", "--bulk", "zmq"],  # updates over ZeroMQ (auto: gloo from 16 MiB)
+    "hop-nohold": ["--protocol", "hop", "--no-hold-back"],  # the next iteration's updates taken in as they come
     # Group protocols over ZeroMQ: on --bulk auto a 100 MB Prague run timed out in its first ring
     # all-reduce (chunks of 16 MiB over gloo between ranks that are not graph neighbours).
     "prague": ["--protocol", "prague", "--group-size", "2", "--bulk", "zmq"],
@@ -57,7 +64,7 @@ def span(values: list[float], scale: float, fmt: str) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path, index: int) -> list[dict[str, int]]:
+def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path, index: int) -> list[dict[str, Any]]:
     out = tmp / f"{setting}-{model_mb}-{index}"
     out.mkdir()
     command = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), "--no-progress",
@@ -70,7 +77,14 @@ def one_run(setting: str, model_mb: float, args: argparse.Namespace, tmp: Path, 
         kept = Path(tempfile.mkdtemp(prefix=f"hopnet-memory-failed-{setting}-{model_mb:g}-"))
         shutil.copytree(out / "run", kept / "run")
         raise RunFailed(f"exit code {proc.returncode}, run dir kept in {kept}", f"{proc.stdout}\n{proc.stderr}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    for rank, records in load_run(out / "run").items():
+        for record in records:
+            if record.get("event") == "rate":
+                ranks[rank]["rate"] = record["rate"]
+            elif record.get("event") == "stop" and "updates_held" in record:
+                ranks[rank]["held"] = record["updates_held"]
+    return ranks
 
 
 def main() -> int:
@@ -84,9 +98,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = parser.parse_args()
     sizes = sorted(set(args.sizes) | {1.0})
-    raw: dict[str, dict[str, list[list[dict[str, int]]]]] = {}
-    print("| setting | model MB | runs | peak MB | beyond 1 MB run | x model | x model (own) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    raw: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
+    print("| setting | model MB | runs | peak MB | beyond 1 MB run | x model | x model (own) | it/s | held |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory(prefix="hopnet-memory-") as tmp:
         for setting in args.settings:
             raw[setting] = {}
@@ -105,15 +119,20 @@ def main() -> int:
                 # the largest worker's peak in each run
                 peaks = sorted(max(r["peak_kb"] for r in ranks) * KIB / MB for ranks in runs)
                 owns = sorted(max(r["peak_kb"] - r["baseline_kb"] for r in ranks) * KIB / MB for ranks in runs)
+                rates = sorted(r["rate"] for ranks in runs for r in ranks if "rate" in r)
+                rate = span(rates, 1, ".2f") if rates else "-"
+                helds = [sum(r["held"] for r in ranks) for ranks in runs if all("held" in r for r in ranks)]
+                held = "/".join(map(str, helds)) or "-"
                 if mb == 1.0:
                     floor = peaks[-1]
-                    print(f"| {setting} | {mb:g} | {len(runs)} | {span(peaks, 1, '.0f')} | | | |", flush=True)
+                    print(f"| {setting} | {mb:g} | {len(runs)} | {span(peaks, 1, '.0f')} | | | | {rate} | {held} |",
+                          flush=True)
                     continue
                 if floor is None:
                     continue
                 beyond = [p - floor for p in peaks]
                 print(f"| {setting} | {mb:g} | {len(runs)} | {span(peaks, 1, '.0f')} | {span(beyond, 1, '.0f')} | "
-                      f"{span(beyond, mb, '.2f')} | {span(owns, mb, '.2f')} |", flush=True)
+                      f"{span(beyond, mb, '.2f')} | {span(owns, mb, '.2f')} | {rate} | {held} |", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(raw, indent=1))
     return 0

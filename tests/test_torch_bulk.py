@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,11 +26,15 @@ class Recv:
         self.queue: asyncio.Queue[Message] = asyncio.Queue()
         self.headers: list[Header] = []
         self.buffers: object = None
+        self.holding: Callable[[Header], bool] = lambda header: False
 
     def buffers_for(self, header: Header):
         self.headers.append(header)
         b = self.buffers
         return b(header) if callable(b) else b
+
+    def hold(self, header: Header) -> bool:
+        return self.holding(header)
 
     def deliver(self, msg: Message) -> None:
         self.queue.put_nowait(msg)
@@ -99,6 +104,54 @@ async def test_discarded_payloads_are_consumed_so_later_ones_still_pair_up(store
         assert [m.iter for m in got] == [1, 3, 5]
         assert all(torch.equal(m.tensors[0], torch.full((50, 4), float(m.iter), dtype=torch.float64)) for m in got)
         assert b.stats.dropped["discarded"] == 3
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_held_payload_waits_unread_with_what_its_sender_sent_after_it(store_endpoint) -> None:
+    """The receiver holds update 1 back: its sender's send waits (the payload has not moved), the token
+    sent after it waits behind it, and a later update does not take its receive. Taken in, all three
+    arrive in order, into the receiver's buffers."""
+    (a, b), (_ra, rb) = await _pair(store_endpoint)
+    try:
+        size = 1 << 20  # 4 MiB of float32
+        rb.holding = lambda header: header.iter == 1
+        rb.buffers = lambda header: [torch.zeros(size)]
+        sends = [asyncio.ensure_future(a.send(Message("update", 0, 1, k, tensors=[torch.full((size,), float(k))])))
+                 for k in range(2)]
+        sends.append(asyncio.ensure_future(a.send(Message("token", 0, 1, 99, meta={"c": 1}))))
+        sends.append(asyncio.ensure_future(a.send(Message("update", 0, 1, 2, tensors=[torch.full((size,), 2.0)]))))
+        assert (await rb.get()).iter == 0
+        await asyncio.sleep(0.3)
+        assert not sends[1].done() and not sends[3].done() and rb.queue.empty()
+        rb.holding = lambda header: False
+        b.take_in_held()
+        got = [await rb.get() for _ in range(3)]
+        assert [m.iter for m in got] == [1, 99, 2]
+        assert torch.equal(got[0].tensors[0], torch.full((size,), 1.0))
+        assert torch.equal(got[2].tensors[0], torch.full((size,), 2.0))
+        await asyncio.gather(*sends)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_what_a_forgotten_peer_sent_is_not_held_for_ever(store_endpoint) -> None:
+    """A peer written off (dead) while the receiver held its update: the held update is dropped unread,
+    and what came behind it is delivered (the node drops it as from a dead peer)."""
+    (a, b), (_ra, rb) = await _pair(store_endpoint, timeout_s=1.5)  # the sender's send gives up then
+    try:
+        rb.holding = lambda header: True
+        send = asyncio.ensure_future(a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1000)])))
+        token = asyncio.ensure_future(a.send(Message("token", 0, 1, 99, meta={"c": 1})))  # sent after the update
+        await token
+        await asyncio.sleep(0.3)
+        assert rb.queue.empty()
+        b.forget_peer(0)
+        assert (await rb.get()).iter == 99
+        assert b.stats.dropped["discarded"] == 1 and not rb.headers  # never given buffers
+        send.cancel()
     finally:
         await a.close()
         await b.close()

@@ -137,6 +137,10 @@ class Protocol(abc.ABC):
     def buffers_for(self, header: Header) -> Any:
         """See :meth:`hopnet.transports.base.Receiver.buffers_for`."""
 
+    def hold(self, header: Header) -> bool:
+        """See :meth:`hopnet.transports.base.Receiver.hold`: by default every message is read as it comes."""
+        return False
+
     @abc.abstractmethod
     def on_message(self, msg: Message) -> None:
         """A validated message from a neighbour, on the event loop."""

@@ -50,7 +50,7 @@ from hopnet.protocols.specs.hop import (DEFAULT_MAX_IG, WELCOME, HopOptions, Not
                                         check_hop_graph, gap_bound, gap_rule, largest_lead, notify_ack_gap_bound,
                                         parse_backup_workers, restart_refusal)
 from hopnet.protocols.specs.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
-from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
+from hopnet.runtime.mix_sums import MixSums, Region, RegionPool, mix_into, plan_regions
 from hopnet.runtime.services import NodeServices
 from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
@@ -134,6 +134,16 @@ class HopProtocol(Protocol):
         """(iteration, sender) -> the chunks of a streamed update received so far."""
         self._reduced = -1
         """The last iteration mixed into the model: chunks of it that come later are dropped."""
+        self._awaiting = -1
+        """The newest iteration :meth:`_recv` waited for (a skip waits past the next iteration)."""
+        self._hold_from = frozenset(j for j in self.in_peers if self.summing and self.options.hold_back
+                                    and self.options.backup_workers_for(j) == 0 and rank in graph.in_peers(j))
+        """In-neighbours whose updates of the iterations after the one this worker mixes next are held
+        back, unread, on a transport that can (:meth:`hold`): those that need this worker's updates
+        (no backup workers), so that holding theirs back couples them to this worker no more than
+        they already are."""
+        self.updates_held = 0
+        self._last_held: dict[int, tuple[int, Any]] = {}
         self.late_chunks_dropped = 0
         self.tokens = TokenCredits(self.out_peers, self.options.max_ig)
         self.acks: dict[int, int] = {j: -1 for j in self.out_peers}
@@ -189,6 +199,41 @@ class HopProtocol(Protocol):
             return [self.region_pool.take(region) for region in self.regions]
         return self.pool.acquire(_ANY_SENDER)
 
+    def hold(self, header: Header) -> bool:
+        """Hold back an update of an iteration after the one this worker mixes next: taking it in would
+        allocate a sum for that iteration, a model's size more. Unless every update of the iteration
+        mixed next is in and a free buffer can take it: then the next iteration's first update lands
+        while this one is mixed, in memory already there.
+
+        Safe: the sender ``j`` needs this worker's update of that iteration anyway (``j`` is in
+        ``_hold_from``: no backup workers, and this worker is its in-neighbour), which this worker
+        sends only once it mixed the iteration before, so ``j`` could not finish that iteration
+        earlier; and what this worker waits for to mix its next iteration, ``j`` sent before the held
+        update on the same FIFO link, so nothing it needs queues behind what it holds. By induction
+        on the iteration, no cycle of waits (docs/design.md, "Memory")."""
+        if header.kind != "update" or header.src not in self._hold_from or self.node.max_restarts:
+            return False
+        mixing = max(self._reduced + 1, self.round, self._awaiting)
+        if header.iter <= mixing or (header.iter == mixing + 1 and self._all_in(mixing)
+                                     and self.region_pool.has_free(self._regions_of(header))):
+            return False
+        key = (header.iter, header.meta.get(PART) if header.meta else None)
+        if self._last_held.get(header.src) != key:  # counted once, however often it is asked again
+            self._last_held[header.src] = key
+            self.updates_held += 1
+        return True
+
+    def _all_in(self, k: int) -> bool:
+        """Every update of iteration ``k`` expected has come whole: no buffer is needed for ``k`` any more."""
+        return (self.queue.size(iter=k) >= len(self._expected(k))
+                and not any(key[0] == k for key in self._arriving))
+
+    def _regions_of(self, header: Header) -> tuple[Region, ...]:
+        part = header.meta.get(PART) if header.meta else None
+        if type(part) is int and 0 <= part < len(self.regions):
+            return (self.regions[part],)
+        return self.regions
+
     def _release(self, tensors: list[torch.Tensor] | None) -> None:
         if tensors is None:  # nothing to give back (an update without a model: the simulator's, mostly)
             return
@@ -220,6 +265,7 @@ class HopProtocol(Protocol):
             self._release(tensors)
             return True
         self._release(self.sums.add_whole(update.iter, tensors, self.in_weight[update.src]))
+        self.node.take_in_held()  # a buffer may have been freed
         return True
 
     def _drop_non_finite(self, k: int, src: int, update_iter: int) -> None:
@@ -288,6 +334,7 @@ class HopProtocol(Protocol):
         else:  # left out of its region's mix; the rest of the update counts
             self._drop_non_finite(k, src, k)
             self.region_pool.give(tensor)
+        self.node.take_in_held()  # a buffer may have been freed
         if len(got) < len(self.regions):
             return
         del self._arriving[(k, src)]
@@ -611,6 +658,10 @@ class HopProtocol(Protocol):
     async def _recv(self, k: int) -> tuple[list[Update], list[int]]:
         if self.staleness is not None:
             return await self._recv_stale(k)
+        if k > self._awaiting:
+            self._awaiting = k
+            if self._hold_from:  # (never in the simulator: its models have no tensors to sum)
+                self.node.take_in_held()
         need = len(self.in_peers) - self.n_buw
         while True:
             await self._wait(lambda: self.queue.size(iter=k) >= min(need, len(self._expected(k)))
@@ -774,6 +825,7 @@ class HopProtocol(Protocol):
             if summed is not None:
                 mix_into(self.flats, self.self_weight, summed, self.regions)
                 self.sums.release(summed)
+            self.node.take_in_held()  # the next iteration's updates, into the buffers just freed
             return
         if not self.flats or not updates:
             self._release_updates(updates)
@@ -811,7 +863,8 @@ class HopProtocol(Protocol):
                 "skipped_iterations": self.skipped_iterations,
                 "late_updates_dropped": self.late_updates_dropped, "updates_not_sent": self.updates_not_sent,
                 "buffers_allocated": self.pool.allocated + self.region_pool.allocated,
-                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped}
+                "sums_high_water": self.sums.high_water, "late_chunks_dropped": self.late_chunks_dropped,
+                "updates_held": self.updates_held}
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"queue": len(self.queue)}

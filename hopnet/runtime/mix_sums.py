@@ -75,6 +75,14 @@ class RegionPool:
         self.allocated += 1
         return torch.empty(region.count, dtype=region.dtype, device=region.device)
 
+    def has_free(self, regions: Sequence[Region]) -> bool:
+        """Whether :meth:`take` would hand out a tensor for each of ``regions`` without allocating one."""
+        need: dict[tuple[torch.dtype, int, torch.device], int] = {}
+        for region in regions:
+            key = (region.dtype, region.count, region.device)
+            need[key] = need.get(key, 0) + 1
+        return all(len(self._free.get(key, ())) >= count for key, count in need.items())
+
     def give(self, tensor: torch.Tensor) -> None:
         if tensor.dim() == 1 and tensor.is_contiguous() and tensor.storage_offset() == 0:
             self._free.setdefault((tensor.dtype, tensor.numel(), tensor.device), []).append(tensor)

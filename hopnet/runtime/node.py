@@ -113,6 +113,7 @@ class Node(Generic[P]):
         self.peer_timeout_s = peer_timeout_s if transport.heartbeats else None
         self.liveness: Liveness | None = None
         self._heard: set[int] = set()  # peers heard from since the watch last looked
+        self._holding: set[int] = set()  # peers whose messages the transport holds back for the protocol
         self._watch: asyncio.Task[None] | None = None
         self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
         self._mailbox_kinds = self.mailbox.kinds
@@ -286,6 +287,9 @@ class Node(Generic[P]):
             if away:
                 self.record("watch_paused", away_s=round(away, 3), iter=self.protocol.iteration)
             heard, self._heard = self._heard, set()
+            # A peer whose update this worker holds back waits on this worker, and what it sends
+            # meanwhile (beats included) queues behind that update: its silence is ours.
+            heard.update(self._holding)
             for peer in heard:
                 liveness.heard(peer, now)
             for peer, silent_s in liveness.silent_peers(now):
@@ -319,6 +323,7 @@ class Node(Generic[P]):
         if peer in self.dead or peer in self.departed:
             return
         self.dead[peer] = silent_s
+        self._holding.discard(peer)
         if peer == self._handover_from and self._handover is not None and not self._handover.done():
             self._handover.set_exception(_DonorGone())
         # "restart": which process of the rank died (the launcher's death watch must not take it for
@@ -353,6 +358,22 @@ class Node(Generic[P]):
         if header.kind in ("bye", "done"):
             return None
         return self.protocol.buffers_for(header)
+
+    def hold(self, header: Header) -> bool:
+        if header.src in self.dead or header.kind in self._mailbox_kinds or header.kind in REJOIN_KINDS:
+            return False
+        self._heard.add(header.src)
+        if not self.protocol.hold(header):
+            return False
+        self._holding.add(header.src)
+        return True
+
+    def take_in_held(self) -> None:
+        """The protocol takes in what it had the transport hold back (:meth:`hold`), as far as it now will."""
+        if not self._holding:
+            return
+        self._holding.clear()
+        self.transport.take_in_held()  # asks hold() again: a peer still held is added back
 
     def deliver(self, msg: Message) -> None:
         src = msg.src

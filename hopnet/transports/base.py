@@ -29,6 +29,13 @@ class Receiver(Protocol):
     def deliver(self, msg: Message) -> None:
         """Called on the event loop with each valid inbound message."""
 
+    def hold(self, header: Header) -> bool:
+        """Whether a message whose payload has not been read yet should stay unread for now
+        (a model-averaging protocol's update of an iteration after the one it still has to mix:
+        reading it would take a buffer of the model's size). Asked, before :meth:`buffers_for`,
+        only by a transport that ``holds_back``; True keeps the message, and every later one from
+        the same sender, unread until :meth:`Transport.take_in_held` (the sender's send waits)."""
+
 
 class TransportStats:
     """Counters a transport keeps: messages and bytes each way, and drops by reason."""
@@ -71,6 +78,11 @@ class Transport(abc.ABC):
 
     carries_cuda: bool = False
     """Whether it moves CUDA tensors (the torch bulk plane); the others move CPU tensors only."""
+
+    holds_back: bool = False
+    """Whether it asks :meth:`Receiver.hold` before reading a payload (the torch bulk plane, whose
+    payloads move only once the receiver posts their receive): the others read every message as it
+    comes."""
 
     sends_at_once: bool = False
     """Whether a send is complete the moment it is handed over (the in-process transport):
@@ -121,6 +133,10 @@ class Transport(abc.ABC):
 
     async def drain(self) -> None:
         """Wait until every message :meth:`send_latest` holds has been sent or dropped."""
+
+    def take_in_held(self) -> None:
+        """Ask :meth:`Receiver.hold` again for the messages held back (in each sender's order),
+        and read those it no longer holds. Nothing to do on a transport that does not hold back."""
 
     def forget_peer(self, rank: int) -> None:
         """``rank`` left for good: drop what is still queued for it and send it nothing more.

@@ -15,6 +15,13 @@ The receiver, when the header arrives, asks its Receiver for buffers (``buffers_
 the update pool's next slot) and posts one ``recv`` per tensor into them. Smaller
 messages and control messages travel over ZeroMQ as before.
 
+Holding back. A payload moves only once its receive is posted (gloo's sends wait for the
+matching receive; no byte is buffered on the receiver before), so the receiver may leave a
+payload where it is: when its Receiver's ``hold(header)`` says so, the header waits, with
+every later message of the same sender (their receives must be posted in header order), until
+``take_in_held()``; the sender's ``send`` waits meanwhile. Hop holds its neighbours' updates of
+the next iteration until it has mixed the current one (docs/design.md, "Memory").
+
 Ordering. Ops of one pair's process group match in issue order. The sender issues its
 sends in the order of its ``send`` calls, under a per-peer lock that also covers handing
 the header to ZeroMQ, which keeps per-peer order; the receiver posts its receives in
@@ -204,22 +211,25 @@ class OpWaiter:
 class _Inbound:
     """A message from one sender, waiting for its payload (or for the ones before it)."""
 
-    __slots__ = ("discard", "done", "error", "msg", "staged", "tensors")
+    __slots__ = ("backend", "discard", "done", "error", "header", "msg", "staged", "tensors")
 
     def __init__(self, msg: Message, tensors: list[torch.Tensor], staged: list[torch.Tensor] | None,
-                 discard: bool, done: bool) -> None:
+                 discard: bool, done: bool, header: Header | None = None, backend: str = "gloo") -> None:
         self.msg = msg
         self.tensors = tensors  # what the recvs land in
         self.staged = staged  # the receiver's buffers, when they sit on another device
         self.discard = discard
         self.done = done
         self.error: BaseException | None = None
+        self.header = header  # a bulk message's, for the receiver's hold and buffers_for
+        self.backend = backend
 
 
 class TorchBulkTransport(Transport):
     """ZeroMQ for headers, credits and control; torch.distributed p2p for tensors."""
 
     carries_cuda = True
+    holds_back = True
 
     def __init__(self, control: ZmqTransport, store: dist.Store, *, min_bytes: int = 0,
                  timeout_s: float = 120.0, host: str = "127.0.0.1",
@@ -246,6 +256,11 @@ class TorchBulkTransport(Transport):
         self._waiters: dict[tuple[int, str], OpWaiter] = {}
         self._inbox: dict[int, deque[_Inbound]] = {}
         self._unposted: dict[tuple[int, str], deque[_Inbound]] = {}
+        self._held: dict[int, deque[_Inbound]] = {}
+        """Per sender, bulk messages not taken in yet: the first was held by the receiver, the others
+        came behind it."""
+        self._taking_in = False
+        self._take_again = False
         self._failed: dict[int, str] = {}
         self._departed: set[int] = set()
         self._closed = False
@@ -269,6 +284,11 @@ class TorchBulkTransport(Transport):
     def forget_peer(self, rank: int) -> None:
         self._departed.add(rank)
         self.control.forget_peer(rank)
+        held = self._held.pop(rank, None)
+        if held:  # written off with the peer, unread; what came between them is delivered (and dropped)
+            for entry in held:
+                entry.discard = entry.done = True
+            self._deliver_ready(rank)
 
     async def close(self) -> None:
         if self._closed:
@@ -289,6 +309,7 @@ class TorchBulkTransport(Transport):
         self._channels.clear()
         self._inbox.clear()
         self._unposted.clear()
+        self._held.clear()
         self._receiver = None
 
     # ---------------------------------------------------------------- channels
@@ -420,6 +441,9 @@ class TorchBulkTransport(Transport):
         receiver = self._receiver
         return None if receiver is None else receiver.buffers_for(header)
 
+    def hold(self, header: Header) -> bool:
+        return False  # the control plane reads every message as it comes
+
     def deliver(self, msg: Message) -> None:
         receiver = self._receiver
         if receiver is None:
@@ -442,6 +466,46 @@ class TorchBulkTransport(Transport):
         backend, specs = decoded
         plain = Message(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, meta or None)
         header = Header(msg.kind, msg.src, msg.dst, msg.iter, msg.tag, meta or None, specs)
+        entry = _Inbound(plain, [], None, False, done=False, header=header, backend=backend)
+        inbox.append(entry)
+        held = self._held.get(msg.src)
+        if held:  # behind a held one: its receive cannot be posted before that one's
+            held.append(entry)
+            return
+        if receiver.hold(header):
+            self._held[msg.src] = deque([entry])
+            return
+        self._take_in(entry, receiver)
+
+    def take_in_held(self) -> None:
+        if self._taking_in:  # asked again by what a take-in delivered: the loop below goes round again
+            self._take_again = True
+            return
+        self._taking_in = True
+        try:
+            self._take_again = True
+            while self._take_again:
+                self._take_again = False
+                for src in list(self._held):
+                    held = self._held.get(src)
+                    receiver = self._receiver
+                    while held and receiver is not None:
+                        entry = held[0]
+                        assert entry.header is not None
+                        if receiver.hold(entry.header):
+                            break
+                        held.popleft()
+                        self._take_in(entry, receiver)
+                    if not held and self._held.get(src) is held:
+                        del self._held[src]
+        finally:
+            self._taking_in = False
+
+    def _take_in(self, entry: _Inbound, receiver: Receiver) -> None:
+        """Give ``entry`` its buffers and post its receives (once the pair's channel is up)."""
+        header = entry.header
+        assert header is not None
+        specs, src, backend = header.specs, header.src, entry.backend
         target = receiver.buffers_for(header)
         device = self._recv_device(backend)
         discard = target is DISCARD
@@ -457,15 +521,14 @@ class TorchBulkTransport(Transport):
             tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
         else:
             tensors = list(target)
-        entry = _Inbound(plain, tensors, staged, discard, done=False)
-        inbox.append(entry)
-        self._unposted.setdefault((msg.src, backend), deque()).append(entry)
-        fut = self._channel(msg.src, backend)
+        entry.tensors, entry.staged, entry.discard = tensors, staged, discard
+        self._unposted.setdefault((src, backend), deque()).append(entry)
+        fut = self._channel(src, backend)
         if fut.done():
             if fut.exception() is not None:
-                self._fail_unposted((msg.src, backend))
+                self._fail_unposted((src, backend))
             else:
-                self._post_receives((msg.src, backend))
+                self._post_receives((src, backend))
 
     def _recv_device(self, backend: str) -> torch.device:
         if backend == "gloo":
@@ -500,6 +563,10 @@ class TorchBulkTransport(Transport):
     def _received(self, src: int, entry: _Inbound, error: BaseException | None) -> None:
         entry.done = True
         entry.error = error
+        self._deliver_ready(src)
+
+    def _deliver_ready(self, src: int) -> None:
+        """Deliver ``src``'s messages in order, up to the first whose payload has not landed."""
         inbox = self._inbox.get(src)
         receiver = self._receiver
         while inbox and inbox[0].done:

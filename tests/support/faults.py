@@ -57,6 +57,7 @@ class FaultyTransport(Transport):
         self.inner = inner
         self.stats = inner.stats
         self.heartbeats = inner.heartbeats
+        self.holds_back = inner.holds_back
         self.rules: list[Rule] = []
         self.injected: Counter[tuple[str, str]] = Counter()
         self._link_locks: dict[int, asyncio.Lock] = {}
@@ -116,6 +117,9 @@ class FaultyTransport(Transport):
     def forget_peer(self, rank: int) -> None:
         self.inner.forget_peer(rank)
 
+    def take_in_held(self) -> None:
+        self.inner.take_in_held()
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -154,6 +158,9 @@ class _FilteredReceiver:
             self.faulty.injected["drop", header.kind] += 1
             return DISCARD  # the bytes must still be read off the wire; the receiver reserves nothing
         return self.receiver.buffers_for(header)
+
+    def hold(self, header: Header) -> bool:
+        return not self._dropped(header.src, header.kind) and self.receiver.hold(header)
 
     def deliver(self, msg: Message) -> None:
         if self._dropped(msg.src, msg.kind):

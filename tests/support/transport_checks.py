@@ -46,6 +46,9 @@ class Recorder:
         self.asked.append(header)
         return self.buffers(header)
 
+    def hold(self, header: Header) -> bool:
+        return False
+
     def deliver(self, msg: Message) -> None:
         self.inbox.put_nowait(msg)
 

@@ -110,6 +110,9 @@ class HopOptions(LocalStepsOptions):
                                            "each mixed as it arrives (0: never; not with --staleness; default: "
                                            "updates of 256 MiB or more stream, in chunks of 16 MiB on the "
                                            "torch plane, 2 with --bulk zmq)")
+    hold_back: bool = option(True, help="take neighbours' updates of the next iteration in as they come (the torch "
+                                        "plane's default holds them at their senders until this iteration is "
+                                        "mixed: a model's size less memory, some rate where transfers dominate)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backup_workers", parse_backup_workers(self.backup_workers))
