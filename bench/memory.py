@@ -46,6 +46,7 @@ SETTINGS: dict[str, list[str]] = {
     "hop-complete": ["--protocol", "hop", "--graph", "complete:4"],  # in-degree 3 instead of 2
     "hop-zmq": ["--protocol", "hop", "--bulk", "zmq"],  # updates over ZeroMQ (auto: gloo from 16 MiB)
     "hop-nohold": ["--protocol", "hop", "--no-hold-back"],  # the next iteration's updates taken in as they come
+    "hop-stream": ["--protocol", "hop", "--stream-mib", "16"],  # updates of 16 MiB or more in chunks
     # Group protocols over ZeroMQ: on --bulk auto a 100 MB Prague run timed out in its first ring
     # all-reduce (chunks of 16 MiB over gloo between ranks that are not graph neighbours).
     "prague": ["--protocol", "prague", "--group-size", "2", "--bulk", "zmq"],

@@ -65,6 +65,16 @@ def test_a_bad_max_restarts_is_one_line(tmp_path: Path, value: str) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_max_restarts_on_the_torch_plane_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = launch_in_process(["--max-restarts", "1", "--bulk", "torch", "--run-dir", str(tmp_path / "run"),
+                                CRASH_ONCE, "0", "x"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hopnet launch: error: --max-restarts needs the ZeroMQ plane (CPU tensors, --bulk zmq or auto): "
+        "the torch plane's process groups cannot take a new process in"], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_api_refuses_a_negative_max_restarts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--max-restarts must be an integer >= 0"):
         launch(CRASH_ONCE, ["0", "x"], run_dir=tmp_path / "run", max_restarts=-1)
@@ -213,6 +223,18 @@ def test_without_restarts_a_dead_worker_fails_the_run_as_before(tmp_path: Path) 
     assert not any("restart" in line for line in err.splitlines() if "run dir" not in line)
     assert "restarts" not in record
     assert not (tmp_path / "out" / "rank1.1.pid").exists()
+
+
+def test_a_worker_ended_by_a_configuration_error_is_not_restarted(tmp_path: Path) -> None:
+    """A new process would meet the same error: the run fails at once, saying it once, with no restart."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_launch(["--nproc", "3", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                       CRASH_ONCE, "1", str(out), "--how", "config"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert not any("restart" in line for line in proc.stderr.splitlines()), proc.stderr
+    assert proc.stderr.count("this rank's configuration is wrong") == 1, proc.stderr
+    assert not (out / "rank1.1.pid").exists()
 
 
 @pytest.mark.parametrize("max_failures", [0, 1])

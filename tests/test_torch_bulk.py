@@ -274,3 +274,29 @@ def test_auto_picks_the_plane_by_device_and_size(store_endpoint) -> None:
     from hopnet.errors import ConfigError
     with pytest.raises(ConfigError, match="needs the run's c10d store"):
         pick("torch", 16, endpoint="")
+
+
+async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(store_endpoint) -> None:
+    """The torch plane's peers are processes that can die unannounced, as on ZeroMQ: the node's
+    heartbeats (over the control plane) find a silent one long before the wait's timeout, where
+    the survivors used to wait out --timeout."""
+    from hopnet import Graph, ProtocolConfig
+
+    from support.cluster import start_workers, train
+
+    def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
+        control = ZmqTransport(rank, frozenset(graph.peers(rank)))
+        return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+
+    config = ProtocolConfig(timeout_s=TIMEOUT, peer_timeout_s=0.3)
+    workers = await start_workers(Graph.ring(2), config, transport_for=torch_plane)
+    await workers[1].node.close(leave=False)  # no bye: it just goes quiet, as a crash would
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(PeerFailure) as info:
+            await train(workers[0], 5)
+    finally:
+        await workers[0].close()
+    assert loop.time() - started < TIMEOUT / 2
+    assert (info.value.peer, info.value.peer_state) == (1, "dead") and "peer 1 went silent" in str(info.value)

@@ -392,8 +392,10 @@ class Launch:
         # With every other rank of this machine done there is no neighbour left to take a model from
         # (on one machine: the run is over), so the death counts as it would without restarts.
         others = self.group is not None or any(r != rank for r in state.pending)
+        # A configuration error (exit 2 with a ConfigError in its log) would end a new process alike.
         restart = self.restarts.decide(rank, code, state.describe_end(rank, code),
-                                       ending=state.ending or self._signalled() or not others)
+                                       ending=state.ending or self._signalled() or not others
+                                       or bool(self._config_note(rank, code)))
         if restart is None:
             return False
         self.output.say(restart.line())

@@ -209,6 +209,9 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
         raise ConfigError(f"--resume: --protocol {config.protocol} cannot resume from checkpoints yet ({takers} can)")
     if max_restarts and (refusal := config.spec.refuses_restarts(config.options)) is not None:
         raise ConfigError(f"--max-restarts: {refusal}")  # as the workers would, before anything starts
+    if max_restarts and config.bulk == "torch":
+        raise ConfigError("--max-restarts needs the ZeroMQ plane (CPU tensors, --bulk zmq or auto): "
+                          "the torch plane's process groups cannot take a new process in")
     if spec.start_method not in (None, *START_METHODS):
         raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))

@@ -655,8 +655,17 @@ class Node(Generic[P]):
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._send_error is None:
-            self._send_error = task.exception()
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        lost = error.peer if isinstance(error, PeerFailure) and error.peer_state == "dead" else None
+        if lost is not None and self.liveness is not None:
+            # The transport found the peer gone (the torch plane's pair connection closed or reset):
+            # the same news the heartbeats would bring a little later, and handled as they would be.
+            silence = self.liveness.silence(lost, self.clock.now())
+            self.peer_dead(lost, silence or 0.0)
+            return
+        if self._send_error is None:
+            self._send_error = error
 
     async def flush(self) -> None:
         """Wait until every posted message has left, so its tensors may be modified again."""

@@ -230,6 +230,7 @@ class TorchBulkTransport(Transport):
 
     carries_cuda = True
     holds_back = True
+    heartbeats = True  # peers are processes that can die unannounced; the beats go over ZeroMQ
 
     def __init__(self, control: ZmqTransport, store: dist.Store, *, min_bytes: int = 0,
                  timeout_s: float = 120.0, host: str = "127.0.0.1",

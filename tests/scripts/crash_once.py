@@ -1,6 +1,6 @@
 """A worker for tests/test_restarts_launcher.py that needs no rendezvous and no hopnet runtime.
 
-Rank VICTIM dies (SIGKILL, exit 3, or SIGSTOP until the launcher kills it) unless it is a replacement (``HOPNET_RESTART`` set;
+Rank VICTIM dies (SIGKILL, exit 3, SIGSTOP until the launcher kills it, or a ConfigError) unless it is a replacement (``HOPNET_RESTART`` set;
 with ``--always`` replacements die too); the other ranks sleep a little and exit 0. A
 replacement writes ``rank{R}.restart{N}.json`` into OUT_DIR (its pid and the restart
 variables it saw), sleeps ``--hold`` seconds and exits 0. Every process writes its pid to
@@ -19,7 +19,7 @@ from pathlib import Path
 parser = argparse.ArgumentParser()
 parser.add_argument("victim", type=int)
 parser.add_argument("out_dir")
-parser.add_argument("--how", choices=("kill", "exit", "stop"), default="kill")
+parser.add_argument("--how", choices=("kill", "exit", "stop", "config"), default="kill")
 parser.add_argument("--always", action="store_true", help="replacements die as well")
 parser.add_argument("--sleep", type=float, default=1.0, help="how long the other ranks run")
 parser.add_argument("--hold", type=float, default=0.0, help="how long a replacement runs")
@@ -43,6 +43,10 @@ if rank == args.victim and (restart is None or args.always):
         os.kill(os.getpid(), signal.SIGKILL)
     elif args.how == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)  # silent until the launcher kills it
+    elif args.how == "config":
+        from hopnet.errors import ConfigError
+
+        raise ConfigError("this rank's configuration is wrong")
     os._exit(3)
 if restart is not None:
     write(f"rank{rank}.restart{restart}.json", json.dumps({
