@@ -300,3 +300,29 @@ async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(stor
         await workers[0].close()
     assert loop.time() - started < TIMEOUT / 2
     assert (info.value.peer, info.value.peer_state) == (1, "dead") and "peer 1 went silent" in str(info.value)
+
+
+async def test_the_consensus_reaches_ranks_that_are_not_neighbours_on_the_torch_plane(store_endpoint) -> None:
+    """The agreement on the live set sends views to every rank, neighbour or not: the torch plane's
+    control plane must take them in from the whole run (ranks 0 and 2 of a ring of 4 never talk
+    otherwise). It did not, and a consensus on the torch plane waited out --timeout."""
+    from hopnet import Graph, ProtocolConfig
+
+    from support.cluster import close_workers, start_workers, train
+
+    def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
+        control = ZmqTransport(rank, frozenset(graph.peers(rank)))
+        return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+
+    workers = await start_workers(Graph.ring(4), ProtocolConfig(timeout_s=TIMEOUT), transport_for=torch_plane,
+                                  params=lambda rank: torch.full((8,), float(rank)))
+    try:
+        await asyncio.gather(*(train(w, 3) for w in workers))
+        await asyncio.gather(*(w.node.quiesce() for w in workers))
+        before = torch.stack([w.node.protocol.model_tensors()[0].double() for w in workers]).mean(0)
+        results = await asyncio.wait_for(asyncio.gather(*(w.consensus() for w in workers)), TIMEOUT)
+    finally:
+        await close_workers(workers)
+    assert all(r.members == (0, 1, 2, 3) for r in results)
+    for w in workers:
+        assert torch.allclose(w.node.protocol.model_tensors()[0].double(), before, rtol=0, atol=1e-6)

@@ -279,6 +279,10 @@ class TorchBulkTransport(Transport):
             if peer != self.rank:
                 self._channel(peer, backend)  # build every neighbour's channel now, in the background
 
+    def admit_run(self, world_size: int) -> None:
+        super().admit_run(world_size)
+        self.control.admit_run(world_size)  # the control plane is what receives them
+
     def readmit_peer(self, rank: int, address: str | None) -> None:
         self.control.readmit_peer(rank, address)
 
