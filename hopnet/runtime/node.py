@@ -658,10 +658,10 @@ class Node(Generic[P]):
         if task.cancelled() or (error := task.exception()) is None:
             return
         lost = error.peer if isinstance(error, PeerFailure) and error.peer_state == "dead" else None
-        if lost is not None and self.liveness is not None:
-            # The transport found the peer gone (the torch plane's pair connection closed or reset):
-            # the same news the heartbeats would bring a little later, and handled as they would be.
-            silence = self.liveness.silence(lost, self.clock.now())
+        if lost is not None:
+            # The transport found the peer gone (the torch plane's pair connection closed or reset,
+            # as when its process died): handled as the heartbeats' news of a silent peer is.
+            silence = self.liveness.silence(lost, self.clock.now()) if self.liveness is not None else None
             self.peer_dead(lost, silence or 0.0)
             return
         if self._send_error is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -166,3 +166,27 @@ class Transport(abc.ABC):
             if not (size is not None and is_any_rank_kind(kind) and 0 <= src < size and src != self.rank):
                 return "not_neighbor"
         return None
+
+
+class Rounds:
+    """Runs a pass over what a transport held back, again while anything asks for another.
+
+    A take-in delivers, and what it delivers may ask for a take-in (Hop's reduce frees a buffer):
+    a call made while a pass runs does not nest, it makes the running pass go round once more."""
+
+    def __init__(self) -> None:
+        self._running = False
+        self._again = False
+
+    def run(self, one_pass: Callable[[], None]) -> None:
+        if self._running:
+            self._again = True
+            return
+        self._running = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                one_pass()
+        finally:
+            self._running = False

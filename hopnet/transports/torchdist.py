@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
-from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport
 from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import DTYPE_NAMES, DecodeError, Header, Message, TensorSpec, decode_specs
@@ -230,7 +230,6 @@ class TorchBulkTransport(Transport):
 
     carries_cuda = True
     holds_back = True
-    heartbeats = True  # peers are processes that can die unannounced; the beats go over ZeroMQ
 
     def __init__(self, control: ZmqTransport, store: dist.Store, *, min_bytes: int = 0,
                  timeout_s: float = 120.0, host: str = "127.0.0.1",
@@ -260,8 +259,7 @@ class TorchBulkTransport(Transport):
         self._held: dict[int, deque[_Inbound]] = {}
         """Per sender, bulk messages not taken in yet: the first was held by the receiver, the others
         came behind it."""
-        self._taking_in = False
-        self._take_again = False
+        self._take_in_rounds = Rounds()
         self._failed: dict[int, str] = {}
         self._departed: set[int] = set()
         self._closed = False
@@ -483,28 +481,21 @@ class TorchBulkTransport(Transport):
         self._take_in(entry, receiver)
 
     def take_in_held(self) -> None:
-        if self._taking_in:  # asked again by what a take-in delivered: the loop below goes round again
-            self._take_again = True
-            return
-        self._taking_in = True
-        try:
-            self._take_again = True
-            while self._take_again:
-                self._take_again = False
-                for src in list(self._held):
-                    held = self._held.get(src)
-                    receiver = self._receiver
-                    while held and receiver is not None:
-                        entry = held[0]
-                        assert entry.header is not None
-                        if receiver.hold(entry.header):
-                            break
-                        held.popleft()
-                        self._take_in(entry, receiver)
-                    if not held and self._held.get(src) is held:
-                        del self._held[src]
-        finally:
-            self._taking_in = False
+        self._take_in_rounds.run(self._take_in_held_once)
+
+    def _take_in_held_once(self) -> None:
+        for src in list(self._held):
+            held = self._held.get(src)
+            receiver = self._receiver
+            while held and receiver is not None:
+                entry = held[0]
+                assert entry.header is not None
+                if receiver.hold(entry.header):
+                    break
+                held.popleft()
+                self._take_in(entry, receiver)
+            if not held and self._held.get(src) is held:
+                del self._held[src]
 
     def _take_in(self, entry: _Inbound, receiver: Receiver) -> None:
         """Give ``entry`` its buffers and post its receives (once the pair's channel is up)."""

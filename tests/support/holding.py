@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport
 from hopnet.wire import Header, Message
 
 
@@ -64,8 +64,7 @@ class HoldingTransport(Transport):
         self.heartbeats = inner.heartbeats
         self._receiver: Receiver | None = None
         self._held: dict[int, deque[Message]] = {}
-        self._taking_in = False
-        self._take_again = False
+        self._take_in_rounds = Rounds()
         self.taken_in: list[tuple[int, int]] = []
         """(sender, iteration) of every message with tensors, in the order it was taken in."""
 
@@ -95,23 +94,16 @@ class HoldingTransport(Transport):
                 self.links.taken(rank, self.rank)
 
     def take_in_held(self) -> None:
-        if self._taking_in:  # asked again by what a take-in delivered: the loop below goes round again
-            self._take_again = True
-            return
-        self._taking_in = True
-        try:
-            self._take_again = True
-            while self._take_again:
-                self._take_again = False
-                for src in list(self._held):
-                    held = self._held.get(src)
-                    while held and self._receiver is not None and not (
-                            held[0].tensors and self._receiver.hold(held[0].header())):
-                        self._take_in(held.popleft(), self._receiver)
-                    if not held and self._held.get(src) is held:
-                        del self._held[src]
-        finally:
-            self._taking_in = False
+        self._take_in_rounds.run(self._take_in_held_once)
+
+    def _take_in_held_once(self) -> None:
+        for src in list(self._held):
+            held = self._held.get(src)
+            while held and self._receiver is not None and not (
+                    held[0].tensors and self._receiver.hold(held[0].header())):
+                self._take_in(held.popleft(), self._receiver)
+            if not held and self._held.get(src) is held:
+                del self._held[src]
 
     async def close(self) -> None:
         for src, held in self._held.items():
