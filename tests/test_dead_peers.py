@@ -23,7 +23,7 @@ from hopnet.runtime.node import Node
 from hopnet.sim.vloop import Deadlock, VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork
 
-from support.cluster import START_TIMEOUT_S, Cluster, start_workers, train
+from support.cluster import START_TIMEOUT_S, Cluster, failure_after_a_peer_vanishes, start_workers, train
 
 
 def _peer_dead_records(run_dir: Path, rank: int) -> list[dict]:
@@ -97,16 +97,8 @@ async def test_a_peer_that_vanishes_without_a_word_is_declared_dead() -> None:
     long before its wait timeout."""
     config = ProtocolConfig(timeout_s=30.0, peer_timeout_s=0.3)
     workers = await start_workers(Graph.ring(2), config)
-    await workers[1].node.close(leave=False)  # no bye: it just goes quiet
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    try:
-        with pytest.raises(PeerFailure) as info:
-            await train(workers[0], 5)
-    finally:
-        await workers[0].close()
-    assert loop.time() - started < config.timeout_s
-    error = info.value
+    error, took = await failure_after_a_peer_vanishes(workers)
+    assert took < config.timeout_s
     assert (error.peer, error.peer_state) == (1, "dead")
     assert "peer 1 went silent" in str(error)
     assert config.peer_timeout_s <= workers[0].node.dead[1] < config.timeout_s

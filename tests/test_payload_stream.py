@@ -248,7 +248,6 @@ async def test_a_stream_that_takes_nothing_times_out_and_close_ends_a_pending_se
         ctx.term()
 
 
-@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 async def test_with_curve_keys_payloads_stay_on_zeromq():
     keys = CurveKeys.generate()
     inbox = Inbox()

@@ -282,7 +282,7 @@ async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(stor
     on its own send, naming no peer, or the survivors waited out --timeout)."""
     from hopnet import Graph, ProtocolConfig
 
-    from support.cluster import start_workers, train
+    from support.cluster import failure_after_a_peer_vanishes, start_workers
 
     def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
         control = ZmqTransport(rank, frozenset(graph.peers(rank)))
@@ -290,16 +290,9 @@ async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(stor
 
     config = ProtocolConfig(timeout_s=TIMEOUT, peer_timeout_s=0.3)
     workers = await start_workers(Graph.ring(2), config, transport_for=torch_plane)
-    await workers[1].node.close(leave=False)  # no bye: it just goes quiet, as a crash would
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    try:
-        with pytest.raises(PeerFailure) as info:
-            await train(workers[0], 5)
-    finally:
-        await workers[0].close()
-    assert loop.time() - started < TIMEOUT / 2
-    assert (info.value.peer, info.value.peer_state) == (1, "dead") and "peer 1 went silent" in str(info.value)
+    error, took = await failure_after_a_peer_vanishes(workers)
+    assert took < TIMEOUT / 2
+    assert (error.peer, error.peer_state) == (1, "dead") and "peer 1 went silent" in str(error)
 
 
 async def test_the_consensus_reaches_ranks_that_are_not_neighbours_on_the_torch_plane(store_endpoint) -> None:

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from hopnet import AsyncWorker, Graph, ProtocolConfig
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, PeerFailure
 from hopnet.launch.env import WorkerEnv
 from hopnet.launch.rendezvous import RendezvousServer
 from hopnet.transports.base import Transport
@@ -225,3 +226,17 @@ class FaultyCluster:
 async def within(*aws: Awaitable[Any]) -> list[Any]:
     """The results of ``aws``, run together, which must all end within GIVE_UP_S."""
     return await asyncio.wait_for(asyncio.gather(*aws), GIVE_UP_S)
+
+
+async def failure_after_a_peer_vanishes(workers: list[AsyncWorker], steps: int = 5) -> tuple[PeerFailure, float]:
+    """Rank 1 of ``workers`` shuts down without a bye, as a crash would; rank 0 trains on: the
+    ``PeerFailure`` it fails with and how long it took (rank 0 closed either way)."""
+    await workers[1].node.close(leave=False)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(PeerFailure) as info:
+            await train(workers[0], steps)
+    finally:
+        await workers[0].close()
+    return info.value, loop.time() - started
