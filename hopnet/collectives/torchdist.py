@@ -80,6 +80,7 @@ class TorchCollective(Collective):
         self._decided: dict[tuple[str, tuple[int, ...]], bool] = {}  # cached or not, agreed by the members
         self._reserved = 0
         self._waiters: dict[tuple[str, tuple[int, ...]], OpWaiter] = {}  # one thread per cached group
+        self._deciding: dict[tuple[str, tuple[int, ...]], asyncio.Future[BaseException | None]] = {}
         self._calls: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._lock = threading.Lock()
         self._issue_lock = threading.Lock()
@@ -103,6 +104,8 @@ class TorchCollective(Collective):
         if len(members) == 1:
             return tensor
         key = (self.backend or backend_for(tensor.device), members)
+        while key not in self._decided and key in self._deciding:  # a call before this one meets the others
+            await asyncio.shield(self._deciding[key])
         pg = self._cached.get(key) if self._decided.get(key) else None
         if pg is not None:
             return await self._reduce_cached(key, pg, tensor, op, tag)
@@ -123,6 +126,11 @@ class TorchCollective(Collective):
                 pass
 
         threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
+        if key not in self._decided and key not in self._deciding:
+            # Calls of the group issued meanwhile (the buckets of one backward pass) wait for this one to
+            # decide whether it is cached: deciding and forming it twice at once would pair them wrongly.
+            self._deciding[key] = done
+            done.add_done_callback(lambda _: self._deciding.pop(key, None))
         error = await done
         if error is not None:
             if isinstance(error, HopnetError):

@@ -208,12 +208,24 @@ class BackwardReducer:
 
     # ------------------------------------------------------------------ the loop
     async def _reduce_round(self, rnd: _Round) -> None:
+        """Start each bucket's reduce as soon as it is ready and every bucket before it started
+        (the same order of calls on every member), without waiting for the one before to end:
+        a collective queues them, and the next runs the moment the last one ends."""
         number = self._rounds
         self._rounds += 1
         buffer = self.grads.buffer
-        for b, bucket in enumerate(self.buckets):
-            await rnd.ready[b].wait()
-            await self._reduce(buffer[bucket.start:bucket.stop], self._tag(number, b))
+        started: list[asyncio.Future[Any]] = []
+        try:
+            for b, bucket in enumerate(self.buckets):
+                await rnd.ready[b].wait()
+                started.append(asyncio.ensure_future(self._reduce(buffer[bucket.start:bucket.stop],
+                                                                  self._tag(number, b))))
+            await asyncio.gather(*started)
+        finally:
+            for reduce in started:
+                reduce.cancel()
+            if started:
+                await asyncio.wait(started)
 
 
 __all__ = ["DEFAULT_BUCKET_MB", "MB", "BackwardReducer", "Bucket", "BucketOptions", "plan_buckets"]
