@@ -337,6 +337,16 @@ class Node(Generic[P]):
         if self.survives_losses:
             self.mailbox.break_rounds_with(peer, "died")
 
+    def peer_lost(self, failure: PeerFailure) -> None:
+        """The transport found ``failure.peer`` gone (the torch plane's pair connection closed or
+        reset, as when its process died), on a send or a receive: handled as the heartbeats' news
+        of a silent peer is."""
+        peer = failure.peer
+        if peer is None:
+            return
+        silence = self.liveness.silence(peer, self.clock.now()) if self.liveness is not None else None
+        self.peer_dead(peer, silence or 0.0)
+
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
         "stalled" (alive, as far as anyone can tell: the word for a peer a wait is blocked on)."""
@@ -657,12 +667,8 @@ class Node(Generic[P]):
         self._pending.discard(task)
         if task.cancelled() or (error := task.exception()) is None:
             return
-        lost = error.peer if isinstance(error, PeerFailure) and error.peer_state == "dead" else None
-        if lost is not None:
-            # The transport found the peer gone (the torch plane's pair connection closed or reset,
-            # as when its process died): handled as the heartbeats' news of a silent peer is.
-            silence = self.liveness.silence(lost, self.clock.now()) if self.liveness is not None else None
-            self.peer_dead(lost, silence or 0.0)
+        if isinstance(error, PeerFailure) and error.peer is not None and error.peer_state == "dead":
+            self.peer_lost(error)
             return
         if self._send_error is None:
             self._send_error = error
