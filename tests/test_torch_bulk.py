@@ -445,3 +445,30 @@ async def test_a_peer_that_said_bye_is_not_reported_lost_when_it_closes(store_en
         await c.close()
         await d.close()
     assert _watch_threads() == []  # every close ended its watches
+
+
+async def test_an_idle_node_learns_of_a_peer_that_vanished_without_a_send(store_endpoint, monkeypatch) -> None:
+    """A node that sends nothing (between steps) still learns that its neighbour's transport went
+    away without a bye: it declares the neighbour dead, no wait or send involved."""
+    from hopnet import Graph, ProtocolConfig
+
+    import hopnet.transports.torchdist as torchdist
+    from support.cluster import close_workers, start_workers, train
+
+    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
+
+    def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
+        control = ZmqTransport(rank, frozenset(graph.peers(rank)))
+        return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+
+    workers = await start_workers(Graph.ring(2), ProtocolConfig(timeout_s=TIMEOUT), transport_for=torch_plane)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(w, 2) for w in workers)), TIMEOUT)  # the pair is up
+        await workers[1].node.close(leave=False)
+        node = workers[0].node
+        deadline = time.monotonic() + TIMEOUT
+        while 1 not in node.dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert node.peer_state(1) == "dead" and list(node.dead) == [1]
+    finally:
+        await close_workers(workers)
