@@ -50,6 +50,16 @@ WatchEnded = Callable[[int, "float | None", "BaseException | None"], None]
 """Called on the event loop with (peer, the notice it sent or None, the error or None)."""
 
 
+def send_notice(pg: Any, other: int, notice: float) -> tuple[torch.Tensor, Any] | None:
+    """Send ``notice`` to the pair's ``other`` rank, completing its watch; what to keep alive until it
+    has left (the tensor and the send's work), or None if the pair is broken already (nobody waits)."""
+    tensor = torch.full((1,), notice)
+    try:
+        return tensor, pg.send([tensor], other, WATCH_TAG)
+    except Exception:
+        return None
+
+
 def peer_gone(error: BaseException) -> bool:
     """Whether ``error``, from an op on a gloo pair, says the peer's end of the connection went away."""
     text = str(error).lower()
@@ -78,11 +88,7 @@ class PairWatch:
         if self.told:
             return
         self.told = True
-        tensor = torch.full((1,), notice)
-        try:
-            self._notice = (tensor, self._pg.send([tensor], self._other, WATCH_TAG))
-        except Exception:  # the pair is broken: the peer's watch has failed already
-            self._notice = None
+        self._notice = send_notice(self._pg, self._other, notice)
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the watch's thread; whether it has ended."""
@@ -102,4 +108,4 @@ class PairWatch:
             pass
 
 
-__all__ = ["CLOSING", "FORGOT", "PairWatch", "WATCH_TAG", "peer_gone"]
+__all__ = ["CLOSING", "FORGOT", "PairWatch", "WATCH_TAG", "peer_gone", "send_notice"]
