@@ -26,7 +26,7 @@ from hopnet.analysis import incarnations, load_run
 
 from support.launch import kill, launch_in_process, recorded_worker_pids, start_launch, worker_pids
 from support.paths import EXAMPLES
-from support.records import LogFollower, coordinator_records
+from support.records import LogFollower, all_records, coordinator_records
 from support.processes import alive
 
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -240,3 +240,9 @@ def test_a_batchnorm_trainer_ends_with_one_model_after_a_replacement(tmp_path: P
     for name, tensor in finals[0].items():
         if tensor.is_floating_point():
             assert all(torch.equal(tensor, other[name]) for other in finals[1:]), name
+    rates: dict[int, set[float]] = {}  # the learning rate each iteration ran with, on every rank
+    for record in all_records(run_dir, "iteration"):
+        if "lr" in record:
+            rates.setdefault(record["iter"], set()).add(record["lr"])
+    assert len(rates) > 150 and all(len(seen) == 1 for seen in rates.values()), \
+        {k: seen for k, seen in rates.items() if len(seen) > 1}
