@@ -488,6 +488,7 @@ class TorchBulkTransport(Transport):
         if self._closed or peer in self._departed or peer in self._lost:
             return
         self._lost.add(peer)
+        self._failed.setdefault(peer, text)
         task = asyncio.get_running_loop().create_task(self._report_lost(peer, text))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
@@ -495,7 +496,6 @@ class TorchBulkTransport(Transport):
     async def _report_lost(self, peer: int, text: str) -> None:
         if await self._departed_meanwhile(peer):
             return
-        self._failed.setdefault(peer, text)  # not before: a send meanwhile to a peer leaving is no error
         receiver = self._receiver
         if receiver is not None and not self._closed:
             receiver.peer_lost(PeerFailure(f"rank {self.rank}: rank {peer} is gone (bulk channel: {text})",
