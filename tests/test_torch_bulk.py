@@ -472,33 +472,3 @@ async def test_an_idle_node_learns_of_a_peer_that_vanished_without_a_send(store_
         assert node.peer_state(1) == "dead" and list(node.dead) == [1]
     finally:
         await close_workers(workers)
-
-
-async def test_a_side_that_closes_while_its_pair_forms_still_ends_the_peers_watch(store_endpoint, monkeypatch) -> None:
-    """Rank 0 closes right after connecting, before its pair with rank 1 has formed: the pair forms
-    anyway (its thread was under way), rank 1 watches it, and that watch still ends (rank 0 sends
-    its closing notice on the late pair): rank 1 hears rank 0 closed without a bye, and its close
-    leaves no watch behind."""
-    import hopnet.transports.torchdist as torchdist
-
-    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
-    transports, receivers, addresses = [], [], {}
-    for rank in (0, 1):
-        t = TorchBulkTransport(ZmqTransport(rank, frozenset({1 - rank})), connect_store(store_endpoint, 10),
-                               timeout_s=TIMEOUT)
-        receivers.append(Recv())
-        addresses[rank] = await t.start(receivers[-1])
-        transports.append(t)
-    a, b = transports
-    try:
-        await b.connect({0: addresses[0]})
-        await a.connect({1: addresses[1]})
-        await a.close()
-        deadline = time.monotonic() + TIMEOUT
-        while not receivers[1].lost and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert [f.peer for f in receivers[1].lost] == [0]
-    finally:
-        await a.close()
-        await b.close()
-    assert _watch_threads() == []

@@ -50,16 +50,6 @@ WatchEnded = Callable[[int, "float | None", "BaseException | None"], None]
 """Called on the event loop with (peer, the notice it sent or None, the error or None)."""
 
 
-def send_notice(pg: Any, other: int, notice: float) -> tuple[torch.Tensor, Any] | None:
-    """Send ``notice`` to the pair's ``other`` rank, completing its watch; what to keep alive until it
-    has left (the tensor and the send's work), or None if the pair is broken already (nobody waits)."""
-    tensor = torch.full((1,), notice)
-    try:
-        return tensor, pg.send([tensor], other, WATCH_TAG)
-    except Exception:
-        return None
-
-
 def peer_gone(error: BaseException) -> bool:
     """Whether ``error``, from an op on a gloo pair, says the peer's end of the connection went away."""
     text = str(error).lower()
@@ -88,7 +78,11 @@ class PairWatch:
         if self.told:
             return
         self.told = True
-        self._notice = send_notice(self._pg, self._other, notice)
+        tensor = torch.full((1,), notice)
+        try:
+            self._notice = (tensor, self._pg.send([tensor], self._other, WATCH_TAG))
+        except Exception:  # the pair is broken: the peer's watch has failed already
+            self._notice = None
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the watch's thread; whether it has ended."""
@@ -108,4 +102,4 @@ class PairWatch:
             pass
 
 
-__all__ = ["CLOSING", "FORGOT", "PairWatch", "WATCH_TAG", "peer_gone", "send_notice"]
+__all__ = ["CLOSING", "FORGOT", "PairWatch", "WATCH_TAG", "peer_gone"]

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
 from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport
-from hopnet.transports.pair_watch import CLOSING, FORGOT, PairWatch, peer_gone, send_notice
+from hopnet.transports.pair_watch import CLOSING, FORGOT, PairWatch, peer_gone
 from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import DTYPE_NAMES, DecodeError, Header, Message, TensorSpec, decode_specs
@@ -272,7 +272,6 @@ class TorchBulkTransport(Transport):
         self._watches: dict[int, PairWatch] = {}
         self._lost: set[int] = set()  # peers found gone, reported (or being reported) to the receiver
         self._reports: set[asyncio.Task[None]] = set()
-        self._late_notices: list[object] = []  # sent on pairs formed after close, kept until they leave
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -363,9 +362,6 @@ class TorchBulkTransport(Transport):
         return fut
 
     def _channel_built(self, key: tuple[int, str], pg: Any, error: BaseException | None) -> None:
-        if pg is not None and key[1] == "gloo" and self._closed:
-            # Formed after (or while) this side closed: the peer watches the pair; end its watch.
-            self._late_notices.append(send_notice(pg, self._other(key[0]), CLOSING))
         fut = self._channels.get(key)
         if fut is None or fut.done():
             if pg is not None:
