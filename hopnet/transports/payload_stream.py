@@ -64,8 +64,10 @@ import asyncio
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +100,12 @@ once (or a confused peer) leaves a message waiting that long."""
 ORDER_WAIT_S = 30.0
 """How long a streamed message waits for the ZeroMQ message it comes after; only one the
 sender dropped (``send_timeout``) never comes."""
+
+SPIN_S = 0.002
+"""How long a stream's reader, mid-message, waits for more bytes in ``poll`` before it
+yields to the event loop: the loop's round per partial read cost more than the wait at
+1 MiB (bench/README.md, "Issue 18: the header on the stream too"). Bounds how long one
+read holds the loop; 0 turns it off."""
 
 MAX_HEADER_BYTES = 16 << 20
 """Longest header a stream's prefix may announce; more is a desync (the stream is closed)."""
@@ -476,7 +484,7 @@ class StreamInbox:
         if version != VERSION:
             log.warning("payload stream from rank %d refused: it speaks wire version %d, this process %d "
                         "(run the same hopnet everywhere); its tensors go over ZeroMQ", rank, version, VERSION)
-            self._drop("bad_header")
+            self._drop("wire_version")
             stream.close()
             return False
         if not self._admits(rank):
@@ -551,6 +559,8 @@ class _InStream:
         self._tensors: list[torch.Tensor] = []
         self._timer: asyncio.TimerHandle | None = None
         self._in_callback = False
+        self._poller = select.poll()
+        self._poller.register(self.fd, select.POLLIN)
 
     @property
     def held(self) -> bool:
@@ -599,6 +609,7 @@ class _InStream:
     def _read(self) -> None:
         views = self._views
         sock = self.sock
+        spin_until = 0.0
         while not self.closed:
             if not views:  # held: nothing more is read until the message's turn
                 self._watch(False)
@@ -607,6 +618,14 @@ class _InStream:
             try:
                 n = sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
+                if self._phase == _BODY and SPIN_S > 0:
+                    # Mid-body, the rest is usually a few µs away: wait for it here (bounded)
+                    # rather than through the event loop, whose round costs more than the wait.
+                    now = time.monotonic()
+                    if spin_until == 0.0:
+                        spin_until = now + SPIN_S
+                    if now < spin_until and self._poller.poll(max(1, int((spin_until - now) * 1000))):
+                        continue
                 self._watch(True)
                 return
             except OSError:
