@@ -307,9 +307,9 @@ class OutStream:
 
 @dataclass(slots=True)
 class _Waiting:
-    """A ZeroMQ message that waits for its turn: its frames, and its tag (None: untagged)."""
+    """A ZeroMQ message that waits for its turn: the transport's item, and its tag (None: untagged)."""
 
-    frames: Any
+    item: Any
     tag: Tag | None
 
 
@@ -341,8 +341,8 @@ bytes into, and ``None`` to deliver them or a drop reason (read, then dropped)."
 class StreamInbox:
     """The receiver's side: the listening socket, one stream per sender, and per-sender order.
 
-    The transport passes every ZeroMQ message of a sender (by its routing id's rank) to
-    :meth:`arrived`, which hands it back through ``handle(frames)`` now or once its turn
+    The transport passes every checked ZeroMQ message of a sender (but express ones) to
+    :meth:`arrived`, which hands it back through ``handle(item)`` now or once its turn
     comes. For streamed messages the inbox calls ``check(header, rank)`` (a drop reason or
     None) when the header is read, ``prepare(header)`` when its bytes are about to be read,
     ``finish(header, tensors)`` when they are; ``admits(rank)`` for a stream's hello, and
@@ -374,19 +374,19 @@ class StreamInbox:
 
     # ------------------------------------------------------------ called by the transport
 
-    def arrived(self, rank: int, frames: Any) -> None:
-        """A ZeroMQ message from ``rank``: handled now, or once what it comes after is."""
-        tag = read_tag(frames[1].buffer) if len(frames) > 1 else None
+    def arrived(self, rank: int, item: Any, tag: Tag | None) -> None:
+        """A ZeroMQ message from ``rank`` (``item``, with its lane ``tag``): handled now, or
+        once what it comes after is."""
         lane = self._lanes.get(rank)
         if lane is None:
             if tag is None:
-                self._handle(frames)
+                self._handle(item)
                 return
             lane = self._lanes[rank] = _Lane()
         if lane.waiting or not self._zready(lane, tag):
-            lane.waiting.append(_Waiting(frames, tag))
+            lane.waiting.append(_Waiting(item, tag))
             return
-        self._handle(frames)
+        self._handle(item)
         if tag is not None:
             lane.seen(tag.epoch, tag.zseq)
             stream = lane.stream
@@ -447,7 +447,7 @@ class StreamInbox:
                 waiting = lane.waiting
                 while waiting and self._zready(lane, waiting[0].tag):
                     item = waiting.popleft()
-                    self._handle(item.frames)
+                    self._handle(item.item)
                     if item.tag is not None:
                         lane.seen(item.tag.epoch, item.tag.zseq)
                 if not waiting and lane.hello_timer is not None:

@@ -410,7 +410,6 @@ class ZmqTransport(Transport):
         self.streamed_messages = 0
         """Messages sent with their tensors over a payload stream (also in ``stats.sent_messages``)."""
         self._inbox: ps.StreamInbox | None = None
-        self._lane_ranks = {routing_id(s): s for s in self.allowed_senders}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -994,53 +993,59 @@ class ZmqTransport(Transport):
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
+            checked = self._checked(frames)
+            if checked is None:
+                return
             inbox = self._inbox
-            if inbox is not None:
+            if inbox is not None and frames[0].bytes[:1] != b"x":  # express messages overtake by contract
                 # A sender's messages keep their order with its streamed ones (its lane).
-                ident = frames[0].bytes
-                rank = self._lane_ranks.get(ident)
-                if rank is None and ident.isdigit() and len(ident) < 11:
-                    rank = int(ident)
-                if rank is not None:
-                    inbox.arrived(rank, frames)
-                    return
-            self._handle_unsafe(frames)
+                inbox.arrived(checked[0].src, checked, ps.read_tag(frames[1].buffer))
+                return
+            self._take(*checked)
         except Exception:
             self.stats.drop("internal_error")
             log.debug("rank %d: error handling an inbound message", self.rank, exc_info=True)
 
-    def _handle_now(self, frames: list[zmq.Frame]) -> None:
+    def _handle_now(self, checked: tuple[Header, list[zmq.Frame]]) -> None:
         """Handle a message whose turn in its sender's lane has come."""
         try:
-            self._handle_unsafe(frames)
+            self._take(*checked)
         except Exception:
             self.stats.drop("internal_error")
             log.debug("rank %d: error handling an inbound message", self.rank, exc_info=True)
 
-    def _handle_unsafe(self, frames: list[zmq.Frame]) -> None:
+    def _checked(self, frames: list[zmq.Frame]) -> tuple[Header, list[zmq.Frame]] | None:
+        """``(header, frames)`` of a message from whom it says, or None: dropped and counted. A
+        dropped message takes no place in its sender's lane (a streamed message sent after it
+        may wait ``payload_stream.ORDER_WAIT_S``): what a working sender sends is not dropped here."""
         stats = self.stats
         if len(frames) < 2:
             stats.drop("truncated")
-            return
+            return None
         first = frames[1].buffer
-        if ps.is_tagged(first):  # its place in the sender's lane: the inbox has used it
+        if ps.is_tagged(first):  # its place in the sender's lane: for the inbox
             first = first[ps.LANE.size:]
         try:
             header = decode_header(first)
         except DecodeError as exc:
             stats.drop(exc.reason)
-            return
+            return None
         reason = self.check_header(header)
         if reason is not None:
             stats.drop(reason)
-            return
+            return None
         expected_id = self._ids.get(header.src)
         if expected_id is None:
             expected_id = self._ids[header.src] = routing_id(header.src)
         sender_id = frames[0].bytes
         if sender_id != expected_id and sender_id != b"x" + expected_id:
             stats.drop("spoofed_src")
-            return
+            return None
+        return header, frames
+
+    def _take(self, header: Header, frames: list[zmq.Frame]) -> None:
+        """Validate a checked message's frames, receive its tensors and deliver it."""
+        stats = self.stats
         specs = header.specs
         if not specs:
             if len(frames) != 2:
