@@ -135,6 +135,10 @@ class Worker:
         self.failure: BaseException | None = None
         """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
         self.steps = 0
+        self._in_loop = False
+        """The trainer is inside :meth:`iterations`: a step's boundary comes when its loop body is done."""
+        self._boundary: tuple[int, bool] | None = None
+        """A step finished (its iteration, whether the last) whose boundary has not been reached."""
         self.after_close: list[Callable[[bool], None]] = []
         """Called with ``aborted`` once the node is closed (the store of an attached run leaves)."""
         self.module: torch.nn.Module | None = module
@@ -200,16 +204,21 @@ class Worker:
         self._thread.loop.call_soon_threadsafe(self.node.plan, total)
         if self.steps == 0:
             self._compute_started = time.monotonic()  # setup before the loop is not iteration 0's compute
-        while (current := self.iteration) < total:
-            steps = self.steps
-            yield current
-            if self.steps == steps:
-                # The trainer skipped its optimizer step (an overflow, say): the iteration still
-                # finishes, with no apply, so no peer waits for this worker's part of it.
-                self.step()
-                self.record("step_skipped", iter=current)
-            if current == total - 1:
-                return
+        self._in_loop = True
+        try:
+            while (current := self.iteration) < total:
+                steps = self.steps
+                yield current
+                if self.steps == steps:
+                    # The trainer skipped its optimizer step (an overflow, say): the iteration still
+                    # finishes, with no apply, so no peer waits for this worker's part of it.
+                    self.step()
+                    self.record("step_skipped", iter=current)
+                self._step_boundary()
+                if current == total - 1:
+                    return
+        finally:  # (a loop left early: a replacement still waiting is answered at close)
+            self._in_loop = False
 
     def step(self, apply: Callable[[], None] | None = None) -> None:
         """Finish the current iteration: ``apply`` is the optimizer step (Hop's Apply)."""
@@ -232,11 +241,28 @@ class Worker:
             self.failure = exc
             raise
         self.steps += 1
-        if self.checkpointer is not None and self.checkpointer.due(finished) and not last:
-            self.save_checkpoint(finished)
-        if self.node.handover_requests:
-            self._hand_over(finished + 1 if last else self.iteration, finished=last)
+        self._boundary = (finished, last)
+        if not self._in_loop:
+            self._step_boundary()
         self._compute_started = time.monotonic()
+
+    def _step_boundary(self) -> None:
+        """Where the trainer's state is whole between two iterations: a checkpoint is due, or a
+        replacement waits for this worker's state. Under :meth:`iterations` that is once the loop's
+        body is done, so what the trainer steps after the optimizer (an LR schedule, a loss scaler)
+        is saved and handed over stepped; a trainer looping on its own gets it at :meth:`step`'s end."""
+        pending, self._boundary = self._boundary, None
+        if pending is None:
+            return
+        finished, last = pending
+        saved = self.checkpointer is not None and self.checkpointer.due(finished) and not last
+        if saved:
+            self.save_checkpoint(finished)
+        handed = bool(self.node.handover_requests) and not self._closed
+        if handed:
+            self._hand_over(finished + 1 if last else self.iteration, finished=last)
+        if saved or handed:
+            self._compute_started = time.monotonic()  # the next iteration's compute starts now
 
     # ------------------------------------------------------------------ replacements
     def _take_over(self, restart: int) -> None:
@@ -343,9 +369,11 @@ class Worker:
 
     def save_checkpoint(self, iteration: int) -> Path:
         """Write the state after ``iteration``: the model (parameters and buffers), the registered
-        state (the optimizer's included), the RNG states. :meth:`step` calls it every
+        state (the optimizer's included), the RNG states. The worker calls it every
         ``--checkpoint-every`` iterations, once the protocol has finished the iteration and
-        before the trainer computes the next: the model then holds that iteration's result.
+        before the trainer computes the next: the model then holds that iteration's result,
+        and under :meth:`iterations` the loop's body is done (an LR schedule stepped after the
+        optimizer is saved stepped).
         The trainer pays for a copy of the state; a thread writes it (:class:`hopnet.checkpoint.Checkpointer`),
         and the next checkpoint, or :meth:`close`, waits for that write."""
         if self.checkpointer is None:

@@ -17,7 +17,7 @@ import numpy
 import pytest
 import torch
 
-from hopnet import checkpoint, registry
+from hopnet import DistributedOptimizer, ProtocolConfig, checkpoint, registry
 from hopnet.errors import ConfigError
 
 from support.env import clean_env
@@ -25,6 +25,7 @@ from support.launch import kill, launch_in_process, recorded_worker_pids, run_la
 from support.paths import EXAMPLES
 from support.records import records
 from support.ports import free_port
+from support.threaded import Start, run_ranks, seeded
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -141,6 +142,34 @@ def test_registered_states_round_trip() -> None:
     assert torch.equal(torch.rand(3, generator=generator), expected)
     assert position == {"epoch": 2, "batch": 17}
     assert torch.equal(layer.weight, saved[2]["weight"])
+
+
+def test_a_checkpoint_holds_what_the_loop_body_steps_after_the_optimizer(tmp_path: Path) -> None:
+    """Saved once the body of ``worker.iterations()`` is done: an LR schedule stepped after the optimizer
+    is saved stepped, so a run resumed from it uses the learning rates of the uninterrupted run."""
+
+    def body(rank: int, start: Start) -> list[float]:
+        model = seeded(lambda: torch.nn.Linear(4, 2))
+        worker = start(model)
+        worker.checkpointer = checkpoint.Checkpointer(tmp_path, rank, every=3)
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), worker)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)
+        worker.register_state("lr_schedule", schedule)
+        used = []
+        for _ in worker.iterations(6):
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            schedule.step()
+        return used
+
+    used = run_ranks(2, ProtocolConfig("allreduce"), body)[0]
+    saved = checkpoint.load(tmp_path, 0, 2)["states"]["lr_schedule"]
+    restored = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), T_max=6)
+    restored.load_state_dict(saved)
+    assert saved["last_epoch"] == 3  # stepped after iterations 0, 1 and 2
+    assert restored.get_last_lr() == [used[3]]
 
 
 # ------------------------------------------------------------------------- refusals

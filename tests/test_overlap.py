@@ -6,17 +6,22 @@ torchrun launch."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from hopnet import DistributedOptimizer, PeerFailure, ProtocolConfig
+from hopnet import AsyncWorker, DistributedOptimizer, Graph, PeerFailure, ProtocolConfig
+from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.protocols.allreduce import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
 from hopnet.protocols.pipesgd import PipeSgdOptions
+from hopnet.transports.inproc import InprocNetwork
 
 from support.bn_task import LR, cnn, set_lr, state
 from support.env import clean_env
@@ -46,13 +51,15 @@ def test_buckets_are_contiguous_slices_in_reverse_parameter_order() -> None:
     assert [(b.start, b.stop, b.members) for b in one] == [(0, 10, (2, 1, 0))]
 
 
-def train(bucket_mb: float, run: str = "plain", steps: int = STEPS,
-          protocol: str = "allreduce") -> list[dict[str, torch.Tensor]]:
+def train(bucket_mb: float, run: str = "plain", steps: int = STEPS, protocol: str = "allreduce",
+          devices: tuple[str, ...] = ("cpu",) * WORLD) -> list[dict[str, torch.Tensor]]:
     """Every rank's state after ``steps`` steps of bn_task's model: one backward pass per step
-    (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``)."""
+    (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``);
+    rank ``r``'s model on ``devices[r]``."""
 
     def body(rank: int, start: Start) -> dict[str, torch.Tensor]:
-        model = seeded(cnn)
+        device = devices[rank]
+        model = seeded(cnn).to(device)
         worker = start(model)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), worker)
         loss_fn = torch.nn.CrossEntropyLoss()
@@ -61,7 +68,7 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS,
             set_lr(opt, LR, step, steps)
             opt.zero_grad()
             for m in range(micro):
-                x, y = micro_batch(rank, WORLD, step, m)
+                x, y = (t.to(device) for t in micro_batch(rank, WORLD, step, m))
                 if run == "no_sync" and m < micro - 1:
                     with opt.no_sync():
                         (loss_fn(model(x), y) / micro).backward()
@@ -73,14 +80,16 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS,
     return run_ranks(WORLD, config(bucket_mb, protocol), body)
 
 
-def grads_after_backward(bucket_mb: float, deferred: bool, protocol: str = "allreduce") -> list[torch.Tensor]:
+def grads_after_backward(bucket_mb: float, deferred: bool, protocol: str = "allreduce",
+                         devices: tuple[str, ...] = ("cpu",) * WORLD) -> list[torch.Tensor]:
     """Each rank's gradient as ``backward()`` (inside ``no_sync()`` if ``deferred``) leaves it."""
 
     def body(rank: int, start: Start) -> torch.Tensor:
-        model = seeded(cnn)
+        device = devices[rank]
+        model = seeded(cnn).to(device)
         worker = start(model)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), worker)
-        x, y = micro_batch(rank, WORLD, 0, 0)
+        x, y = (t.to(device) for t in micro_batch(rank, WORLD, 0, 0))
         with opt.no_sync() if deferred else _nothing():
             torch.nn.CrossEntropyLoss()(model(x), y).backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -211,3 +220,96 @@ def test_replaced_grads_are_copied_back_and_unused_parameters_end_their_bucket()
             torch.testing.assert_close(ranks[0][2], in_buckets, rtol=0, atol=1e-6)
     unused = seeded(_WithUnused).unused
     assert torch.equal(in_buckets[-12:], torch.cat([unused.weight.detach().flatten(), unused.bias.detach()]))
+
+
+# ---------------------------------------------------------------------- on a GPU, and on the loop's thread
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+GPU_AND_CPU = ("cuda", "cpu")
+"""Rank 0 on the GPU, rank 1 on the CPU. (Two ranks of one process on one GPU would share autograd's
+thread for it, where a rank's end of backward waits for its round, which needs the other rank's
+hooks: that thread runs them only after. Ranks in processes of their own, as runs have, do not.)"""
+
+
+@pytest.fixture
+def exact_cuda_float32() -> Iterator[None]:
+    """cuDNN convolutions in float32, not TF32 (its default), and deterministic: the GPU runs are
+    compared with the CPU's, and with each other bit for bit."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = before
+
+
+@needs_cuda
+def test_on_a_gpu_the_gradient_is_averaged_when_backward_returns(exact_cuda_float32: None) -> None:
+    """A CUDA parameter's hook runs on autograd's device thread, not the trainer's: the buckets are
+    reduced by the time ``backward()`` returns all the same (rank 0 on the GPU)."""
+    averaged = [g.cpu() for g in grads_after_backward(SMALL_MB, deferred=False, devices=GPU_AND_CPU)]
+    local = [g.cpu() for g in grads_after_backward(SMALL_MB, deferred=True, devices=GPU_AND_CPU)]
+    assert torch.equal(averaged[0], averaged[1]) and not torch.equal(local[0], local[1])
+    torch.testing.assert_close(averaged[0], (local[0] + local[1]) / 2, rtol=0, atol=1e-6)
+
+
+@needs_cuda
+def test_a_rank_on_a_gpu_trains_in_buckets_as_on_the_cpu(exact_cuda_float32: None) -> None:
+    gpu, cpu = train(SMALL_MB, "accumulate", devices=GPU_AND_CPU), train(SMALL_MB, "accumulate")
+    for name, tensor in cpu[0].items():  # (cuDNN's and the CPU's convolutions round differently)
+        torch.testing.assert_close(gpu[0][name].cpu(), tensor, rtol=0, atol=1e-4, msg=name)
+    for name, tensor in gpu[0].items():
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(tensor.cpu(), gpu[1][name]), name
+    at_step, one_bucket = train(0.0, steps=4, devices=GPU_AND_CPU), train(25.0, steps=4, devices=GPU_AND_CPU)
+    for name, tensor in at_step[0].items():
+        assert torch.equal(tensor, one_bucket[0][name]), name
+
+
+async def _train_on_the_loop(device: str, steps: int = 4) -> list[dict[str, torch.Tensor]]:
+    """bn_task's model under AsyncWorkers whose trainers compute on their event loop's own thread."""
+    network = InprocNetwork()
+    graph = Graph.ring(WORLD)
+    models = [seeded(cnn).to(device) for _ in range(WORLD)]  # (one event loop: one thread runs every backward)
+
+    async def exchange(address: str) -> dict[int, str]:
+        return {r: f"inproc://{r}" for r in range(WORLD)}
+
+    workers = await asyncio.gather(*(
+        AsyncWorker.start(rank=r, graph=graph, config=config(SMALL_MB), params=flatten_parameters(models[r]),
+                          grads=FlatGradients(models[r]), transport=network.transport(r, frozenset(graph.peers(r))),
+                          exchange=exchange) for r in range(WORLD)))
+
+    async def run(rank: int) -> dict[str, torch.Tensor]:
+        worker, model = workers[rank], models[rank]
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        try:
+            for step in range(steps):
+                set_lr(opt, LR, step, steps)
+                opt.zero_grad(set_to_none=False)
+                x, y = (t.to(device) for t in micro_batch(rank, WORLD, step, 0))
+                torch.nn.CrossEntropyLoss()(model(x), y).backward()  # on the loop's thread
+                await worker.step(opt.step, last=step == steps - 1)
+            return state(model)
+        finally:
+            await worker.close()
+
+    return list(await asyncio.gather(*(run(r) for r in range(WORLD))))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_trainer_computing_on_the_loop_is_reduced_at_its_step(device: str, exact_cuda_float32: None) -> None:
+    """An AsyncWorker's trainer that runs ``backward()`` on the event loop's thread: no bucket can be
+    reduced before the loop is free again, so the step reduces the gradient, once. With CUDA
+    parameters, whose hooks run on autograd's own thread, waiting for the loop there would hang."""
+    result: list[list[dict[str, torch.Tensor]]] = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(_train_on_the_loop(device))), daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the trainer on the loop hung in its backward pass"
+    ranks = result[0]
+    for name, tensor in ranks[0].items():
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(tensor, ranks[1][name]), name
+    reference = train(0.0, steps=4)  # threads, reduced at the step
+    for name, tensor in reference[0].items():
+        if "running" not in name and "num_batches" not in name:
+            torch.testing.assert_close(ranks[0][name].cpu(), tensor, rtol=0, atol=1e-4, msg=name)

@@ -176,7 +176,10 @@ class _RingRound:
             segment = (self.pos - s - 1) % p
             for c, (lo, hi) in enumerate(plan.chunks(segment)):
                 msg = await self._receive(s, c, hi - lo)
-                self.codec.decode_add(msg.tensors, flat[lo:hi])
+                payload = msg.tensors
+                if payload and payload[0].device != flat.device:  # landed in the mailbox's host buffers
+                    payload = [t.to(flat.device) for t in payload]
+                self.codec.decode_add(payload, flat[lo:hi])
                 self.node.mailbox.release(msg)
                 if s < p - 2:  # forward the chunk just reduced, as the next step's send
                     self._send(plan.seq(s + 1, c), self.codec.encode(flat[lo:hi]), key=(segment, c))

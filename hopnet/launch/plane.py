@@ -65,6 +65,10 @@ def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: st
     from hopnet.transports.torchdist import TorchBulkTransport
 
     store = connect_store(store_endpoint, timeout_s)
+    if device.type == "cuda":
+        from hopnet.transports.gpu_placement import device_identity, refuse_shared_gpus
+
+        refuse_shared_gpus(store, rank, peers, *device_identity(device), wait_s=timeout_s)
     return TorchBulkTransport(control, store, min_bytes=min_bytes, timeout_s=timeout_s, host=bind_host,
                               device=device)
 

@@ -20,13 +20,15 @@ A dead worker replaced live (``hopnet launch --max-restarts``): a round that a d
 broke cannot finish, and the ring may have finished it on some members and not on others.
 Every member of a broken round puts its gradient back as it was, waits (``--timeout`` at
 most) until the dead rank's replacement has joined, then all ranks, the replacement
-included, *resynchronize*: they all-reduce their iterations, and the lowest rank of the
-furthest iteration broadcasts its model (parameters and buffers). A member that was a step
-behind takes that model and that iteration (its own step is void: recorded as
-``iteration_voided``); the others retry the round. Rounds are tagged with the number of
-replacements every rank has taken back (``Node.epoch``), so no chunk of a broken round
-mixes into a later one. The models are identical again afterwards; the optimizer state of
-a member that was behind, or of the replacement (fresh), differs from the others'.
+included (at its first step, with the iteration and state its donor handed over),
+*resynchronize*: they all-reduce their iterations, and the lowest rank of the furthest
+iteration broadcasts its model (parameters and buffers). A member that was a step behind
+first takes that rank's registered state (the optimizer's, an LR schedule's) and iteration;
+its own step is void (recorded as ``iteration_voided``), and its gradient goes into no
+round. The others retry the round. Rounds are tagged with the number of replacements every
+rank has taken back (``Node.epoch``), so no chunk of a broken round mixes into a later one.
+The models, the optimizer states and what the trainer steps after the optimizer are
+identical again afterwards.
 
 Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.allreduce`,
 which imports no torch.
@@ -66,7 +68,9 @@ class AllReduceProtocol(AllRanksGradientProtocol):
 
     async def synchronize(self) -> None:
         k = self.iteration
-        if self.synchronized == k:
+        if self.synchronized == k or self.voided is not None:
+            # (voided: a resync moved this worker on within this step; its gradient, computed for the
+            # void iteration, must not go into the others' round of the one it now stands at)
             return
         if self._reduced_in_backward():
             self.synchronized = k
@@ -94,8 +98,8 @@ class AllReduceProtocol(AllRanksGradientProtocol):
             if not self._survivable(exc):
                 raise
             # The step is applied: this worker's model stands at k + 1. A replacement that took a
-            # neighbour's model here stands at k, and the resync moves it on to k + 1 with it
-            # (resyncing at k, it would run iteration k again, alone: BatchNorm trainers met it).
+            # neighbour's model here stands at k, and the resync moves it on to k + 1 with it, its
+            # step of k void (resyncing at k, it would run iteration k again, alone).
             if await self._resync(at=k + 1):
                 self.node.iteration_done(k, self)
                 self.node.entered(self.iteration, self)
@@ -132,10 +136,6 @@ class AllReduceProtocol(AllRanksGradientProtocol):
         void, self.voided = self.voided, None
         self.node.record("iteration_voided", iter=void, to=self.iteration)
         self.node.entered(self.iteration, self)
-
-    async def after_rejoin(self) -> None:
-        await super().after_rejoin()
-        self.voided = None
 
     def summary(self) -> dict[str, Any]:
         return {"rounds": self.iteration + 1, **self.overlap_summary(),

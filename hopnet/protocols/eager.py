@@ -503,9 +503,6 @@ class EagerProtocol(Protocol):
         super().rejoin_at(iteration, state)
         self.resync_needed = True
 
-    async def after_rejoin(self) -> None:
-        await self._restart_rounds()
-
     # ------------------------------------------------------------------ resume from checkpoints
     async def after_resume(self) -> None:
         """Every rank resumes from its checkpoint of the same iteration with the rounds numbered from

@@ -155,8 +155,11 @@ class AllRanksGradientProtocol(Protocol):
         self.resync_needed = True
 
     async def after_rejoin(self) -> None:
-        """The replacement resynchronizes with the others before its trainer computes a gradient."""
-        await self._resync()
+        """Nothing yet: the replacement resynchronizes at its first step (``resync_needed``), as a
+        survivor does. It then finishes that iteration as the others do theirs (a void one when the
+        resync finds it behind), so the trainer's own state stepped after the optimizer (an LR
+        schedule, a loss scaler) stays in step with theirs, and the state it takes from the
+        furthest rank loads into the trainer's registered objects (registered only after ``init``)."""
 
     async def _resync(self, at: int | None = None) -> bool:
         """Every rank takes the furthest rank's model and iteration (:mod:`hopnet.protocols.resync`).

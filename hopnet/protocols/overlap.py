@@ -18,13 +18,16 @@ No overlap, and the protocol reduces the whole buffer at its step as before, whe
 pass runs on the event loop's own thread (an :class:`hopnet.api.AsyncWorker` whose trainer
 computes on the loop: waiting there would block the loop) or inside ``no_sync()``
 (:attr:`BackwardReducer.enabled` false): :attr:`BackwardReducer.unreduced` then says the buffer
-holds gradient that no round reduced.
+holds gradient that no round reduced. The hooks of CUDA parameters run on autograd's device
+thread, not the one that called ``backward()``, so for those the loop's thread is looked at
+instead: a pass is not overlapped while that thread is inside ``torch.autograd.backward``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,17 @@ ReduceFn = Callable[[torch.Tensor, str], Awaitable[Any]]
 """All-reduce (mean) a slice of the gradient buffer in place, under a tag."""
 TagFn = Callable[[int, int], str]
 """The tag of round ``r``'s bucket ``b`` (called on the loop, where the iteration is read)."""
+
+
+def in_backward(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is inside a backward pass (``Tensor.backward`` and
+    ``torch.autograd.backward`` both enter through the latter)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code is torch.autograd.backward.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclass(frozen=True)
@@ -131,12 +145,15 @@ class BackwardReducer:
             self._ready(index, param)
         return ready
 
-    def _overlapping(self) -> bool:
-        return self.enabled and not self._closed and not self._loop.is_closed() \
-            and threading.get_ident() != self._loop_thread
+    def _overlapping(self, param: torch.Tensor) -> bool:
+        if not self.enabled or self._closed or self._loop.is_closed() or threading.get_ident() == self._loop_thread:
+            return False
+        # A device's hooks run on autograd's thread for it, whoever called backward(): if that is
+        # the loop's thread, waiting for the loop at the end of the pass would never return.
+        return param.device.type == "cpu" or not in_backward(self._loop_thread)
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
-        if not self._overlapping():
+        if not self._overlapping(param):
             self.unreduced = True
             return
         rnd = self._round

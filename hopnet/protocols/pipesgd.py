@@ -212,10 +212,6 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         self.pipeline_start = self.iteration
         self.voided = t
 
-    async def after_rejoin(self) -> None:
-        await super().after_rejoin()
-        self.pipeline_start = self.iteration
-
     def resume_at(self, iteration: int) -> None:
         """Every rank resumes from its checkpoint of ``iteration - 1`` (the same model and optimizer
         state on all: they applied the same averaged gradients) with the pipeline empty: the ``K-1``

@@ -138,6 +138,7 @@ class _CallSoon(Protocol):
 
 class InprocTransport(Transport):
     sends_at_once = True
+    carries_cuda = True  # tensors are cloned on their own device
 
     def __init__(self, network: InprocNetwork, rank: int, allowed_senders: frozenset[int]) -> None:
         super().__init__(rank, allowed_senders)
