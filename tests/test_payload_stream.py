@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
@@ -111,13 +112,23 @@ def ps_discard_or_bad(h: Header) -> object:
     return DISCARD if h.iter < 2 else [torch.empty(3)]
 
 
-async def test_several_senders_at_once_keep_each_ones_order():
-    inbox = Inbox()
+@contextlib.asynccontextmanager
+async def three_senders(inbox: Inbox) -> AsyncIterator[tuple[ZmqTransport, list[ZmqTransport]]]:
+    """Rank 3 receiving into ``inbox``, and ranks 0, 1, 2 connected to it."""
     recv = await started(3, {0, 1, 2}, inbox)
     senders = [await started(r, {3}) for r in range(3)]
     try:
         for s in senders:
             await s.connect({3: recv.address})
+        yield recv, senders
+    finally:
+        for t in (*senders, recv):
+            await t.close()
+
+
+async def test_several_senders_at_once_keep_each_ones_order():
+    inbox = Inbox()
+    async with three_senders(inbox) as (recv, senders):
         big = {r: torch.full((ps.MIN_BYTES // 4 + r,), float(r)) for r in range(3)}
 
         async def run(s: ZmqTransport) -> None:
@@ -137,9 +148,6 @@ async def test_several_senders_at_once_keep_each_ones_order():
         assert seen == {r: list(range(6)) for r in range(3)}
         assert all(s.streamed_messages == 4 for s in senders)
         assert not recv.stats.dropped
-    finally:
-        for t in (*senders, recv):
-            await t.close()
 
 
 async def test_concurrent_sends_keep_their_order_while_the_stream_opens(pair):
@@ -490,11 +498,7 @@ async def test_a_refused_stream_sends_over_zeromq_instead(caplog):
 
 async def test_many_interleavings_of_several_senders_keep_each_ones_order():
     inbox = Inbox()
-    recv = await started(3, {0, 1, 2}, inbox)
-    senders = [await started(r, {3}) for r in range(3)]
-    try:
-        for s in senders:
-            await s.connect({3: recv.address})
+    async with three_senders(inbox) as (recv, senders):
         plans = {}
         for s in senders:  # control, small (ZeroMQ) and large (stream) messages in a random order
             g = torch.Generator().manual_seed(s.rank)
@@ -521,6 +525,3 @@ async def test_many_interleavings_of_several_senders_keep_each_ones_order():
         assert seen == {r: list(range(60)) for r in range(3)}
         assert all(s.streamed_messages == plans[s.rank].count(2) for s in senders)
         assert not recv.stats.dropped
-    finally:
-        for t in (*senders, recv):
-            await t.close()
