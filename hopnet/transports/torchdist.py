@@ -54,6 +54,7 @@ import asyncio
 import functools
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -369,7 +370,7 @@ class TorchBulkTransport(Transport):
             return
         if error is not None:
             fut.set_exception(PeerFailure(f"rank {self.rank}: no {key[1]} channel to rank {key[0]}: "
-                                          f"{_one_line(error)}", peer=key[0], peer_state="dead"))
+                                          f"{one_line(error)}", peer=key[0], peer_state="dead"))
             fut.exception()  # retrieved: a failure no one waits for is not an asyncio warning
             self._fail_unposted(key)
         else:
@@ -380,7 +381,7 @@ class TorchBulkTransport(Transport):
                     self._watches[key[0]] = PairWatch(pg, key[0], self._other(key[0]), self._loop,
                                                       self._watch_ended)
                 except Exception as exc:  # the pair broke already: its first op will say so
-                    log.debug("rank %d: no watch on rank %d: %s", self.rank, key[0], _one_line(exc))
+                    log.debug("rank %d: no watch on rank %d: %s", self.rank, key[0], one_line(exc))
             self._post_receives(key)
 
     def _waiter(self, peer: int, direction: str) -> OpWaiter:
@@ -475,9 +476,9 @@ class TorchBulkTransport(Transport):
             if notice == CLOSING:
                 self._peer_gone(peer, "its transport closed")
         elif peer_gone(error):
-            self._peer_gone(peer, _one_line(error))
+            self._peer_gone(peer, one_line(error))
         else:
-            log.debug("rank %d: the watch on rank %d ended: %s", self.rank, peer, _one_line(error))
+            log.debug("rank %d: the watch on rank %d ended: %s", self.rank, peer, one_line(error))
 
     def _peer_gone(self, peer: int, text: str) -> None:
         """``peer``'s end of its pair went away: unless a ``bye`` comes with it, tell the receiver, once."""
@@ -498,7 +499,7 @@ class TorchBulkTransport(Transport):
                                            peer=peer, peer_state="dead"))
 
     def _peer_error(self, peer: int, what: str, error: BaseException) -> PeerFailure:
-        text = _one_line(error)
+        text = one_line(error)
         self._failed.setdefault(peer, text)
         return PeerFailure(f"rank {self.rank}: bulk {what} with rank {peer} failed: {text}",
                            peer=peer, peer_state="dead")
@@ -643,7 +644,7 @@ class TorchBulkTransport(Transport):
                     self.stats.drop("peer_left")
                     continue
                 self.stats.drop("bulk_failed")
-                text = _one_line(head.error)
+                text = one_line(head.error)
                 self._failed.setdefault(src, text)
                 log.warning("rank %d: bulk receive from rank %d failed: %s", self.rank, src, text)
                 if peer_gone(head.error):
@@ -697,11 +698,15 @@ def release_group(pg: Any) -> None:
         log.debug("NCCL process group shutdown failed", exc_info=True)
 
 
-def _one_line(error: BaseException) -> str:
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")  # gloo's "[/.../pair.cc:553] "
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message in one short line: the first, without gloo's source location and advice."""
     text = str(error).strip().splitlines()
-    first = text[0] if text else type(error).__name__
-    return first[:300]
+    first = _SOURCE_LOCATION.sub("", text[0]) if text else type(error).__name__
+    return first.split(" This is typically caused by")[0][:300]
 
 
 __all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
-           "release_group", "settle", "wait_work"]
+           "one_line", "release_group", "settle", "wait_work"]
