@@ -24,6 +24,11 @@ measures, for each of its two neighbours:
     python bench/dead_peers.py --mode launcher --trials 6        # 6 per protocol and signal, ~8 min on 2 cores
     python bench/dead_peers.py --mode peers --runs 5             # ~4 min on 2 cores
     python bench/dead_peers.py --mode peers --runs 2 --peer-timeout 2
+    python bench/dead_peers.py --mode peers --runs 3 --bulk torch --timeout 20   # the torch plane: no heartbeats
+
+With ``--bulk torch`` the workers move their updates over gloo (a store is hosted for them);
+that plane runs no heartbeats, so a stopped worker is found only when a wait or a send to it
+times out (``--timeout``): ``detect_s`` is blank for a neighbour that never declared it dead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from faults import LaunchRun, first_naming, inject, workload  # noqa: E402
 from hopnet import Graph, ProtocolConfig  # noqa: E402
 from hopnet.launch.env import ENV_VARS, WorkerEnv  # noqa: E402
+from hopnet.launch.store import host_store  # noqa: E402
 from hopnet.launch.rendezvous import RendezvousServer  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "peer_worker.py"
@@ -108,7 +114,8 @@ def launcher_mode(args: argparse.Namespace, tmp: Path) -> None:
         args.json.write_text(json.dumps(every, indent=1))
 
 
-def one_run(n: int, victim: int, sig: signal.Signals, config: ProtocolConfig, run_dir: Path) -> list[dict]:
+def one_run(n: int, victim: int, sig: signal.Signals, config: ProtocolConfig, run_dir: Path,
+            store: str = "") -> list[dict]:
     graph = Graph.ring(n)
     run_dir.mkdir(parents=True)
     graph.to_json(run_dir / "graph.json")
@@ -119,7 +126,8 @@ def one_run(n: int, victim: int, sig: signal.Signals, config: ProtocolConfig, ru
         try:
             for rank in range(n):
                 env = WorkerEnv(rank=rank, world_size=n, local_rank=rank, graph_path=str(run_dir / "graph.json"),
-                                rendezvous=server.endpoint, run_dir=str(run_dir), config_json=config.to_json())
+                                rendezvous=server.endpoint, run_dir=str(run_dir), config_json=config.to_json(),
+                                store=store)
                 procs.append(subprocess.Popen([sys.executable, str(WORKER), "--iterations", "1000000",
                                                "--compute-ms", "5"], env={**base, **env.to_environ()},
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -131,13 +139,13 @@ def one_run(n: int, victim: int, sig: signal.Signals, config: ProtocolConfig, ru
             signalled = time.monotonic()
             results = []
             for rank in sorted(graph.peers(victim)):
-                procs[rank].wait(timeout=config.timeout_s)
+                procs[rank].wait(timeout=config.timeout_s + 30.0)
                 exit_s = time.monotonic() - signalled
                 records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
-                dead = next(r for r in records if r["event"] == "peer_dead")
+                dead = next((r for r in records if r["event"] == "peer_dead"), None)
                 failure = json.loads((run_dir / f"failure_rank{rank}.json").read_text())
-                results.append({"rank": rank, "detect_s": dead["mono"] - signalled, "silent_s": dead["silent_s"],
-                                "exit_s": exit_s,
+                results.append({"rank": rank, "detect_s": None if dead is None else dead["mono"] - signalled,
+                                "silent_s": None if dead is None else dead["silent_s"], "exit_s": exit_s,
                                 "peer": failure["peer"], "peer_state": failure["peer_state"]})
             return results
         finally:
@@ -162,6 +170,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4, help="peers mode")
     parser.add_argument("--peer-timeout", type=float, default=None,
                         help="default: 3 in launcher mode, 5 in peers mode")
+    parser.add_argument("--bulk", choices=("auto", "torch"), default="auto",
+                        help="peers mode: the plane of the updates (auto: ZeroMQ for these small ones)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="peers mode: the workers' --timeout")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.mode in ("launcher", "both"):
@@ -171,22 +182,31 @@ def main() -> None:
 
 
 def peers_mode(args: argparse.Namespace, tmp: Path) -> None:
-    config = ProtocolConfig(timeout_s=60.0, peer_timeout_s=args.peer_timeout)
-    print(f"ring:{args.nproc}, --peer-timeout {args.peer_timeout:g}, --timeout 60, {args.runs} runs per signal, "
-          "both neighbours of rank 2 each run; min / median / max")
+    config = ProtocolConfig(timeout_s=args.timeout, peer_timeout_s=args.peer_timeout, bulk=args.bulk)
+    print(f"ring:{args.nproc}, --bulk {args.bulk}, --peer-timeout {args.peer_timeout:g}, --timeout {args.timeout:g}, "
+          f"{args.runs} runs per signal, both neighbours of rank 2 each run; min / median / max")
     print("| signal | signal -> peer_dead, s | silent_s at declaration | signal -> neighbour exited, s | blamed |")
     print("| --- | --- | --- | --- | --- |")
     for sig in (signal.SIGKILL, signal.SIGSTOP):
         rows = []
         for run in range(args.runs):
-            rows += one_run(args.nproc, 2, sig, config, tmp / f"{sig.name}-{run}")
+            if args.bulk == "torch":
+                hosted = host_store("127.0.0.1")  # one per run: the pair groups' keys must not meet old ones
+                try:
+                    rows += one_run(args.nproc, 2, sig, config, tmp / f"{sig.name}-{run}", hosted.endpoint)
+                finally:
+                    hosted.close()
+            else:
+                rows += one_run(args.nproc, 2, sig, config, tmp / f"{sig.name}-{run}")
         blamed = sorted({f"peer {r['peer']} {r['peer_state']}" for r in rows})
-        cells = [_spread([r[key] for r in rows]) for key in ("detect_s", "silent_s", "exit_s")]
+        cells = [_spread([r[key] for r in rows if r[key] is not None]) for key in ("detect_s", "silent_s", "exit_s")]
         print(f"| {sig.name} | {' | '.join(cells)} | {', '.join(blamed)} |", flush=True)
 
 
 def _spread(values: list[float]) -> str:
     """min / median / max"""
+    if not values:
+        return "never"
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
 

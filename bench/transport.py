@@ -109,6 +109,9 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
     if args.stream_min_kib is not None:
         import hopnet.transports.payload_stream as ps
         ps.MIN_BYTES = int(args.stream_min_kib * 1024)
+    if args.stream_spin_ms is not None:
+        import hopnet.transports.payload_stream as ps
+        ps.SPIN_S = args.stream_spin_ms / 1000
     if args.no_tune_malloc:
         os.environ["HOPNET_TUNE_MALLOC"] = "0"
     peer = 1 - role
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override hopnet's staging limit (MiB; 0 = always zero-copy), for tuning")
     p.add_argument("--stream-min-kib", type=float, default=None,
                    help="override the smallest message sent over the payload stream (KiB), for tuning")
+    p.add_argument("--stream-spin-ms", type=float, default=None,
+                   help="override how long the stream's reader waits for more of a message before yielding (ms)")
     p.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
     p.add_argument("--payload-stream", default="on",
                    help="ZmqTransport's payload stream: on, off, or on,off to time both (default on)")

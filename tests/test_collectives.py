@@ -294,6 +294,26 @@ def test_virtual_time_follows_the_ring_model(p: int, numel: int) -> None:
     assert elapsed == pytest.approx(model, rel=0.10)
 
 
+def test_a_receive_cancelled_after_its_message_came_leaves_it_for_the_next() -> None:
+    """deliver() hands the message to the waiting receive, whose task is cancelled before it runs
+    again (a consensus cancels its waits for the next round once this one is complete): the message
+    stays for the next receive of its key instead of being lost."""
+    from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
+
+    async def body() -> None:
+        box = Mailbox(COLLECTIVE_KINDS, Clock(5.0))
+        waiting = asyncio.ensure_future(box.receive("coll", "t", 1, 0, what="test"))
+        await asyncio.sleep(0)  # the receive waits now
+        box.deliver(Message("coll", 1, 0, 0, "t", {"view": 7}))
+        waiting.cancel()  # before the receive's task resumed with the message
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        again = await box.receive("coll", "t", 1, 0, what="test")
+        assert again.meta == {"view": 7}
+
+    asyncio.run(body())
+
+
 def test_mailbox_posted_receives_land_in_place_and_a_failed_round_unposts_them() -> None:
     from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
 

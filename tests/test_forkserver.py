@@ -43,7 +43,7 @@ sys.exit(int(sys.argv[1]))
 
 @pytest.fixture
 def server():
-    env = clean_env(OMP_NUM_THREADS="2")
+    env = clean_env(OMP_NUM_THREADS="1")  # (not the cores of a machine that has 2 or more: the template's count)
     fork_server = ForkServer(env)
     yield fork_server
     fork_server.close()
@@ -61,16 +61,16 @@ def test_a_forked_worker_gets_its_own_environment_session_streams_and_exit_statu
                                                                                  tmp_path: Path) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    first, seen, err = _spawn(server, script, 0, "3", MINE="zero", OMP_NUM_THREADS="1")
+    first, seen, err = _spawn(server, script, 0, "3", MINE="zero", OMP_NUM_THREADS="2")
     assert first.returncode == 3
     assert seen["pid"] == first.pid and seen["sid"] == first.pid  # a session of its own, like start_new_session
     assert seen["ppid"] == server.pid
     assert seen["argv"] == [str(script), "3"] and seen["main"] == "__main__"
     assert seen["mine"] == "zero" and seen["stdin"] == ""
-    assert seen["threads"] == 1  # OMP_NUM_THREADS of the request, not the fork server's 2
+    assert seen["threads"] == 2  # OMP_NUM_THREADS of the request, not the fork server's 1
     assert err == b"to stderr\n"
     second, seen_again, _ = _spawn(server, script, 1, "0", MINE="one")
-    assert second.returncode == 0 and seen_again["mine"] == "one" and seen_again["threads"] == 2
+    assert second.returncode == 0 and seen_again["mine"] == "one" and seen_again["threads"] == 1  # the server's
     assert seen_again["random"] != seen["random"]  # each worker its own random stream
 
 
@@ -222,13 +222,14 @@ def test_a_fork_server_from_a_template_is_the_launchers_own(tmp_path: Path) -> N
     read_end, write_end = os.pipe()
     with forkserver_template(clean_env()) as path:
         _wait_for_socket(path)
-        server = ForkServer(clean_env(**{TEMPLATE_VAR: path}), pass_fds=(write_end,))
+        server = ForkServer(clean_env(**{TEMPLATE_VAR: path}, OMP_NUM_THREADS="1"), pass_fds=(write_end,))
         try:
             assert isinstance(server.proc, TemplateForked)
             assert _ppid(server.pid) not in (os.getpid(), 0, 1)  # the template's child, not ours
             assert os.getsid(server.pid) == server.pid  # a session of its own, as one started with exec
             worker, seen, err = _spawn(server, script, 0, "5", MINE="templated")
             assert worker.returncode == 5 and seen["ppid"] == server.pid and seen["mine"] == "templated"
+            assert seen["threads"] == 1  # the launcher's OMP_NUM_THREADS, not the template's count (its cores)
             assert err == b"to stderr\n"
             # the launcher's descriptors at the same numbers, its directory and environment
             passed = server.spawn(1, [str(inherited), str(write_end)], clean_env(MINE="mine"), piped=False)

@@ -1,15 +1,16 @@
-"""ZmqTransport's payload stream: large tensor messages over a TCP stream, headers over ZeroMQ."""
+"""ZmqTransport's payload stream: large tensor messages whole over a TCP stream, in order with ZeroMQ ones."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
@@ -111,13 +112,23 @@ def ps_discard_or_bad(h: Header) -> object:
     return DISCARD if h.iter < 2 else [torch.empty(3)]
 
 
-async def test_several_senders_at_once_keep_each_ones_order():
-    inbox = Inbox()
+@contextlib.asynccontextmanager
+async def three_senders(inbox: Inbox) -> AsyncIterator[tuple[ZmqTransport, list[ZmqTransport]]]:
+    """Rank 3 receiving into ``inbox``, and ranks 0, 1, 2 connected to it."""
     recv = await started(3, {0, 1, 2}, inbox)
     senders = [await started(r, {3}) for r in range(3)]
     try:
         for s in senders:
             await s.connect({3: recv.address})
+        yield recv, senders
+    finally:
+        for t in (*senders, recv):
+            await t.close()
+
+
+async def test_several_senders_at_once_keep_each_ones_order():
+    inbox = Inbox()
+    async with three_senders(inbox) as (recv, senders):
         big = {r: torch.full((ps.MIN_BYTES // 4 + r,), float(r)) for r in range(3)}
 
         async def run(s: ZmqTransport) -> None:
@@ -137,9 +148,6 @@ async def test_several_senders_at_once_keep_each_ones_order():
         assert seen == {r: list(range(6)) for r in range(3)}
         assert all(s.streamed_messages == 4 for s in senders)
         assert not recv.stats.dropped
-    finally:
-        for t in (*senders, recv):
-            await t.close()
 
 
 async def test_concurrent_sends_keep_their_order_while_the_stream_opens(pair):
@@ -212,7 +220,7 @@ async def test_a_stream_from_a_rank_not_among_the_senders_is_refused():
     try:
         _, (host, port) = ps.split_address(recv.address)
         with socket.create_connection((host, port), timeout=TIMEOUT) as sock:
-            sock.sendall(ps.HELLO.pack(ps.MAGIC, ps.VERSION, 2, 12345))
+            sock.sendall(ps.HELLO.pack(ps.MAGIC, ps.VERSION, 2, 12345, 1))
             sock.setblocking(False)
             closed = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), TIMEOUT)
             assert closed == b""  # by the receiver
@@ -227,8 +235,15 @@ async def test_a_stream_that_takes_nothing_times_out_and_close_ends_a_pending_se
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:*")
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = ps.with_data_port(router.getsockopt_string(zmq.LAST_ENDPOINT), listener.getsockname()[1])
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_then_read_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(ps.HELLO.size)
+        writer.write(ps.ACCEPT)
+        held.append(writer)
+
+    listener = await asyncio.start_server(accept_then_read_nothing, "127.0.0.1", 0)
+    address = ps.with_data_port(router.getsockopt_string(zmq.LAST_ENDPOINT), listener.sockets[0].getsockname()[1])
     a = await started(0, {1}, send_timeout=0.3)
     try:
         await a.connect({1: address})
@@ -243,6 +258,8 @@ async def test_a_stream_that_takes_nothing_times_out_and_close_ends_a_pending_se
         assert a.stats.dropped == {"send_timeout": 1, "closed": 1}
     finally:
         await a.close()
+        for w in held:
+            w.close()
         listener.close()
         router.close()
         ctx.term()
@@ -311,34 +328,200 @@ async def test_a_readmitted_peer_at_a_new_address_gets_a_new_stream(pair):
         await b2.close()
 
 
-async def test_a_prefix_that_does_not_match_its_header_closes_the_stream_before_a_byte_lands():
+class RawSender:
+    """Rank 0 speaking the wire by hand: a DEALER and a payload stream to a transport."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ctx = zmq.asyncio.Context()
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, b"0")
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(zmq_endpoint(address))
+        self.writer: asyncio.StreamWriter | None = None
+        self.reader: asyncio.StreamReader | None = None
+
+    async def open(self, token: int = 99, epoch: int = 7, version: int = ps.VERSION) -> bytes:
+        _, (host, port) = ps.split_address(self.address)
+        self.reader, self.writer = await asyncio.open_connection(host, port)
+        self.writer.write(ps.HELLO.pack(ps.MAGIC, version, 0, token, epoch))
+        return await asyncio.wait_for(self.reader.read(1), TIMEOUT)
+
+    def streamed(self, msg: Message, seq: int, z_before: int = 0, body: bytes | None = None) -> None:
+        header = encode_header(msg)
+        data = b"".join(t.numpy().tobytes() for t in msg.tensors)
+        nbytes = len(data)
+        self.writer.write(ps.PREFIX.pack(seq, z_before, nbytes, len(header)) + header + (data if body is None else body))
+
+    async def zmq(self, msg: Message, zseq: int, token: int = 0, s_last: int = 0, epoch: int = 7) -> None:
+        await self.dealer.send_multipart([ps.lane_tag(epoch, zseq, token, s_last) + encode_header(msg)])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.dealer.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+async def raw():
     inbox = Inbox()
+    recv = await started(1, {0}, inbox)
+    sender = RawSender(recv.address)
+    yield sender, recv, inbox
+    sender.close()
+    await recv.close()
+
+
+def big(i: int) -> Message:
+    return Message("update", 0, 1, i, tensors=[torch.full((ps.MIN_BYTES // 4,), float(i))])
+
+
+async def nothing_yet(inbox: Inbox) -> None:
+    await asyncio.sleep(0.2)
+    assert inbox.inbox.empty()
+
+
+async def test_a_streamed_message_waits_for_the_zeromq_message_sent_before_it(raw):
+    sender, recv, inbox = raw
+    assert await sender.open() == ps.ACCEPT
+    sender.streamed(big(2), seq=1, z_before=1)  # its ZeroMQ predecessor (zseq 1) is late
+    await sender.writer.drain()
+    await nothing_yet(inbox)
+    await sender.zmq(Message("token", 0, 1, 1), zseq=1)
+    first, second = await inbox.get(), await inbox.get()
+    assert (first.kind, first.iter, second.iter) == ("token", 1, 2)
+    assert torch.equal(second.tensors[0], big(2).tensors[0]) and not recv.stats.dropped
+
+
+async def test_a_zeromq_message_waits_for_the_streamed_message_sent_before_it(raw):
+    sender, recv, inbox = raw
+    assert await sender.open(token=5) == ps.ACCEPT
+    await sender.zmq(Message("token", 0, 1, 2), zseq=1, token=5, s_last=1)  # after stream message 1
+    await sender.zmq(Message("token", 0, 1, 3), zseq=2, token=5, s_last=1)
+    await nothing_yet(inbox)
+    sender.streamed(big(1), seq=1)
+    assert [(await inbox.get()).iter for _ in range(3)] == [1, 2, 3] and not recv.stats.dropped
+
+
+async def test_a_zeromq_message_waits_for_a_stream_whose_hello_is_late(raw, monkeypatch):
+    sender, _recv, inbox = raw
+    await sender.zmq(Message("token", 0, 1, 2), zseq=1, token=5, s_last=1)
+    await nothing_yet(inbox)
+    assert await sender.open(token=5) == ps.ACCEPT
+    sender.streamed(big(1), seq=1)
+    assert [(await inbox.get()).iter for _ in range(2)] == [1, 2]
+    # a stream that never comes: the message behind it goes on after HELLO_WAIT_S
+    monkeypatch.setattr(ps, "HELLO_WAIT_S", 0.2)
+    await sender.zmq(Message("token", 0, 1, 3), zseq=2, token=6, s_last=1)
+    assert (await inbox.get()).iter == 3
+
+
+async def test_a_streamed_message_whose_zeromq_predecessor_was_lost_goes_on_after_a_while(raw, monkeypatch):
+    sender, recv, inbox = raw
+    monkeypatch.setattr(ps, "ORDER_WAIT_S", 0.3)
+    assert await sender.open() == ps.ACCEPT
+    sender.streamed(big(2), seq=1, z_before=1)  # zseq 1 never comes (the sender dropped it)
+    got = await inbox.get()
+    assert got.iter == 2 and torch.equal(got.tensors[0], big(2).tensors[0]) and not recv.stats.dropped
+
+
+async def test_a_stream_that_dies_mid_message_drops_it_and_lets_what_waited_behind_it_through(raw):
+    sender, recv, inbox = raw
     slot = torch.zeros(ps.MIN_BYTES // 4)
     inbox.buffers = lambda h: [slot]
-    recv = await started(1, {0}, inbox)
-    ctx = zmq.asyncio.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, b"0")
-    dealer.setsockopt(zmq.LINGER, 0)
-    try:
-        _, (host, port) = ps.split_address(recv.address)
-        dealer.connect(zmq_endpoint(recv.address))
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(ps.HELLO.pack(ps.MAGIC, ps.VERSION, 0, 99))
-        header = encode_header(Message("update", 0, 1, 1, tensors=[slot]))
-        await dealer.send_multipart([ps.described(99, 0, header)])
-        writer.write(ps.PREFIX.pack(5, ps.MIN_BYTES) + b"\xff" * ps.MIN_BYTES)  # sequence 5, not 0
-        await writer.drain()
-        await dealer.send_multipart([encode_header(Message("token", 0, 1, 2))])
-        got = await inbox.get()  # the later control message still arrives
-        assert got.kind == "token" and recv.stats.dropped == {"stream_desync": 1}
-        assert not slot.any()
+    assert await sender.open(token=5) == ps.ACCEPT
+    sender.streamed(big(1), seq=1)
+    sender.streamed(big(2), seq=2, body=b"\x01" * 100)  # then the sender dies
+    await sender.zmq(Message("token", 0, 1, 3), zseq=1, token=5, s_last=2)
+    await sender.zmq(Message("token", 0, 1, 4), zseq=2, token=5, s_last=3)  # after one never written
+    assert (await inbox.get()).iter == 1
+    await nothing_yet(inbox)
+    sender.writer.close()
+    assert [(await inbox.get()).iter for _ in range(2)] == [3, 4]  # delivered, not dropped
+    assert recv.stats.dropped == {"stream_closed": 1}
+
+
+async def test_a_prefix_or_header_that_does_not_fit_closes_the_stream_before_a_byte_lands(raw):
+    sender, recv, inbox = raw
+    slot = torch.zeros(ps.MIN_BYTES // 4)
+    inbox.buffers = lambda h: [slot]
+    for seq, body_bytes in ((5, 0), (1, 4)):  # a sequence number out of step; a byte count not the header's
+        assert await sender.open() == ps.ACCEPT
+        msg = Message("update", 0, 1, 1, tensors=[slot])
+        header = encode_header(msg)
+        sender.writer.write(ps.PREFIX.pack(seq, 0, ps.MIN_BYTES + body_bytes, len(header)) + header
+                            + b"\xff" * ps.MIN_BYTES)
         try:  # closed by the receiver: a reset, since the rest of the payload was left unread
-            assert await asyncio.wait_for(reader.read(), TIMEOUT) == b""
+            assert await asyncio.wait_for(sender.reader.read(), TIMEOUT) == b""
         except ConnectionResetError:
             pass
+        sender.writer.close()
+    await sender.zmq(Message("token", 0, 1, 2), zseq=1)
+    got = await inbox.get()  # a later control message still arrives
+    assert got.kind == "token" and recv.stats.dropped == {"stream_desync": 2}
+    assert not slot.any()
+
+
+async def test_a_stream_of_another_wire_version_is_refused_in_one_log_line(raw, caplog):
+    sender, recv, _inbox = raw
+    with caplog.at_level("WARNING", logger=ps.__name__):
+        assert await sender.open(version=ps.VERSION - 1) == b""
+    lines = [r.getMessage() for r in caplog.records if "wire version" in r.getMessage()]
+    assert len(lines) == 1 and f"version {ps.VERSION - 1}" in lines[0] and recv.stats.dropped == {"wire_version": 1}
+
+
+async def test_a_refused_stream_sends_over_zeromq_instead(caplog):
+    inbox = Inbox()
+    b = await started(1, {0}, inbox)
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(ps.HELLO.size)  # an older receiver: closes without an answer
         writer.close()
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    a = await started(0, {1})
+    try:
+        await a.connect({1: ps.with_data_port(zmq_endpoint(b.address), server.sockets[0].getsockname()[1])})
+        src = torch.randn(CHUNK_BYTES // 4)
+        with caplog.at_level("WARNING"):
+            await a.send(Message("update", 0, 1, 1, tensors=[src]))
+            await a.send(Message("token", 0, 1, 2))
+        got = await inbox.get()
+        assert got.iter == 1 and torch.equal(got.tensors[0], src) and (await inbox.get()).iter == 2
+        assert a.streamed_messages == 0 and any("payload stream" in r.getMessage() for r in caplog.records)
     finally:
-        dealer.close()
-        ctx.term()
-        await recv.close()
+        await a.close()
+        await b.close()
+        server.close()
+
+
+async def test_many_interleavings_of_several_senders_keep_each_ones_order():
+    inbox = Inbox()
+    async with three_senders(inbox) as (recv, senders):
+        plans = {}
+        for s in senders:  # control, small (ZeroMQ) and large (stream) messages in a random order
+            g = torch.Generator().manual_seed(s.rank)
+            plans[s.rank] = torch.randint(0, 3, (60,), generator=g).tolist()
+        sizes = {0: 0, 1: 1024, 2: ps.MIN_BYTES + 4}
+
+        async def run(s: ZmqTransport) -> None:
+            sends = []
+            for i, what in enumerate(plans[s.rank]):
+                tensors = [torch.full((sizes[what] // 4,), float(i))] if what else []
+                sends.append(s.send(Message("update" if what else "token", s.rank, 3, i, tensors=tensors)))
+                if i % 7 == 0:  # sometimes one at a time, sometimes several sends at once
+                    await asyncio.gather(*sends)
+                    sends = []
+            await asyncio.gather(*sends)
+
+        await asyncio.gather(*(run(s) for s in senders))
+        seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for _ in range(180):
+            m = await inbox.get()
+            seen[m.src].append(m.iter)
+            if m.tensors:
+                assert torch.equal(m.tensors[0], torch.full_like(m.tensors[0], float(m.iter)))
+        assert seen == {r: list(range(60)) for r in range(3)}
+        assert all(s.streamed_messages == plans[s.rank].count(2) for s in senders)
+        assert not recv.stats.dropped

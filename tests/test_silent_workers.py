@@ -90,3 +90,33 @@ def test_a_stopped_worker_is_killed_and_a_tolerant_run_finishes(tmp_path: Path) 
     for rank in range(3):
         assert max(r["iter"] for r in records(run_dir, rank, "iteration")) == 299
     assert all(process_state(pid) in (None, "Z") for pid in pids.values())
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_on_the_torch_plane_is_lost_and_a_tolerant_run_finishes(tmp_path: Path) -> None:
+    """The same on --bulk torch, whose workers run no heartbeats: the launcher kills the stopped
+    worker, and its neighbours learn of it from its pair connections closing, also one that only
+    waited for it (blocked on its tokens, receiving nothing), which used to wait out --timeout."""
+    run_dir = tmp_path / "run"
+    victim = 2
+    proc = start_launch(["--nproc", "4", "--bulk", "torch", "--backup-workers", "1", "--max-failures", "1",
+                         "--peer-timeout", "2", "--timeout", "60", "--run-dir", str(run_dir), "--no-progress",
+                         HOP_WORKER, "--dim", "100", "--compute-ms", "5", "--iterations", "300"], new_session=True)
+    try:
+        pids = worker_pids(run_dir, 4)
+        deadline = time.monotonic() + 120
+        while not any(r.get("iter", -1) >= 5 for r in records(run_dir, victim, "iteration")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.kill(pids[victim], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill(proc)
+    assert proc.returncode == 0, err
+    lost = [line for line in err.splitlines() if line.startswith(f"hopnet launch: lost rank {victim} ")]
+    assert lost and "killed" in lost[0], err
+    for rank in (1, 3):  # its neighbours, whatever they were doing when it stopped
+        (dead,) = records(run_dir, rank, "peer_dead")
+        assert dead["peer"] == victim
+    for rank in (0, 1, 3):
+        assert max(r["iter"] for r in records(run_dir, rank, "iteration")) == 299

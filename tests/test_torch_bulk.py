@@ -27,6 +27,7 @@ class Recv:
         self.headers: list[Header] = []
         self.buffers: object = None
         self.holding: Callable[[Header], bool] = lambda header: False
+        self.lost: list[PeerFailure] = []
 
     def buffers_for(self, header: Header):
         self.headers.append(header)
@@ -38,6 +39,9 @@ class Recv:
 
     def deliver(self, msg: Message) -> None:
         self.queue.put_nowait(msg)
+
+    def peer_lost(self, failure: PeerFailure) -> None:
+        self.lost.append(failure)
 
     async def get(self) -> Message:
         return await asyncio.wait_for(self.queue.get(), TIMEOUT)
@@ -292,7 +296,9 @@ async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(stor
     workers = await start_workers(Graph.ring(2), config, transport_for=torch_plane)
     error, took = await failure_after_a_peer_vanishes(workers)
     assert took < TIMEOUT / 2
-    assert (error.peer, error.peer_state) == (1, "dead") and "peer 1 went silent" in str(error)
+    assert (error.peer, error.peer_state) == (1, "dead")
+    assert "peer 1 is gone (dead: " in str(error)  # in the transport's words
+    assert "GLHF" not in str(error)  # (gloo's advice is left out)
 
 
 async def test_the_consensus_reaches_ranks_that_are_not_neighbours_on_the_torch_plane(store_endpoint) -> None:
@@ -319,3 +325,152 @@ async def test_the_consensus_reaches_ranks_that_are_not_neighbours_on_the_torch_
     assert all(r.members == (0, 1, 2, 3) for r in results)
     for w in workers:
         assert torch.allclose(w.node.protocol.model_tensors()[0].double(), before, rtol=0, atol=1e-6)
+
+
+def _fork_pair_member(endpoint: str, rank: int, peer: int, payload: torch.Tensor) -> tuple[int, int]:
+    """A child process that forms the gloo pair (rank, peer) through the store, sends ``payload``
+    on it once, and then only sleeps: a peer whose process a test kills. (pid, a pipe's read end
+    that says when the payload is on its way)."""
+    import os
+
+    from hopnet.transports.torchdist import build_pair_group
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            os.close(read_end)
+            pg = build_pair_group(connect_store(endpoint, 10), "gloo", rank, peer, timeout_s=TIMEOUT)
+            work = pg.send([payload], 0 if peer < rank else 1, 0)
+            os.write(write_end, b"x")
+            work.wait()
+            time.sleep(TIMEOUT)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _bulk_header(src: int, dst: int, iteration: int, tensor: torch.Tensor) -> Message:
+    from hopnet.transports.torchdist import encode_bulk
+
+    return Message("update", src, dst, iteration, meta={BULK_KEY: encode_bulk("gloo", [tensor])})
+
+
+def _watch_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("hopnet-watch-")]
+
+
+@pytest.mark.parametrize("receiving", [True, False], ids=["receiving", "idle"])
+async def test_a_killed_peer_is_reported_lost_by_the_receive_side_once(store_endpoint, monkeypatch,
+                                                                       receiving: bool) -> None:
+    """A peer whose process is SIGKILLed while this side sends it nothing (no send of ours would find
+    it gone), waiting for a payload from it or not: the pair's watch (and the pending receive) fail
+    with the connection closed, and the receiver hears ``peer_lost`` once, naming the peer dead;
+    later sends to it fail at once naming it."""
+    import os
+    import signal
+
+    import hopnet.transports.torchdist as torchdist
+
+    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
+    control = ZmqTransport(0, frozenset({1}))
+    a = TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+    ra = Recv()
+    await a.start(ra)
+    pid, ready = _fork_pair_member(store_endpoint, 1, 0, torch.full((4,), 7.0))
+    try:
+        await a.connect({1: "tcp://127.0.0.1:9"})  # its control plane is never used
+        await asyncio.get_running_loop().run_in_executor(None, os.read, ready, 1)
+        a.deliver(_bulk_header(1, 0, 0, torch.zeros(4)))
+        first = await ra.get()  # the channel is up, its watch posted
+        assert torch.equal(first.tensors[0], torch.full((4,), 7.0))
+        if receiving:
+            a.deliver(_bulk_header(1, 0, 1, torch.zeros(4)))  # its payload never comes
+        os.kill(pid, signal.SIGKILL)
+        while not ra.lost:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # a second report would come now
+        (lost,) = ra.lost
+        assert (lost.peer, lost.peer_state) == (1, "dead") and "rank 1" in str(lost)
+        assert ra.queue.empty() and a.stats.dropped["bulk_failed"] == int(receiving)
+        with pytest.raises(PeerFailure, match="rank 1") as info:
+            await a.send(Message("update", 0, 1, 2, tensors=[torch.ones(8)]))
+        assert (info.value.peer, info.value.peer_state) == (1, "dead")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready)
+        await a.close()
+    assert _watch_threads() == []
+
+
+async def test_a_peer_that_closes_without_a_bye_is_reported_lost(store_endpoint, monkeypatch) -> None:
+    """Closing a transport ends the peer's watch with a notice: with no ``bye`` before it (a crash
+    the process survived, ``close(leave=False)``) the peer is reported lost. (After its ``bye``, the
+    next test: nothing is reported.)"""
+    import hopnet.transports.torchdist as torchdist
+
+    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
+    (a, b), (ra, rb) = await _pair(store_endpoint)
+    try:
+        await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(100)]))  # the channel is up
+        await rb.get()
+        await b.close()
+        while not ra.lost:
+            await asyncio.sleep(0.05)
+        (lost,) = ra.lost
+        assert (lost.peer, lost.peer_state) == (1, "dead") and "closed" in str(lost)
+    finally:
+        await a.close()
+        await b.close()
+    assert _watch_threads() == []  # both closes ended their watches
+
+
+async def test_a_peer_that_said_bye_is_not_reported_lost_when_it_closes(store_endpoint, monkeypatch) -> None:
+    """A peer written off after its ``bye`` (``forget_peer``) closes its transport: the notice that
+    ends the watch is no news of a death, on either side."""
+    import hopnet.transports.torchdist as torchdist
+
+    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
+    (c, d), (rc, rd) = await _pair(store_endpoint)
+    try:
+        await c.send(Message("update", 0, 1, 0, tensors=[torch.ones(100)]))
+        await rd.get()
+        c.forget_peer(1)  # as on rank 1's bye
+        await d.close()
+        await asyncio.sleep(0.5)
+        assert rc.lost == [] and rd.lost == []
+    finally:
+        await c.close()
+        await d.close()
+    assert _watch_threads() == []  # every close ended its watches
+
+
+async def test_an_idle_node_learns_of_a_peer_that_vanished_without_a_send(store_endpoint, monkeypatch) -> None:
+    """A node that sends nothing (between steps) still learns that its neighbour's transport went
+    away without a bye: it declares the neighbour dead, no wait or send involved."""
+    from hopnet import Graph, ProtocolConfig
+
+    import hopnet.transports.torchdist as torchdist
+    from support.cluster import close_workers, start_workers, train
+
+    monkeypatch.setattr(torchdist, "DEPARTURE_GRACE_S", 0.2)
+
+    def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
+        control = ZmqTransport(rank, frozenset(graph.peers(rank)))
+        return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+
+    workers = await start_workers(Graph.ring(2), ProtocolConfig(timeout_s=TIMEOUT), transport_for=torch_plane)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(train(w, 2) for w in workers)), TIMEOUT)  # the pair is up
+        await workers[1].node.close(leave=False)
+        node = workers[0].node
+        deadline = time.monotonic() + TIMEOUT
+        while 1 not in node.dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert node.peer_state(1) == "dead" and list(node.dead) == [1]
+    finally:
+        await close_workers(workers)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.transports.store_clones import StoreClones
-from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, release_group, settle, wait_work
+from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, one_line, release_group, settle, wait_work
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -136,7 +136,7 @@ class TorchCollective(Collective):
             if isinstance(error, HopnetError):
                 raise error
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{_one_line(error)}") from error
+                              f"{one_line(error)}") from error
         return tensor
 
     def allreduce_blocking(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
@@ -160,7 +160,7 @@ class TorchCollective(Collective):
                               peer_state="stalled") from None
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{_one_line(exc)}") from exc
+                              f"{one_line(exc)}") from exc
         if op == "mean":
             tensor.div_(len(members))
         return tensor
@@ -185,7 +185,7 @@ class TorchCollective(Collective):
                 return pg.allreduce([tensor])
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{_one_line(exc)}") from None
+                              f"{one_line(exc)}") from None
 
     async def _reduce_cached(self, key: tuple[str, tuple[int, ...]], pg: Any, tensor: torch.Tensor, op: str,
                              tag: str) -> torch.Tensor:
@@ -205,7 +205,7 @@ class TorchCollective(Collective):
                               peer_state="stalled")
         if error is not None:
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{_one_line(error)}") from error
+                              f"{one_line(error)}") from error
         if op == "mean":
             tensor.div_(len(members))
         return tensor
@@ -265,7 +265,7 @@ class TorchCollective(Collective):
                 self._reserved -= int(room)
             missing = [m for m, k in zip(members, vote_keys) if not self._has(k)]
             raise WaitTimeout(f"group {list(members)} to meet for all-reduce {tag!r} "
-                              f"(missing ranks {missing}): {_one_line(exc)}", waited_s=self.timeout_s,
+                              f"(missing ranks {missing}): {one_line(exc)}", waited_s=self.timeout_s,
                               peer=missing[0] if missing else None, peer_state="stalled") from None
         cached = all(v == b"1" for v in votes)
         with self._lock:
@@ -281,7 +281,7 @@ class TorchCollective(Collective):
                              timeout_s=self.timeout_s, host=self.host)
         except Exception as exc:
             raise HopnetError(f"rank {self.rank}: cannot form group {list(members)} for all-reduce "
-                              f"{tag!r}: {_one_line(exc)}") from None
+                              f"{tag!r}: {one_line(exc)}") from None
         with self._lock:
             self.built += 1
         return pg
@@ -313,11 +313,6 @@ class TorchCollective(Collective):
                 if pg is not None:
                     release_group(pg)
             self._cached.clear()
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:300]
 
 
 __all__ = ["DEFAULT_MAX_CACHED", "TorchCollective"]

@@ -101,8 +101,9 @@ class DeathWatch:
                         or self._about_replaced(peer, record):
                     continue
                 iteration = record.get("iter")
-                silent_s = record.get("silent_s")
-                silence = f" after {silent_s:.1f} s of silence" if isinstance(silent_s, (int, float)) else ""
+                silent_s, cause = record.get("silent_s"), record.get("cause")
+                silence = (f" ({cause})" if isinstance(cause, str)  # its transport found it gone
+                           else f" after {silent_s:.1f} s of silence" if isinstance(silent_s, (int, float)) else "")
                 where = f", in iteration {iteration}" if isinstance(iteration, int) else ""
                 new.append(self._found(Declaration(peer, f"declared dead by rank {declarer}{silence}{where}",
                                                    iteration if isinstance(iteration, int) else None)))

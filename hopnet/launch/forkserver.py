@@ -129,14 +129,20 @@ def _become_worker(request: Mapping[str, object], fds: list[int], parent_pid: in
     os.environ.clear()
     os.environ.update(env)
     os.chdir(str(request["cwd"]))
-    threads = env.get("OMP_NUM_THREADS", "")
-    torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    set_torch_threads(env)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()  # the fork server's global numpy state is not the worker's
     return [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
+
+
+def set_torch_threads(env: Mapping[str, str]) -> None:
+    """torch's intra-op thread count from ``env``'s ``OMP_NUM_THREADS``: torch read the variable only
+    when it was imported, in the fork server or in the template it was forked from."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _end_children(children: dict[int, int], backstop_s: float = parent_watch.BACKSTOP_S) -> None:

@@ -66,6 +66,7 @@ def _become_fork_server(request: Mapping[str, object], fds: list[int],
     env = {str(k): str(v) for k, v in dict(request["env"]).items()}  # type: ignore[call-overload]
     os.environ.clear()
     os.environ.update(env)
+    forkserver.set_torch_threads(env)  # the launcher's, not the template's (torch read it at import)
     cwd = str(request["cwd"])
     os.chdir(cwd)
     if sys.path and sys.path[0] == _TEMPLATE_CWD:  # `python -m` puts its directory first

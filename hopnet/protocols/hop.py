@@ -699,7 +699,11 @@ class HopProtocol(Protocol):
                      f"updates with {self.n_buw} backup workers")
         others = [j for j in gone if j != peer]
         also = f"; in-neighbour(s) {others} are gone too" if others else ""
-        if state == "dead":
+        cause = self.node.death_causes.get(peer)
+        if state == "dead" and cause is not None:
+            message = (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} is gone (dead: {cause}) "
+                       f"and {need_text}{also}")
+        elif state == "dead":
             silent = self.node.dead.get(peer, 0.0)
             message = (f"rank {self.rank} cannot finish {self._at(k)}: peer {peer} went silent "
                        f"(dead: nothing heard from it for {silent:.1f}s; its process died or hangs, "

@@ -182,6 +182,13 @@ class Mailbox:
         self._waiting[key] = waiter
         try:
             return await self.clock.wait(waiter, what, peer=src)
+        except BaseException:
+            # Cancelled after deliver() handed the message over, before this task resumed: keep it
+            # for the next receive of the key (a consensus cancels its waits for the next round's
+            # views once this round is complete, and lost one so).
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._arrived.setdefault(key, waiter.result())
+            raise
         finally:
             if self._waiting.get(key) is waiter:
                 del self._waiting[key]

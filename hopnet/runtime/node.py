@@ -108,6 +108,7 @@ class Node(Generic[P]):
         self.departed: dict[int, int] = {}
         self.final_iterations: dict[int, int | None] = {}  # planned last iteration, from each bye
         self.dead: dict[int, float] = {}  # peer -> seconds it had been silent when declared dead
+        self.death_causes: dict[int, str] = {}  # peer -> what the transport said, when it found the peer gone
         self.done_peers: dict[int, int] = {}  # neighbour -> its iteration when it said done
         self.quiesced = False
         self.peer_timeout_s = peer_timeout_s if transport.heartbeats else None
@@ -318,24 +319,39 @@ class Node(Generic[P]):
         except asyncio.CancelledError:
             pass
 
-    def peer_dead(self, peer: int, silent_s: float) -> None:
-        """``peer`` went silent for ``silent_s``: handle it like a departure without a bye."""
+    def peer_dead(self, peer: int, silent_s: float, cause: str | None = None) -> None:
+        """``peer`` went silent for ``silent_s``, or the transport found it gone (``cause``, its
+        words): handle it like a departure without a bye."""
         if peer in self.dead or peer in self.departed:
             return
         self.dead[peer] = silent_s
+        if cause is not None:
+            self.death_causes[peer] = cause
         self._holding.discard(peer)
         if peer == self._handover_from and self._handover is not None and not self._handover.done():
             self._handover.set_exception(_DonorGone())
         # "restart": which process of the rank died (the launcher's death watch must not take it for
         # a replacement that already started)
         self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
-                    mono=time.monotonic(), restart=self.restarts_seen.get(peer, 0))
+                    mono=time.monotonic(), restart=self.restarts_seen.get(peer, 0),
+                    **({"cause": cause} if cause is not None else {}))
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
-        self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s", "dead")
+        self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s" if cause is None else f"was lost ({cause})",
+                                   "dead")
         if self.survives_losses:
             self.mailbox.break_rounds_with(peer, "died")
+
+    def peer_lost(self, failure: PeerFailure) -> None:
+        """The transport found ``failure.peer`` gone (the torch plane's pair connection closed or
+        reset, as when its process died), on a send or a receive: handled as the heartbeats' news
+        of a silent peer is."""
+        peer = failure.peer
+        if peer is None:
+            return
+        silence = self.liveness.silence(peer, self.clock.now()) if self.liveness is not None else None
+        self.peer_dead(peer, silence or 0.0, cause=str(failure).removeprefix(f"rank {self.rank}: "))
 
     def peer_state(self, peer: int) -> str:
         """What this node knows of ``peer``: "departed" (said bye), "dead" (went silent), or
@@ -466,6 +482,7 @@ class Node(Generic[P]):
             self.peer_dead(peer, silence or 0.0)
         self.restarts_seen[peer] = restart
         self.dead.pop(peer, None)
+        self.death_causes.pop(peer, None)
         self.departed.pop(peer, None)
         self.final_iterations.pop(peer, None)
         self.done_peers.pop(peer, None)
@@ -657,12 +674,8 @@ class Node(Generic[P]):
         self._pending.discard(task)
         if task.cancelled() or (error := task.exception()) is None:
             return
-        lost = error.peer if isinstance(error, PeerFailure) and error.peer_state == "dead" else None
-        if lost is not None:
-            # The transport found the peer gone (the torch plane's pair connection closed or reset,
-            # as when its process died): handled as the heartbeats' news of a silent peer is.
-            silence = self.liveness.silence(lost, self.clock.now()) if self.liveness is not None else None
-            self.peer_dead(lost, silence or 0.0)
+        if isinstance(error, PeerFailure) and error.peer is not None and error.peer_state == "dead":
+            self.peer_lost(error)
             return
         if self._send_error is None:
             self._send_error = error

@@ -77,6 +77,8 @@ class NodeServices(Protocol):
     """Peers that said ``bye``, with the last iteration they sent for."""
     dead: dict[int, float]
     """Peers declared dead, with how long they had been silent (seconds)."""
+    death_causes: dict[int, str]
+    """Of the dead peers the transport found gone (a closed connection), what it said."""
     done_peers: dict[int, int]
     """Neighbours that said ``done`` (finished training, quiescing for the consensus), with
     the iteration they were in."""

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from hopnet.errors import PeerFailure
 from hopnet.wire import Header, Message, is_any_rank_kind
 
 DISCARD = object()
@@ -35,6 +36,11 @@ class Receiver(Protocol):
         reading it would take a buffer of the model's size). Asked, before :meth:`buffers_for`,
         only by a transport that ``holds_back``; True keeps the message, and every later one from
         the same sender, unread until :meth:`Transport.take_in_held` (the sender's send waits)."""
+
+    def peer_lost(self, failure: PeerFailure) -> None:
+        """The transport found ``failure.peer`` gone without a ``bye`` (the torch plane's pair
+        connection closed or reset: its process ended), outside any send of this receiver's; a send
+        that finds it raises ``failure`` instead. Called on the event loop, at most once per peer."""
 
 
 class TransportStats:

@@ -40,6 +40,12 @@ direction waits for each op in order (``wait(timeout)``; CUDA ops are polled wit
 transport's timeout; a failed or timed out op raises :class:`~hopnet.errors.PeerFailure`
 naming the peer (sends), or is logged and counted as ``bulk_failed`` and makes later
 sends to that peer fail the same way (receives).
+
+Dead peers. Each gloo pair is watched (:mod:`hopnet.transports.pair_watch`): a receive
+always posted, which fails when the peer's process ends. That failure, a payload's receive
+failing the same way, or a peer's transport closing with no ``bye`` before it, tells the
+receiver :meth:`~hopnet.transports.base.Receiver.peer_lost` (once per peer, after
+``DEPARTURE_GRACE_S`` for a ``bye`` that may still be on its way over ZeroMQ).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import asyncio
 import functools
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -60,6 +67,7 @@ import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
 from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport
+from hopnet.transports.pair_watch import CLOSING, FORGOT, PairWatch, peer_gone
 from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import DTYPE_NAMES, DecodeError, Header, Message, TensorSpec, decode_specs
@@ -262,6 +270,9 @@ class TorchBulkTransport(Transport):
         self._take_in_rounds = Rounds()
         self._failed: dict[int, str] = {}
         self._departed: set[int] = set()
+        self._watches: dict[int, PairWatch] = {}
+        self._lost: set[int] = set()  # peers found gone, reported (or being reported) to the receiver
+        self._reports: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -286,6 +297,7 @@ class TorchBulkTransport(Transport):
 
     def forget_peer(self, rank: int) -> None:
         self._departed.add(rank)
+        self._tell(rank, FORGOT)
         self.control.forget_peer(rank)
         held = self._held.pop(rank, None)
         if held:  # written off with the peer, unread; what came between them is delivered (and dropped)
@@ -297,6 +309,10 @@ class TorchBulkTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        for peer in self._watches:
+            self._tell(peer, CLOSING)  # ends the peer's watch, and makes it end ours
+        for task in self._reports:
+            task.cancel()
         await self.control.close()
         for waiter in self._waiters.values():
             waiter.stop()
@@ -306,6 +322,11 @@ class TorchBulkTransport(Transport):
         for waiter in self._waiters.values():
             await loop.run_in_executor(None, waiter.join, CLOSE_JOIN_S)
         self._waiters.clear()
+        deadline = loop.time() + CLOSE_JOIN_S
+        for watch in self._watches.values():
+            if not await loop.run_in_executor(None, watch.join, max(0.0, deadline - loop.time())):
+                log.debug("rank %d: the watch on rank %d did not end by close", self.rank, watch.peer)
+        self._watches.clear()
         for fut in self._channels.values():
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 release_group(fut.result())
@@ -349,11 +370,18 @@ class TorchBulkTransport(Transport):
             return
         if error is not None:
             fut.set_exception(PeerFailure(f"rank {self.rank}: no {key[1]} channel to rank {key[0]}: "
-                                          f"{_one_line(error)}", peer=key[0], peer_state="dead"))
+                                          f"{one_line(error)}", peer=key[0], peer_state="dead"))
             fut.exception()  # retrieved: a failure no one waits for is not an asyncio warning
             self._fail_unposted(key)
         else:
             fut.set_result(pg)
+            if key[1] == "gloo" and not self._closed:
+                assert self._loop is not None
+                try:
+                    self._watches[key[0]] = PairWatch(pg, key[0], self._other(key[0]), self._loop,
+                                                      self._watch_ended)
+                except Exception as exc:  # the pair broke already: its first op will say so
+                    log.debug("rank %d: no watch on rank %d: %s", self.rank, key[0], one_line(exc))
             self._post_receives(key)
 
     def _waiter(self, peer: int, direction: str) -> OpWaiter:
@@ -433,8 +461,45 @@ class TorchBulkTransport(Transport):
             await asyncio.sleep(0.01)
         return peer in self._departed
 
+    # ---------------------------------------------------------------- dead peers
+    def _tell(self, peer: int, notice: float) -> None:
+        watch = self._watches.get(peer)
+        if watch is not None:
+            watch.tell(notice)
+
+    def _watch_ended(self, peer: int, notice: float | None, error: BaseException | None) -> None:
+        """The watch on ``peer``'s pair completed: its notice came, or the pair failed."""
+        if self._closed:
+            return
+        if error is None:
+            self._tell(peer, FORGOT)  # its close need not wait for our watch to end
+            if notice == CLOSING:
+                self._peer_gone(peer, "its transport closed")
+        elif peer_gone(error):
+            self._peer_gone(peer, one_line(error))
+        else:
+            log.debug("rank %d: the watch on rank %d ended: %s", self.rank, peer, one_line(error))
+
+    def _peer_gone(self, peer: int, text: str) -> None:
+        """``peer``'s end of its pair went away: unless a ``bye`` comes with it, tell the receiver, once."""
+        if self._closed or peer in self._departed or peer in self._lost:
+            return
+        self._lost.add(peer)
+        self._failed.setdefault(peer, text)
+        task = asyncio.get_running_loop().create_task(self._report_lost(peer, text))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_lost(self, peer: int, text: str) -> None:
+        if await self._departed_meanwhile(peer):
+            return
+        receiver = self._receiver
+        if receiver is not None and not self._closed:
+            receiver.peer_lost(PeerFailure(f"rank {self.rank}: rank {peer} is gone (bulk channel: {text})",
+                                           peer=peer, peer_state="dead"))
+
     def _peer_error(self, peer: int, what: str, error: BaseException) -> PeerFailure:
-        text = _one_line(error)
+        text = one_line(error)
         self._failed.setdefault(peer, text)
         return PeerFailure(f"rank {self.rank}: bulk {what} with rank {peer} failed: {text}",
                            peer=peer, peer_state="dead")
@@ -446,6 +511,11 @@ class TorchBulkTransport(Transport):
 
     def hold(self, header: Header) -> bool:
         return False  # the control plane reads every message as it comes
+
+    def peer_lost(self, failure: PeerFailure) -> None:
+        receiver = self._receiver
+        if receiver is not None:
+            receiver.peer_lost(failure)
 
     def deliver(self, msg: Message) -> None:
         receiver = self._receiver
@@ -574,9 +644,11 @@ class TorchBulkTransport(Transport):
                     self.stats.drop("peer_left")
                     continue
                 self.stats.drop("bulk_failed")
-                text = _one_line(head.error)
+                text = one_line(head.error)
                 self._failed.setdefault(src, text)
                 log.warning("rank %d: bulk receive from rank %d failed: %s", self.rank, src, text)
+                if peer_gone(head.error):
+                    self._peer_gone(src, text)
                 continue
             if head.discard:
                 self.stats.drop("discarded")
@@ -626,11 +698,15 @@ def release_group(pg: Any) -> None:
         log.debug("NCCL process group shutdown failed", exc_info=True)
 
 
-def _one_line(error: BaseException) -> str:
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")  # gloo's "[/.../pair.cc:553] "
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message in one short line: the first, without gloo's source location and advice."""
     text = str(error).strip().splitlines()
-    first = text[0] if text else type(error).__name__
-    return first[:300]
+    first = _SOURCE_LOCATION.sub("", text[0]) if text else type(error).__name__
+    return first.split(" This is typically caused by")[0][:300]
 
 
 __all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
-           "release_group", "settle", "wait_work"]
+           "one_line", "release_group", "settle", "wait_work"]

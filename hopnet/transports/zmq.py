@@ -35,9 +35,10 @@ Sending (:meth:`ZmqTransport.send` returns once the caller may modify the tensor
   released every frame (written it to the kernel).
 
 Before all of these: a message with at least ``payload_stream.MIN_BYTES`` of tensors, to a
-peer whose address names a data port (``tcp://HOST:PORT?data=DPORT``), sends its header
-over ZeroMQ and its tensor bytes over a plain TCP stream to that peer, which receives them
-straight into its buffers (:mod:`hopnet.transports.payload_stream`: wire, order, failures).
+peer whose address names a data port (``tcp://HOST:PORT?data=DPORT``), goes whole (header
+and tensor bytes) over a plain TCP stream to that peer, which receives the bytes straight
+into its buffers; the ZeroMQ messages to such a peer carry a lane tag that keeps the order
+across the two channels (:mod:`hopnet.transports.payload_stream`: wire, order, failures).
 Off with CURVE keys, ``ipc://``, ``payload_stream=False`` or ``HOPNET_ZMQ_PAYLOAD_STREAM=0``.
 
 Messages to one peer leave in the order of the ``send`` calls, also when ``send`` is
@@ -70,6 +71,7 @@ import ctypes
 import logging
 import os
 import platform
+import secrets
 import sys
 import threading
 import weakref
@@ -307,14 +309,16 @@ class _BufferPool:
 
 
 class _Peer:
-    __slots__ = ("address", "busy", "data", "endpoint", "express", "express_raw", "gate", "held", "rank", "raw",
-                 "sending_held", "sock", "stage_waiters", "staged", "stream", "stream_retry_at", "streaming",
-                 "zero_copy")
+    __slots__ = ("address", "busy", "data", "endpoint", "epoch", "express", "express_raw", "gate", "held", "rank",
+                 "raw", "sending_held", "sock", "stage_waiters", "staged", "stream", "stream_retry_at", "streaming",
+                 "zero_copy", "zseq")
 
-    def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket) -> None:
+    def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket, streams: bool) -> None:
         self.rank = rank
         self.address = address
         self.endpoint, self.data = ps.split_address(address)  # data: the payload stream's (host, port)
+        if not streams:
+            self.data = None
         self.sock = sock
         # A plain socket sharing the same libzmq socket: non-blocking sends without Futures.
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
@@ -331,6 +335,18 @@ class _Peer:
         self.stream_retry_at = 0.0  # after a failed open: when to try again
         self.streaming = 0  # streamed messages whose bytes are not all in the kernel yet
         self.gate: asyncio.Future[None] | None = None  # set while the stream opens: sends wait behind it
+        self.epoch = secrets.randbits(64) or 1  # names this connection in lane tags and stream hellos
+        self.zseq = 0  # lane sequence number of the last ZeroMQ message sent to a peer with a stream
+
+    def tagged(self, header: bytes) -> bytes:
+        """The first frame of a ZeroMQ message: with its lane tag if the peer has a stream."""
+        if self.data is None:
+            return header
+        self.zseq += 1
+        stream = self.stream
+        if stream is None:
+            return ps.lane_tag(self.epoch, self.zseq, 0, 0) + header
+        return ps.lane_tag(self.epoch, self.zseq, stream.token, stream.seq) + header
 
     def open_express(self, sock: zmq.asyncio.Socket) -> None:
         self.express = sock
@@ -394,7 +410,6 @@ class ZmqTransport(Transport):
         self.streamed_messages = 0
         """Messages sent with their tensors over a payload stream (also in ``stats.sent_messages``)."""
         self._inbox: ps.StreamInbox | None = None
-        self._lane_ranks = {routing_id(s): s for s in self.allowed_senders}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -453,8 +468,9 @@ class ZmqTransport(Transport):
         assert host_port is not None
         try:
             self._inbox = ps.StreamInbox(self._loop, host_port[0], admits=self._admits_stream,
-                                         prepare=self._stream_targets, finish=self._stream_received,
-                                         handle=self._handle_now, drop=self.stats.drop)
+                                         check=self._check_streamed, prepare=self._stream_targets,
+                                         finish=self._stream_received, handle=self._handle_now,
+                                         drop=self.stats.drop)
         except OSError as exc:
             log.warning("rank %d: cannot listen for payload streams on %s (%s); tensors go over ZeroMQ",
                         self.rank, host_port[0], exc)
@@ -476,7 +492,8 @@ class ZmqTransport(Transport):
             self._peers[rank] = self._open_peer(rank, address)
 
     def _open_peer(self, rank: int, address: str) -> _Peer:
-        return _Peer(rank, address, self._open_dealer(ps.split_address(address)[0], routing_id(self.rank)))
+        return _Peer(rank, address, self._open_dealer(ps.split_address(address)[0], routing_id(self.rank)),
+                     self.payload_stream)
 
     def _open_dealer(self, address: str, identity: bytes) -> zmq.asyncio.Socket:
         assert self._ctx is not None
@@ -646,8 +663,8 @@ class ZmqTransport(Transport):
             if self._closed:
                 raise HopnetError("transport is closed")
             raise HopnetError(f"rank {self.rank} has no connection to rank {msg.dst}; call connect() first")
-        header = encode_header(msg)
         if not msg.tensors:
+            header = peer.tagged(encode_header(msg))
             # The hot path for control messages: one non-blocking send, no Futures.
             if not peer.busy:
                 try:
@@ -659,7 +676,7 @@ class ZmqTransport(Transport):
                     return
             await self._send_queued(peer, [header], 0)
             return
-        await self._send_tensors(peer, header, msg.tensors)
+        await self._send_tensors(peer, encode_header(msg), msg.tensors)
 
     async def _send_tensors(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor]) -> None:
         sizes = []
@@ -671,6 +688,7 @@ class ZmqTransport(Transport):
         if total >= ps.MIN_BYTES and peer.data is not None and self.payload_stream:
             if await self._send_streamed(peer, header, tensors, sizes, total):
                 return
+        header = peer.tagged(header)  # no await from here until the message is in libzmq's queue
         if max(sizes) < COPY_THRESHOLD:
             # pyzmq copies every frame (all under sock.copy_threshold): done once libzmq has it.
             parts: list[Any] = [header]
@@ -683,28 +701,16 @@ class ZmqTransport(Transport):
 
     async def _send_streamed(self, peer: _Peer, header: bytes, tensors: list[torch.Tensor],
                              sizes: list[int], total: int) -> bool:
-        """The header over ZeroMQ, the bytes over the peer's payload stream (opened now if
-        need be). False if there is no stream to the peer: the caller sends over ZeroMQ."""
+        """The whole message over the peer's payload stream (opened now if need be). False if
+        there is no stream to the peer: the caller sends over ZeroMQ."""
         stream = peer.stream
         if stream is None or stream.closed:
             stream = await self._open_stream(peer)
             if stream is None:
                 return False
-        # From here to the ZeroMQ send, no await: headers and payloads keep the order of the calls.
-        seq, done = stream.write([_byte_view(t).data for t, n in zip(tensors, sizes) if n], total)
-        frame = ps.described(stream.token, seq, header)
+        done = stream.write(header, [_byte_view(t).data for t, n in zip(tensors, sizes) if n], total, peer.zseq)
         peer.streaming += 1
         try:
-            sent = False
-            if not peer.busy:
-                try:
-                    peer.raw.send(frame, _NOBLOCK)
-                    sent = True
-                except zmq.Again:
-                    pass
-            if not sent and not await self._send_queued(peer, [frame], 0, count=False):
-                stream.abort("send_timeout")  # its bytes would never be claimed: start a new stream
-                return True  # _send_queued counted the drop
             reason = await self._await_stream(peer, stream, done)
         finally:
             peer.streaming -= 1
@@ -725,7 +731,7 @@ class ZmqTransport(Transport):
         stream: ps.OutStream | None = None
         try:
             host, port = peer.data
-            stream = await ps.OutStream.open(loop, host, port, self.rank,
+            stream = await ps.OutStream.open(loop, host, port, self.rank, peer.epoch,
                                              min(ps.CONNECT_TIMEOUT_S, self.send_timeout))
         except (OSError, _WaitTimeout) as exc:
             peer.stream_retry_at = loop.time() + ps.RETRY_S
@@ -987,53 +993,59 @@ class ZmqTransport(Transport):
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
+            checked = self._checked(frames)
+            if checked is None:
+                return
             inbox = self._inbox
-            if inbox is not None:
-                # A sender's messages wait while a streamed one of its is still being received.
-                ident = frames[0].bytes
-                rank = self._lane_ranks.get(ident)
-                if rank is None and ident.isdigit() and len(ident) < 11:
-                    rank = int(ident)
-                if rank is not None and inbox.busy(rank):
-                    inbox.defer(rank, frames)
-                    return
-            self._handle_unsafe(frames)
+            if inbox is not None and frames[0].bytes[:1] != b"x":  # express messages overtake by contract
+                # A sender's messages keep their order with its streamed ones (its lane).
+                inbox.arrived(checked[0].src, checked, ps.read_tag(frames[1].buffer))
+                return
+            self._take(*checked)
         except Exception:
             self.stats.drop("internal_error")
             log.debug("rank %d: error handling an inbound message", self.rank, exc_info=True)
 
-    def _handle_now(self, frames: list[zmq.Frame]) -> None:
-        """Handle a message that waited behind a streamed one (its turn has come)."""
+    def _handle_now(self, checked: tuple[Header, list[zmq.Frame]]) -> None:
+        """Handle a message whose turn in its sender's lane has come."""
         try:
-            self._handle_unsafe(frames)
+            self._take(*checked)
         except Exception:
             self.stats.drop("internal_error")
             log.debug("rank %d: error handling an inbound message", self.rank, exc_info=True)
 
-    def _handle_unsafe(self, frames: list[zmq.Frame]) -> None:
+    def _checked(self, frames: list[zmq.Frame]) -> tuple[Header, list[zmq.Frame]] | None:
+        """``(header, frames)`` of a message from whom it says, or None: dropped and counted. A
+        dropped message takes no place in its sender's lane (a streamed message sent after it
+        may wait ``payload_stream.ORDER_WAIT_S``): what a working sender sends is not dropped here."""
         stats = self.stats
         if len(frames) < 2:
             stats.drop("truncated")
-            return
-        if ps.is_described(frames[1].buffer):
-            self._handle_streamed(frames)
-            return
+            return None
+        first = frames[1].buffer
+        if ps.is_tagged(first):  # its place in the sender's lane: for the inbox
+            first = first[ps.LANE.size:]
         try:
-            header = decode_header(frames[1].buffer)
+            header = decode_header(first)
         except DecodeError as exc:
             stats.drop(exc.reason)
-            return
+            return None
         reason = self.check_header(header)
         if reason is not None:
             stats.drop(reason)
-            return
+            return None
         expected_id = self._ids.get(header.src)
         if expected_id is None:
             expected_id = self._ids[header.src] = routing_id(header.src)
         sender_id = frames[0].bytes
         if sender_id != expected_id and sender_id != b"x" + expected_id:
             stats.drop("spoofed_src")
-            return
+            return None
+        return header, frames
+
+    def _take(self, header: Header, frames: list[zmq.Frame]) -> None:
+        """Validate a checked message's frames, receive its tensors and deliver it."""
+        stats = self.stats
         specs = header.specs
         if not specs:
             if len(frames) != 2:
@@ -1104,34 +1116,12 @@ class ZmqTransport(Transport):
 
     # ------------------------------------------------------- receiving: payload streams
 
-    def _handle_streamed(self, frames: list[zmq.Frame]) -> None:
-        """``[descriptor + header]``: the message's tensor bytes come over the sender's stream.
-
-        Whatever is wrong with the frame counts as ``bad_header``: its first byte makes it one
-        to :func:`decode_header`, which is what a frame that is not a streamed message is."""
-        stats = self.stats
-        inbox = self._inbox
-        if len(frames) != 2 or inbox is None:  # inbox: this rank advertised no stream
-            stats.drop("bad_header")
-            return
-        frame = frames[1].buffer
-        try:
-            header = decode_header(frame[ps.DESCRIPTOR.size:])
-        except DecodeError:
-            stats.drop("bad_header")
-            return
+    def _check_streamed(self, header: Header, rank: int) -> str | None:
+        """A streamed message's header (from ``rank``'s stream): a drop reason, or None."""
         reason = self.check_header(header)
-        if reason is not None:
-            stats.drop(reason)
-            return
-        if frames[0].bytes != routing_id(header.src):
-            stats.drop("spoofed_src")
-            return
-        if not header.specs:
-            stats.drop("bad_header")
-            return
-        _, token, seq = ps.DESCRIPTOR.unpack_from(frame)
-        inbox.begin(header.src, ps.Pending(header, token, seq, _stream_nbytes(header.specs)))
+        if reason is None and header.src != rank:
+            reason = "spoofed_src"
+        return reason
 
     def _admits_stream(self, rank: int) -> bool:
         """Whether a payload stream's hello from ``rank`` is accepted: from any rank this one

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hopnet.errors import PeerFailure
 from hopnet.launch.store import connect_store, host_store
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.transports.inproc import InprocNetwork
@@ -40,6 +41,7 @@ class Recorder:
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.asked: list[Header] = []
+        self.lost: list[PeerFailure] = []
         self.buffers: Callable[[Header], object] = lambda header: None
 
     def buffers_for(self, header: Header) -> object:
@@ -51,6 +53,9 @@ class Recorder:
 
     def deliver(self, msg: Message) -> None:
         self.inbox.put_nowait(msg)
+
+    def peer_lost(self, failure: PeerFailure) -> None:
+        self.lost.append(failure)
 
     async def get(self) -> Message:
         return await asyncio.wait_for(self.inbox.get(), TIMEOUT_S)
