@@ -104,7 +104,7 @@ class TorchCollective(Collective):
         if len(members) == 1:
             return tensor
         key = (self.backend or backend_for(tensor.device), members)
-        while key not in self._decided and key in self._deciding:  # a call before this one meets the others
+        while key in self._deciding:  # the group's first call still meets the others, or reduces
             await asyncio.shield(self._deciding[key])
         pg = self._cached.get(key) if self._decided.get(key) else None
         if pg is not None:
@@ -127,8 +127,10 @@ class TorchCollective(Collective):
 
         threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
         if key not in self._decided and key not in self._deciding:
-            # Calls of the group issued meanwhile (the buckets of one backward pass) wait for this one to
-            # decide whether it is cached: deciding and forming it twice at once would pair them wrongly.
+            # Calls of the group issued meanwhile (the buckets of one backward pass) wait until this one,
+            # which decides whether the group is cached and forms it, has also reduced: a call issued on
+            # the cached group while this one's thread still issues its own could go first on one rank
+            # and second on another, and gloo would pair them wrongly.
             self._deciding[key] = done
             done.add_done_callback(lambda _: self._deciding.pop(key, None))
         error = await done
