@@ -3,9 +3,10 @@
 The flat gradient buffer (:class:`hopnet.params.FlatGradients`) is cut into buckets of at most
 ``cap_bytes``: contiguous slices, taken in reverse parameter order (the last layers' gradients
 are ready first). Each parameter's ``register_post_accumulate_grad_hook`` marks it ready, on the
-thread that runs the backward pass; a bucket whose parameters are all ready is all-reduced at
-once on the node's event loop, in place on its slice, one bucket after the other in bucket
-order (a torch.distributed collective needs the same order of calls on every member).
+thread that runs the backward pass; a bucket whose parameters are all ready starts its
+all-reduce at once on the node's event loop, in place on its slice, once every bucket before it
+started (a torch.distributed collective needs the same order of calls on every member), without
+waiting for those to end: the collective queues them.
 
 One backward pass is one *round*. Its first hook opens it and queues a callback at the end of
 the backward pass (the autograd engine's ``queue_callback``, what DDP uses); that callback
