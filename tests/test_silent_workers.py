@@ -65,15 +65,13 @@ def test_a_process_stopped_past_the_limit_is_reported(tmp_path: Path) -> None:
     assert process_state(sleeper.pid) is None
 
 
-@pytest.mark.slow
-def test_a_stopped_worker_is_killed_and_a_tolerant_run_finishes(tmp_path: Path) -> None:
-    """The issue's hang: SIGSTOP one of 4 Hop workers with a backup worker each and
-    --max-failures 1. The launcher kills it and the run ends with exit 0 and the lost-rank line."""
-    run_dir = tmp_path / "run"
-    victim = 3
+def _stop_in_a_tolerant_hop_run(run_dir: Path, victim: int,
+                                *flags: str) -> tuple[subprocess.Popen[str], dict[int, int], str]:
+    """4 Hop workers with a backup worker each and --max-failures 1; ``victim`` SIGSTOPped once it
+    is in iteration 5. The launch (ended), the workers' pids and its stderr."""
     proc = start_launch(["--nproc", "4", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
-                         "--run-dir", str(run_dir), "--no-progress", HOP_WORKER, "--dim", "100", "--compute-ms", "5",
-                         "--iterations", "300"], new_session=True)
+                         *flags, "--run-dir", str(run_dir), "--no-progress", HOP_WORKER, "--dim", "100",
+                         "--compute-ms", "5", "--iterations", "300"], new_session=True)
     try:
         pids = worker_pids(run_dir, 4)
         deadline = time.monotonic() + 120
@@ -84,6 +82,16 @@ def test_a_stopped_worker_is_killed_and_a_tolerant_run_finishes(tmp_path: Path) 
         _, err = proc.communicate(timeout=120)
     finally:
         kill(proc)
+    return proc, pids, err
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_killed_and_a_tolerant_run_finishes(tmp_path: Path) -> None:
+    """The issue's hang: SIGSTOP one of 4 Hop workers with a backup worker each and
+    --max-failures 1. The launcher kills it and the run ends with exit 0 and the lost-rank line."""
+    run_dir = tmp_path / "run"
+    victim = 3
+    proc, pids, err = _stop_in_a_tolerant_hop_run(run_dir, victim)
     assert proc.returncode == 0, err
     lost = [line for line in err.splitlines() if line.startswith("hopnet launch: lost rank 3 ")]
     assert lost and "went silent" in lost[0] and "killed" in lost[0], err
@@ -99,19 +107,7 @@ def test_a_stopped_worker_on_the_torch_plane_is_lost_and_a_tolerant_run_finishes
     waited for it (blocked on its tokens, receiving nothing), which used to wait out --timeout."""
     run_dir = tmp_path / "run"
     victim = 2
-    proc = start_launch(["--nproc", "4", "--bulk", "torch", "--backup-workers", "1", "--max-failures", "1",
-                         "--peer-timeout", "2", "--timeout", "60", "--run-dir", str(run_dir), "--no-progress",
-                         HOP_WORKER, "--dim", "100", "--compute-ms", "5", "--iterations", "300"], new_session=True)
-    try:
-        pids = worker_pids(run_dir, 4)
-        deadline = time.monotonic() + 120
-        while not any(r.get("iter", -1) >= 5 for r in records(run_dir, victim, "iteration")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        os.kill(pids[victim], signal.SIGSTOP)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        kill(proc)
+    proc, _, err = _stop_in_a_tolerant_hop_run(run_dir, victim, "--bulk", "torch", "--timeout", "60")
     assert proc.returncode == 0, err
     lost = [line for line in err.splitlines() if line.startswith(f"hopnet launch: lost rank {victim} ")]
     assert lost and "killed" in lost[0], err
