@@ -272,7 +272,7 @@ class TorchBulkTransport(Transport):
         self._departed: set[int] = set()
         self._watches: dict[int, PairWatch] = {}
         self._lost: set[int] = set()  # peers found gone, reported (or being reported) to the receiver
-        self._reports: set[asyncio.Task[None]] = set()
+        self._reports: dict[int, asyncio.Task[None]] = {}  # by peer: a loss reported once the bye grace is over
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -311,7 +311,7 @@ class TorchBulkTransport(Transport):
         self._closed = True
         for peer in self._watches:
             self._tell(peer, CLOSING)  # ends the peer's watch, and makes it end ours
-        for task in self._reports:
+        for task in self._reports.values():
             task.cancel()
         await self.control.close()
         for waiter in self._waiters.values():
@@ -410,6 +410,13 @@ class TorchBulkTransport(Transport):
         if peer in self._departed:
             self.stats.drop("peer_left")
             return
+        report = self._reports.get(peer)
+        if report is not None and not report.done():
+            # Its channel closed, and its bye may still be on its way: a peer that leaves is not a dead one.
+            await asyncio.shield(report)
+            if peer in self._departed:
+                self.stats.drop("peer_left")
+                return
         if peer in self._failed:
             raise PeerFailure(f"rank {self.rank}: bulk channel to rank {peer} failed earlier: "
                               f"{self._failed[peer]}", peer=peer, peer_state="dead")
@@ -487,8 +494,7 @@ class TorchBulkTransport(Transport):
         self._lost.add(peer)
         self._failed.setdefault(peer, text)
         task = asyncio.get_running_loop().create_task(self._report_lost(peer, text))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self._reports[peer] = task
 
     async def _report_lost(self, peer: int, text: str) -> None:
         if await self._departed_meanwhile(peer):
