@@ -150,8 +150,9 @@ class BackwardReducer:
         if not self.enabled or self._closed or self._loop.is_closed() or threading.get_ident() == self._loop_thread:
             return False
         # A device's hooks run on autograd's thread for it, whoever called backward(): if that is
-        # the loop's thread, waiting for the loop at the end of the pass would never return.
-        return param.device.type == "cpu" or not in_backward(self._loop_thread)
+        # the loop's thread, waiting for the loop at the end of the pass would never return. Looked
+        # at once per pass (its first hook opens the round), not per parameter.
+        return param.device.type == "cpu" or self._round is not None or not in_backward(self._loop_thread)
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
         if not self._overlapping(param):
