@@ -23,9 +23,10 @@ compute, each iteration, to exactly one rank, ``straggler(seed, iteration)``, in
 
 Each worker writes ``bench_rank{R}.json`` into its run directory: when each iteration
 ended (its monotonic clock, from the start of its first iteration), the held-out accuracy
-every --eval-every iterations, and for DDP how each iteration split into compute (sleep,
-slowdown, forward), backward (which waits for DDP's gradient all-reduce) and the
-optimizer step. hopnet's split comes from its event log (``iteration`` records:
+every --eval-every iterations, and how each iteration split on the trainer's clock into
+forward (with the sleep; DDP: and --slowdown), backward (which waits for DDP's gradient
+all-reduce, and hopnet's buckets) and the optimizer step (hopnet: with what is left to
+reduce, and --slowdown). hopnet's rows add its event log's split (``iteration`` records:
 compute_s, wait_updates_s, wait_tokens_s, mix_s). See bench/README.md ("Hop and
 all-reduce against DDP").
 """
@@ -127,16 +128,12 @@ def train(role: str, args: argparse.Namespace) -> None:
             factor = slowdown.factor(rank, step)
             if factor > 1.0:
                 time.sleep((factor - 1.0) * (now() - step_ended))
-            forward_done = now()
-            loss.backward()  # DDP's gradient all-reduce finishes inside
-            backward_done = now()
-            optimizer.step()
-            step_ended = now()
-            split.append((forward_done - previous_end, backward_done - forward_done, step_ended - backward_done))
-        else:
-            loss.backward()
-            optimizer.step()
-            step_ended = now()
+        forward_done = now()
+        loss.backward()  # the gradient all-reduce (DDP's, hopnet's buckets) finishes inside
+        backward_done = now()
+        optimizer.step()  # (hopnet: what the backward pass left to reduce, the step, --slowdown)
+        step_ended = now()
+        split.append((forward_done - previous_end, backward_done - forward_done, step_ended - backward_done))
         ends.append((step, step_ended - t0))
         if step + 1 >= next_eval:
             evals.append((step, now() - t0, accuracy(model, x_test, y_test)))
@@ -228,13 +225,12 @@ def summarize(name: str, run_dir: Path, nproc: int, wall: float, args: argparse.
 def split_ms(run_dir: Path, ranks: list[dict], warm: int) -> dict[str, float]:
     """Mean per-iteration split over the ranks and the iterations from --warmup on."""
     sums: dict[str, list[float]] = {}
-    if ranks[0]["role"] == "ddp":
-        for data in ranks:
-            for (k, _), parts in zip(data["ends"], data["split"]):
-                if k >= warm:
-                    for key, value in zip(("compute", "backward+allreduce", "step"), parts):
-                        sums.setdefault(key, []).append(value)
-    else:
+    for data in ranks:  # the trainer's own clock, the same for both roles
+        for (k, _), parts in zip(data["ends"], data["split"]):
+            if k >= warm:
+                for key, value in zip(("forward", "backward+allreduce", "step"), parts):
+                    sums.setdefault(key, []).append(value)
+    if ranks[0]["role"] == "hopnet":
         for log in sorted(run_dir.glob("rank*.jsonl")):
             for line in log.read_text().splitlines():
                 try:

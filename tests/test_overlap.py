@@ -18,6 +18,8 @@ import torch
 
 from hopnet import AsyncWorker, DistributedOptimizer, Graph, PeerFailure, ProtocolConfig
 from hopnet.params import FlatGradients, flatten_parameters
+from hopnet.collectives.torchdist import TorchCollective
+from hopnet.launch.store import connect_store, host_store
 from hopnet.protocols.allreduce import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
 from hopnet.protocols.pipesgd import PipeSgdOptions
@@ -52,10 +54,12 @@ def test_buckets_are_contiguous_slices_in_reverse_parameter_order() -> None:
 
 
 def train(bucket_mb: float, run: str = "plain", steps: int = STEPS, protocol: str = "allreduce",
-          devices: tuple[str, ...] = ("cpu",) * WORLD) -> list[dict[str, torch.Tensor]]:
+          devices: tuple[str, ...] = ("cpu",) * WORLD, *, over_torch: bool = False,
+          summaries: dict[int, dict[str, object]] | None = None) -> list[dict[str, torch.Tensor]]:
     """Every rank's state after ``steps`` steps of bn_task's model: one backward pass per step
     (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``);
-    rank ``r``'s model on ``devices[r]``."""
+    rank ``r``'s model on ``devices[r]``. ``over_torch``: the ranks reduce over torch.distributed
+    (gloo), not the node's ring; ``summaries`` gets each rank's protocol summary."""
 
     def body(rank: int, start: Start) -> dict[str, torch.Tensor]:
         device = devices[rank]
@@ -75,9 +79,18 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS, protocol: st
                 else:
                     (loss_fn(model(x), y) / micro).backward()
             opt.step()
+        if summaries is not None:
+            summaries[rank] = worker.node.protocol.summary()
         return state(model)
 
-    return run_ranks(WORLD, config(bucket_mb, protocol), body)
+    if not over_torch:
+        return run_ranks(WORLD, config(bucket_mb, protocol), body)
+    hosted = host_store("127.0.0.1")
+    try:
+        return run_ranks(WORLD, config(bucket_mb, protocol), body, collective=lambda rank: TorchCollective(
+            rank, WORLD, connect_store(hosted.endpoint, TIMEOUT_S), timeout_s=TIMEOUT_S))
+    finally:
+        hosted.close()
 
 
 def grads_after_backward(bucket_mb: float, deferred: bool, protocol: str = "allreduce",
@@ -179,6 +192,25 @@ def test_a_peer_gone_in_the_backward_pass_fails_the_step_naming_it() -> None:
     left, failed = run_ranks(WORLD, config(SMALL_MB), body)[::-1]
     assert left == "left"
     assert failed.startswith("2: ") and "rank 1" in failed, failed
+
+
+@pytest.mark.parametrize("run", ["plain", "accumulate", "no_sync"])
+def test_over_torch_distributed_the_backward_pass_issues_the_buckets_itself(run: str) -> None:
+    """Over gloo, once the first round has formed the group, the hooks issue each bucket's reduce from
+    the backward pass's thread and its end waits for them there (no hand-off to the loop): the model
+    is bit for bit the one the same buckets give reduced on the loop, by the node's ring (two ranks:
+    each element's sum is one addition, whoever adds)."""
+    summaries: dict[int, dict[str, object]] = {}
+    issued = train(SMALL_MB, run, steps=4, over_torch=True, summaries=summaries)
+    on_the_loop = train(SMALL_MB, run, steps=4)
+    for name, tensor in on_the_loop[0].items():
+        assert torch.equal(tensor, issued[0][name]), name
+        assert torch.equal(issued[1][name], issued[0][name]) or "running" in name or "num_batches" in name
+    backward_passes = 4 * (1 if run == "plain" else MICRO_BATCHES)
+    reducing = 4 if run == "no_sync" else backward_passes
+    for summary in summaries.values():
+        assert summary["overlapped"] == 4 and summary["buckets"] == 3
+        assert summary["issued_in_backward"] == reducing - 1, summary  # all but the group's first round
 
 
 class _WithUnused(torch.nn.Module):

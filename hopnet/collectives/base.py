@@ -14,7 +14,9 @@ round). Protocols build tags from what identifies the round, e.g. ``f"prague/{gi
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
 import torch
 
 from hopnet.errors import ConfigError
@@ -38,6 +40,19 @@ def check_group(group: Sequence[int], rank: int, world_size: int) -> tuple[int, 
     return members
 
 
+class PendingReduce(Protocol):
+    """A reduce started by :data:`IssueFn`, not yet waited for."""
+
+    def wait(self) -> torch.Tensor:
+        """Block the calling thread until this member holds the result (divided, for ``mean``);
+        raise what failed it, or :class:`hopnet.errors.WaitTimeout` after the collective's timeout."""
+        ...
+
+
+IssueFn = Callable[[torch.Tensor, str], PendingReduce]
+"""Start the reduce of a tensor under a tag, from the calling thread, without waiting for it."""
+
+
 class Collective(abc.ABC):
     """All-reduce among an ordered group of ranks, awaited on the node's event loop (what the
     node holds as its :class:`hopnet.runtime.services.AllReduce`)."""
@@ -56,6 +71,15 @@ class Collective(abc.ABC):
         in the calling thread where the collective can (then it returns ``tensor``), else
         nothing is done and it returns None, and the caller awaits :meth:`allreduce` on the loop.
         Saves the thread hand-offs of the loop on small tensors. Default: None."""
+        return None
+
+    def issuer(self, group: Sequence[int], op: ReduceOp, device: torch.device) -> IssueFn | None:
+        """Where the collective can, a way for a thread outside the event loop to start reduces of
+        ``group`` itself, in the order of its calls, and wait for each where it needs the result
+        (what DDP does from its gradient hooks): no hand-off to the loop and back. Several may be
+        in flight; every member must start the same reduces in the same order. None where the
+        collective cannot, or not yet (the group's first call has not formed it): then
+        :meth:`allreduce` on the loop. Default: None."""
         return None
 
     async def close(self) -> None:

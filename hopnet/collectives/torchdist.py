@@ -25,7 +25,8 @@ send the result to every member, so members end bit for bit equal (the tests che
 A cached group's call issues the reduce on the caller's event loop (gloo and NCCL only
 enqueue it) and a thread per cached group waits for it; a caller outside the loop that
 blocks anyway (:meth:`TorchCollective.allreduce_blocking`, used by
-:meth:`hopnet.api.Worker.allreduce`) issues and waits in its own thread instead; any other call (the first of a
+:meth:`hopnet.api.Worker.allreduce`, and :meth:`TorchCollective.issuer`, used by the gradient
+hooks of :mod:`hopnet.protocols.overlap`) issues and waits in its own thread instead; any other call (the first of a
 group, or an uncached one, which talk to the store and construct process groups) runs
 in a thread of its own. Every wait (store, construction, reduce) has the collective's
 timeout and fails naming the group.
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hopnet.collectives.base import REDUCE_OPS, Collective, ReduceOp, check_group
+from hopnet.collectives.base import REDUCE_OPS, Collective, IssueFn, PendingReduce, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, one_line, release_group, settle, wait_work
@@ -125,14 +126,14 @@ class TorchCollective(Collective):
             except RuntimeError:
                 pass
 
-        threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
         if key not in self._decided and key not in self._deciding:
-            # Calls of the group issued meanwhile (the buckets of one backward pass) wait until this one,
-            # which decides whether the group is cached and forms it, has also reduced: a call issued on
-            # the cached group while this one's thread still issues its own could go first on one rank
-            # and second on another, and gloo would pair them wrongly.
+            # Calls of the group issued meanwhile (the buckets of one backward pass, an issuer's) wait
+            # until this one, which decides whether the group is cached and forms it, has also reduced:
+            # a call issued on the cached group while this one's thread still issues its own could go
+            # first on one rank and second on another, and gloo would pair them wrongly.
             self._deciding[key] = done
             done.add_done_callback(lambda _: self._deciding.pop(key, None))
+        threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
         error = await done
         if error is not None:
             if isinstance(error, HopnetError):
@@ -150,22 +151,22 @@ class TorchCollective(Collective):
         members = self._check(group, tensor, op, tag)
         if len(members) == 1:
             return tensor
-        key = (self.backend or backend_for(tensor.device), members)
+        issue = self.issuer(members, op, tensor.device)
+        return issue(tensor, tag).wait() if issue is not None else None
+
+    def issuer(self, group: Sequence[int], op: ReduceOp, device: torch.device) -> IssueFn | None:
+        """Reduces of a cached group, issued in the calling thread (gloo and NCCL only enqueue
+        them) and waited for there: see :meth:`Collective.issuer`. None until the group's first
+        call, on the loop, has formed it and reduced."""
+        members = tuple(group)
+        key = (self.backend or backend_for(device), members)
         pg = self._cached.get(key) if self._decided.get(key) else None
-        if pg is None:
+        if pg is None or self._closed or key in self._deciding:
             return None
-        work = self._issue(pg, tensor, members, tag)
-        try:
-            wait_work(work, tensor.device, self.timeout_s)
-        except TimeoutError:
-            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
-                              peer_state="stalled") from None
-        except Exception as exc:
-            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{one_line(exc)}") from exc
-        if op == "mean":
-            tensor.div_(len(members))
-        return tensor
+
+        def issue(tensor: torch.Tensor, tag: str) -> PendingReduce:
+            return _IssuedReduce(self, self._issue(pg, tensor, members, tag), tensor, members, op, tag)
+        return issue
 
     def _check(self, group: Sequence[int], tensor: torch.Tensor, op: str, tag: str) -> tuple[int, ...]:
         if self._closed:
@@ -315,6 +316,33 @@ class TorchCollective(Collective):
                 if pg is not None:
                     release_group(pg)
             self._cached.clear()
+
+
+class _IssuedReduce:
+    """A cached group's reduce issued by :meth:`TorchCollective.issuer`, waited for by its caller."""
+
+    def __init__(self, collective: TorchCollective, work: Any, tensor: torch.Tensor, members: tuple[int, ...],
+                 op: str, tag: str) -> None:
+        self._collective = collective
+        self._work = work
+        self._tensor = tensor
+        self._members = members
+        self._op = op
+        self._tag = tag
+
+    def wait(self) -> torch.Tensor:
+        coll, members, tensor = self._collective, self._members, self._tensor
+        try:
+            wait_work(self._work, tensor.device, coll.timeout_s)
+        except TimeoutError:
+            raise WaitTimeout(f"all-reduce {self._tag!r} of group {list(members)}", waited_s=coll.timeout_s,
+                              peer_state="stalled") from None
+        except Exception as exc:
+            raise HopnetError(f"rank {coll.rank}: all-reduce {self._tag!r} of group {list(members)} failed: "
+                              f"{one_line(exc)}") from exc
+        if self._op == "mean":
+            tensor.div_(len(members))
+        return tensor
 
 
 __all__ = ["DEFAULT_MAX_CACHED", "TorchCollective"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hopnet.collectives.base import Collective, IssueFn
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure
 from hopnet.model_state import ModelState
@@ -65,7 +66,7 @@ class AllRanksGradientProtocol(Protocol):
         if self.bucket_mb > 0 and isinstance(grads, FlatGradients) and not grads.packed \
                 and not self.node.max_restarts and len(self.everyone) > 1 and self.reducer is None:
             self.reducer = BackwardReducer(grads, self.bucket_mb * MB, self._reduce_bucket, self._bucket_tag,
-                                           asyncio.get_running_loop())
+                                           asyncio.get_running_loop(), self._bucket_issuer)
 
     # ------------------------------------------------------------------ overlap with the backward pass
     def _overlap_collective(self) -> AllReduce:
@@ -74,6 +75,13 @@ class AllRanksGradientProtocol(Protocol):
 
     def _reduce_bucket(self, tensor: torch.Tensor, tag: str) -> Awaitable[torch.Tensor]:
         return self._overlap_collective().allreduce(self.everyone, tensor, "mean", tag=tag)
+
+    def _bucket_issuer(self) -> IssueFn | None:
+        """The buckets' reduces issued by the backward pass's own thread, where the collective can."""
+        collective = self._overlap_collective()
+        if not isinstance(collective, Collective) or not isinstance(self.grads, FlatGradients):
+            return None
+        return collective.issuer(self.everyone, "mean", self.grads.buffer.device)
 
     def _bucket_tag(self, backward: int, bucket: int) -> str:
         return self._tag(f"{self.iteration}/{backward}/{bucket}")
@@ -96,11 +104,13 @@ class AllRanksGradientProtocol(Protocol):
         return reduced
 
     def overlap_summary(self) -> dict[str, Any]:
-        """The ``stop`` record's account of the overlap (``--bucket-mb``): buckets, and steps the backward
-        pass reduced; nothing when this worker reduced at the step only."""
+        """The ``stop`` record's account of the overlap (``--bucket-mb``): buckets, steps the backward
+        pass reduced, and its rounds whose reduces it issued from its own thread (not the loop);
+        nothing when this worker reduced at the step only."""
         if self.reducer is None:
             return {}
-        return {"buckets": len(self.reducer.buckets), "overlapped": self.overlapped}
+        return {"buckets": len(self.reducer.buckets), "overlapped": self.overlapped,
+                "issued_in_backward": self.reducer.issued_rounds}
 
     def _close_reducer(self) -> None:
         if self.reducer is not None:

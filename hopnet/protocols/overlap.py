@@ -8,6 +8,14 @@ all-reduce at once on the node's event loop, in place on its slice, once every b
 started (a torch.distributed collective needs the same order of calls on every member), without
 waiting for those to end: the collective queues them.
 
+Where the collective can (:meth:`hopnet.collectives.base.Collective.issuer`: torch.distributed's
+groups, once formed) and the gradient is on the CPU, a round skips the loop altogether, as DDP
+does: the hook that completes a bucket issues its reduce itself (gloo only enqueues it), and the
+end of the backward pass waits for them in the trainer's thread. On a machine with fewer cores
+than threads, each hand-off to the loop and back waits for a time slice. The first round, which
+forms the group, and every round of a collective without an issuer (ZeroMQ's ring, a compressing
+codec) go through the loop.
+
 One backward pass is one *round*. Its first hook opens it and queues a callback at the end of
 the backward pass (the autograd engine's ``queue_callback``, what DDP uses); that callback
 marks the buckets of parameters the pass did not reach (their ``.grad`` is zeroed if it was
@@ -36,6 +44,7 @@ from typing import Any
 
 import torch
 
+from hopnet.collectives.base import IssueFn, PendingReduce
 from hopnet.params import FlatGradients
 from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions
 
@@ -44,7 +53,10 @@ MB = 1 << 20
 ReduceFn = Callable[[torch.Tensor, str], Awaitable[Any]]
 """All-reduce (mean) a slice of the gradient buffer in place, under a tag."""
 TagFn = Callable[[int, int], str]
-"""The tag of round ``r``'s bucket ``b`` (called on the loop, where the iteration is read)."""
+"""The tag of round ``r``'s bucket ``b``."""
+IssuerFn = Callable[[], IssueFn | None]
+"""Asked when a round opens: a way to start the buckets' reduces from the backward pass's own
+thread (:meth:`hopnet.collectives.base.Collective.issuer`), or None to reduce them on the loop."""
 
 
 def in_backward(thread_id: int) -> bool:
@@ -90,20 +102,24 @@ def plan_buckets(numels: Sequence[int], element_size: int, cap_bytes: float) -> 
 
 @dataclass
 class _Round:
-    """One backward pass's reduction."""
+    """One backward pass's reduction: on the loop (``future``), or issued from the pass's thread (``issue``)."""
 
     left: list[int]  # per bucket: its parameters not yet ready
     fired: list[bool]  # per parameter: ready in this pass
     ready: list[asyncio.Event]  # per bucket, set on the loop
     future: concurrent.futures.Future[None] | None = field(default=None)
+    issue: IssueFn | None = None
+    issued: list[PendingReduce] = field(default_factory=list)  # buckets 0 .. len - 1
+    error: BaseException | None = None  # what stopped the issuing
 
 
 class BackwardReducer:
     """The gradient hooks of one worker's parameters, and the rounds they start (see the module)."""
 
     def __init__(self, grads: FlatGradients, cap_bytes: float, reduce: ReduceFn, tag: TagFn,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        """Built on ``loop``'s thread (the node's), whose backward passes are not overlapped."""
+                 loop: asyncio.AbstractEventLoop, issuer: IssuerFn | None = None) -> None:
+        """Built on ``loop``'s thread (the node's), whose backward passes are not overlapped.
+        ``issuer``: see :data:`IssuerFn` (asked for CPU gradients only)."""
         self.grads = grads
         self.buckets = plan_buckets([p.numel() for p in grads.params], grads.buffer.element_size(), cap_bytes)
         self._bucket_of = [0] * len(grads.params)
@@ -112,6 +128,7 @@ class BackwardReducer:
                 self._bucket_of[i] = b
         self._reduce = reduce
         self._tag = tag
+        self._issuer = issuer if grads.buffer.device.type == "cpu" else None
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._round: _Round | None = None
@@ -124,6 +141,8 @@ class BackwardReducer:
         """A backward pass since the last :meth:`reset` added gradient that no round reduced."""
         self.error: BaseException | None = None
         """What failed a round since the last :meth:`reset` (raised by the protocol's synchronize)."""
+        self.issued_rounds = 0
+        """Rounds whose reduces the backward pass's thread issued itself (not the loop)."""
         self._closed = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(grads.params)]
 
@@ -166,7 +185,20 @@ class BackwardReducer:
         b = self._bucket_of[index]
         rnd.left[b] -= 1
         if rnd.left[b] == 0:
+            self._bucket_ready(rnd, b)
+
+    def _bucket_ready(self, rnd: _Round, b: int) -> None:
+        if rnd.issue is None:
             self._loop.call_soon_threadsafe(rnd.ready[b].set)
+            return
+        # In bucket order, the same on every member: this one and the ready ones after it.
+        while rnd.error is None and len(rnd.issued) < len(self.buckets) and rnd.left[len(rnd.issued)] == 0:
+            bucket = self.buckets[len(rnd.issued)]
+            try:
+                rnd.issued.append(rnd.issue(self.grads.buffer[bucket.start:bucket.stop],
+                                            self._tag(self._rounds - 1, len(rnd.issued))))
+            except Exception as exc:
+                rnd.error = exc
 
     def _own_view(self, index: int) -> None:
         """Make the parameter's ``.grad`` its view into the buffer again, if something replaced it."""
@@ -183,7 +215,12 @@ class BackwardReducer:
     def _open_round(self) -> _Round:
         rnd = _Round(left=[len(b.members) for b in self.buckets], fired=[False] * len(self.grads.params),
                      ready=[asyncio.Event() for _ in self.buckets])
-        rnd.future = asyncio.run_coroutine_threadsafe(self._reduce_round(rnd), self._loop)
+        rnd.issue = self._issuer() if self._issuer is not None else None
+        if rnd.issue is not None:
+            self._rounds += 1
+            self.issued_rounds += 1
+        else:
+            rnd.future = asyncio.run_coroutine_threadsafe(self._reduce_round(rnd), self._loop)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
         self._round = rnd
         return rnd
@@ -199,14 +236,30 @@ class BackwardReducer:
                 if not rnd.fired[i]:
                     self._own_view(i)
             rnd.left[b] = 0
-            self._loop.call_soon_threadsafe(rnd.ready[b].set)
-        assert rnd.future is not None
+            self._bucket_ready(rnd, b)
         try:
-            rnd.future.result()
-        except BaseException as exc:  # raised at the step, where the trainer expects the run's errors
+            if rnd.future is not None:
+                rnd.future.result()
+            else:
+                self._wait_issued(rnd)
+        except Exception as exc:  # raised at the step, where the trainer expects the run's errors
             self.error = exc
             return
         self.reduced = True
+        self.unreduced = False  # a round reduces the whole buffer, what passes before it added too
+
+    @staticmethod
+    def _wait_issued(rnd: _Round) -> None:
+        """Wait for every reduce the pass issued (none may still write into the buffer when the step
+        reads it), then raise the first failure."""
+        error = rnd.error
+        for pending in rnd.issued:
+            try:
+                pending.wait()
+            except Exception as exc:  # (a signal's exception, Ctrl-C, leaves the backward pass at once)
+                error = error or exc
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ the loop
     async def _reduce_round(self, rnd: _Round) -> None:

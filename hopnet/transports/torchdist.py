@@ -137,6 +137,9 @@ def build_group(store: dist.Store, backend: str, group_rank: int, group_size: in
     raise ConfigError(f"unknown torch backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
+_WAIT_SLICE_S = 0.25
+
+
 def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
     """Block until ``work`` completes; raise TimeoutError after ``timeout_s``."""
     if device.type == "cuda":
@@ -148,8 +151,21 @@ def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
             time.sleep(_CUDA_POLL_S)
         work.wait()
         return
-    if not work.wait(timedelta(seconds=timeout_s)):
-        raise TimeoutError(f"not completed within {timeout_s:g}s")
+    # In slices: a thread blocked inside gloo's wait runs no Python signal handler (the trainer's
+    # thread, waiting for its gradient, must still see SIGTERM and Ctrl-C). A slice that ends before
+    # the op raises gloo's "Operation timed out!" and leaves the op as it was.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if work.wait(timedelta(seconds=max(min(left, _WAIT_SLICE_S), 0.001))) is not False:
+                return
+        except RuntimeError:
+            if work.is_completed():
+                work.wait()  # the op's own error, if it failed
+                return
+        if left <= _WAIT_SLICE_S:
+            raise TimeoutError(f"not completed within {timeout_s:g}s")
 
 
 def encode_bulk(backend: str, tensors: list[torch.Tensor]) -> dict[str, Any]:

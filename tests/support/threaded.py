@@ -20,6 +20,7 @@ from hopnet import Graph, ProtocolConfig, Worker
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.runtime.events import EventLog
+from hopnet.runtime.services import AllReduce
 from hopnet.transports.base import Transport
 from hopnet.transports.inproc import InprocNetwork
 
@@ -40,11 +41,13 @@ def seeded(build: Callable[[], M], seed: int = 0) -> M:
 
 def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *,
               graph: Graph | None = None, buffers: bool = False,
-              wrap: Callable[[int, Transport], Transport] | None = None) -> list[T]:
+              wrap: Callable[[int, Transport], Transport] | None = None,
+              collective: Callable[[int], AllReduce] | None = None) -> list[T]:
     """Run ``body`` for ranks ``0..n-1`` in threads; their results, in rank order. ``buffers``: the
     workers hold the model's floating buffers too (:meth:`ModelState.of`, as ``hopnet.init`` does),
     not only its parameters. ``wrap(rank, transport)`` may put a rank's in-process transport inside
-    another (a fault-injecting one)."""
+    another (a fault-injecting one). ``collective(rank)``: the rank's collective, in place of the
+    node's own (a :class:`hopnet.collectives.torchdist.TorchCollective`)."""
     graph = Graph.ring(n) if graph is None else graph
     network = InprocNetwork()
     barrier = threading.Barrier(n)
@@ -65,7 +68,8 @@ def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *
             worker = Worker(rank=rank, graph=graph, config=config,
                             params=ModelState.of(model) if buffers else flatten_parameters(model),
                             grads=FlatGradients(model), transport=transport, exchange=exchange,
-                            events=EventLog())
+                            events=EventLog(),
+                            collective_factory=(lambda _: collective(rank)) if collective is not None else None)
             workers.append(worker)
             return worker
 

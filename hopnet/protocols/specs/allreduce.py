@@ -29,7 +29,8 @@ def _build(config: ProtocolConfig, options: AllReduceOptions, model: ModelState 
 ALLREDUCE_OUTPUT = OutputSpec(
     waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
     counts=(Count("rounds", "rounds", "max", in_summary=False), Count("buckets", "buckets", "max", in_summary=False),
-            Count("overlapped", "reduced in backward")))
+            Count("overlapped", "reduced in backward"),
+            Count("issued_in_backward", "issued by backward thread", in_summary=False)))
 
 
 register(ProtocolSpec(

@@ -44,6 +44,7 @@ PIPE_SGD_OUTPUT = OutputSpec(
     waits=(Wait("wait_updates_s", "wait for all-reduce", "wait all-reduce"),),
     counts=(Count("pipeline_k", "pipeline depth", "max"), Count("mean_in_flight", "all-reduces in flight", "mean"),
             Count("overlapped", "reduced in backward", in_summary=False),
+            Count("issued_in_backward", "issued by backward thread", in_summary=False),
             Count("applied", "gradients applied", in_summary=False),
             Count("discarded", "gradients discarded", in_summary=False)))
 
