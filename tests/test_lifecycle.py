@@ -25,7 +25,7 @@ from hopnet.launch.run_dir import previous_run_files
 
 from support.env import clean_env
 from support.launch import recorded_worker_pids, run_launch, start_launch, worker_pids
-from support.paths import ROOT, WORKERS
+from support.paths import EXAMPLES, ROOT, WORKERS
 from support.records import records
 from support.processes import alive
 
@@ -187,6 +187,36 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
         log = records(run_dir, rank)
         errors = [r for r in log if r["event"] == "error"]
         assert log[-1]["event"] == "stop" and [e["error"] for e in errors] == ["Terminated"], log[-4:]
+
+
+def test_sigterm_reaches_a_trainer_waiting_inside_gloo_for_its_gradient(tmp_path: Path) -> None:
+    """Over gloo, allreduce's backward pass issues its buckets and waits for them in the trainer's own
+    thread, inside gloo, where Python runs no signal handler. With rank 1 stopped (a frozen host,
+    which nobody can signal), rank 0 waits there; a SIGTERM (Ctrl-C on its own host's launcher, a
+    cluster manager) still ends it, by its own handling: 143 and a ``Terminated`` record. (--peer-timeout
+    and --timeout are far off: only the signal can end the wait.)"""
+    proc, run_dir = _start(tmp_path, "--nproc", "2", "--protocol", "allreduce", "--bulk", "torch",
+                           "--peer-timeout", "120", "--timeout", "300", str(EXAMPLES / "train_digits.py"),
+                           "--iterations", "100000", "--eval-every", "100000")
+    try:
+        _wait_for_iteration(run_dir, [0, 1], 5, proc)
+        os.kill(worker_pids(run_dir, 2)[1], signal.SIGSTOP)
+        entered = -1
+        while True:  # until rank 0 is stuck: no new iteration for a second
+            time.sleep(1.0)
+            latest = max(r["iter"] for r in records(run_dir, 0, "enter"))
+            if latest == entered:
+                break
+            entered = latest
+        os.kill(worker_pids(run_dir, 2)[0], signal.SIGTERM)
+        proc.communicate(timeout=90)  # (the launcher then ends the run, rank 1 with it)
+    finally:
+        _kill_all(list(recorded_worker_pids(run_dir).values()))
+        proc.kill()
+    assert result_of(run_dir)["worker_returncodes"]["0"] == 143, records(run_dir, 0)[-3:]
+    log = records(run_dir, 0)
+    assert [r["error"] for r in log if r["event"] == "error"] == ["Terminated"], log[-3:]
+    assert log[-1]["event"] == "stop" and log[-1]["issued_in_backward"] > 0, log[-1]  # the trainer's own wait
 
 
 @pytest.mark.parametrize("phase", ["training", "starting", "one stopped"])
