@@ -47,7 +47,8 @@ import torch.distributed as dist
 from hopnet.collectives.base import REDUCE_OPS, Collective, IssueFn, PendingReduce, ReduceOp, check_group
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.transports.store_clones import StoreClones
-from hopnet.transports.torchdist import OpWaiter, backend_for, build_group, one_line, release_group, settle, wait_work
+from hopnet.transports.torchdist import (OpWaiter, backend_for, build_group, one_line, release_group, settle,
+                                         wait_collective, wait_work)
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -333,7 +334,7 @@ class _IssuedReduce:
     def wait(self) -> torch.Tensor:
         coll, members, tensor = self._collective, self._members, self._tensor
         try:
-            wait_work(self._work, tensor.device, coll.timeout_s)
+            wait_collective(self._work, tensor.device, coll.timeout_s)
         except TimeoutError:
             raise WaitTimeout(f"all-reduce {self._tag!r} of group {list(members)}", waited_s=coll.timeout_s,
                               peer_state="stalled") from None

@@ -137,9 +137,6 @@ def build_group(store: dist.Store, backend: str, group_rank: int, group_size: in
     raise ConfigError(f"unknown torch backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
-_WAIT_SLICE_S = 0.25
-
-
 def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
     """Block until ``work`` completes; raise TimeoutError after ``timeout_s``."""
     if device.type == "cuda":
@@ -151,9 +148,22 @@ def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
             time.sleep(_CUDA_POLL_S)
         work.wait()
         return
-    # In slices: a thread blocked inside gloo's wait runs no Python signal handler (the trainer's
-    # thread, waiting for its gradient, must still see SIGTERM and Ctrl-C). A slice that ends before
-    # the op raises gloo's "Operation timed out!" and leaves the op as it was.
+    if not work.wait(timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"not completed within {timeout_s:g}s")
+
+
+_WAIT_SLICE_S = 0.25
+
+
+def wait_collective(work: Any, device: torch.device, timeout_s: float) -> None:
+    """:func:`wait_work` for a collective's op (an all-reduce), in slices on the CPU: a thread
+    blocked inside gloo's wait runs no Python signal handler, and a trainer's thread waiting for
+    its gradient must still see SIGTERM and Ctrl-C. A slice that ends first raises gloo's
+    "Operation timed out!" and leaves a collective's op as it was. (Not for point-to-point ops:
+    a timed-out wait of gloo's send or receive ends the op with the error.)"""
+    if device.type == "cuda":
+        wait_work(work, device, timeout_s)
+        return
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
