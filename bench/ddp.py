@@ -5,6 +5,7 @@
     python bench/ddp.py --scenario random      # the same with --slowdown random:6:0.125
     python bench/ddp.py --runs ddp,allreduce-torch,allreduce   # the all-reduce over gloo and over the ring
     python bench/ddp.py --workload wide --nproc 4 --runs ddp,allreduce,allreduce-b0   # real compute, 51 MB
+    python bench/ddp.py --workload wide --device cuda --nproc 2 --runs ddp,allreduce  # a GPU per rank: NCCL
 
 Every run trains examples/train_digits.py's MLP (64-64-10, SGD momentum 0.9, cosine
 learning rate, batches of 32 from the rank's shard, held-out accuracy on the shared test
@@ -81,6 +82,12 @@ def train(role: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = build_model(args)
+    device = torch.device("cpu")
+    if args.device == "cuda":  # one GPU per rank: the rank's local rank among the visible GPUs
+        local = os.environ.get("HOPNET_LOCAL_RANK" if role == "hopnet" else "LOCAL_RANK", "0")
+        device = torch.device("cuda", int(local) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        model = model.to(device)
     loss_fn = torch.nn.CrossEntropyLoss()
     compute_s = args.compute_ms / 1000.0
     now = time.monotonic
@@ -103,14 +110,15 @@ def train(role: str, args: argparse.Namespace) -> None:
 
         from hopnet.slowdown import Slowdown
 
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        forward_model = DistributedDataParallel(model)
+        forward_model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(forward_model.parameters(), lr=args.lr, momentum=0.9)
         slowdown = Slowdown.from_specs(args.slowdown, seed=args.seed)
         steps = iter(range(args.iterations))
 
-    x_train, y_train, x_test, y_test = load_shard(rank, world, args.seed)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_shard(rank, world, args.seed))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # a split's clock reads done work
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     next_eval = args.eval_every
     t0 = now()
@@ -121,17 +129,20 @@ def train(role: str, args: argparse.Namespace) -> None:
         previous_end = step_ended
         slow = args.straggler_ms / 1000.0 if args.straggler_ms and straggler(args.seed, step, world) == rank else 0.0
         time.sleep(compute_s + slow)
-        batch = torch.randint(len(x_train), (args.batch_size,), generator=generator)
+        batch = torch.randint(len(x_train), (args.batch_size,), generator=generator).to(device)
         optimizer.zero_grad()
         loss = loss_fn(forward_model(x_train[batch]), y_train[batch])
         if role == "ddp":
             factor = slowdown.factor(rank, step)
             if factor > 1.0:
                 time.sleep((factor - 1.0) * (now() - step_ended))
+        sync()
         forward_done = now()
         loss.backward()  # the gradient all-reduce (DDP's, hopnet's buckets) finishes inside
+        sync()
         backward_done = now()
         optimizer.step()  # (hopnet: what the backward pass left to reduce, the step, --slowdown)
+        sync()
         step_ended = now()
         split.append((forward_done - previous_end, backward_done - forward_done, step_ended - backward_done))
         ends.append((step, step_ended - t0))
@@ -161,7 +172,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return ["--iterations", str(args.iterations), "--compute-ms", str(args.compute_ms),
             "--eval-every", str(args.eval_every), "--lr", str(args.lr), "--seed", str(args.seed),
             "--straggler-ms", str(getattr(args, "straggler_ms", 0.0)), "--workload", args.workload,
-            "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch-size", str(args.batch_size)]
+            "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch-size", str(args.batch_size),
+            "--device", args.device]
 
 
 def run_hopnet(name: str, flags: list[str], slowdown: list[str], run_dir: Path, args: argparse.Namespace) -> float:
@@ -279,6 +291,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: each rank on the GPU of its local rank (DDP over NCCL; hopnet's --bulk auto "
+                             "takes the torch plane, NCCL, for CUDA tensors); needs a GPU per rank")
     parser.add_argument("--slowdown", action="append", default=[], help="(ddp workers) as hopnet's --slowdown")
     parser.add_argument("--straggler-ms", type=float, default=0.0,
                         help="each iteration exactly one rank, straggler(seed, iteration), computes this much longer")
