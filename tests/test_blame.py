@@ -88,6 +88,20 @@ def test_a_killed_rank_died_and_its_neighbours_waited() -> None:
                              "then rank 1 timed out waiting for its updates")
 
 
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_rank_gone_without_a_record_comes_before_the_members_that_failed_naming_no_one(how: str) -> None:
+    """A torch.distributed collective fails on every member ("Connection closed by peer") without
+    naming the one that died, and their records come after the death; the dead one left none."""
+    peerless = [RankEnd(r, 1, order=i, error=error(r, "HopnetError", mono=5.0 + i, it=35,
+                                                   message=f"rank {r}: all-reduce failed: Connection closed by peer"))
+                for i, r in enumerate((1, 3, 0))]
+    gone = RankEnd(2, -9, order=3, last_iter=24, silent="stopped (state T) for 5.0 s" if how == "silent" else None)
+    blame = explain([*peerless, gone])
+    assert blame is not None and blame.rank == 2
+    assert blame.summary == ("rank 2 died (killed by SIGKILL) after iteration 24" if how == "killed" else
+                             "rank 2 went silent after iteration 24 (stopped (state T) for 5.0 s; the launcher killed it)")
+
+
 def test_a_silent_peer_went_silent() -> None:
     ends = [RankEnd(0, 1, error=error(0, "WaitTimeout", mono=1.0, peer=1, state="dead", it=3)),
             RankEnd(1, -9, stopped=True, last_iter=2)]

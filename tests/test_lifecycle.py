@@ -189,6 +189,24 @@ def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
         assert log[-1]["event"] == "stop" and [e["error"] for e in errors] == ["Terminated"], log[-4:]
 
 
+def test_a_worker_killed_in_a_gloo_all_reduce_is_named_not_the_members_that_saw_it(tmp_path: Path) -> None:
+    """Over gloo, every member of the all-reduce a killed worker was in fails with "Connection closed
+    by peer", which names no rank, and writes its error record after the death; the killed one writes
+    none. The launcher names the killed one."""
+    proc, run_dir = _start(tmp_path, "--nproc", "4", "--protocol", "allreduce", "--bulk", "torch",
+                           str(EXAMPLES / "train_digits.py"), "--iterations", "100000", "--eval-every", "100000")
+    try:
+        _wait_for_iteration(run_dir, [0, 1, 2, 3], 5, proc)
+        os.kill(worker_pids(run_dir, 4)[2], signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        _kill_all(list(recorded_worker_pids(run_dir).values()))
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert summary_line(err).startswith("hopnet launch: rank 2 died (killed by SIGKILL)"), err
+    assert result_of(run_dir)["failed_rank"] == 2
+
+
 def test_sigterm_reaches_a_trainer_waiting_inside_gloo_for_its_gradient(tmp_path: Path) -> None:
     """Over gloo, allreduce's backward pass issues its buckets and waits for them in the trainer's own
     thread, inside gloo, where Python runs no signal handler. With rank 1 stopped (a frozen host,

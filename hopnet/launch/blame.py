@@ -6,6 +6,10 @@ its updates, or cannot go on once it left. The launcher collects how every rank 
 from its event log) and :func:`explain` follows the blame from the first failure to
 the rank at its root:
 
+* the first failure is the earliest ``error`` record, except that a rank that ended without one
+  (killed by a signal, or gone silent and killed) comes first: it left no time, and the records
+  of the failures it caused come after it, some naming no one (a torch.distributed collective
+  fails "Connection closed by peer" on every member);
 * a rank whose ``error`` record names a ``peer`` blames that peer;
 * the chain ends at a rank with an error of its own (an exception, ``sys.exit(N)``),
   one that died (killed by a signal), one that left early (exit 0 while others ran on),
@@ -105,9 +109,16 @@ def _blamed_peer(end: RankEnd) -> int | None:
     return _int_or_none(end.error.get("peer")) if end.error else None
 
 
-def _sort_key(end: RankEnd) -> tuple[float, int]:
-    mono = end.error.get("mono") if end.error else None
-    return (float(mono) if isinstance(mono, (int, float)) and not isinstance(mono, bool) else float("inf"),
+def _sort_key(end: RankEnd) -> tuple[int, float, int]:
+    """Failures in the order they happened, as far as the records tell. A rank that ended without
+    an ``error`` record (killed by a signal, or gone silent and killed) left no time, and comes
+    first: the failures that follow such a death often cannot name it (a torch.distributed
+    collective fails "Connection closed by peer" on every member, naming none), and their records,
+    written after it, would otherwise make one of them the root."""
+    if end.error is None:
+        return (0, 0.0, end.order)
+    mono = end.error.get("mono")
+    return (1, float(mono) if isinstance(mono, (int, float)) and not isinstance(mono, bool) else float("inf"),
             end.order)
 
 
