@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Sequence
 from typing import Any
@@ -319,29 +320,28 @@ class TorchCollective(Collective):
             self._cached.clear()
 
 
+@dataclass(frozen=True)
 class _IssuedReduce:
     """A cached group's reduce issued by :meth:`TorchCollective.issuer`, waited for by its caller."""
 
-    def __init__(self, collective: TorchCollective, work: Any, tensor: torch.Tensor, members: tuple[int, ...],
-                 op: str, tag: str) -> None:
-        self._collective = collective
-        self._work = work
-        self._tensor = tensor
-        self._members = members
-        self._op = op
-        self._tag = tag
+    collective: TorchCollective
+    work: Any
+    tensor: torch.Tensor
+    members: tuple[int, ...]
+    op: str
+    tag: str
 
     def wait(self) -> torch.Tensor:
-        coll, members, tensor = self._collective, self._members, self._tensor
+        coll, members, tensor = self.collective, self.members, self.tensor
         try:
-            wait_collective(self._work, tensor.device, coll.timeout_s)
+            wait_collective(self.work, tensor.device, coll.timeout_s)
         except TimeoutError:
-            raise WaitTimeout(f"all-reduce {self._tag!r} of group {list(members)}", waited_s=coll.timeout_s,
+            raise WaitTimeout(f"all-reduce {self.tag!r} of group {list(members)}", waited_s=coll.timeout_s,
                               peer_state="stalled") from None
         except Exception as exc:
-            raise HopnetError(f"rank {coll.rank}: all-reduce {self._tag!r} of group {list(members)} failed: "
+            raise HopnetError(f"rank {coll.rank}: all-reduce {self.tag!r} of group {list(members)} failed: "
                               f"{one_line(exc)}") from exc
-        if self._op == "mean":
+        if self.op == "mean":
             tensor.div_(len(members))
         return tensor
 
