@@ -13,6 +13,7 @@ import torch
 from support.paths import EXAMPLES, ROOT, WORKERS
 from support.launch import launch_in_process
 from support.ports import free_port
+from support.records import records
 
 COLLECTIVE_WORKER = str(WORKERS / "collective_worker.py")
 DIGITS = str(EXAMPLES / "train_digits.py")
@@ -72,10 +73,12 @@ def test_hop_options_with_allreduce_are_refused_in_one_line(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: Path) -> None:
-    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) run by torchrun."""
+@pytest.mark.parametrize("bulk", ["auto", "torch"])
+def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: Path, bulk: str) -> None:
+    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) run by torchrun. auto: the
+    ZeroMQ ring (a model this small); torch: gloo, the backward pass issuing its bucket from the second step on."""
     run_dir = tmp_path / "run"
-    result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), DIGITS,
+    result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), "--bulk", bulk, DIGITS,
                      "--iterations", "50"])
     assert result.returncode == 0, result.stderr
     ddp_out = tmp_path / "ddp.pt"
@@ -89,6 +92,9 @@ def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: P
     assert ours.shape == theirs.shape
     assert not torch.equal(ours, _initial_digits_params())  # both really trained
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    if bulk == "torch":
+        stop = next(r for r in records(run_dir, 0) if r["event"] == "stop")
+        assert stop["issued_in_backward"] == 49, stop
 
 
 def _initial_digits_params() -> torch.Tensor:
