@@ -330,6 +330,8 @@ def test_readers_on_another_thread_never_see_a_half_updated_passive() -> None:
             if rank == 1:
                 worker.node.protocol.observer = lambda avg: passive_states.add(avg.mean[0].item())
                 started.set()
+            else:  # no averaging before the passive records its states (one served first went unrecorded)
+                started.wait(60)
             x = params[rank]
 
             def step() -> None:
