@@ -91,6 +91,22 @@ def test_an_even_run_has_nothing_to_blame_and_no_prediction_without_a_predictor(
     assert predicted.simulated_s == pytest.approx(0.2, rel=0.05) and not predicted.predictions
 
 
+@pytest.mark.parametrize("result, first", [
+    ({"returncode": 1, "failed_rank": 2, "reason": "killed by SIGKILL",
+      "summary": "rank 2 died (killed by SIGKILL) after iteration 24"},
+     "the run failed: rank 2 died (killed by SIGKILL) after iteration 24"),
+    ({"returncode": 130}, "the run was stopped by SIGINT (exit 130)"),
+    ({"returncode": 0}, "no straggler or slow link")])
+def test_a_run_that_ended_badly_says_so_first(tmp_path: Path, result: dict, first: str) -> None:
+    """The launcher's word on how the run ended (launch.json's result) comes before what limited it."""
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"), iterations=20)
+    launch = json.loads((run_dir / "launch.json").read_text())
+    (run_dir / "launch.json").write_text(json.dumps({**launch, "result": result}))
+    lines = diagnose(load_run_dir(run_dir)).lines()
+    assert lines[0].startswith(first), lines
+    assert any(line.startswith("no straggler or slow link") for line in lines), lines
+
+
 def test_majority_eager_sgd_waits_name_the_straggling_initiator(tmp_path: Path) -> None:
     """Under majority eager-SGD every rank waits for the round's initiator: rank 1's rounds start late."""
     config = ProtocolConfig("eager-sgd", eager_mode="majority", slowdown=["rank=1:20"])

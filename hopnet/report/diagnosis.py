@@ -18,6 +18,7 @@ report``); without one the diagnosis names the limits and leaves the prediction 
 from __future__ import annotations
 
 import math
+import signal
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ class Diagnosis:
     """The simulator's run time with every rank at the median compute and every link fast."""
     predictions: list[Prediction] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failure: str | None = None
+    """How the run ended, when not well (the launcher's words, from launch.json's result)."""
 
     @property
     def best(self) -> Prediction | None:
@@ -138,7 +141,7 @@ class Diagnosis:
 
     def lines(self) -> list[str]:
         """The conclusion in a few sentences, most important first."""
-        lines: list[str] = []
+        lines: list[str] = [self.failure] if self.failure else []
         for s in self.stragglers:
             text = f"rank {s.rank} computes {_times(s.factor)} the median ({_ms(s.compute_s)} per step)"
             if s.waiters:
@@ -151,7 +154,7 @@ class Diagnosis:
             lines.append(f"link {link.src}→{link.dst} takes {_ms(link.transfer_s)} per update, "
                          f"{_times(link.transfer_s / self.median_compute_s)} the median compute step "
                          f"({_ms(self.median_compute_s)}); rank {link.dst} waits {_pct(link.share)} of its time on it")
-        if not lines:
+        if not self.stragglers and not self.slow_links:
             top = max(self.wait_shares.values(), default=0.0)
             lines.append(f"no straggler or slow link: ranks compute within {_times(STRAGGLER_FACTOR)} of the "
                          f"median ({_ms(self.median_compute_s)} per step) and wait at most {_pct(top)} of their time")
@@ -331,7 +334,7 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
                 and transfer >= SLOW_LINK_FACTOR * max(fastest, 1e-6) and share >= NOTABLE_WAIT):
             slow_links.append(SlowLink(src, dst, transfer, share))
     slow_links.sort(key=lambda link: -link.transfer_s)
-    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares)
+    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, failure=_failure(run))
     if not any(waits.values()) and any(wait_shares.values()):
         diagnosis.notes.append("the logs do not say which peer each wait was for (a protocol or hopnet "
                                "version that does not record wait_updates_from)")
@@ -342,6 +345,24 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
     elif predictor is not None:
         _predict(diagnosis, scenario, predictor)
     return diagnosis
+
+
+def _failure(run: RunData) -> str | None:
+    """How the run ended, when not well: the launcher's one line on a failure (``result.summary``
+    in launch.json), or the signal that stopped it."""
+    result = run.launch.get("result")
+    code = result.get("returncode") if isinstance(result, dict) else None
+    if not isinstance(code, int) or code == 0:
+        return None
+    summary = result.get("summary") if isinstance(result, dict) else None
+    if isinstance(summary, str) and summary:
+        return f"the run failed: {summary}"
+    if code > 128:
+        try:
+            return f"the run was stopped by {signal.Signals(code - 128).name} (exit {code})"
+        except ValueError:
+            pass
+    return f"the run failed (exit {code})"
 
 
 def _scenario(run: RunData, stats: RunStats, links: dict[tuple[int, int], float],
