@@ -198,22 +198,13 @@ class TorchCollective(Collective):
         members = key[1]
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
-        work = self._issue(pg, tensor, members, tag)
+        issued = _IssuedReduce(self, self._issue(pg, tensor, members, tag), tensor, members, op, tag)
         waiter = self._waiters.get(key)
         if waiter is None:
             waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
                                                   loop, self.timeout_s)
-        waiter.add([work], tensor.device, settle(done))
-        error = await done
-        if isinstance(error, TimeoutError):
-            raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
-                              peer_state="stalled")
-        if error is not None:
-            raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
-                              f"{one_line(error)}") from error
-        if op == "mean":
-            tensor.div_(len(members))
-        return tensor
+        waiter.add([issued.work], tensor.device, settle(done))
+        return issued.finish(await done)
 
     # ------------------------------------------------------------------ in the call's thread
     def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
@@ -322,7 +313,8 @@ class TorchCollective(Collective):
 
 @dataclass(frozen=True)
 class _IssuedReduce:
-    """A cached group's reduce issued by :meth:`TorchCollective.issuer`, waited for by its caller."""
+    """A cached group's reduce, issued on the loop or by :meth:`TorchCollective.issuer`; waited for by a
+    group's waiter thread (then :meth:`finish`) or by the issuing thread itself (:meth:`wait`)."""
 
     collective: TorchCollective
     work: Any
@@ -332,18 +324,25 @@ class _IssuedReduce:
     tag: str
 
     def wait(self) -> torch.Tensor:
-        coll, members, tensor = self.collective, self.members, self.tensor
         try:
-            wait_collective(self.work, tensor.device, coll.timeout_s)
-        except TimeoutError:
-            raise WaitTimeout(f"all-reduce {self.tag!r} of group {list(members)}", waited_s=coll.timeout_s,
-                              peer_state="stalled") from None
+            wait_collective(self.work, self.tensor.device, self.collective.timeout_s)
         except Exception as exc:
-            raise HopnetError(f"rank {coll.rank}: all-reduce {self.tag!r} of group {list(members)} failed: "
-                              f"{one_line(exc)}") from exc
+            return self.finish(exc)
+        return self.finish(None)
+
+    def finish(self, error: BaseException | None) -> torch.Tensor:
+        """The op ended (``error``: how it failed, or its wait timed out): raise that, else divide
+        for ``mean`` and give the result."""
+        members = list(self.members)
+        if isinstance(error, TimeoutError):
+            raise WaitTimeout(f"all-reduce {self.tag!r} of group {members}", waited_s=self.collective.timeout_s,
+                              peer_state="stalled") from None
+        if error is not None:
+            raise HopnetError(f"rank {self.collective.rank}: all-reduce {self.tag!r} of group {members} failed: "
+                              f"{one_line(error)}") from error
         if self.op == "mean":
-            tensor.div_(len(members))
-        return tensor
+            self.tensor.div_(len(self.members))
+        return self.tensor
 
 
 __all__ = ["DEFAULT_MAX_CACHED", "TorchCollective"]

@@ -109,6 +109,7 @@ class _Round:
     ready: list[asyncio.Event]  # per bucket, set on the loop
     future: concurrent.futures.Future[None] | None = field(default=None)
     issue: IssueFn | None = None
+    number: int = 0  # among the step's rounds (the tags')
     issued: list[PendingReduce] = field(default_factory=list)  # buckets 0 .. len - 1
     error: BaseException | None = None  # what stopped the issuing
 
@@ -196,7 +197,7 @@ class BackwardReducer:
             bucket = self.buckets[len(rnd.issued)]
             try:
                 rnd.issued.append(rnd.issue(self.grads.buffer[bucket.start:bucket.stop],
-                                            self._tag(self._rounds - 1, len(rnd.issued))))
+                                            self._tag(rnd.number, len(rnd.issued))))
             except Exception as exc:
                 rnd.error = exc
 
@@ -217,6 +218,7 @@ class BackwardReducer:
                      ready=[asyncio.Event() for _ in self.buckets])
         rnd.issue = self._issuer() if self._issuer is not None else None
         if rnd.issue is not None:
+            rnd.number = self._rounds
             self._rounds += 1
             self.issued_rounds += 1
         else:
