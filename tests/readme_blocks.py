@@ -1,4 +1,4 @@
-"""The fenced code examples of README.md and docs/*.md, and how each one is exercised.
+"""The fenced code examples of README.md and docs/**/*.md, and how each one is exercised.
 
 Used by tests/test_readme.py (every example must work) and bench/threads.py (the
 embedding snippet's speed). A block's mode comes from an HTML comment on the line
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+"""The README and every page of the docs site, in every folder of ``docs/``."""
 LANGUAGES = ("python", "json")
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -49,7 +50,7 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.path.name}:{self.line}:{self.lang}:{self.mode}"
+        return f"{self.path.relative_to(ROOT)}:{self.line}:{self.lang}:{self.mode}"
 
 
 def fenced_blocks(path: Path, languages: tuple[str, ...] = LANGUAGES) -> list[Block]:

@@ -1,4 +1,4 @@
-"""Every JSON and Python example in README.md and docs/*.md works as printed.
+"""Every JSON and Python example in README.md and docs/**/*.md works as printed.
 
 The blocks are found by tests/readme_blocks.py, which also documents the markers: by
 default a ``python`` block runs stand-alone (in an empty directory) and must exit 0;

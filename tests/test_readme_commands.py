@@ -1,4 +1,4 @@
-"""Every `hopnet launch` and `hopnet simulate` command shown in README.md and docs/*.md parses,
+"""Every `hopnet launch` and `hopnet simulate` command shown in README.md and docs/**/*.md parses,
 and its protocol options pass the same checks the launcher runs before it starts anything: a
 flag renamed or a combination refused (`--skip-threshold` without `--max-jump`) breaks this
 test, not a reader's first try. Nothing is launched; the example scripts named must exist."""
@@ -53,7 +53,7 @@ def _shown_commands() -> list[tuple[str, list[str]]]:
     for path in DOCUMENTS:
         for block in fenced_blocks(path, ("bash", "sh", "")):
             for words in _commands(block.text):
-                found.append((f"{path.name}:{block.line}", words))
+                found.append((f"{path.relative_to(ROOT)}:{block.line}", words))
     return found
 
 
