@@ -4,7 +4,7 @@ SIGMOD'21, Alg. 2).
 Every worker, every iteration:
 
 1. computes its gradients and applies its own step (the trainer, then ``apply``);
-2. sends ``{"t": "ready", "iter": k}`` to the controller (:mod:`hopnet.coordinator.partial_reduce`),
+2. sends ``{"t": "ready", "iter": k}`` to the controller (:mod:`hopnet.protocols.partial_reduce.controller`),
    where ``k`` is its model's iteration counter: one more than after its last group;
 3. blocks until the controller answers with its group
    ``{"t": "group", "gid": g, "members": [...], "weights": [...], "iter": max_k}``;
@@ -40,7 +40,7 @@ wait on members that are alive but will send nothing more. So a member whose gro
 of waiting out ``--timeout``. The controller's death is the coordinator client's to report
 (``CoordinatorLost``).
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.partial_reduce`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.partial_reduce.spec`,
 which imports no torch.
 """
 
@@ -53,14 +53,13 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator.mixing import GROUP_RECORD
+from hopnet.protocols.partial_reduce.mixing import GROUP_RECORD
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.protocols.specs.local_steps import mixes_at, round_of
-from hopnet.protocols.specs.partial_reduce import (ABORT, DEFAULT_EMA_DECAY, DEFAULT_GROUP_SIZE, PartialReduceOptions,
-                                                   make_controller)
+from hopnet.protocols.local_steps import mixes_at, round_of
+from hopnet.protocols.partial_reduce.options import ABORT, PartialReduceOptions
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -356,5 +355,4 @@ async def _cancel(task: asyncio.Task[Any], within_s: float) -> None:
         task.exception()  # retrieved: superseded by the caller's own outcome
 
 
-__all__ = ["ABORT", "DEFAULT_EMA_DECAY", "DEFAULT_GROUP_SIZE", "PartialReduceOptions", "PartialReduceProtocol",
-           "make_controller"]
+__all__ = ["PartialReduceProtocol"]

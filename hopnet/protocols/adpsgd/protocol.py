@@ -52,7 +52,7 @@ averaging may or may not have happened on its side); under ``--max-restarts`` th
 skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.adpsgd`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.adpsgd.spec`,
 which imports no torch.
 """
 
@@ -71,8 +71,8 @@ from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.finite import all_finite_in, refuse_non_finite_model
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.protocols.specs.adpsgd import REPLY, REQUEST, AdPsgdOptions, check_bipartite
-from hopnet.protocols.specs.local_steps import mixes_at
+from hopnet.protocols.adpsgd.options import REPLY, REQUEST, AdPsgdOptions, check_bipartite
+from hopnet.protocols.local_steps import mixes_at
 from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
@@ -387,4 +387,4 @@ class AdPsgdProtocol(Protocol):
         return {"role": "passive", "averagings_served": self.served}
 
 
-__all__ = ["REPLY", "REQUEST", "AdPsgdProtocol", "Averaging", "check_bipartite"]
+__all__ = ["AdPsgdProtocol", "Averaging"]

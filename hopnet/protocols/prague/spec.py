@@ -1,22 +1,21 @@
-"""Prague's declaration (:mod:`hopnet.protocols.prague` is the algorithm): its options, its
+"""Prague's declaration (:mod:`hopnet.protocols.prague.protocol` is the algorithm): its options, its
 Group Generator (the coordinator) and what the static schedule refuses on a graph."""
+
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import graph_in_words
 from hopnet.coordinator.base import Coordinator
-from hopnet.coordinator.random_gg import RandomGroupGenerator
-from hopnet.coordinator.smart_gg import SmartGroupGenerator
-from hopnet.coordinator.static_schedule import check_static_schedule
+from hopnet.protocols.prague.random_gg import RandomGroupGenerator
+from hopnet.protocols.prague.smart_gg import SmartGroupGenerator
+from hopnet.protocols.prague.static_schedule import check_static_schedule
 from hopnet.graph import Graph
-from hopnet.options import option
 from hopnet.output_spec import Count, OutputSpec, Wait
-from hopnet.protocols.specs.local_steps import LocalStepsOptions
 from hopnet.registry import Averages, CoordinatorSpec, ProtocolSpec, register
+from hopnet.protocols.prague.options import PragueOptions, restart_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -24,32 +23,6 @@ if TYPE_CHECKING:
     from hopnet.model_state import ModelState
     from hopnet.params import FlatGradients
     from hopnet.protocols.base import Protocol
-
-DEFAULT_GROUP_SIZE = 3
-DEFAULT_SLOW_FILTER = 4
-
-
-@dataclass(frozen=True)
-class PragueOptions(LocalStepsOptions):
-    group_size: int = option(DEFAULT_GROUP_SIZE, minimum=2, metavar="N", help="workers per group")
-    group_generator: str = option("smart", choices=("random", "smart", "static"),
-                                  help="random (a central Group Generator with a lock vector and FIFO queue), "
-                                       "smart (Group Buffer, Global Division, Inter-Intra and the slow-worker "
-                                       "filter) or static (a conflict-free schedule each worker computes alone)")
-    group_buffer: bool = option(True, help="smart GG: switch the Group Buffer off")
-    global_division: bool = option(True, help="smart GG: switch Global Division off")
-    inter_intra: bool = option(True, help="smart GG: switch the Inter-Intra phases (by the graph's machine "
-                                          "field) off")
-    slow_filter: int = option(DEFAULT_SLOW_FILTER, minimum=0, metavar="C",
-                              help="smart GG: leave out of a Global Division the workers C or more requests "
-                                   "behind its initiator; 0 switches the filter off")
-
-
-def restart_refusal(options: PragueOptions) -> str | None:
-    if options.group_generator == "static":
-        return ("--protocol prague --group-generator static cannot replace a dead worker (its schedule counts on "
-                "every rank in every iteration); use random or smart")
-    return None
 
 
 def make_group_generator(config: ProtocolConfig, options: PragueOptions, graph: Graph) -> Coordinator:
@@ -74,7 +47,7 @@ def check_prague_graph(config: ProtocolConfig, options: PragueOptions, graph: Gr
 
 def _build(config: ProtocolConfig, options: PragueOptions, model: ModelState | None,
            grads: FlatGradients | torch.Tensor | None) -> Protocol:
-    from hopnet.protocols.prague import PragueProtocol
+    from hopnet.protocols.prague.protocol import PragueProtocol
 
     return PragueProtocol(config, options, model)
 
@@ -111,5 +84,3 @@ register(ProtocolSpec(
     output=PRAGUE_OUTPUT,
 ))
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SLOW_FILTER", "PragueOptions", "check_prague_graph", "make_group_generator",
-           "restart_refusal"]

@@ -33,7 +33,7 @@ gradient), so the last call of every rank syncs the live buffers once more, bloc
 ``--full-sync-every`` does: every rank ends with the same buffers.
 ``--full-sync-every`` averages the whole model, parameters and floating buffers.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.eager`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.eager.spec`,
 which imports no torch.
 """
 
@@ -54,7 +54,7 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, Protocol, allreduce_each
 from hopnet.protocols.buffer_sync import BufferSync
 from hopnet.protocols.resync import resynchronize
-from hopnet.protocols.specs.eager import ACTIVATION_KIND, EagerOptions
+from hopnet.protocols.eager.options import ACTIVATION_KIND, EagerOptions
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Header, Message
 
@@ -596,4 +596,4 @@ class EagerProtocol(Protocol):
                 "active_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0])))}
 
 
-__all__ = ["ACTIVATION_KIND", "EagerOptions", "EagerProtocol", "activation_targets", "majority_initiator"]
+__all__ = ["EagerProtocol", "activation_targets", "majority_initiator"]

@@ -28,7 +28,7 @@ The grants also tell a worker which iteration each out-neighbour has reached, wh
 is all it needs to skip sending updates that would arrive late (Sec. 6.2), with no
 round trip.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.hop`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.hop.spec`,
 which imports no torch.
 """
 
@@ -46,13 +46,11 @@ from hopnet.finite import all_finite_in
 from hopnet.graph import Graph
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.protocols.specs.hop import (DEFAULT_MAX_IG, WELCOME, HopOptions, NotifyAckOptions, backup_workers_flag,
-                                        check_hop_graph, gap_bound, gap_rule, largest_lead, notify_ack_gap_bound,
-                                        parse_backup_workers, restart_refusal)
-from hopnet.protocols.specs.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
-from hopnet.runtime.mix_sums import MixSums, Region, RegionPool, mix_into, plan_regions
+from hopnet.protocols.hop.options import WELCOME, HopOptions, restart_refusal
+from hopnet.protocols.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
+from hopnet.protocols.hop.mix_sums import MixSums, Region, RegionPool, mix_into, plan_regions
 from hopnet.runtime.services import NodeServices
-from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
+from hopnet.protocols.hop.queues import BufferPool, TokenCredits, Update, UpdateQueue
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
 
@@ -117,7 +115,7 @@ class HopProtocol(Protocol):
         self.num_slots = self._slots_needed(graph)
         self.queue = UpdateQueue(self.num_slots)
         self.summing = self.staleness is None and bool(self.flats)
-        """Mix by accumulation (:mod:`hopnet.runtime.mix_sums`): the queue then only records which
+        """Mix by accumulation (:mod:`hopnet.protocols.hop.mix_sums`): the queue then only records which
         updates came. With staleness the newest update of a sender replaces its older one, which
         a sum could not take back, so the queue keeps the newest update's tensors until the reduce."""
         # With staleness: one pool for every sender: a buffer is held only while it is received or
@@ -877,6 +875,4 @@ class HopProtocol(Protocol):
         return snap
 
 
-__all__ = ["DEFAULT_MAX_IG", "WELCOME", "HopOptions", "HopProtocol", "NotifyAckOptions", "backup_workers_flag",
-           "check_hop_graph", "gap_bound", "gap_rule", "largest_lead", "notify_ack_gap_bound", "parse_backup_workers",
-           "restart_refusal"]
+__all__ = ["HopProtocol"]

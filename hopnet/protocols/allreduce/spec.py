@@ -1,4 +1,5 @@
-"""allreduce's declaration (:mod:`hopnet.protocols.allreduce` is the algorithm)."""
+"""allreduce's declaration (:mod:`hopnet.protocols.allreduce.protocol` is the algorithm)."""
+
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from hopnet.config import ProtocolConfig
 from hopnet.output_spec import Count, OutputSpec, Wait
-from hopnet.protocols.specs.gradient_options import BucketOptions
 from hopnet.registry import Averages, ProtocolSpec, register
+from hopnet.protocols.allreduce.options import AllReduceOptions
 
 if TYPE_CHECKING:
     import torch
@@ -16,12 +17,10 @@ if TYPE_CHECKING:
     from hopnet.params import FlatGradients
     from hopnet.protocols.base import Protocol
 
-AllReduceOptions = BucketOptions
-
 
 def _build(config: ProtocolConfig, options: AllReduceOptions, model: ModelState | None,
            grads: FlatGradients | torch.Tensor | None) -> Protocol:
-    from hopnet.protocols.allreduce import AllReduceProtocol
+    from hopnet.protocols.allreduce.protocol import AllReduceProtocol
 
     return AllReduceProtocol(config, grads, model, options)
 
@@ -46,4 +45,3 @@ register(ProtocolSpec(
     output=ALLREDUCE_OUTPUT,
 ))
 
-__all__ = ["AllReduceOptions"]

@@ -22,7 +22,7 @@ The pipeline of Fig. 6:
   the candidate does not reach. Since groups form as soon as P workers are queued, the
   queue rarely holds such a worker: the filter then waits for one more ready signal, and
   after that one accepts the group as it is. It never waits longer, so it never stalls;
-* weight generator: :mod:`hopnet.coordinator.weights` (``const`` 1/P or ``dynamic``);
+* weight generator: :mod:`hopnet.protocols.partial_reduce.weights` (``const`` 1/P or ``dynamic``);
 * broadcaster: one ``group`` message per member.
 
 Leaving: a worker that says ``{"t": "bye"}`` (or that the host reports gone) leaves the
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Coordinator, Send
-from hopnet.coordinator.weights import MISSING_POLICIES, WEIGHT_MODES, group_weights
-from hopnet.coordinator.window_components import WindowComponents
+from hopnet.protocols.partial_reduce.weights import MISSING_POLICIES, WEIGHT_MODES, group_weights
+from hopnet.protocols.partial_reduce.window import WindowComponents
 
 
 READY = "ready"

@@ -30,7 +30,7 @@ rank has taken back (``Node.epoch``), so no chunk of a broken round mixes into a
 The models, the optimizer states and what the trainer steps after the optimizer are
 identical again afterwards.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.allreduce`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.allreduce.spec`,
 which imports no torch.
 """
 
@@ -46,10 +46,9 @@ from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.protocols.specs.allreduce import AllReduceOptions
-from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions, GradientOptions
+from hopnet.protocols.gradient_options import BucketOptions, GradientOptions
 
-__all__ = ["DEFAULT_BUCKET_MB", "AllReduceOptions", "AllReduceProtocol"]
+__all__ = ["AllReduceProtocol"]
 
 TAG_PREFIX = "allreduce"
 

@@ -51,7 +51,8 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn
-from hopnet.protocols.diloco import READY_KIND, TAG_PREFIX, DiLoCoOptions, DiLoCoProtocol
+from hopnet.protocols.diloco.options import READY_KIND, DiLoCoOptions
+from hopnet.protocols.diloco.protocol import TAG_PREFIX, DiLoCoProtocol
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Message
 

@@ -53,7 +53,7 @@ through a slot, like a bare tensor, and unpacked into the ``.grad`` views when a
 Compression (``--compress trunc16|int8``) runs inside the ring, on every hop, through the
 collective's codec hook; see :mod:`hopnet.collectives.compression`.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.pipesgd`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.pipesgd.spec`,
 which imports no torch.
 """
 
@@ -73,7 +73,7 @@ from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn
 from hopnet.protocols.gradient import AllRanksGradientProtocol
-from hopnet.protocols.specs.pipesgd import DEFAULT_PIPELINE_K, PipeSgdOptions
+from hopnet.protocols.pipesgd.options import PipeSgdOptions
 from hopnet.runtime.services import AllReduce
 
 TAG_PREFIX = "pipe"
@@ -371,4 +371,4 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()  # surfaced by _wait_for; retrieved here so asyncio does not log it twice
 
 
-__all__ = ["DEFAULT_PIPELINE_K", "PipeSgdOptions", "PipeSgdProtocol"]
+__all__ = ["PipeSgdProtocol"]

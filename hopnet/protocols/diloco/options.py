@@ -1,32 +1,19 @@
-"""DiLoCo's declaration (:mod:`hopnet.protocols.diloco` is the algorithm, and
-:mod:`hopnet.protocols.diloco_quorum` its ``--outer-quorum`` variant): its options, its sync
-schedule and the gap bound that follows from it."""
+"""DiLoCo's options and message kinds, which the algorithm and the declaration (:mod:`.spec`) both read. Imports no torch."""
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import numpy as np
 
-from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
-from hopnet.graph import Graph
 from hopnet.options import ProtocolOptions, option
-from hopnet.output_spec import Count, OutputSpec, Wait
-from hopnet.protocols.specs.compression import COMPRESSIONS
-from hopnet.registry import Averages, MessageKind, ProtocolSpec, register
-
-if TYPE_CHECKING:
-    import torch
-
-    from hopnet.model_state import ModelState
-    from hopnet.protocols.diloco import DiLoCoProtocol
+from hopnet.protocols.compression import COMPRESSIONS
 
 READY_KIND = "diloco_ready"
 """Under ``--outer-quorum``, rank -> every rank: ``meta["n"]``, the pseudo-gradients it has announced
 so far (this one included); ``meta["done"]``: it finished training and announces no more
-(:mod:`hopnet.protocols.diloco_quorum`)."""
+(:mod:`hopnet.protocols.diloco.quorum`)."""
 
 @dataclass(frozen=True)
 class DiLoCoOptions(ProtocolOptions):
@@ -96,60 +83,4 @@ def sync_interval(local_steps: int, fragments: int) -> int:
     return max([b - a for a, b in zip(offsets, offsets[1:])] + [local_steps - offsets[-1] + offsets[0]])
 
 
-def gap_bound(options: DiLoCoOptions, graph: Graph) -> np.ndarray:
-    """Iter(i) - Iter(j) <= the sync interval plus --overlap-steps, for every pair: a worker passes the
-    landing of a sync only once every rank has finished the step that launched it, and the next
-    landing is at most that many iterations further."""
-    if options.outer_quorum is not None and options.max_stale_rounds > 0:
-        bound = np.full((graph.n, graph.n), np.inf)  # rounds close without the slow: it falls behind
-    else:
-        bound = np.full((graph.n, graph.n), float(sync_interval(options.local_steps, options.fragments)
-                                                   + options.overlap()))
-    np.fill_diagonal(bound, 0.0)
-    return bound
-
-
-def gap_rule(options: DiLoCoOptions) -> str:
-    if options.outer_quorum is not None and options.max_stale_rounds > 0:
-        return f"unbounded in iterations; a pseudo-gradient is at most {options.max_stale_rounds} rounds stale"
-    interval = sync_interval(options.local_steps, options.fragments)
-    return f"{interval + options.overlap()} (every sync is a barrier: {interval} iterations apart" + \
-        (f", landing {options.overlap()} later)" if options.overlap() else ")")
-
-
-def build(config: ProtocolConfig, options: DiLoCoOptions, model: ModelState | torch.Tensor | None,
-          grads: object) -> DiLoCoProtocol:
-    if options.outer_quorum is None:
-        from hopnet.protocols.diloco import DiLoCoProtocol
-
-        return DiLoCoProtocol(config, options, model)
-    from hopnet.protocols.diloco_quorum import QuorumDiLoCoProtocol
-
-    return QuorumDiLoCoProtocol(config, options, model)
-
-
-DILOCO_OUTPUT = OutputSpec(
-    waits=(Wait("wait_updates_s", "wait for the outer step", "wait outer"),),
-    counts=(Count("outer_steps", "outer steps", "max"), Count("local_steps", "local steps (H)", "max"),
-            Count("late_taken", "late pseudo-gradients taken"),
-            Count("rounds", "rounds", "max", in_summary=False),
-            Count("max_staleness", "most rounds stale", "max", in_summary=False)),
-    gaps="all")
-
-
-register(ProtocolSpec(
-    name="diloco",
-    summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
-            "pseudo-gradient (--local-steps, --outer-lr, --fragments, --compress).",
-    options=DiLoCoOptions,
-    build=build,
-    message_kinds=(MessageKind(READY_KIND, any_rank=True),),
-    averages=Averages.MODELS,
-    uses_graph=False,
-    resumable=True,
-    gap_bound=gap_bound,
-    gap_rule=gap_rule,
-    output=DILOCO_OUTPUT,
-))
-
-__all__ = ["READY_KIND", "DiLoCoOptions", "build", "gap_bound", "gap_rule", "sync_interval", "sync_offsets"]
+__all__ = ["DiLoCoOptions", "READY_KIND", "sync_interval", "sync_offsets"]

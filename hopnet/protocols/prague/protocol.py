@@ -9,7 +9,7 @@ momentum and weight decay stay local.
 Where groups come from (``--group-generator``):
 
 * ``random`` and ``smart``: a Group Generator, a coordinator state machine
-  (:mod:`hopnet.coordinator.random_gg`, :mod:`hopnet.coordinator.smart_gg`) reached through
+  (:mod:`hopnet.protocols.prague.random_gg`, :mod:`hopnet.protocols.prague.smart_gg`) reached through
   ``node.coordinator``. At the *start* of iteration ``k`` the worker sends
   ``{"t": "req", "iter": k}``, so the round trip overlaps its compute. The GG sends
   ``{"t": "go", "gid", "members", "reply"}`` to every member of a group when it may run.
@@ -21,7 +21,7 @@ Where groups come from (``--group-generator``):
   workers' groups only at its own sync point, so its model never changes while it
   computes a gradient.
 * ``static``: the conflict-free schedule of Sec. 4.2
-  (:func:`hopnet.coordinator.static_schedule.static_group`), computed locally from the
+  (:func:`hopnet.protocols.prague.static_schedule.static_group`), computed locally from the
   rank, the iteration and the graph's ``machine`` labels; no coordinator.
 
 A group of one member is a counted "no sync" (nothing to average).
@@ -45,7 +45,7 @@ fails at once, naming it, instead of after ``--timeout``.
 A coordinator that stops answering fails the wait for a GO with
 :class:`~hopnet.coordinator.client.CoordinatorLost`, naming it.
 
-Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.specs.prague`,
+Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.prague.spec`,
 which imports no torch.
 """
 
@@ -56,15 +56,14 @@ from typing import Any
 import torch
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator.static_schedule import static_group
+from hopnet.protocols.prague.static_schedule import static_group
 from hopnet.coordinator.wire import BYE_OK, SYNCED
 from hopnet.errors import ConfigError, HopnetError, PeerFailure, ProtocolError
 from hopnet.finite import refuse_non_finite_model
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, ModelSnapshot, Protocol, allreduce_each, reduce_or_roll_back
-from hopnet.protocols.specs.local_steps import mixes_at, round_of
-from hopnet.protocols.specs.prague import (DEFAULT_GROUP_SIZE, DEFAULT_SLOW_FILTER, PragueOptions,
-                                           check_prague_graph, make_group_generator, restart_refusal)
+from hopnet.protocols.local_steps import mixes_at, round_of
+from hopnet.protocols.prague.options import PragueOptions, restart_refusal
 from hopnet.runtime.services import CoordinatorChannel, NodeServices
 from hopnet.wire import Header, Message
 
@@ -313,5 +312,4 @@ class PragueProtocol(Protocol):
                 "mean_group_size": round(sum(map(len, self.groups)) / own, 3) if own else None}
 
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SLOW_FILTER", "PragueOptions", "PragueProtocol", "check_prague_graph",
-           "make_group_generator", "restart_refusal"]
+__all__ = ["PragueProtocol"]

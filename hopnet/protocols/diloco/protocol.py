@@ -44,9 +44,9 @@ Failures: a dead, silent or departed rank fails the all-reduce waiting on it (na
 ``--timeout``), as under ``allreduce``.
 
 Stragglers: every sync waits for every rank here; ``--outer-quorum P`` closes rounds over the first
-``P`` ready workers instead (:mod:`hopnet.protocols.diloco_quorum`).
+``P`` ready workers instead (:mod:`hopnet.protocols.diloco.quorum`).
 
-Its declaration (options, the sync schedule, the gap bound) is :mod:`hopnet.protocols.specs.diloco`,
+Its declaration (options, the sync schedule, the gap bound) is :mod:`hopnet.protocols.diloco.spec`,
 which imports no torch.
 """
 
@@ -66,8 +66,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
 from hopnet.protocols.base import ApplyFn, Protocol
-from hopnet.protocols.specs.diloco import (READY_KIND, DiLoCoOptions, build, gap_bound, gap_rule, sync_interval,
-                                           sync_offsets)
+from hopnet.protocols.diloco.options import DiLoCoOptions, sync_offsets
 from hopnet.runtime.services import AllReduce, NodeServices
 from hopnet.wire import Header, Message
 
@@ -347,5 +346,4 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()  # raised where the reduction is landed; retrieved here so asyncio does not log it
 
 
-__all__ = ["READY_KIND", "ROOT", "TAG_PREFIX", "DiLoCoOptions", "DiLoCoProtocol", "OuterSGD", "Piece", "build",
-           "fragment_pieces", "gap_bound", "gap_rule", "sync_interval", "sync_offsets"]
+__all__ = ["ROOT", "TAG_PREFIX", "DiLoCoProtocol", "OuterSGD", "Piece", "fragment_pieces"]
