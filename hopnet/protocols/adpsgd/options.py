@@ -1,5 +1,5 @@
-"""AD-PSGD's options and message kinds, which the algorithm and the declaration (:mod:`.spec`) both read. Imports no torch."""
-
+"""AD-PSGD's options and message kinds: what the algorithm and the declaration (:mod:`.spec`)
+both read. Imports no torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """AD-PSGD's declaration (:mod:`hopnet.protocols.adpsgd.protocol` is the algorithm)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

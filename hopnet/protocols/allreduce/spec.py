@@ -1,6 +1,5 @@
 """allreduce's declaration (:mod:`hopnet.protocols.allreduce.protocol` is the algorithm)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

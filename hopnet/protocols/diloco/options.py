@@ -1,10 +1,9 @@
-"""DiLoCo's options and message kinds, which the algorithm and the declaration (:mod:`.spec`) both read. Imports no torch."""
-
+"""DiLoCo's options and message kinds: what the algorithm and the declaration (:mod:`.spec`)
+both read. Imports no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 from hopnet.errors import ConfigError
 from hopnet.options import ProtocolOptions, option

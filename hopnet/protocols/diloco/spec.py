@@ -2,7 +2,6 @@
 :mod:`hopnet.protocols.diloco.quorum` its ``--outer-quorum`` variant): its options, its sync
 schedule and the gap bound that follows from it."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

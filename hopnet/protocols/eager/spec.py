@@ -1,6 +1,5 @@
 """eager-SGD's declaration (:mod:`hopnet.protocols.eager.protocol` is the algorithm)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

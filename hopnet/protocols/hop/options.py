@@ -1,11 +1,9 @@
 """Hop's options (Table 1's settings), its message kinds, and what the algorithm and the declaration
 (:mod:`.spec`) both read of them. Imports no torch."""
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 from hopnet.errors import ConfigError
 from hopnet.options import option

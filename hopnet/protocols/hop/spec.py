@@ -4,7 +4,6 @@ settings), what it refuses on a graph, and the gap bound it proves.
 Imports no torch: `hopnet launch --help` and the argument checks read it; the algorithm is
 imported when a run builds its protocol."""
 
-
 from __future__ import annotations
 
 import math

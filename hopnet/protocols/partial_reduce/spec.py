@@ -1,7 +1,6 @@
 """Partial Reduce's declaration (:mod:`hopnet.protocols.partial_reduce.protocol` is the algorithm): its
 options and its controller (the coordinator)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

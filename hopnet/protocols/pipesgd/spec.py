@@ -1,6 +1,5 @@
 """Pipe-SGD's declaration (:mod:`hopnet.protocols.pipesgd.protocol` is the algorithm)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

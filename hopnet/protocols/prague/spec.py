@@ -1,7 +1,6 @@
 """Prague's declaration (:mod:`hopnet.protocols.prague.protocol` is the algorithm): its options, its
 Group Generator (the coordinator) and what the static schedule refuses on a graph."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
