@@ -89,10 +89,12 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    """The default argparse fills in, where it says something (not for switches, nor for options
-    left out of the namespace: those say their default in their help)."""
+    """The default argparse fills in, where it says something its help does not (not for switches,
+    nor for options left out of the namespace: those say their default in their help)."""
     value = action.default
     if action.nargs == 0 or value is None or value == argparse.SUPPRESS or isinstance(value, (list, tuple)):
+        return ""
+    if "(default:" in _help(action):
         return ""
     return code(value_text(value))
 
@@ -111,7 +113,7 @@ def _parser_section(parser: argparse.ArgumentParser, command: str, level: int, s
         lines += [summary[0].upper() + summary[1:] + ".", ""]
     lines += ["```text", parser.format_usage().strip(), "```", ""]
     if parser.description:
-        lines += [" ".join(parser.description.split()), ""]
+        lines += [cell(parser.description), ""]
     for group in parser._action_groups:
         actions = [a for a in group._group_actions
                    if a.help != argparse.SUPPRESS and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
@@ -120,7 +122,7 @@ def _parser_section(parser: argparse.ArgumentParser, command: str, level: int, s
         title = group.title or "arguments"
         lines += [f"{'#' * (level + 1)} {title[0].upper() + title[1:]}", ""]
         if group.description:
-            lines += [" ".join(group.description.split()), ""]
+            lines += [cell(group.description), ""]
         lines += table(("argument", "meaning", "default"),
                        ((code(_flag(a)), cell(_help(a)), _default(a)) for a in actions))
         lines.append("")
