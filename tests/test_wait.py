@@ -65,7 +65,8 @@ def test_a_tolerated_exception_means_not_yet_and_is_shown_if_it_was_the_last() -
 
     def broken() -> int:
         raise ValueError("torn line")
-    with pytest.raises(WaitTimedOut, match=r"waiting for broken\(\); its last error: ValueError\('torn line'\)") as info:
+    expected = r"waiting for broken\(\); its last error: ValueError\('torn line'\)"
+    with pytest.raises(WaitTimedOut, match=expected) as info:
         wait_until(broken, 0.05, interval=0.01, tolerate=(ValueError,))
     assert isinstance(info.value.__cause__, ValueError)
 
