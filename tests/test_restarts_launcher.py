@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -162,8 +161,7 @@ def test_a_restart_registration_before_the_table_is_complete_is_a_registration()
         t = threading.Thread(target=lambda: tables.append(
             exchange_addresses(server.endpoint, 0, 2, "tcp://a", timeout_s=5, restart=1)))
         t.start()
-        while server.registered_ranks() != [0]:
-            time.sleep(0.01)
+        wait_until(lambda: server.registered_ranks() == [0], 10, interval=0.01, what="rank 0's registration")
         assert not server.complete.is_set()  # it waits for the others like any registration
         assert exchange_addresses(server.endpoint, 1, 2, "tcp://b", timeout_s=5) == {0: "tcp://a", 1: "tcp://b"}
         t.join(5)

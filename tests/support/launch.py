@@ -91,7 +91,8 @@ def worker_pids(run_dir: Path, count: int, *, timeout_s: float = 120.0) -> dict[
     def listed() -> dict[int, int]:
         pids = recorded_worker_pids(run_dir)
         return pids if len(pids) >= count else {}
-    return wait_until(listed, timeout_s, what=f"launch.json in {run_dir} to list {count} worker pids")
+    return wait_until(listed, timeout_s, what=lambda: f"launch.json in {run_dir} to list {count} worker pids "
+                                                     f"(it lists {recorded_worker_pids(run_dir)})")
 
 
 def kill(proc: subprocess.Popen[str]) -> None:
