@@ -102,3 +102,19 @@ async def test_the_async_twin_lets_the_loop_run_between_calls() -> None:
     assert await wait_until_async(flag.is_set, 10, interval=0.01, what="the flag") is True
     with pytest.raises(WaitTimedOut, match="waiting for the other flag; its last value: False"):
         await wait_until_async(asyncio.Event().is_set, 0.05, interval=0.01, what="the other flag")
+
+
+def test_wait_gone_names_the_processes_still_running() -> None:
+    from support.processes import wait_gone
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ended.wait()
+        wait_gone([ended.pid], 1)
+        with pytest.raises(WaitTimedOut, match=rf"processes \[{ended.pid}, {sleeper.pid}\] to end "
+                                               rf"\(\[{sleeper.pid}\] still running\)"):
+            wait_gone([ended.pid, sleeper.pid], 0.1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
