@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ from support.paths import EXAMPLES
 from support.records import records
 from support.ports import free_port
 from support.threaded import Start, run_ranks, seeded
+from support.processes import wait_gone
+from support.wait import wait_until
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] final held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -230,18 +231,12 @@ def _kill_launcher_after_checkpoint(run_dir: Path, args: list[str], nproc: int, 
     proc = start_launch(args, new_session=True)
     pids: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 180
-        while (checkpoint.common_iteration(run_dir / "checkpoints", nproc) or -1) < after:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint came"
-            time.sleep(0.05)
+        wait_until(lambda: (checkpoint.common_iteration(run_dir / "checkpoints", nproc) or -1) >= after, 180,
+                   what=f"every rank's checkpoint of iteration {after} or later", while_running=proc)
         pids = recorded_worker_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [p for p in pids.values() if _alive(p)] == []
+        wait_gone(pids.values(), 30, running=_alive)
     finally:
         for pid in pids.values():
             try:

@@ -7,7 +7,7 @@ import os
 import re
 import signal
 import subprocess
-import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -17,8 +17,9 @@ from hopnet import checkpoint
 
 from support.launch import kill, recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import EXAMPLES, WORKERS
-from support.processes import alive
+from support.processes import alive, wait_gone
 from support.records import records
+from support.wait import WaitTimedOut, wait_until
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 CNN = str(EXAMPLES / "train_cnn.py")
@@ -88,12 +89,8 @@ def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[str], Path]:
     return proc, run_dir
 
 
-def _wait_for_iteration(proc: subprocess.Popen[str], run_dir: Path, iteration: int) -> None:
-    deadline = time.monotonic() + 120
-    while not all(any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "iteration"))
-                  for rank in range(3)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+def _every_rank_reached(run_dir: Path, iteration: int) -> bool:
+    return all(any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "iteration")) for rank in range(3))
 
 
 @pytest.mark.parametrize("signum, quorum", [(signal.SIGKILL, []), (signal.SIGSTOP, []),
@@ -106,7 +103,8 @@ def test_a_killed_or_stopped_worker_ends_the_run_naming_it(tmp_path: Path, signu
     rank still takes part in every round, so a dead one fails the others' next round."""
     proc, run_dir = _start(tmp_path, "--max-failures", "1", *quorum)
     try:
-        _wait_for_iteration(proc, run_dir, 7)
+        wait_until(lambda: _every_rank_reached(run_dir, 7), 120, interval=0.1, what="every rank's iteration 7",
+                   while_running=proc)
         victim = worker_pids(run_dir, 3)[1]
         os.kill(victim, signum)
         _, err = proc.communicate(timeout=90)
@@ -125,7 +123,8 @@ def test_a_killed_or_stopped_worker_ends_the_run_naming_it(tmp_path: Path, signu
 def test_ctrl_c_stops_every_worker_with_one_line(tmp_path: Path) -> None:
     proc, run_dir = _start(tmp_path)
     try:
-        _wait_for_iteration(proc, run_dir, 3)
+        wait_until(lambda: _every_rank_reached(run_dir, 3), 120, interval=0.1, what="every rank's iteration 3",
+                   while_running=proc)
         pids = list(worker_pids(run_dir, 3).values())
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -136,10 +135,7 @@ def test_ctrl_c_stops_every_worker_with_one_line(tmp_path: Path) -> None:
     lines = err.splitlines()
     assert lines[-1] == f"hopnet launch: received SIGINT, stopping 3 workers; run dir {run_dir}", err
     assert all(line.startswith("hopnet launch: ") for line in lines), err  # no traceback, no worker noise
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if alive(p)]
+    wait_gone(pids, 5)
 
 
 def test_resumed_mid_round_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uninterrupted_run(
@@ -155,16 +151,13 @@ def test_resumed_mid_round_after_a_sigkilled_launcher_ends_bit_for_bit_as_an_uni
     proc = start_launch([*common, "--run-dir", str(run_dir), *script], new_session=True)
     pids: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 180
-        while (checkpoint.common_iteration(run_dir / "checkpoints", 2) or -1) < 99:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        wait_until(lambda: (checkpoint.common_iteration(run_dir / "checkpoints", 2) or -1) >= 99, 180,
+                   what="both ranks' checkpoints of iteration 99", while_running=proc)
         pids = recorded_worker_pids(run_dir)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with suppress(WaitTimedOut):  # (the finally kills what is left)
+            wait_gone(pids.values(), 30)
     finally:
         kill(proc)
         for pid in pids.values():

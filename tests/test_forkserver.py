@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,9 @@ from support.env import clean_env
 from support.launch import kill, run_launch, start_launch
 from support.paths import WORKERS
 from support.records import coordinator_records
-from support.processes import alive
+from support.processes import alive, wait_gone
 from support.template import forkserver_template
+from support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, pidfd_open)")
 
@@ -94,15 +94,10 @@ def test_workers_of_a_dead_fork_server_end_and_the_next_ones_start_with_exec(tmp
     forked = workers.procs[0]
     assert isinstance(forked, ForkedWorker)
     assert workers.forkserver is not None
-    deadline = time.monotonic() + 60
-    while not Path(f"/proc/{forked.pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(Path(f"/proc/{forked.pid}").exists, 60, what=f"the forked worker's process {forked.pid}")
     os.kill(workers.forkserver.pid, signal.SIGKILL)
     assert forked.wait(timeout=30) == -signal.SIGKILL  # killed by the parent-death signal, or by the launcher
-    deadline = time.monotonic() + 10
-    while alive(forked.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(forked.pid)
+    wait_gone([forked.pid], 10)
     with pytest.raises(ForkServerGone):
         workers.forkserver.spawn(9, [str(done)], clean_env(), piped=False)
     workers.spawn(1, [*WORKER_ENTRY, str(done)], clean_env())
@@ -179,20 +174,15 @@ def test_a_forked_coordinator_ends_with_a_killed_launcher(tmp_path: Path) -> Non
                              "--iterations", "100000", "--compute-ms", "5"], new_session=True)
     coordinator = 0
     try:
-        deadline = time.monotonic() + 120
-        while len(coordinator_records(run_dir, "group")) < 5:  # the workers train through it
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        wait_until(lambda: len(coordinator_records(run_dir, "group")) >= 5, 120, interval=0.1,  # training through it
+                   what="the workers to form 5 groups", while_running=launcher)
         record = json.loads((run_dir / "launch.json").read_text())
         coordinator = record["coordinator"]["pid"]
         assert record["start_method"] == "forkserver"
         assert _ppid(coordinator) == _ppid(record["worker_pids"]["0"]) != launcher.pid  # the fork server's
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)
-        killed_at = time.monotonic()
-        while alive(coordinator) and time.monotonic() < killed_at + 5.0:
-            time.sleep(0.05)
-        assert not alive(coordinator)
+        wait_gone([coordinator], 5.0)
         assert coordinator_records(run_dir)[-1]["event"] == "stop"  # it got SIGTERM, not SIGKILL
     finally:
         if coordinator and alive(coordinator):
@@ -207,13 +197,6 @@ os.write(int(sys.argv[1]), f"{os.getcwd()} {os.environ['MINE']}".encode())
 """
 
 
-def _wait_for_socket(path: str) -> None:
-    deadline = time.monotonic() + 120
-    while not Path(path).is_socket():
-        assert time.monotonic() < deadline, f"no template socket at {path}"
-        time.sleep(0.05)
-
-
 def test_a_fork_server_from_a_template_is_the_launchers_own(tmp_path: Path) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
@@ -221,7 +204,7 @@ def test_a_fork_server_from_a_template_is_the_launchers_own(tmp_path: Path) -> N
     inherited.write_text(INHERITED)
     read_end, write_end = os.pipe()
     with forkserver_template(clean_env()) as path:
-        _wait_for_socket(path)
+        wait_until(Path(path).is_socket, 120, what=f"the template's socket at {path}")
         server = ForkServer(clean_env(**{TEMPLATE_VAR: path}, OMP_NUM_THREADS="1"), pass_fds=(write_end,))
         try:
             assert isinstance(server.proc, TemplateForked)
@@ -247,7 +230,7 @@ def test_without_a_fitting_template_the_launcher_starts_its_fork_server_itself(t
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     with forkserver_template(clean_env()) as path:
-        _wait_for_socket(path)
+        wait_until(Path(path).is_socket, 120, what=f"the template's socket at {path}")
         env = clean_env(**{TEMPLATE_VAR: path})
         if why == "gone":
             env[TEMPLATE_VAR] = str(tmp_path / "no-template")

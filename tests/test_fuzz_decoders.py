@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections import Counter
 from typing import Any
 
@@ -45,6 +44,8 @@ from hopnet.wire import (
     encode_header,
     known_kinds,
 )
+
+from support.wait import wait_until_async
 
 EXAMPLES = 100
 PER_EXAMPLE = 1000
@@ -212,15 +213,9 @@ class _Fuzzed:
             self.dealer.send_multipart(parts)
         self.sent += len(batch)
 
-        async def drained() -> None:
-            deadline = time.monotonic() + 60.0
-            while self.accounted() < self.sent:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"transport accounted for {self.accounted()} of {self.sent} "
-                                         "fuzzed messages after 60 s")
-                await asyncio.sleep(0.002)
-
-        self.loop.run_until_complete(drained())
+        self.loop.run_until_complete(wait_until_async(
+            lambda: self.accounted() >= self.sent, 60.0, interval=0.002,
+            what=lambda: f"the transport to account for {self.sent} fuzzed messages (it did for {self.accounted()})"))
 
     def close(self) -> None:
         self.dealer.close(0)

@@ -16,6 +16,7 @@ from hopnet.analysis import gap_bound, load_run, max_gap_from_run
 from support.paths import WORKERS
 from support.cluster import close_workers, start_workers, train
 from support.launch import kill, start_launch
+from support.wait import wait_until
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 BULK = pytest.mark.parametrize("bulk", ["zmq", "torch"])  # Hop runs unchanged over either plane
@@ -138,8 +139,6 @@ def test_without_backup_workers_a_departure_is_a_named_error(launch, tmp_path: P
 @pytest.mark.slow
 def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_path: Path) -> None:
     """A rogue peer floods rank 0's socket with garbage during training; training completes."""
-    import time
-
     import zmq
 
     from hopnet.transports.zmq import routing_id, zmq_endpoint
@@ -150,18 +149,14 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
                          "--compute-ms", "10", "--dim", "64"])
     try:
         log = run_dir / "rank0.jsonl"
-        deadline = time.monotonic() + 60
-        address = None
-        while address is None and time.monotonic() < deadline:
-            if log.exists():
-                for line in log.read_text().splitlines():
-                    rec = json.loads(line)
-                    if rec["event"] == "iteration":
-                        address = next(json.loads(x)["address"] for x in log.read_text().splitlines()
-                                       if json.loads(x)["event"] == "start")
-                        break
-            time.sleep(0.05)
-        assert address is not None, "rank 0 never started training"
+
+        def address_once_training() -> str | None:
+            recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            if any(rec["event"] == "iteration" for rec in recs):
+                return next(rec["address"] for rec in recs if rec["event"] == "start")
+            return None
+        address = wait_until(address_once_training, 60, what="rank 0 to start training",
+                             tolerate=(json.JSONDecodeError,))  # a line still being written
         ctx = zmq.Context()
         rogue = ctx.socket(zmq.DEALER)
         # Rank 2 is not a neighbour of rank 0 on ring:4; a second connection claiming a

@@ -31,7 +31,8 @@ from hopnet.launch.rendezvous import (
 )
 
 from support.launch import run_launch, start_launch
-from support.processes import alive
+from support.processes import wait_gone
+from support.wait import WaitTimedOut, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
@@ -43,13 +44,6 @@ def hopnet_launch(*args: str, cwd: Path, timeout: float = 30.0) -> subprocess.Co
 
 def _pids(pid_dir: Path) -> list[int]:
     return [int(p) for f in sorted(pid_dir.glob("rank*.pid")) for p in f.read_text().split()]
-
-
-def _assert_all_gone(pids: list[int], within_s: float = 3.0) -> None:
-    deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [p for p in pids if alive(p)] == []
 
 
 def _tagged(stdout: str, tag: str) -> dict[int, str]:
@@ -100,7 +94,7 @@ def test_three_workers_exchange_addresses(tmp_path: Path) -> None:
                        "run_dir": str(run_dir), "bind": "127.0.0.1", "protocol": "notify-ack",
                        "unbuffered": "1"}
     assert str(run_dir) in proc.stderr.splitlines()[-1]  # the closing summary names the run dir
-    _assert_all_gone(_pids(pid_dir))
+    wait_gone(_pids(pid_dir), 3.0)
 
 
 @pytest.mark.slow
@@ -116,7 +110,7 @@ def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
     assert failure == ["hopnet launch: worker 1 failed (exit code 3)"]
     pids = _pids(pid_dir)
     assert len(pids) == 6  # three workers, each with a `sleep 60` child
-    _assert_all_gone(pids)
+    wait_gone(pids, 3.0)
     # the sleeping workers were asked to stop (SIGTERM) before anything harsher
     assert sorted(p.name for p in pid_dir.glob("*.sigterm")) == ["rank0.sigterm", "rank2.sigterm"]
     info = json.loads((tmp_path / "run" / "launch.json").read_text())
@@ -128,13 +122,13 @@ def _start_launcher(tmp_path: Path, *worker_args: str, grace: str = "5") -> tupl
     pid_dir.mkdir()
     proc = start_launch(["--nproc", "3", "--grace", grace, "--run-dir", str(tmp_path / "run"), WORKER,
                          "--pid-dir", str(pid_dir), "--sleep", "60", *worker_args], cwd=tmp_path)
-    deadline = time.monotonic() + 60
-    while len(list(pid_dir.glob("rank*.pid"))) < 3:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            out, err = proc.communicate()
-            pytest.fail(f"workers did not start:\n{out}\n{err}")
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: len(list(pid_dir.glob("rank*.pid"))) >= 3, 60, what="the 3 workers' pid files",
+                   while_running=proc)
+    except WaitTimedOut:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"workers did not start:\n{out}\n{err}")
     return proc, pid_dir
 
 
@@ -151,7 +145,7 @@ def test_sigterm_to_launcher_reaches_every_worker(tmp_path: Path) -> None:
     assert f"hopnet launch: received SIGTERM, stopping 3 workers; run dir {tmp_path / 'run'}" in err.splitlines()
     assert "hopnet launch: killing workers 2 (still running after 1s)" in err.splitlines()
     assert sorted(p.name for p in pid_dir.glob("*.sigterm")) == [f"rank{r}.sigterm" for r in range(3)]
-    _assert_all_gone(_pids(pid_dir))
+    wait_gone(_pids(pid_dir), 3.0)
     info = json.loads((tmp_path / "run" / "launch.json").read_text())
     assert info["result"]["reason"] == "interrupted by SIGTERM"
     assert info["result"]["worker_returncodes"] == {"0": 0, "1": 0, "2": -signal.SIGKILL}
@@ -219,8 +213,7 @@ def test_rendezvous_timeout_names_the_rendezvous_and_missing_ranks() -> None:
     with RendezvousServer(3) as server:
         threading.Thread(target=lambda: pytest.raises(WaitTimeout, exchange_addresses, server.endpoint, 2, 3,
                                                       "tcp://b", 1.0), daemon=True).start()
-        while server.registered_ranks() != [2]:
-            time.sleep(0.01)
+        wait_until(lambda: server.registered_ranks() == [2], 10, interval=0.01, what="rank 2's registration")
         start = time.monotonic()
         with pytest.raises(WaitTimeout) as info:
             exchange_addresses(server.endpoint, 0, 3, "tcp://a", timeout_s=0.3)
@@ -248,8 +241,7 @@ def test_rendezvous_refuses_bad_requests() -> None:
         t = threading.Thread(target=lambda: results.append(
             exchange_addresses(server.endpoint, 0, 2, "tcp://a", timeout_s=5)))
         t.start()
-        while server.registered_ranks() != [0]:
-            time.sleep(0.01)
+        wait_until(lambda: server.registered_ranks() == [0], 10, interval=0.01, what="rank 0's registration")
         with pytest.raises(RendezvousError, match="rank 0 registered twice"):
             exchange_addresses(server.endpoint, 0, 2, "tcp://other", timeout_s=2)
         assert exchange_addresses(server.endpoint, 1, 2, "tcp://b", timeout_s=2) == {0: "tcp://a", 1: "tcp://b"}

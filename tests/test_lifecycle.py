@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from support.env import clean_env
 from support.launch import recorded_worker_pids, run_launch, start_launch, worker_pids
 from support.paths import EXAMPLES, ROOT, WORKERS
 from support.records import records
-from support.processes import alive
+from support.processes import wait_gone
+from support.wait import wait_until
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 FAST = ["--dim", "100", "--compute-ms", "1"]
@@ -61,19 +63,20 @@ def _kill_all(pids: list[int]) -> None:
             pass
 
 
-def _wait_for_iteration(run_dir: Path, ranks: list[int], iteration: int, proc: subprocess.Popen[str],
-                        timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        done = 0
-        for rank in ranks:
-            if any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "enter")):
-                done += 1
-        if done == len(ranks):
-            return
-        time.sleep(0.1)
-    pytest.fail(f"ranks {ranks} did not reach iteration {iteration}")
+def _entered(run_dir: Path, ranks: list[int], iteration: int) -> bool:
+    return all(any(r.get("iter", -1) >= iteration for r in records(run_dir, rank, "enter")) for rank in ranks)
+
+
+def _stuck(run_dir: Path, rank: int) -> Callable[[], bool]:
+    """A condition that holds once ``rank`` entered no new iteration since it was last asked."""
+    entered = -1
+
+    def no_new_iteration() -> bool:
+        nonlocal entered
+        latest = max(r["iter"] for r in records(run_dir, rank, "enter"))
+        stuck, entered = latest == entered, latest
+        return stuck
+    return no_new_iteration
 
 
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
@@ -165,7 +168,8 @@ def test_a_rank_that_stops_early_is_named(tmp_path: Path) -> None:
 def test_ctrl_c_and_sigterm_print_one_line(tmp_path: Path, signum: int) -> None:
     proc, run_dir = _start(tmp_path, "--nproc", "4", HOP_WORKER, *FAST, "--iterations", "100000")
     try:
-        _wait_for_iteration(run_dir, [0, 1, 2, 3], 3, proc)
+        wait_until(lambda: _entered(run_dir, [0, 1, 2, 3], 3), 120, interval=0.1,
+                   what="ranks 0, 1, 2, 3 to enter iteration 3", while_running=proc)
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -196,7 +200,8 @@ def test_a_worker_killed_in_a_gloo_all_reduce_is_named_not_the_members_that_saw_
     proc, run_dir = _start(tmp_path, "--nproc", "4", "--protocol", "allreduce", "--bulk", "torch",
                            str(EXAMPLES / "train_digits.py"), "--iterations", "100000", "--eval-every", "100000")
     try:
-        _wait_for_iteration(run_dir, [0, 1, 2, 3], 5, proc)
+        wait_until(lambda: _entered(run_dir, [0, 1, 2, 3], 5), 120, interval=0.1,
+                   what="ranks 0, 1, 2, 3 to enter iteration 5", while_running=proc)
         os.kill(worker_pids(run_dir, 4)[2], signal.SIGKILL)
         _, err = proc.communicate(timeout=90)
     finally:
@@ -217,15 +222,10 @@ def test_sigterm_reaches_a_trainer_waiting_inside_gloo_for_its_gradient(tmp_path
                            "--peer-timeout", "120", "--timeout", "300", str(EXAMPLES / "train_digits.py"),
                            "--iterations", "100000", "--eval-every", "100000")
     try:
-        _wait_for_iteration(run_dir, [0, 1], 5, proc)
+        wait_until(lambda: _entered(run_dir, [0, 1], 5), 120, interval=0.1,
+                   what="ranks 0, 1 to enter iteration 5", while_running=proc)
         os.kill(worker_pids(run_dir, 2)[1], signal.SIGSTOP)
-        entered = -1
-        while True:  # until rank 0 is stuck: no new iteration for a second
-            time.sleep(1.0)
-            latest = max(r["iter"] for r in records(run_dir, 0, "enter"))
-            if latest == entered:
-                break
-            entered = latest
+        wait_until(_stuck(run_dir, 0), 120, interval=1.0, what="rank 0 to be stuck: no new iteration for a second")
         os.kill(worker_pids(run_dir, 2)[0], signal.SIGTERM)
         proc.communicate(timeout=90)  # (the launcher then ends the run, rank 1 with it)
     finally:
@@ -244,7 +244,8 @@ def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase
     workers: list[int] = []
     try:
         if phase != "starting":
-            _wait_for_iteration(run_dir, [0, 1, 2], 3, proc)
+            wait_until(lambda: _entered(run_dir, [0, 1, 2], 3), 120, interval=0.1,
+                       what="ranks 0, 1, 2 to enter iteration 3", while_running=proc)
         workers = list(worker_pids(run_dir, 3).values())
         if phase == "starting":
             time.sleep(1.0)  # inside the script, before hopnet.init
@@ -252,10 +253,7 @@ def test_workers_end_within_5s_when_the_launcher_is_killed(tmp_path: Path, phase
             os.kill(workers[1], signal.SIGSTOP)  # it cannot act on SIGTERM or watch a pipe
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        killed_at = time.monotonic()
-        while any(alive(p) for p in workers) and time.monotonic() < killed_at + 5.0:
-            time.sleep(0.05)
-        assert [p for p in workers if alive(p)] == []
+        wait_gone(workers, 5.0)
     finally:
         _kill_all(workers)
         proc.kill()
@@ -338,7 +336,8 @@ def test_sigkill_one_of_8_workers_and_the_others_finish(tmp_path: Path, victim: 
                            HOP_WORKER, *FAST, "--iterations", "60", "--compute-ms", "5")
     workers: list[int] = []
     try:
-        _wait_for_iteration(run_dir, [victim], 5, proc)
+        wait_until(lambda: _entered(run_dir, [victim], 5), 120, interval=0.1,
+                   what=f"rank {victim} to enter iteration 5", while_running=proc)
         pids = worker_pids(run_dir, 8)
         workers = list(pids.values())
         os.kill(pids[victim], signal.SIGKILL)

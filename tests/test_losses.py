@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from hopnet.analysis import load_run
 from support.launch import kill, start_launch, worker_pids
 from support.paths import EXAMPLES
 from support.records import LogFollower
+from support.wait import wait_until
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 WORLD = 4
@@ -38,13 +38,9 @@ FLAGS: dict[str, tuple[str, ...]] = {
 
 def _kill_in_iteration(run_dir: Path, rank: int) -> None:
     log = LogFollower(run_dir / f"rank{rank}.jsonl")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if any(r.get("event") == "iteration" and r.get("iter", -1) >= KILL_AT for r in log.new()):
-            os.kill(worker_pids(run_dir, WORLD)[rank], signal.SIGKILL)
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"rank {rank} never reached iteration {KILL_AT}")
+    wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= KILL_AT), 120,
+               interval=0.02, what=f"rank {rank}'s iteration {KILL_AT}")
+    os.kill(worker_pids(run_dir, WORLD)[rank], signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -11,13 +11,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
 
 from support.env import clean_env
 from support.launch import LAUNCH, worker_pids
+from support.wait import WaitTimedOut, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -102,12 +103,10 @@ def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedH
     victim_dir = tmp_path / "node1"
 
     def kill_host_1() -> None:
-        deadline = time.monotonic() + 120
         log = victim_dir / "rank2.jsonl"
-        while time.monotonic() < deadline:
-            if log.exists() and len(re.findall(r'"event": ?"iteration"', log.read_text())) >= 10:
-                break
-            time.sleep(0.2)
+        with suppress(WaitTimedOut):  # then it is killed where it is
+            wait_until(lambda: log.exists() and len(re.findall(r'"event": ?"iteration"', log.read_text())) >= 10, 120,
+                       interval=0.2, what="rank 2's iteration 10")
         pids = worker_pids(victim_dir, 2)
         for rank in (2, 3):
             os.kill(pids[rank], signal.SIGKILL)

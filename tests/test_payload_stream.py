@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -23,6 +22,7 @@ from hopnet.transports.zmq import CHUNK_BYTES, ZmqTransport, zmq_endpoint
 from hopnet.wire import Header, Message, encode_header
 
 from support.transport_checks import Recorder
+from support.wait import wait_until_async
 
 TIMEOUT = 10.0
 
@@ -191,9 +191,7 @@ async def test_a_sender_killed_mid_payload_is_dropped_and_a_new_one_gets_through
             killed.append(header.iter)
 
         inbox.on_header = kill_now
-        deadline = time.monotonic() + 30
-        while not recv.stats.dropped and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: recv.stats.dropped, 30, interval=0.01, what="the cut stream's drop")
         assert killed == [7] and recv.stats.dropped == {"stream_closed": 1}
         assert inbox.inbox.empty()
         inbox.on_header = None

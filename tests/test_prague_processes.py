@@ -16,6 +16,7 @@ import torch
 from support.paths import WORKERS
 from support.launch import kill, recorded_worker_pids, run_launch, start_launch
 from support.records import coordinator_records, records
+from support.wait import wait_until
 
 PRAGUE_WORKER = str(WORKERS / "prague_worker.py")
 N = 4
@@ -97,14 +98,8 @@ def test_killing_the_coordinator_fails_the_run_promptly_naming_it(tmp_path: Path
                                          PRAGUE_WORKER, "--iterations", "100000", "--compute-ms", "5", nproc=2),
                             new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # until the workers are training through it
-            if len(coordinator_records(run_dir, "group")) >= 40:
-                break
-            assert launcher.poll() is None, launcher.communicate()
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the workers never formed 40 groups")
+        wait_until(lambda: len(coordinator_records(run_dir, "group")) >= 40, 120, interval=0.2,  # training through it
+                   what="the workers to form 40 groups", while_running=launcher)
         pid = coordinator_records(run_dir)[0]["pid"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -13,8 +13,7 @@ import json
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,15 @@ from support.launch import kill, launch_in_process, recorded_worker_pids, start_
 from support.paths import EXAMPLES
 from support.records import LogFollower, all_records, coordinator_records
 from support.processes import alive
+from support.wait import wait_until
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 WORLD = 4
 ITERATIONS = 600
 KILL_AT = 150
 """The victim is signalled once it logged this iteration (of :data:`ITERATIONS`)."""
+RECORD_WAIT_S = 120.0
+"""How long a test waits for a record in a worker's log."""
 STOPPED_ITERATIONS = 1000
 TRAINING = frozenset({"enter", "iteration", "p_reduce", "group"})
 """Records of a worker that trains: none may come before a replacement's ``rejoined``."""
@@ -65,32 +67,18 @@ def _launched(tmp_path: Path, protocol: str, *flags: str,
         kill(proc)
 
 
-def _wait_for(proc: subprocess.Popen[str], log: LogFollower, found: Callable[[Record], bool], what: str,
-              timeout_s: float = 120.0) -> Record:
-    """The first new record of ``log`` that is ``found``, read as the log grows."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for rec in log.new():
-            if found(rec):
-                return rec
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"the launch ended ({proc.returncode}) before {what}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} in {log.path} after {timeout_s}s")
-        time.sleep(0.02)
-
-
 def _signal_in_iteration(proc: subprocess.Popen[str], run_dir: Path, rank: int, sig: signal.Signals,
                          training: tuple[int, ...] = ()) -> int:
     """Send ``sig`` to ``rank``'s worker once its log shows iteration :data:`KILL_AT` (and, before
     that, each rank of ``training`` shows one past its first); its pid."""
     for other in training:
-        _wait_for(proc, LogFollower(run_dir / f"rank{other}.jsonl"),
-                  lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 1, f"rank {other}'s iteration 1")
+        log = LogFollower(run_dir / f"rank{other}.jsonl")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 1),
+                   RECORD_WAIT_S, interval=0.02, what=f"rank {other}'s iteration 1 in {log.path}", while_running=proc)
     log = LogFollower(run_dir / f"rank{rank}.jsonl")
-    _wait_for(proc, log, lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= KILL_AT,
-              f"rank {rank}'s iteration {KILL_AT}")
+    wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= KILL_AT),
+               RECORD_WAIT_S, interval=0.02, what=f"rank {rank}'s iteration {KILL_AT} in {log.path}",
+               while_running=proc)
     pid = worker_pids(run_dir, WORLD)[rank]
     os.kill(pid, sig)
     return pid
@@ -195,7 +183,8 @@ def test_a_replacement_killed_past_the_budget_is_a_loss(tmp_path: Path, max_fail
     with _launched(tmp_path, "partial-reduce", "--max-failures", str(max_failures)) as (proc, run_dir):
         first = _signal_in_iteration(proc, run_dir, victim, signal.SIGKILL)
         log = LogFollower(run_dir / f"rank{victim}.jsonl")
-        _wait_for(proc, log, lambda r: r.get("event") == "rejoined", f"rank {victim}'s rejoined record")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "rejoined"), RECORD_WAIT_S, interval=0.02,
+                   what=f"rank {victim}'s rejoined record in {log.path}", while_running=proc)
         second = recorded_worker_pids(run_dir)[victim]
         assert second != first
         os.kill(second, signal.SIGKILL)
@@ -230,7 +219,8 @@ def test_a_batchnorm_trainer_ends_with_one_model_after_a_replacement(tmp_path: P
                          "--iterations", "120"], new_session=True)
     try:
         log = LogFollower(run_dir / "rank2.jsonl")
-        _wait_for(proc, log, lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 20, "iteration 20")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 20),
+                   RECORD_WAIT_S, interval=0.02, what=f"iteration 20 in {log.path}", while_running=proc)
         os.kill(worker_pids(run_dir, WORLD)[2], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,8 @@ from hopnet.report.trace import chrome_trace
 
 from support.launch import launch_in_process, run_launch, start_launch
 from support.paths import ROOT
-from support.processes import alive
+from support.processes import wait_gone
+from support.wait import wait_until
 
 CRASH_ONCE = str(ROOT / "tests" / "scripts" / "crash_once.py")
 
@@ -161,8 +161,7 @@ def test_a_restart_registration_before_the_table_is_complete_is_a_registration()
         t = threading.Thread(target=lambda: tables.append(
             exchange_addresses(server.endpoint, 0, 2, "tcp://a", timeout_s=5, restart=1)))
         t.start()
-        while server.registered_ranks() != [0]:
-            time.sleep(0.01)
+        wait_until(lambda: server.registered_ranks() == [0], 10, interval=0.01, what="rank 0's registration")
         assert not server.complete.is_set()  # it waits for the others like any registration
         assert exchange_addresses(server.endpoint, 1, 2, "tcp://b", timeout_s=5) == {0: "tcp://a", 1: "tcp://b"}
         t.join(5)
@@ -260,10 +259,7 @@ def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> N
     proc = start_launch(["--nproc", "3", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
                          CRASH_ONCE, "1", str(out), "--sleep", "60", "--hold", "60"], new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (out / "rank1.restart1.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        wait_until((out / "rank1.restart1.json").exists, 60, what="rank 1's replacement", while_running=proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -273,10 +269,7 @@ def test_sigterm_while_a_replacement_runs_leaves_no_process(tmp_path: Path) -> N
     assert proc.returncode == 128 + signal.SIGTERM, err
     pids = [int(p.read_text()) for p in out.glob("rank*.pid")]
     assert len(pids) == 4  # three workers and the replacement
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(pid) for pid in pids)
+    wait_gone(pids, 10)
 
 
 # ---------------------------------------------------------------------- the report

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from hopnet.wire import Message, encode_header
 from support.paths import WORKERS
 from support.launch import kill, start_launch
 from support.records import records
+from support.wait import wait_until, wait_until_async
 
 SECURE_WORKER = str(WORKERS / "secure_worker.py")
 
@@ -171,12 +171,8 @@ def test_insecure_with_secure_is_refused_before_anything_starts(tmp_path: Path, 
 
 
 # ------------------------------------------------------------------ sockets, one process
-async def _wait_for(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        await asyncio.sleep(0.02)
+SOCKET_WAIT_S = 20.0
+"""How long a one-process test waits for what its sockets bring about."""
 
 
 def test_a_rogue_gets_no_update_into_a_worker_and_is_counted_as_dropped() -> None:
@@ -190,7 +186,8 @@ def test_a_rogue_gets_no_update_into_a_worker_and_is_counted_as_dropped() -> Non
         rogue = _rogue_dealer(ctx, address, as_rank=1, keys=None)
         try:
             rogue.send_multipart(_update_frames(1, 0, 1e6))
-            await _wait_for(lambda: inbox.messages, "the rogue's update on a plain transport")
+            await wait_until_async(lambda: inbox.messages, SOCKET_WAIT_S, interval=0.02,
+                                   what="the rogue's update on a plain transport")
             assert inbox.messages[0].tensors[0].tolist() == [1e6] * 4
         finally:
             rogue.close(0)
@@ -214,10 +211,12 @@ def test_a_rogue_gets_no_update_into_a_worker_and_is_counted_as_dropped() -> Non
             await outsider.connect({0: address})
             await outsider.send(Message("update", 1, 0, 0, tensors=[torch.full((4,), 1e6, dtype=torch.float64)]))
             # each of the three attackers fails its handshake at least once
-            await _wait_for(lambda: worker.stats.dropped["unauthenticated"] >= 3, "three refused handshakes")
+            await wait_until_async(lambda: worker.stats.dropped["unauthenticated"] >= 3, SOCKET_WAIT_S, interval=0.02,
+                                   what="three refused handshakes")
             await member.connect({0: address})
             await member.send(Message("update", 1, 0, 0, tensors=[torch.full((4,), 2.0, dtype=torch.float64)]))
-            await _wait_for(lambda: inbox.messages, "the member's update")
+            await wait_until_async(lambda: inbox.messages, SOCKET_WAIT_S, interval=0.02,
+                                   what="the member's update")
             await asyncio.sleep(0.3)  # anything a rogue got in would have arrived by now
             assert len(inbox.messages) == 1
             assert inbox.messages[0].tensors[0].tolist() == [2.0] * 4
@@ -241,10 +240,7 @@ def test_the_rendezvous_answers_only_holders_of_the_run_key() -> None:
             with pytest.raises(WaitTimeout, match="does not answer"):
                 exchange_addresses(server.endpoint, 0, 1, "tcp://10.9.9.9:1", timeout_s=0.5, curve=rogue_keys)
         assert server.registered_ranks() == []
-        deadline = time.monotonic() + 10.0
-        while server.refused_handshakes < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.refused_handshakes >= 2
+        wait_until(lambda: server.refused_handshakes >= 2, 10.0, interval=0.02, what="two refused handshakes")
         table = exchange_addresses(server.endpoint, 0, 1, "tcp://127.0.0.1:7", timeout_s=10.0, curve=keys)
         assert table == {0: "tcp://127.0.0.1:7"}
 
@@ -270,9 +266,8 @@ def test_the_one_line_helpers_secure_a_service_socket_only_when_there_is_a_key()
         identity, empty, body = service.recv_multipart()
         service.send_multipart([identity, empty, b"pong"])
         assert clients[0].poll(5000, zmq.POLLIN) and clients[0].recv() == b"pong"
-        deadline = time.monotonic() + 10.0
-        while watch.poll() == 0 and watch.refused == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: watch.poll() != 0 or watch.refused != 0, 10.0, interval=0.02,
+                   what="the watch to see an event")
         assert watch.refused >= 1
         assert service.poll(300, zmq.POLLIN) == 0  # the keyless request never arrived
     finally:
@@ -347,11 +342,8 @@ def test_a_secured_launch_keeps_rogues_out_and_shows_them_in_the_stop_record(tmp
     ctx = zmq.Context()
     rogues: list[zmq.Socket] = []
     try:
-        deadline = time.monotonic() + 120.0
-        while not all((run_dir / f"address_rank{r}.txt").exists() for r in (0, 1)):
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "workers never published their addresses"
-            time.sleep(0.05)
+        wait_until(lambda: all((run_dir / f"address_rank{r}.txt").exists() for r in (0, 1)), 120.0,
+                   what="the workers to publish their addresses", while_running=proc)
         launch_info = json.loads((run_dir / "launch.json").read_text())
         assert launch_info["security"] == "curve"
         assert KEY_ENV not in json.dumps(launch_info)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from hopnet.launch.death_watch import DeathWatch, process_state
 from support.launch import kill, start_launch, worker_pids
 from support.paths import WORKERS
 from support.records import records
+from support.wait import wait_until
 
 HOP_WORKER = str(WORKERS / "hop_worker.py")
 
@@ -50,9 +50,7 @@ def test_a_process_stopped_past_the_limit_is_reported(tmp_path: Path) -> None:
     try:
         assert watch.poll({0: sleeper.pid}) == []
         sleeper.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while process_state(sleeper.pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: process_state(sleeper.pid) == "T", 10, interval=0.01, what="the sleeper to be stopped")
         assert watch.poll({0: sleeper.pid}) == []  # stopped from now on
         now[0] += 4.9
         assert watch.poll({0: sleeper.pid}) == []
@@ -74,10 +72,8 @@ def _stop_in_a_tolerant_hop_run(run_dir: Path, victim: int,
                          "--compute-ms", "5", "--iterations", "300"], new_session=True)
     try:
         pids = worker_pids(run_dir, 4)
-        deadline = time.monotonic() + 120
-        while not any(r.get("iter", -1) >= 5 for r in records(run_dir, victim, "iteration")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_until(lambda: any(r.get("iter", -1) >= 5 for r in records(run_dir, victim, "iteration")), 120,
+                   interval=0.1, what=f"rank {victim}'s iteration 5", while_running=proc)
         os.kill(pids[victim], signal.SIGSTOP)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -17,6 +17,7 @@ from hopnet.transports.zmq import ZmqTransport
 from hopnet.wire import Header, Message
 
 from support.launch import launch_in_process
+from support.wait import wait_until_async
 
 TIMEOUT = 30.0
 
@@ -390,8 +391,7 @@ async def test_a_killed_peer_is_reported_lost_by_the_receive_side_once(store_end
         if receiving:
             a.deliver(_bulk_header(1, 0, 1, torch.zeros(4)))  # its payload never comes
         os.kill(pid, signal.SIGKILL)
-        while not ra.lost:
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: ra.lost, TIMEOUT, what="the killed peer's loss")
         await asyncio.sleep(0.3)  # a second report would come now
         (lost,) = ra.lost
         assert (lost.peer, lost.peer_state) == (1, "dead") and "rank 1" in str(lost)
@@ -419,8 +419,7 @@ async def test_a_peer_that_closes_without_a_bye_is_reported_lost(store_endpoint,
         await a.send(Message("update", 0, 1, 0, tensors=[torch.ones(100)]))  # the channel is up
         await rb.get()
         await b.close()
-        while not ra.lost:
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: ra.lost, TIMEOUT, what="the closed peer's loss")
         (lost,) = ra.lost
         assert (lost.peer, lost.peer_state) == (1, "dead") and "closed" in str(lost)
     finally:
@@ -468,9 +467,7 @@ async def test_an_idle_node_learns_of_a_peer_that_vanished_without_a_send(store_
         await asyncio.wait_for(asyncio.gather(*(train(w, 2) for w in workers)), TIMEOUT)  # the pair is up
         await workers[1].node.close(leave=False)
         node = workers[0].node
-        deadline = time.monotonic() + TIMEOUT
-        while 1 not in node.dead and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: 1 in node.dead, TIMEOUT, what="rank 1 declared dead")
         assert node.peer_state(1) == "dead" and list(node.dead) == [1]
     finally:
         await close_workers(workers)

@@ -23,6 +23,8 @@ from hopnet.transports.zmq import (
 )
 from hopnet.wire import Header, Message, decode_header
 
+from support.wait import wait_until_async
+
 TIMEOUT = 5.0
 
 
@@ -50,12 +52,8 @@ class Recv:
         return await asyncio.wait_for(self.queue.get(), TIMEOUT)
 
 
-async def wait_until(cond, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
+POLL_S = 0.005
+"""How often a test looks at the stats it waits on."""
 
 
 def bind_for(kind: str, tmp_path, name: str) -> str:
@@ -132,7 +130,7 @@ async def test_discard_counts_a_drop(pair):
     a, b, _ra, rb = pair
     rb.buffers = DISCARD
     await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(1000)]))
-    await wait_until(lambda: b.stats.dropped["discarded"] == 1)
+    await wait_until_async(lambda: b.stats.dropped["discarded"] == 1, TIMEOUT, interval=POLL_S, what="the discard")
     rb.buffers = None
     await a.send(Message("update", 0, 1, 2, tensors=[torch.ones(10)]))
     m = await rb.get()
@@ -143,11 +141,13 @@ async def test_bad_buffers_and_receiver_errors_do_not_kill_the_loop(pair):
     a, b, _ra, rb = pair
     rb.buffers = [torch.empty(3)]  # wrong shape for what arrives
     await a.send(Message("update", 0, 1, 1, tensors=[torch.ones(4)]))
-    await wait_until(lambda: b.stats.dropped["bad_buffers"] == 1)
+    await wait_until_async(lambda: b.stats.dropped["bad_buffers"] == 1, TIMEOUT, interval=POLL_S,
+                           what="the bad buffers' drop")
     rb.buffers = None
     rb.fail_deliver = True
     await a.send(Message("token", 0, 1, 2))
-    await wait_until(lambda: b.stats.dropped["internal_error"] == 1)
+    await wait_until_async(lambda: b.stats.dropped["internal_error"] == 1, TIMEOUT, interval=POLL_S,
+                           what="the receiver error's drop")
     await a.send(Message("token", 0, 1, 3))
     assert (await rb.get()).iter == 3
 
@@ -187,7 +187,8 @@ async def test_malformed_input_is_dropped_by_reason():
         for i, (reason, parts) in enumerate(cases):
             before = t.stats.dropped[reason]
             await raw.send_multipart(parts)
-            await wait_until(lambda reason=reason, before=before: t.stats.dropped[reason] == before + 1)
+            await wait_until_async(lambda: t.stats.dropped[reason] == before + 1, TIMEOUT, interval=POLL_S,
+                                   what=f"a {reason} drop")
             # the receive loop survived: a valid message still arrives
             await raw.send_multipart([raw_header(specs=[f32_4], it=i), torch.arange(4.0).numpy().tobytes()])
             m = await rec.get()
@@ -254,7 +255,7 @@ async def test_send_latest_keeps_only_the_newest_behind_a_busy_link(tmp_path):
         assert [(m.kind, m.iter) for m in got] == [("update", 0), ("token", 3), ("update", 3)]
         assert torch.equal(got[2].tensors[0], torch.full((1 << 16,), 3.0))
         await asyncio.wait_for(a.drain(), TIMEOUT)
-        await wait_until(lambda: not a.backlogged(1))
+        await wait_until_async(lambda: not a.backlogged(1), TIMEOUT, interval=POLL_S, what="the backlog to clear")
         await a.send_latest(Message("update", 0, 1, 4, tensors=[params]))  # idle link again: straight out
         assert (await rb.get()).iter == 4
         assert a.stats.dropped["superseded"] == 2 and rb.queue.empty()
@@ -277,7 +278,7 @@ async def test_express_messages_overtake_a_backlog_of_tensors():
     try:
         sends = [asyncio.create_task(a.send(Message("update", 0, 1, k, tensors=[torch.ones(1 << 20)])))
                  for k in range(12)]  # 4 MiB each, zero-copy: far more than the socket buffers hold
-        await wait_until(lambda: a.backlogged(1))
+        await wait_until_async(lambda: a.backlogged(1), TIMEOUT, interval=POLL_S, what="a backlog to rank 1")
         await asyncio.sleep(0.2)
         await a.send_express(Message("token", 0, 1, 99, meta={"c": 1}))
         order = []

@@ -38,6 +38,7 @@ from hopnet.transports.zmq import ZmqTransport
 from support.env import clean_env
 from support.faults import FaultyTransport
 from support.paths import ROOT, WORKERS
+from support.wait import wait_until
 
 PEER_WORKER = str(WORKERS / "peer_worker.py")
 START_TIMEOUT_S = 120.0  # a loaded 2-core machine can take long to import torch 6 times
@@ -74,14 +75,10 @@ class Cluster:
     def wait_for_iteration(self, rank: int, iteration: int) -> None:
         """Until ``rank``'s event log shows it reached ``iteration`` (its log is flushed in batches)."""
         log = self.run_dir / f"rank{rank}.jsonl"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if log.exists() and any(json.loads(line).get("iter", -1) >= iteration
-                                    for line in log.read_text().splitlines() if line.endswith("}")):
-                return
-            assert all(p.poll() is None for p in self.procs), self.report()
-            time.sleep(0.1)
-        raise AssertionError(f"rank {rank} never reached iteration {iteration}\n{self.report()}")
+        wait_until(lambda: log.exists() and any(json.loads(line).get("iter", -1) >= iteration
+                                                for line in log.read_text().splitlines() if line.endswith("}")),
+                   START_TIMEOUT_S, interval=0.1, what=lambda: f"rank {rank}'s iteration {iteration}\n{self.report()}",
+                   while_running=self.procs)
 
     def wait(self, ranks: list[int], timeout_s: float) -> dict[int, int]:
         """Exit codes of ``ranks``, which must all exit on their own within ``timeout_s``."""

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -18,6 +17,7 @@ from hopnet.cli.main import main as cli_main
 
 from support.env import clean_env
 from support.paths import ROOT
+from support.wait import wait_until
 
 LAUNCH = (sys.executable, "-m", "hopnet.cli.main", "launch")
 
@@ -88,12 +88,11 @@ def recorded_worker_pids(run_dir: Path) -> dict[int, int]:
 
 def worker_pids(run_dir: Path, count: int, *, timeout_s: float = 120.0) -> dict[int, int]:
     """:func:`recorded_worker_pids`, waiting until ``count`` workers are listed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if len(pids := recorded_worker_pids(run_dir)) >= count:
-            return pids
-        time.sleep(0.05)
-    raise AssertionError(f"launch.json in {run_dir} never listed {count} worker pids")
+    def listed() -> dict[int, int]:
+        pids = recorded_worker_pids(run_dir)
+        return pids if len(pids) >= count else {}
+    return wait_until(listed, timeout_s, what=lambda: f"launch.json in {run_dir} to list {count} worker pids "
+                                                     f"(it lists {recorded_worker_pids(run_dir)})")
 
 
 def kill(proc: subprocess.Popen[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,8 @@ class LogFollower:
         self._offset += len(data)
         *lines, self._partial = (self._partial + data).split(b"\n")
         return [json.loads(line) for line in lines if line.strip()]
+
+    def first_new(self, found: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """The first record written since the last call that ``found`` accepts, or None; the
+        records before and after it in that batch are read past."""
+        return next((rec for rec in self.new() if found(rec)), None)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import hopnet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+from support.wait import WaitTimedOut, wait_until  # noqa: E402
 
 
 def main() -> None:
@@ -33,12 +35,11 @@ def main() -> None:
     address = worker.node.transport.address
     (run_dir / f"address_rank{rank}.tmp").write_text(str(address))
     os.replace(run_dir / f"address_rank{rank}.tmp", run_dir / f"address_rank{rank}.txt")
-    deadline = time.monotonic() + args.go_timeout
-    while not (run_dir / "go").exists():
-        if time.monotonic() > deadline:
-            print(f"no go file after {args.go_timeout:g}s", file=sys.stderr)
-            sys.exit(4)
-        time.sleep(0.05)
+    try:
+        wait_until((run_dir / "go").exists, args.go_timeout, what="the test's go file")
+    except WaitTimedOut as timed_out:
+        print(timed_out, file=sys.stderr)
+        sys.exit(4)
     for _ in worker.iterations(args.iterations):
         worker.step()
     worker.close()
