@@ -21,7 +21,7 @@ from hopnet.launch.run_dir import claim_run_dir
 from hopnet.launch.spec import WORKER_ENTRY, LaunchSpec, validate
 from hopnet.launch.state import RunState, WorkerState
 from hopnet.security import KEY_ENV, CurveKeys, RunSecurity
-from hopnet.worker_init import InitSpec, WorkerContext, check_inputs, find_launcher, resolve_options
+from hopnet.bootstrap.init import InitSpec, WorkerContext, check_inputs, find_launcher, resolve_options
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
 PLAIN = RunSecurity(None, "off: loopback")

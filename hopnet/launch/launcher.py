@@ -9,10 +9,10 @@ The launcher
   launch holds, see :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and
   ``launch.json`` into it;
 * sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
-* runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
+* runs the rendezvous server (:mod:`hopnet.rendezvous.server`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
-  :mod:`hopnet.launch.env`, through :mod:`hopnet.launch.worker_main` (exit statuses,
-  ordered shutdown, the launcher watch of :mod:`hopnet.launch.parent_watch`), each
+  :mod:`hopnet.bootstrap.env`, through :mod:`hopnet.bootstrap.worker_main` (exit statuses,
+  ordered shutdown, the launcher watch of :mod:`hopnet.bootstrap.parent_watch`), each
   worker in a session of its own, so a Ctrl-C on the terminal reaches the launcher
   only, which sends SIGTERM to every worker's process group (workers leave quietly on it);
 * prints each worker's output line by line, prefixed ``[rank R] ``;
@@ -55,13 +55,15 @@ from typing import IO
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch import forkserver, parent_watch
+from hopnet.bootstrap import parent_watch
+from hopnet.bootstrap.options import differences
+from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
-from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, RESTART, STORE
+from hopnet.bootstrap.env import DEFAULT_BIND, MODEL_FILE, RESTART, STORE
 from hopnet.launch.nodes import LaunchGroup
-from hopnet.launch.options import describe, differences
+from hopnet.launch.options import describe
 from hopnet.launch.outcome import blame_run, conclude
 from hopnet.launch.prepare import (
     JoinedMachines,
@@ -76,7 +78,7 @@ from hopnet.launch.prepare import (
     worker_base_env,
 )
 from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, kill_group, signal_name
-from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.rendezvous.server import RendezvousServer
 from hopnet.launch.restarts import RestartBudget
 from hopnet.launch.run_dir import RunDirClaim
 from hopnet.launch.spec import (
@@ -91,7 +93,7 @@ from hopnet.launch.spec import (
     validate,
 )
 from hopnet.launch.state import RunState
-from hopnet.launch.store import HostedStore, host_store
+from hopnet.rendezvous.store import HostedStore, host_store
 from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
 from hopnet.report.timeline import run_phases
@@ -718,7 +720,7 @@ def launch(
     this machine and the run is not ending (:mod:`hopnet.launch.restarts`); past K, ``max_failures``
     decides as without it.
     ``start_method`` ``"forkserver"`` (the default on Linux) forks the workers from one process
-    that imported torch once (:mod:`hopnet.launch.forkserver`); ``"exec"`` starts each worker as
+    that imported torch once (:mod:`hopnet.bootstrap.forkserver`); ``"exec"`` starts each worker as
     a new interpreter. ``launch.json`` records the method and each worker's pid.
 
     The arguments make a :class:`~hopnet.launch.spec.LaunchSpec`, which :func:`run_launch` runs.

@@ -20,7 +20,7 @@ from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import make_coordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.bootstrap.env import DEFAULT_BIND, WorkerEnv
 from hopnet.launch.nodes import place_ranks
 from hopnet.launch.options import option_names
 from hopnet.registry import lookup, specs
@@ -31,8 +31,8 @@ DEFAULT_SETTLE_S = 1.5
 """After the first failure, how long the other workers may end on their own before being stopped."""
 START_METHODS = ("forkserver", "exec")
 """How workers start: forked from a fork server that imported torch once, or each exec'd."""
-WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
-"""Every worker runs its script through :mod:`hopnet.launch.worker_main`."""
+WORKER_ENTRY = (sys.executable, "-m", "hopnet.bootstrap.worker_main")
+"""Every worker runs its script through :mod:`hopnet.bootstrap.worker_main`."""
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 GraphArgument: TypeAlias = Graph | str | os.PathLike[str] | None
@@ -70,7 +70,7 @@ class LaunchSpec:
     """The lowest live rank writes the consensus model to ``model.pt`` (``HOPNET_SAVE_MODEL``)."""
     start_method: str | None = None
     """``"forkserver"`` (workers forked from a process that imported torch once,
-    :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
+    :mod:`hopnet.bootstrap.forkserver`) or ``"exec"`` (each worker a new interpreter);
     ``None``: forkserver where the platform has it."""
     checkpoint_every: int = 0
     """Every worker saves its state every N iterations (:mod:`hopnet.checkpoint`); 0: never."""
