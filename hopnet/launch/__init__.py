@@ -2,7 +2,7 @@
 
 The code is split by the process it runs in:
 
-* :mod:`hopnet.launch` (here): the launcher process: its settings,
+* :mod:`hopnet.launch` (here): the launcher process: its settings (:mod:`~hopnet.launch.settings`),
   checks and plan (:mod:`~hopnet.launch.spec`), the run directory's claim, the workers'
   processes and the handle on their fork server, restarts, the death watch, the blame;
 * :mod:`hopnet.bootstrap`: what each worker (and the fork server, and the coordinator
