@@ -25,6 +25,7 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.bootstrap import parent_watch
 from hopnet.bootstrap.env import Restarts
+from hopnet.bootstrap.title import coordinator_title, set_title
 from hopnet.security import keys_from_environ
 
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None, help="where coordinator.jsonl goes")
     parser.add_argument("--bind", default="127.0.0.1", help="host to bind (default 127.0.0.1)")
     args = parser.parse_args(argv)
+    set_title(coordinator_title(args.run_dir))
     try:
         config = ProtocolConfig.from_json(args.config)
         graph = Graph.from_json(args.graph)

@@ -54,7 +54,9 @@ from typing import NoReturn
 import msgpack
 
 from hopnet.bootstrap import parent_watch
+from hopnet.bootstrap.env import RUN_DIR
 from hopnet.bootstrap.quick_exit import exit_now
+from hopnet.bootstrap.title import fork_server_title, set_title
 
 MAX_MESSAGE = 1 << 20
 """The largest request (an environment and an argv) the fork server accepts."""
@@ -62,7 +64,7 @@ WORKER = "worker"
 COORDINATOR = "coordinator"
 ENTRIES = {WORKER: "hopnet.bootstrap.worker_main", COORDINATOR: "hopnet.bootstrap.coordinator_main"}
 """What a forked process runs: the ``main(argv)`` of the module its request's ``entry`` names."""
-PRELOAD = ("torch", "torch._dynamo", "hopnet", "hopnet.api", *ENTRIES.values())
+PRELOAD = ("torch", "torch._dynamo", "setproctitle", "hopnet", "hopnet.api", *ENTRIES.values())
 SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 """The fork server must never initialise CUDA (a forked child could not use it): should an
 import ask ``torch.cuda.is_available()``, torch answers through NVML instead. The workers
@@ -230,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_server(sock: socket.socket) -> NoReturn:
     """Serve the launcher on ``sock``; in each forked child, run its entry and exit; exit once the
     launcher closes ``sock``."""
+    set_title(fork_server_title(os.environ.get(RUN_DIR, "").strip() or None))
     forked: _Forked | None = None
     try:
         serve(sock)

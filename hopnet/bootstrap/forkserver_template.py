@@ -39,6 +39,7 @@ import msgpack
 
 from hopnet.bootstrap import forkserver, parent_watch
 from hopnet.bootstrap.pythonpath import worker_pythonpath
+from hopnet.bootstrap.title import TEMPLATE_TITLE, set_title
 
 _MAX_FDS = 16
 TEMPLATE_VAR = "HOPNET_FORKSERVER_TEMPLATE"
@@ -177,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m hopnet.bootstrap.forkserver_template PATH", file=sys.stderr)
         return 2
     parent_watch.arm_parent_death_signal(signal.SIGTERM)
+    set_title(TEMPLATE_TITLE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     forkserver._preload()

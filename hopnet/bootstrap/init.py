@@ -41,6 +41,7 @@ from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
 from hopnet.transports.base import Transport
 from hopnet.bootstrap.plane import collective_factory, make_transport
+from hopnet.bootstrap.title import script_name, set_title, worker_title
 
 COORDINATOR_STOP_GRACE_S = 5.0
 """How long the coordinator rank 0 hosts gets to write its summary when the worker closes."""
@@ -134,6 +135,7 @@ def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping
             raise NoLauncherError(f"hopnet.init() takes its rank and peers from a launcher: run `{_script_command()}` "
                                   "(or under torchrun or srun)")
         attached = attach(external, graph, environ)
+        set_title(worker_title(attached.rank, attached.world_size, script_name(sys.argv)))
         context = WorkerContext(attached.rank, attached.world_size, attached.graph, attached.flags, attached.explicit,
                                 attached.bind_host, attached.store_endpoint, keys_from_environ(environ),
                                 attached=attached)
@@ -204,6 +206,7 @@ def open_run(context: WorkerContext, config: ProtocolConfig) -> WorkerRun:
         assert context.launched is not None
         return WorkerRun(context.launched.run_dir)
     run = WorkerRun(attached.open_run_dir(config.protocol, config.timeout_s), attached)
+    set_title(worker_title(attached.rank, attached.world_size, script_name(sys.argv), run.run_dir))
 
     def host() -> dict[str, str]:
         run.coordinator = host_coordinator(config, run.run_dir, context.bind_host)

@@ -34,6 +34,7 @@ from typing import NoReturn
 
 from hopnet.bootstrap import parent_watch
 from hopnet.bootstrap.quick_exit import exit_now, flush_stdio
+from hopnet.bootstrap.title import title_launched_worker
 from hopnet.runtime import shutdown
 
 USAGE = "usage: python -m hopnet.bootstrap.worker_main [-m MODULE | SCRIPT] [ARGS...]"
@@ -160,9 +161,11 @@ def _wait_for_a_stop_signal(exc: BaseException | None) -> BaseException | None:
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     parent_watch.start()
+    args = list(sys.argv[1:] if argv is None else argv)
+    title_launched_worker(args, os.environ)
     exc: BaseException | None = None
     try:
-        exc = _wait_for_a_stop_signal(_stop_underneath(run(list(sys.argv[1:] if argv is None else argv))))
+        exc = _wait_for_a_stop_signal(_stop_underneath(run(args)))
         if exc is not None:
             _report(exc)
         had_workers = bool(shutdown.open_workers())

@@ -60,7 +60,7 @@ from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.bootstrap.env import MODEL_FILE, RESTART, STORE
+from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe
 from hopnet.launch.outcome import blame_run, conclude
@@ -191,7 +191,7 @@ class Launch:
         self.base_env[parent_watch.LAUNCHER_PID] = str(os.getpid())
         self.start_method = self.spec.start_method or ("forkserver" if forkserver.available() else "exec")
         # Started first, so its imports overlap the store, the rendezvous and the coordinator.
-        server = forkserver.ForkServer(self.base_env, pass_fds=(self.watch_read,)) \
+        server = forkserver.ForkServer({**self.base_env, RUN_DIR: str(run_dir)}, pass_fds=(self.watch_read,)) \
             if self.start_method == "forkserver" else None
         self.workers = WorkerProcesses(LineWriter(output.out) if self.spec.prefix else None,
                                        self.err_lines if self.spec.prefix else None,
