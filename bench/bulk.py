@@ -72,7 +72,7 @@ async def _worker(role: int, conn, args: argparse.Namespace, store_endpoint: str
     import torch
     import torch.distributed as dist
 
-    from hopnet.launch.store import connect_store
+    from hopnet.rendezvous.store import connect_store
     from hopnet.transports.torchdist import TorchBulkTransport, backend_for, build_group, wait_work
     from hopnet.wire import Message
     from hopnet.transports.zmq import ZmqTransport
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--allreduce", action="store_true", help="also TorchCollective vs allreduce")
     args = parser.parse_args()
 
-    from hopnet.launch.store import host_store
+    from hopnet.rendezvous.store import host_store
 
     hosted = host_store("127.0.0.1")
     ctx = mp.get_context("spawn")

@@ -52,9 +52,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from faults import LaunchRun, first_naming, inject, workload  # noqa: E402
 from hopnet import Graph, ProtocolConfig  # noqa: E402
-from hopnet.launch.env import ENV_VARS, WorkerEnv  # noqa: E402
-from hopnet.launch.store import host_store  # noqa: E402
-from hopnet.launch.rendezvous import RendezvousServer  # noqa: E402
+from hopnet.bootstrap.env import ENV_VARS, WorkerEnv  # noqa: E402
+from hopnet.rendezvous.store import host_store  # noqa: E402
+from hopnet.rendezvous.server import RendezvousServer  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "peer_worker.py"
 HANG_AFTER_S = 90.0

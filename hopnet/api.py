@@ -36,7 +36,7 @@ from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
-from hopnet.launch.env import MODEL_FILE, Restarts, save_model_requested
+from hopnet.bootstrap.env import MODEL_FILE, Restarts, save_model_requested
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
@@ -48,7 +48,7 @@ from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
-from hopnet.worker_init import (
+from hopnet.bootstrap.init import (
     InitSpec,
     ModelTensors,
     check_inputs,
@@ -643,7 +643,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     """Start this process's worker as its launcher configured it.
 
     Under `hopnet launch` the rank, graph, peers and protocol come from the launcher. Under
-    torchrun or srun (see :mod:`hopnet.launch.external`) the rank and world size come from
+    torchrun or srun (see :mod:`hopnet.bootstrap.external`) the rank and world size come from
     their variables, the graph from ``graph`` (a :class:`Graph`, a JSON path or a spec such
     as ``"ring:4"``), else ``HOPNET_GRAPH``, else a ring, the protocol from ``HOPNET_*``
     variables, and the workers meet through the run's TCPStore.
@@ -662,7 +662,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     both). Every rank must end up with the same options: the rendezvous refuses a rank
     whose options differ from another's.
 
-    The steps are the phases of :mod:`hopnet.worker_init`, in order.
+    The steps are the phases of :mod:`hopnet.bootstrap.init`, in order.
     """
     spec = InitSpec(model=model, params=params, config=config, graph=graph, options=options)
     context = find_launcher(spec.graph, os.environ)

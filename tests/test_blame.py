@@ -1,4 +1,4 @@
-"""Who caused a failed run (hopnet.launch.blame), options from flags and code (hopnet.launch.options),
+"""Who caused a failed run (hopnet.launch.blame), options from flags and code (hopnet.bootstrap.options),
 and the exit paths of a worker process (hopnet.runtime.shutdown), without starting processes."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, PeerFailure, WaitTimeout
 from hopnet.launch.blame import RankEnd, explain, parse_log_tail, read_log_facts
-from hopnet.launch.options import check_coordinator_options, check_explicit, describe, differences
+from hopnet.bootstrap.options import check_coordinator_options, check_explicit, differences
+from hopnet.launch.options import describe
 from hopnet.runtime import shutdown
 
 

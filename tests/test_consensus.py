@@ -22,7 +22,7 @@ from hopnet.collectives.consensus import ConsensusError, ConsensusResult
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import HopnetError, WaitTimeout
-from hopnet.launch.env import SAVE_MODEL
+from hopnet.bootstrap.env import SAVE_MODEL
 from hopnet.launch.prepare import worker_base_env
 from hopnet.launch.spec import LaunchSpec, validate
 from hopnet.model_state import ModelState

@@ -17,8 +17,8 @@ from support.paths import EXAMPLES
 from support.records import coordinator_records, records
 from support.ports import free_port
 from hopnet.errors import ConfigError
-from hopnet.launch.env_options import config_from_variables
-from hopnet.launch.external import detect, parse_nodelist
+from hopnet.bootstrap.env_options import config_from_variables
+from hopnet.bootstrap.external import detect, parse_nodelist
 from hopnet.protocols.hop.options import HopOptions
 
 REPO = Path(__file__).resolve().parent.parent

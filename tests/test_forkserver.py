@@ -15,7 +15,7 @@ import pytest
 
 from hopnet.config import ProtocolConfig
 from hopnet.graph import Graph
-from hopnet.launch.coordinator_proc import CoordinatorProcess
+from hopnet.bootstrap.coordinator_proc import CoordinatorProcess
 from hopnet.launch.forkserver import TEMPLATE_VAR, ForkedWorker, ForkServer, ForkServerGone, TemplateForked, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY

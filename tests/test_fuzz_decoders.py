@@ -31,7 +31,9 @@ from hopnet import Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
 from hopnet.coordinator import wire as coordinator_wire
 from hopnet.coordinator.host import CoordinatorHost
-from hopnet.launch.rendezvous import RendezvousError, RendezvousServer, _unpack_reply
+from hopnet.rendezvous.client import _unpack_reply
+from hopnet.rendezvous.server import RendezvousServer
+from hopnet.rendezvous.wire import RendezvousError
 from hopnet.transports.torchdist import decode_bulk
 from hopnet.transports.zmq import ZmqTransport, zmq_endpoint
 from hopnet.wire import (

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 
 from hopnet.errors import ConfigError
-from hopnet.launch.store import connect_store, host_store
+from hopnet.rendezvous.store import connect_store, host_store
 from hopnet.transports.gpu_placement import refuse_shared_gpus
 
 

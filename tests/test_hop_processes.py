@@ -79,7 +79,7 @@ def test_hop_on_gpus_averages_over_nccl(launch, tmp_path: Path, bulk: str) -> No
 
 def test_a_cuda_model_over_zmq_is_refused_in_one_line() -> None:
     from hopnet.errors import ConfigError
-    from hopnet.launch.plane import make_transport
+    from hopnet.bootstrap.plane import make_transport
 
     with pytest.raises(ConfigError, match="--bulk zmq moves CPU tensors only"):
         make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk="zmq",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import json
@@ -18,22 +19,60 @@ from hopnet.launch.launcher import Launch, launch, run_launch
 from hopnet.launch.outcome import conclude
 from hopnet.launch.prepare import launch_record, prepare_run_dir, rendezvous_host, worker_base_env
 from hopnet.launch.run_dir import claim_run_dir
+from hopnet.launch.settings import LaunchKeywords, settings, spec_from_args, spec_from_keywords
 from hopnet.launch.spec import WORKER_ENTRY, LaunchSpec, validate
 from hopnet.launch.state import RunState, WorkerState
 from hopnet.security import KEY_ENV, CurveKeys, RunSecurity
-from hopnet.worker_init import InitSpec, WorkerContext, check_inputs, find_launcher, resolve_options
+from hopnet.bootstrap.init import InitSpec, WorkerContext, check_inputs, find_launcher, resolve_options
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "launch_worker.py")
 PLAIN = RunSecurity(None, "off: loopback")
 
 
 # ------------------------------------------------------------------------------ spec
+def _annotation(value: object) -> str:
+    return value if isinstance(value, str) else getattr(value, "__forward_arg__", repr(value))
+
+
 def test_the_spec_has_every_argument_of_launch_with_the_same_default() -> None:
+    """launch()'s positional arguments are the spec's, and its typed keywords (LaunchKeywords, for
+    mypy and IDEs) are every other setting with the type the spec declares."""
     io_only = {"stdout", "stderr"}
-    params = {n: p for n, p in inspect.signature(launch).parameters.items() if n not in io_only}
+    params = {n: p for n, p in inspect.signature(launch).parameters.items()
+              if n not in io_only and p.kind is not inspect.Parameter.VAR_KEYWORD}
     fields = inspect.signature(LaunchSpec).parameters
-    assert list(params) == list(fields)
-    assert {n: p.default for n, p in params.items()} == {n: p.default for n, p in fields.items()}
+    assert list(params) == ["script", "script_args"]
+    assert {n: p.default for n, p in params.items()} == {n: fields[n].default for n in params}
+    declared = {f.name: _annotation(f.type) for f in dataclasses.fields(LaunchSpec) if f.name not in params}
+    typed = {name: _annotation(kind) for name, kind in LaunchKeywords.__annotations__.items()}
+    assert typed == declared
+
+
+def test_launch_takes_each_setting_by_keyword_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="grace period must be >= 0"):
+        launch(SCRIPT, graph="ring:2", grace_s=-1.0, run_dir=tmp_path / "run")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grace'.*did you mean 'grace_s'"):
+        launch(SCRIPT, graph="ring:2", grace=1.0)  # type: ignore[call-arg]
+    assert not (tmp_path / "run").exists()
+    spec = spec_from_keywords(SCRIPT, ["--x"], {"nproc": 3, "max_restarts": 1})
+    assert (spec.script_args, spec.nproc, spec.max_restarts, spec.grace_s) == (["--x"], 3, 1, 5.0)
+
+
+def test_the_command_line_has_a_flag_per_setting_and_translates_back_to_the_spec() -> None:
+    from hopnet.cli.launch_cmd import _parse_launch
+
+    flagged = [s for s in settings() if s.has_flag and s.info.group != "arguments"]
+    defaults = spec_from_args(_parse_launch(["train.py"]))
+    for s in flagged:
+        assert getattr(defaults, s.name) == s.default, s.name
+    assert (defaults.script, list(defaults.script_args)) == ("train.py", [])
+    args = _parse_launch(["--nproc", "3", "--grace", "2", "--no-prefix", "--start-method", "exec", "--resume", "r",
+                          "--key-file", "k", "-m", "pkg.train", "--lr", "1"])
+    spec = spec_from_args(args)
+    assert (spec.nproc, spec.grace_s, spec.prefix, spec.start_method, spec.resume, spec.key_file, spec.module) == \
+        (3, 2.0, False, "exec", True, "k", True)
+    assert (spec.script, list(spec.script_args)) == ("pkg.train", ["--lr", "1"])
+    assert len({s.flag for s in flagged}) == len(flagged) == 22
 
 
 @pytest.mark.parametrize("changes, message", [

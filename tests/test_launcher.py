@@ -19,10 +19,10 @@ import pytest
 
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError, WaitTimeout
-from hopnet.launch.env import ENV_VARS, WorkerEnv
-from hopnet.launch.rendezvous import (
+from hopnet.bootstrap.env import ENV_VARS, WorkerEnv
+from hopnet.rendezvous.server import RendezvousServer
+from hopnet.rendezvous.client import (
     RendezvousError,
-    RendezvousServer,
     barrier,
     barrier_async,
     exchange_addresses,

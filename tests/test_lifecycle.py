@@ -381,7 +381,7 @@ finally:
 def test_a_stopped_worker_whose_close_then_fails_still_leaves_as_stopped(tmp_path: Path) -> None:
     script = tmp_path / "stopped.py"
     script.write_text(STOPPED_THEN_CLOSE_FAILS)
-    proc = subprocess.run([sys.executable, "-m", "hopnet.launch.worker_main", str(script)], env=clean_env(),
+    proc = subprocess.run([sys.executable, "-m", "hopnet.bootstrap.worker_main", str(script)], env=clean_env(),
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 143, proc.stderr  # stopped, not failed: the launcher says why it stopped the run
     assert proc.stderr == ""

@@ -19,7 +19,7 @@ import torch
 from hopnet import AsyncWorker, DistributedOptimizer, Graph, PeerFailure, ProtocolConfig
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.collectives.torchdist import TorchCollective
-from hopnet.launch.store import connect_store, host_store
+from hopnet.rendezvous.store import connect_store, host_store
 from hopnet.protocols.allreduce.options import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
 from hopnet.protocols.pipesgd.options import PipeSgdOptions

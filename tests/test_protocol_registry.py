@@ -18,7 +18,7 @@ from hopnet.cli.main import main as cli
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env_options import config_from_variables
+from hopnet.bootstrap.env_options import config_from_variables
 from hopnet.options import ProtocolOptions, option
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn

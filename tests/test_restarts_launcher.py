@@ -18,7 +18,8 @@ from hopnet.analysis import RunLogError, incarnations, load_run
 from hopnet.cli.launch_cmd import _parse_launch, resumed_args
 from hopnet.errors import ConfigError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.launch.rendezvous import RendezvousError, RendezvousServer, exchange_addresses, exchange_addresses_async
+from hopnet.rendezvous.client import RendezvousError, exchange_addresses, exchange_addresses_async
+from hopnet.rendezvous.server import RendezvousServer
 from hopnet.launch.launcher import launch
 from hopnet.launch.restarts import RestartBudget
 from hopnet.report.content import build_content

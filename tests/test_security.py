@@ -13,7 +13,8 @@ import zmq
 
 from hopnet.cli.main import main as cli_main
 from hopnet.errors import ConfigError, WaitTimeout
-from hopnet.launch.rendezvous import RendezvousServer, exchange_addresses
+from hopnet.rendezvous.client import exchange_addresses
+from hopnet.rendezvous.server import RendezvousServer
 from hopnet.security import (
     KEY_ENV,
     KEY_FILE_ENV,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hopnet.errors import ConfigError, HopnetError
-from hopnet.launch.env import STORE, WorkerEnv
-from hopnet.launch.store import connect_store, host_store, parse_endpoint
+from hopnet.bootstrap.env import STORE, WorkerEnv
+from hopnet.rendezvous.store import connect_store, host_store, parse_endpoint
 
 from support.paths import WORKERS
 from support.launch import run_launch

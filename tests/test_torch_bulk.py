@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hopnet.errors import PeerFailure
-from hopnet.launch.store import connect_store, host_store
+from hopnet.rendezvous.store import connect_store, host_store
 from hopnet.transports.base import DISCARD
 from hopnet.transports.torchdist import BULK_KEY, TorchBulkTransport
 from hopnet.transports.zmq import ZmqTransport
@@ -262,7 +262,7 @@ def test_bulk_option_is_validated_on_the_command_line(tmp_path) -> None:
 
 
 def test_auto_picks_the_plane_by_device_and_size(store_endpoint) -> None:
-    from hopnet.launch.plane import AUTO_CPU_MIN_BYTES, make_transport
+    from hopnet.bootstrap.plane import AUTO_CPU_MIN_BYTES, make_transport
 
     def pick(bulk: str, nbytes: int | None, endpoint: str = store_endpoint) -> str:
         t = make_transport(rank=0, peers=frozenset({1}), bind_host="127.0.0.1", bulk=bulk,

@@ -10,7 +10,7 @@ import torch
 
 from hopnet.collectives.torchdist import TorchCollective
 from hopnet.errors import ConfigError
-from hopnet.launch.store import connect_store, host_store
+from hopnet.rendezvous.store import connect_store, host_store
 
 from support.paths import WORKERS
 from support.launch import run_launch

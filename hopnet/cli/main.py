@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_at_once(code: int) -> None:
     """The program's end without the interpreter's teardown: with torch loaded that takes
     seconds on a busy machine, after everything was said (`hopnet launch` asks for it)."""
-    from hopnet.launch.quick_exit import exit_now
+    from hopnet.bootstrap.quick_exit import exit_now
 
     exit_now(code)
 

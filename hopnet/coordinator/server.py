@@ -1,7 +1,7 @@
 """The coordinator as a ZeroMQ service: one ROUTER socket, one state machine, one thread.
 
 :func:`serve` runs until told to stop (SIGTERM in the process `hopnet launch` starts,
-see :mod:`hopnet.launch.coordinator_main`). Each inbound ``[routing id, payload]`` is decoded
+see :mod:`hopnet.bootstrap.coordinator_main`). Each inbound ``[routing id, payload]`` is decoded
 (:mod:`hopnet.coordinator.wire`), handed to the :class:`~hopnet.coordinator.host.CoordinatorHost`
 and what it returns is sent at once. A frame that is not a coordinator message is dropped
 and counted, never fatal. A message for a worker whose connection the ROUTER does not

@@ -9,10 +9,10 @@ The launcher
   launch holds, see :mod:`hopnet.launch.run_dir`) and writes ``graph.json`` and
   ``launch.json`` into it;
 * sets ``OMP_NUM_THREADS`` for the workers (:mod:`hopnet.launch.threads`);
-* runs the rendezvous server (:mod:`hopnet.launch.rendezvous`) in a thread;
+* runs the rendezvous server (:mod:`hopnet.rendezvous.server`) in a thread;
 * starts ``python SCRIPT ARGS...`` once per rank with the ``HOPNET_*`` variables of
-  :mod:`hopnet.launch.env`, through :mod:`hopnet.launch.worker_main` (exit statuses,
-  ordered shutdown, the launcher watch of :mod:`hopnet.launch.parent_watch`), each
+  :mod:`hopnet.bootstrap.env`, through :mod:`hopnet.bootstrap.worker_main` (exit statuses,
+  ordered shutdown, the launcher watch of :mod:`hopnet.bootstrap.parent_watch`), each
   worker in a session of its own, so a Ctrl-C on the terminal reaches the launcher
   only, which sends SIGTERM to every worker's process group (workers leave quietly on it);
 * prints each worker's output line by line, prefixed ``[rank R] ``;
@@ -46,22 +46,23 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Unpack
 
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
-from hopnet.graph import Graph
-from hopnet.launch import forkserver, parent_watch
+from hopnet.bootstrap import parent_watch
+from hopnet.bootstrap.options import differences
+from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
-from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.launch.env import DEFAULT_BIND, MODEL_FILE, RESTART, STORE
+from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
-from hopnet.launch.options import describe, differences
+from hopnet.launch.options import describe
 from hopnet.launch.outcome import blame_run, conclude
 from hopnet.launch.prepare import (
     JoinedMachines,
@@ -76,13 +77,12 @@ from hopnet.launch.prepare import (
     worker_base_env,
 )
 from hopnet.launch.processes import LineWriter, SignalTrap, TextSink, WorkerProcesses, kill_group, signal_name
-from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.rendezvous.server import RendezvousServer
 from hopnet.launch.restarts import RestartBudget
 from hopnet.launch.run_dir import RunDirClaim
+from hopnet.launch.settings import LaunchKeywords, spec_from_keywords
 from hopnet.launch.spec import (
-    DEFAULT_GRACE_S,
     DEFAULT_NPROC,
-    DEFAULT_SETTLE_S,
     WORKER_ENTRY,
     LaunchPlan,
     LaunchSpec,
@@ -91,7 +91,7 @@ from hopnet.launch.spec import (
     validate,
 )
 from hopnet.launch.state import RunState
-from hopnet.launch.store import HostedStore, host_store
+from hopnet.rendezvous.store import HostedStore, host_store
 from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
 from hopnet.report.timeline import run_phases
@@ -191,7 +191,7 @@ class Launch:
         self.base_env[parent_watch.LAUNCHER_PID] = str(os.getpid())
         self.start_method = self.spec.start_method or ("forkserver" if forkserver.available() else "exec")
         # Started first, so its imports overlap the store, the rendezvous and the coordinator.
-        server = forkserver.ForkServer(self.base_env, pass_fds=(self.watch_read,)) \
+        server = forkserver.ForkServer({**self.base_env, RUN_DIR: str(run_dir)}, pass_fds=(self.watch_read,)) \
             if self.start_method == "forkserver" else None
         self.workers = WorkerProcesses(LineWriter(output.out) if self.spec.prefix else None,
                                        self.err_lines if self.spec.prefix else None,
@@ -651,41 +651,14 @@ def run_plan(plan: LaunchPlan, *, stdout: IO[str] | None = None, stderr: IO[str]
         return result
 
 
-def launch(
-    script: str | os.PathLike[str],
-    script_args: Sequence[str] = (),
-    graph: Graph | str | os.PathLike[str] | None = None,
-    config: ProtocolConfig | None = None,
-    nproc: int | None = None,
-    run_dir: str | os.PathLike[str] | None = None,
-    bind: str = DEFAULT_BIND,
-    prefix: bool = True,
-    env_extra: Mapping[str, str] | None = None,
-    *,
-    module: bool = False,
-    grace_s: float = DEFAULT_GRACE_S,
-    argv: Sequence[str] | None = None,
-    overwrite: bool = False,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-    max_failures: int = 0,
-    explicit_options: Collection[str] = (),
-    settle_s: float = DEFAULT_SETTLE_S,
-    progress: bool = True,
-    insecure: bool = False,
-    secure: bool = False,
-    key_file: str | os.PathLike[str] | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    save_model: bool = False,
-    start_method: str | None = None,
-    checkpoint_every: int = 0,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    max_restarts: int = 0,
-) -> LaunchResult:
+def launch(script: str | os.PathLike[str], script_args: Sequence[str] = (), *, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None, **settings: Unpack[LaunchKeywords]) -> LaunchResult:
     """Run ``python SCRIPT ARGS...`` once per rank of ``graph`` and wait for all of them.
+
+    The keywords are the launcher's settings, declared once with their defaults and help in
+    :class:`~hopnet.launch.settings.LaunchSpec` (each is the `hopnet launch` flag of the same name,
+    ``grace_s`` is ``--grace``); an unknown keyword raises ``TypeError``. ``stdout`` and ``stderr``
+    take the launcher's own output (default: this process's).
 
     Raises :class:`ConfigError` for bad inputs before starting anything. Returns a
     :class:`LaunchResult`: ``returncode`` 0 when every worker exited 0, or when at most
@@ -718,20 +691,12 @@ def launch(
     this machine and the run is not ending (:mod:`hopnet.launch.restarts`); past K, ``max_failures``
     decides as without it.
     ``start_method`` ``"forkserver"`` (the default on Linux) forks the workers from one process
-    that imported torch once (:mod:`hopnet.launch.forkserver`); ``"exec"`` starts each worker as
+    that imported torch once (:mod:`hopnet.bootstrap.forkserver`); ``"exec"`` starts each worker as
     a new interpreter. ``launch.json`` records the method and each worker's pid.
 
-    The arguments make a :class:`~hopnet.launch.spec.LaunchSpec`, which :func:`run_launch` runs.
+    The arguments make a :class:`~hopnet.launch.settings.LaunchSpec`, which :func:`run_launch` runs.
     """
-    spec = LaunchSpec(script=script, script_args=script_args, graph=graph, config=config, nproc=nproc,
-                      run_dir=run_dir, bind=bind, prefix=prefix, env_extra=env_extra, module=module,
-                      grace_s=grace_s, argv=argv, overwrite=overwrite, max_failures=max_failures,
-                      explicit_options=explicit_options, settle_s=settle_s, progress=progress,
-                      insecure=insecure, secure=secure, key_file=key_file, nnodes=nnodes, node_rank=node_rank,
-                      rdzv_endpoint=rdzv_endpoint, save_model=save_model,
-                      start_method=start_method, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume, max_restarts=max_restarts)
-    return run_launch(spec, stdout=stdout, stderr=stderr)
+    return run_launch(spec_from_keywords(script, script_args, settings), stdout=stdout, stderr=stderr)
 
 
 __all__ = ["DEFAULT_NPROC", "Launch", "LaunchPlan", "LaunchResult", "LaunchSpec", "LauncherOutput", "NodePlan",

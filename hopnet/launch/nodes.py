@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
 from hopnet.graph import Graph
-from hopnet.launch.store import HostedStore, connect_store, format_endpoint, host_store, parse_endpoint
+from hopnet.rendezvous.store import HostedStore, connect_store, format_endpoint, host_store, parse_endpoint
 
 if TYPE_CHECKING:
     import torch.distributed as dist

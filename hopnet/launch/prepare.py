@@ -22,12 +22,13 @@ from typing import Any
 from hopnet import checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
+from hopnet.bootstrap.env import MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
-from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir, graph_label, make_run_dir
+from hopnet.bootstrap.run_name import graph_label, make_run_dir
+from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir
 from hopnet.launch.spec import LaunchPlan
-from hopnet.launch.store import parse_endpoint
-from hopnet.launch.pythonpath import worker_pythonpath
+from hopnet.rendezvous.store import parse_endpoint
+from hopnet.bootstrap.pythonpath import worker_pythonpath
 from hopnet.launch.talk import WaitTalk
 from hopnet.launch.threads import limit_worker_threads
 from hopnet.security import KEY_ENV, RunSecurity, is_loopback, resolve_run_key

@@ -5,7 +5,8 @@ events in one log, and a smaller run would leave a larger run's ``rank3.jsonl``
 behind for analysis to trip over. `hopnet launch --run-dir DIR` therefore refuses a
 directory that already holds a run, and with ``--overwrite`` removes that run's
 hopnet files first: the ones listed in :data:`RUN_FILE_PATTERNS`, nothing else.
-Without ``--run-dir`` a fresh ``runs/<time>-<protocol>-<graph>`` is made (:func:`make_run_dir`).
+Without ``--run-dir`` a fresh ``runs/<time>-<protocol>-<graph>`` is made
+(:func:`hopnet.bootstrap.run_name.make_run_dir`).
 
 Claiming a directory is atomic (:func:`claim_run_dir`): of two launches started at the
 same instant on one directory, one wins and the other is refused before it writes
@@ -33,14 +34,10 @@ import errno
 import fcntl
 import json
 import os
-import re
 import socket
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-
-from hopnet.graph import Graph
 
 from hopnet.errors import ConfigError
 
@@ -49,7 +46,6 @@ CLAIM_FILE = "launch.lock"
 RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", CLAIM_FILE, "graph.json", "rank*.jsonl",
                      "coordinator.jsonl", "model.pt")
 """The files a launch writes into its run directory (scripts may add their own, which stay)."""
-RUNS_DIR = "runs"
 
 
 def previous_run_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -255,49 +251,3 @@ def claim_run_dir(run_dir: str | os.PathLike[str], overwrite: bool) -> RunDirCla
             cleared = f"--overwrite: removed the previous run's {_describe(files)} from {shown}{tail}"
     _stamp(fd)
     return RunDirClaim(path, fd, cleared)
-
-
-def _slug(text: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_.]+", "-", text).strip("-.")
-    return slug or "graph"
-
-
-def graph_label(graph: Graph, spec: Graph | str | os.PathLike[str] | None) -> str:
-    """A short name for run directories: the graph's name, else the file's stem."""
-    if graph.name:
-        return _slug(graph.name)
-    if spec is not None and not isinstance(spec, Graph):
-        return _slug(Path(os.fspath(spec)).stem)
-    return f"graph{graph.n}"
-
-
-def make_run_dir(run_dir: str | os.PathLike[str] | None, protocol: str, label: str,
-                 base: str | os.PathLike[str] = RUNS_DIR) -> Path:
-    """Create and return the run directory: ``run_dir`` as given, or a fresh
-    ``runs/<YYYYmmdd-HHMMSS>-<protocol>-<graph>`` (suffixed ``-2``, ``-3``... if taken)."""
-    if run_dir is not None:
-        path = Path(run_dir)
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"--run-dir {os.fspath(run_dir)!r} exists and is not a directory")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--run-dir {os.fspath(run_dir)!r}: {exc.strerror or exc}") from None
-        return path.resolve()
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    stem = f"{stamp}-{_slug(protocol)}-{label}"
-    base_path = Path(base)
-    try:
-        base_path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create {os.fspath(base_path)!r}: {exc.strerror or exc}") from None
-    for attempt in range(1, 1000):
-        path = base_path / (stem if attempt == 1 else f"{stem}-{attempt}")
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise ConfigError(f"cannot create run directory {os.fspath(path)!r}: {exc.strerror or exc}") from None
-        return path.resolve()
-    raise ConfigError(f"cannot find a free run directory name under {os.fspath(base_path)!r}")

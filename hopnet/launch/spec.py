@@ -1,4 +1,5 @@
-"""What a launch was asked to do (:class:`LaunchSpec`) and what it resolves to (:class:`LaunchPlan`).
+"""What a launch was asked to do (:class:`~hopnet.launch.settings.LaunchSpec`, declared in
+:mod:`hopnet.launch.settings`) and what it resolves to (:class:`LaunchPlan`).
 
 :func:`validate` is the launcher's first phase: it checks every input and resolves the
 graph, the worker command, the protocol's coordinator and this machine's ranks, raising
@@ -11,80 +12,31 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
 
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import make_coordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import DEFAULT_BIND, WorkerEnv
+from hopnet.bootstrap.env import WorkerEnv
 from hopnet.launch.nodes import place_ranks
 from hopnet.launch.options import option_names
+from hopnet.launch.settings import (
+    DEFAULT_GRACE_S,
+    DEFAULT_NPROC,
+    DEFAULT_SETTLE_S,
+    START_METHODS,
+    GraphArgument,
+    LaunchSpec,
+    check_settings,
+)
 from hopnet.registry import lookup, specs
 
-DEFAULT_NPROC = 4
-DEFAULT_GRACE_S = 5.0
-DEFAULT_SETTLE_S = 1.5
-"""After the first failure, how long the other workers may end on their own before being stopped."""
-START_METHODS = ("forkserver", "exec")
-"""How workers start: forked from a fork server that imported torch once, or each exec'd."""
-WORKER_ENTRY = (sys.executable, "-m", "hopnet.launch.worker_main")
-"""Every worker runs its script through :mod:`hopnet.launch.worker_main`."""
+WORKER_ENTRY = (sys.executable, "-m", "hopnet.bootstrap.worker_main")
+"""Every worker runs its script through :mod:`hopnet.bootstrap.worker_main`."""
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-
-GraphArgument: TypeAlias = Graph | str | os.PathLike[str] | None
-"""A :class:`Graph`, a JSON path, a builder spec (``ring:4``), or ``None`` for a ring."""
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything the user asked of one launcher (the arguments of :func:`hopnet.launch.launch`)."""
-
-    script: str | os.PathLike[str]
-    script_args: Sequence[str] = ()
-    graph: GraphArgument = None
-    config: ProtocolConfig | None = None
-    nproc: int | None = None
-    run_dir: str | os.PathLike[str] | None = None
-    bind: str = DEFAULT_BIND
-    prefix: bool = True
-    env_extra: Mapping[str, str] | None = None
-    module: bool = False
-    grace_s: float = DEFAULT_GRACE_S
-    argv: Sequence[str] | None = None
-    overwrite: bool = False
-    max_failures: int = 0
-    explicit_options: Collection[str] = ()
-    settle_s: float = DEFAULT_SETTLE_S
-    progress: bool = True
-    insecure: bool = False
-    secure: bool = False
-    key_file: str | os.PathLike[str] | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    save_model: bool = False
-    """The lowest live rank writes the consensus model to ``model.pt`` (``HOPNET_SAVE_MODEL``)."""
-    start_method: str | None = None
-    """``"forkserver"`` (workers forked from a process that imported torch once,
-    :mod:`hopnet.launch.forkserver`) or ``"exec"`` (each worker a new interpreter);
-    ``None``: forkserver where the platform has it."""
-    checkpoint_every: int = 0
-    """Every worker saves its state every N iterations (:mod:`hopnet.checkpoint`); 0: never."""
-    checkpoint_dir: str | os.PathLike[str] | None = None
-    """Where (default: ``RUN_DIR/checkpoints``)."""
-    resume: bool = False
-    """Reuse ``run_dir`` (an earlier run's, stopped or crashed) and resume from its checkpoints."""
-    max_restarts: int = 0
-    """This launcher replaces up to this many of its workers that die while the run goes on
-    (:mod:`hopnet.launch.restarts`); 0: a dead worker is lost (``max_failures`` decides)."""
-
-    @property
-    def single_machine(self) -> bool:
-        return self.nnodes == 1 and self.node_rank == 0 and self.rdzv_endpoint is None
 
 
 @dataclass(frozen=True)
@@ -195,13 +147,8 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     command = worker_command(spec.script, spec.script_args, spec.module)
     if not isinstance(spec.bind, str) or not spec.bind.strip():
         raise ConfigError(f"--bind {spec.bind!r}: expected a host name or address")
-    if spec.grace_s < 0:
-        raise ConfigError(f"grace period must be >= 0 (got {spec.grace_s})")
+    check_settings(spec)
     max_restarts = spec.max_restarts
-    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be an integer >= 0 (got {max_restarts!r})")
-    if spec.checkpoint_every < 0:
-        raise ConfigError(f"--checkpoint-every must be >= 0 (got {spec.checkpoint_every})")
     if spec.resume and (spec.run_dir is None or spec.overwrite):
         raise ConfigError("resume needs the run directory to resume, and cannot --overwrite it")
     if spec.resume and not lookup(config.protocol).resumable:
@@ -212,8 +159,6 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     if max_restarts and config.bulk == "torch":
         raise ConfigError("--max-restarts needs the ZeroMQ plane (CPU tensors, --bulk zmq or auto): "
                           "the torch plane's process groups cannot take a new process in")
-    if spec.start_method not in (None, *START_METHODS):
-        raise ConfigError(f"--start-method {spec.start_method!r}: expected one of {', '.join(START_METHODS)}")
     unknown = sorted(set(spec.explicit_options) - set(option_names()))
     if unknown:
         raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
@@ -230,5 +175,5 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
                       coordinator_name=machine.name if machine is not None else None, notes=notes)
 
 
-__all__ = ["DEFAULT_GRACE_S", "DEFAULT_NPROC", "DEFAULT_SETTLE_S", "LaunchPlan", "LaunchSpec", "NodePlan",
-           "WORKER_ENTRY", "resolve_graph", "validate", "worker_command"]
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_NPROC", "DEFAULT_SETTLE_S", "START_METHODS", "GraphArgument", "LaunchPlan",
+           "LaunchSpec", "NodePlan", "WORKER_ENTRY", "resolve_graph", "validate", "worker_command"]

@@ -14,7 +14,7 @@ How the process ends decides how a worker closes:
   worker writes an ``error`` record to its event log and leaves promptly, waiting only
   briefly for its last sends, never for its neighbours.
 
-The entry point `hopnet launch` runs scripts through (:mod:`hopnet.launch.worker_main`)
+The entry point `hopnet launch` runs scripts through (:mod:`hopnet.bootstrap.worker_main`)
 knows the exit status and calls :func:`finish`; without it an exception is caught by the
 ``sys.excepthook`` that :func:`track` installs, and ``sys.exit(N)`` is closed like a
 normal exit (Python tells ``atexit`` hooks nothing about the status).

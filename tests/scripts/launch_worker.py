@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from hopnet.launch.env import WorkerEnv
-from hopnet.launch.rendezvous import barrier, exchange_addresses
+from hopnet.bootstrap.env import WorkerEnv
+from hopnet.rendezvous.client import barrier, exchange_addresses
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--pid-dir", default=None)

@@ -30,8 +30,8 @@ import torch
 
 from hopnet import AsyncWorker, Graph, ProtocolConfig
 from hopnet.errors import HopnetError, PeerFailure
-from hopnet.launch.env import WorkerEnv
-from hopnet.launch.rendezvous import RendezvousServer
+from hopnet.bootstrap.env import WorkerEnv
+from hopnet.rendezvous.server import RendezvousServer
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from hopnet.launch.env import ENV_VARS
-from hopnet.launch.forkserver import TEMPLATE_VAR
+from hopnet.bootstrap.env import ENV_VARS
+from hopnet.bootstrap.forkserver_template import TEMPLATE_VAR
 
 from support.paths import ROOT
 

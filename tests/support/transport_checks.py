@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hopnet.errors import PeerFailure
-from hopnet.launch.store import connect_store, host_store
+from hopnet.rendezvous.store import connect_store, host_store
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.transports.inproc import InprocNetwork
 from hopnet.transports.torchdist import TorchBulkTransport

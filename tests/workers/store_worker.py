@@ -6,8 +6,8 @@ import json
 import sys
 from datetime import timedelta
 
-from hopnet.launch.env import WorkerEnv
-from hopnet.launch.store import connect_store
+from hopnet.bootstrap.env import WorkerEnv
+from hopnet.rendezvous.store import connect_store
 
 env = WorkerEnv.from_environ()
 assert env is not None and env.store, "started without HOPNET_STORE"

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from hopnet.collectives.torchdist import TorchCollective
-from hopnet.launch.env import WorkerEnv
-from hopnet.launch.store import connect_store
+from hopnet.bootstrap.env import WorkerEnv
+from hopnet.rendezvous.store import connect_store
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--schedule", required=True, help="JSON list of groups, one per round")

@@ -54,7 +54,7 @@ def parse_backup_workers(text: str | int | dict[int, int] | dict[str, int] | Non
 DEFAULT_MAX_IG = 2
 STREAM_MIB_TORCH = 16.0
 """Default chunk size of streamed updates on the torch plane: its threshold under ``--bulk auto``
-(:data:`hopnet.launch.plane.AUTO_CPU_MIN_BYTES`), so the chunks of a CPU model take gloo there, as
+(:data:`hopnet.bootstrap.plane.AUTO_CPU_MIN_BYTES`), so the chunks of a CPU model take gloo there, as
 whole updates did (twice as fast as ZeroMQ at 100 MB: bench/README.md, "Memory (issue 18)")."""
 STREAM_MIB_ZMQ = 2.0
 STREAM_DEFAULT_MIN_MIB = 256.0

@@ -1,14 +1,14 @@
 """A warm template that fork servers are forked from, for many launches on one machine.
 
-Each launch's fork server (:mod:`hopnet.launch.forkserver`) starts as a fresh interpreter and
+Each launch's fork server (:mod:`hopnet.bootstrap.forkserver`) starts as a fresh interpreter and
 imports torch, ``torch._dynamo`` and hopnet: about 2.5 CPU-s before its first worker. Where
 one machine runs many short launches (a test suite, a sweep of small runs), that start-up is
 most of a launch's CPU. A *template* is a process that did those imports once::
 
-    python -m hopnet.launch.forkserver_template PATH
+    python -m hopnet.bootstrap.forkserver_template PATH
 
 It listens on the Unix socket ``PATH``. A launcher whose environment has
-:data:`~hopnet.launch.forkserver.TEMPLATE_VAR` set to ``PATH`` asks it for its fork server instead of starting one:
+:data:`TEMPLATE_VAR` set to ``PATH`` asks it for its fork server instead of starting one:
 the template forks a child that takes the launcher's socket, streams, inherited descriptors
 (at the same numbers), environment and directory, and from then on is that launch's fork
 server, as if started by the launcher (its own session; it ends with the launcher's socket).
@@ -19,6 +19,10 @@ and when the template does not answer, the launcher starts its fork server with 
 
 The template keeps no thread, like a fork server, so that a fork never copies a held lock.
 It ends on SIGTERM or when the process that started it dies.
+
+Like the fork server, the template runs in a process of its own whose children end up as
+workers, so it lives in the bootstrap; the launcher's request for a fork server is
+:class:`hopnet.launch.forkserver.ForkServer`'s.
 """
 
 from __future__ import annotations
@@ -33,9 +37,32 @@ from collections.abc import Mapping, Sequence
 
 import msgpack
 
-from hopnet.launch import forkserver, parent_watch
+from hopnet.bootstrap import forkserver, parent_watch
+from hopnet.bootstrap.pythonpath import worker_pythonpath
+from hopnet.bootstrap.title import TEMPLATE_TITLE, set_title
 
 _MAX_FDS = 16
+TEMPLATE_VAR = "HOPNET_FORKSERVER_TEMPLATE"
+"""The socket of a warm template: a launcher with it in its environment asks the template for
+its fork server, and starts one itself only if that fails."""
+
+
+# --------------------------------------------------------------------------- who may be served
+_NAMESPACES = ("net", "mnt", "pid", "user", "uts", "ipc", "cgroup")
+
+
+def identity(env: Mapping[str, str]) -> dict[str, object]:
+    """What a template and a launcher must share for a forked fork server to be the one the
+    launcher would start: the interpreter, the ``PYTHONPATH`` that picks hopnet and torch, the
+    user, and the namespaces (a launcher under `ip netns exec` must not get workers outside)."""
+    namespaces = {}
+    for name in _NAMESPACES:
+        try:
+            namespaces[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            namespaces[name] = 0
+    return {"executable": sys.executable, "pythonpath": worker_pythonpath(env), "uid": os.getuid(),
+            "gid": os.getgid(), "namespaces": namespaces}
 
 
 # --------------------------------------------------------------------------- the template
@@ -85,7 +112,7 @@ def _answer(conn: socket.socket, listener: socket.socket, children: set[int]) ->
     except (OSError, ValueError, msgpack.UnpackException):
         return None
     try:
-        if isinstance(request, dict) and request.get("identity") == forkserver.identity(os.environ):
+        if isinstance(request, dict) and request.get("identity") == identity(os.environ):
             pid = os.fork()
             if pid == 0:
                 return _child(request, fds, conn, listener)  # it took the descriptors
@@ -148,9 +175,10 @@ def serve_template(path: str) -> socket.socket:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m hopnet.launch.forkserver_template PATH", file=sys.stderr)
+        print("usage: python -m hopnet.bootstrap.forkserver_template PATH", file=sys.stderr)
         return 2
     parent_watch.arm_parent_death_signal(signal.SIGTERM)
+    set_title(TEMPLATE_TITLE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     forkserver._preload()

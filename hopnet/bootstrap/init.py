@@ -1,11 +1,11 @@
 """The phases of :func:`hopnet.init`, each callable alone; :func:`hopnet.api.init` drives them.
 
 1. :func:`find_launcher`: who started this process, `hopnet launch` (``HOPNET_*``, see
-   :class:`~hopnet.launch.env.WorkerEnv`) or torchrun/srun (:mod:`hopnet.launch.external`,
-   joined through :mod:`hopnet.launch.attach`): the rank, the world, the graph, the
+   :class:`~hopnet.bootstrap.env.WorkerEnv`) or torchrun/srun (:mod:`hopnet.bootstrap.external`,
+   joined through :mod:`hopnet.bootstrap.attach`): the rank, the world, the graph, the
    launcher's protocol options, the host to bind, the run's store, the run key;
 2. :func:`resolve_options`: the options that run, from the launcher's, ``config=`` and keyword
-   options, with the launcher's refusals (:mod:`hopnet.launch.options`);
+   options, with the launcher's refusals (:mod:`hopnet.bootstrap.options`);
 3. :func:`check_inputs`: the model and the options against the graph;
 4. :func:`open_run`: the run directory, and under torchrun/srun the coordinator rank 0 hosts;
 5. :func:`connect`: the transport and the collectives, for the model's tensors;
@@ -29,18 +29,19 @@ from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import make_coordinator
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.attach import AttachedRun, attach
-from hopnet.launch.coordinator_proc import CoordinatorProcess, CoordinatorStartError
-from hopnet.launch.env import Restarts, WorkerEnv
-from hopnet.launch.external import detect
-from hopnet.launch.options import check_coordinator_options, check_explicit
-from hopnet.launch.rendezvous import exchange_addresses_async
+from hopnet.bootstrap.attach import AttachedRun, attach
+from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.bootstrap.env import Restarts, WorkerEnv
+from hopnet.bootstrap.external import detect
+from hopnet.bootstrap.options import check_coordinator_options, check_explicit
+from hopnet.rendezvous.client import exchange_addresses_async
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
 from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
 from hopnet.transports.base import Transport
-from hopnet.launch.plane import collective_factory, make_transport
+from hopnet.bootstrap.plane import collective_factory, make_transport
+from hopnet.bootstrap.title import script_name, set_title, worker_title
 
 COORDINATOR_STOP_GRACE_S = 5.0
 """How long the coordinator rank 0 hosts gets to write its summary when the worker closes."""
@@ -134,6 +135,7 @@ def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping
             raise NoLauncherError(f"hopnet.init() takes its rank and peers from a launcher: run `{_script_command()}` "
                                   "(or under torchrun or srun)")
         attached = attach(external, graph, environ)
+        set_title(worker_title(attached.rank, attached.world_size, script_name(sys.argv)))
         context = WorkerContext(attached.rank, attached.world_size, attached.graph, attached.flags, attached.explicit,
                                 attached.bind_host, attached.store_endpoint, keys_from_environ(environ),
                                 attached=attached)
@@ -204,6 +206,7 @@ def open_run(context: WorkerContext, config: ProtocolConfig) -> WorkerRun:
         assert context.launched is not None
         return WorkerRun(context.launched.run_dir)
     run = WorkerRun(attached.open_run_dir(config.protocol, config.timeout_s), attached)
+    set_title(worker_title(attached.rank, attached.world_size, script_name(sys.argv), run.run_dir))
 
     def host() -> dict[str, str]:
         run.coordinator = host_coordinator(config, run.run_dir, context.bind_host)

@@ -1,9 +1,9 @@
 """Joining a run that torchrun or srun started: everything `hopnet launch` would have set.
 
-:func:`attach` turns an :class:`~hopnet.launch.external.ExternalEnv` into an
+:func:`attach` turns an :class:`~hopnet.bootstrap.external.ExternalEnv` into an
 :class:`AttachedRun`: the graph (``graph=`` of :func:`hopnet.init`, else ``HOPNET_GRAPH``,
 a JSON path or a builder spec such as ``ring:4``, else a ring over the world), the
-protocol options (``HOPNET_*`` variables, :mod:`hopnet.launch.env_options`), the host to
+protocol options (``HOPNET_*`` variables, :mod:`hopnet.bootstrap.env_options`), the host to
 bind (``HOPNET_BIND``, else the local address on the route to the master), the run's
 store (torchrun's agent store, or one rank 0 hosts) and the run directory (``HOPNET_RUN_DIR``,
 else a fresh ``runs/...`` that rank 0 names and shares through the store).
@@ -24,12 +24,12 @@ import torch.distributed as dist
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch.env import BIND, GRAPH, RUN_DIR
-from hopnet.launch.env_options import config_from_variables
-from hopnet.launch.external import ExternalEnv, route_address
-from hopnet.launch.run_dir import graph_label, make_run_dir
-from hopnet.launch.store import HostedStore, connect_store, host_store
-from hopnet.launch.store_rendezvous import StoreRendezvous
+from hopnet.bootstrap.env import BIND, GRAPH, RUN_DIR
+from hopnet.bootstrap.env_options import config_from_variables
+from hopnet.bootstrap.external import ExternalEnv, route_address
+from hopnet.bootstrap.run_name import graph_label, make_run_dir
+from hopnet.rendezvous.store import HostedStore, connect_store, host_store
+from hopnet.rendezvous.via_store import StoreRendezvous
 
 STORE_CONNECT_S = 120.0
 """How long a rank waits for the run's store to answer (rank 0 may start last)."""

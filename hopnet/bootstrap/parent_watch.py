@@ -14,7 +14,7 @@ Two mechanisms, both armed first thing in a worker (before the script imports to
   (a handler that never returns, a hung close), ends it with ``os._exit``.
 
 SIGTERM makes a worker started by `hopnet launch` leave promptly and quietly
-(:mod:`hopnet.launch.worker_main`).
+(:mod:`hopnet.bootstrap.worker_main`).
 """
 
 from __future__ import annotations

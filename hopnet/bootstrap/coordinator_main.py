@@ -1,12 +1,12 @@
-"""``python -m hopnet.launch.coordinator_main``: the coordinator process `hopnet launch` starts.
+"""``python -m hopnet.bootstrap.coordinator_main``: the coordinator process `hopnet launch` starts.
 
-    python -m hopnet.launch.coordinator_main --graph G.json --config JSON [--run-dir D] [--bind HOST]
+    python -m hopnet.bootstrap.coordinator_main --graph G.json --config JSON [--run-dir D] [--bind HOST]
 
 It builds the state machine the configuration names (:func:`hopnet.coordinator.make_coordinator`),
 binds a ROUTER on a free port, prints ``HOPNET_COORDINATOR=tcp://HOST:PORT`` as its first
 line (the launcher reads it and hands the address to the workers), and serves until
 SIGTERM, which ends it cleanly with a ``stop`` record in ``D/coordinator.jsonl``. It arms
-the launcher watch (:mod:`hopnet.launch.parent_watch`) first, so it never outlives its
+the launcher watch (:mod:`hopnet.bootstrap.parent_watch`) first, so it never outlives its
 launcher. Exit status: 0 after SIGTERM, 2 for bad input (one line on stderr).
 """
 
@@ -23,19 +23,21 @@ from hopnet.coordinator import make_coordinator
 from hopnet.coordinator.server import ADDRESS_PREFIX, CoordinatorServer
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.launch import parent_watch
-from hopnet.launch.env import Restarts
+from hopnet.bootstrap import parent_watch
+from hopnet.bootstrap.env import Restarts
+from hopnet.bootstrap.title import coordinator_title, set_title
 from hopnet.security import keys_from_environ
 
 
 def main(argv: list[str] | None = None) -> int:
     parent_watch.start()
-    parser = argparse.ArgumentParser(prog="python -m hopnet.launch.coordinator_main")
+    parser = argparse.ArgumentParser(prog="python -m hopnet.bootstrap.coordinator_main")
     parser.add_argument("--graph", required=True, help="graph JSON the launcher wrote")
     parser.add_argument("--config", required=True, help="the protocol configuration as JSON")
     parser.add_argument("--run-dir", default=None, help="where coordinator.jsonl goes")
     parser.add_argument("--bind", default="127.0.0.1", help="host to bind (default 127.0.0.1)")
     args = parser.parse_args(argv)
+    set_title(coordinator_title(args.run_dir))
     try:
         config = ProtocolConfig.from_json(args.config)
         graph = Graph.from_json(args.graph)
@@ -60,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hopnet.launch.worker_main import leave
+    from hopnet.bootstrap.worker_main import leave
 
     leave(main())  # without the interpreter's teardown, which the launcher would wait for

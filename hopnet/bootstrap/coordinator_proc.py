@@ -1,6 +1,6 @@
 """The coordinator process of a launch (group protocols): start it, watch it, stop it.
 
-`hopnet launch` starts ``python -m hopnet.launch.coordinator_main`` before the workers when
+`hopnet launch` starts ``python -m hopnet.bootstrap.coordinator_main`` before the workers when
 :func:`hopnet.coordinator.make_coordinator` says the protocol needs one, reads the address
 it prints first, and hands it to the workers in ``HOPNET_COORDINATOR`` (with its name in
 ``HOPNET_COORDINATOR_NAME``, for their error messages). The process runs in a session of
@@ -14,6 +14,11 @@ from it instead of exec'd: same argv, environment, working directory, inherited 
 watch and pipes, without importing torch again (about 1.3 CPU-s). Its parent is then the
 fork server, which ends it with the workers when the launcher dies. A fork server that
 does not answer leaves it exec'd (:attr:`CoordinatorProcess.forkserver_failure` says why).
+
+Under torchrun or srun there is no launcher of hopnet's own: rank 0's worker starts the
+coordinator (:mod:`hopnet.bootstrap.init`), so this module runs in a worker as well as in the
+launcher, and lives in the bootstrap; the fork server is named here only by what is used of
+it (:class:`Forker`).
 """
 
 from __future__ import annotations
@@ -26,20 +31,47 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, TypeAlias
+from typing import IO, Protocol
 
 from hopnet.coordinator.client import COORDINATOR_ENV, COORDINATOR_NAME_ENV
 from hopnet.coordinator.server import ADDRESS_PREFIX
 from hopnet.errors import HopnetError
-from hopnet.launch.forkserver import COORDINATOR, ForkedWorker, ForkServer, ForkServerGone
+from hopnet.bootstrap.forkserver import COORDINATOR, ForkServerGone
 
 START_TIMEOUT_S = 60.0
 """Longest the coordinator may take to print its address (imports on a loaded machine)."""
-ENTRY = ("-m", "hopnet.launch.coordinator_main")
+ENTRY = ("-m", "hopnet.bootstrap.coordinator_main")
 FORK_KEY = -1
 """The coordinator's request number at the fork server (workers use their ranks)."""
 
-ProcessHandle: TypeAlias = "subprocess.Popen[bytes] | ForkedWorker"
+
+
+class ProcessHandle(Protocol):
+    """What is used of the coordinator's process: a :class:`subprocess.Popen`, or a forked one."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class Forker(Protocol):
+    """What forks the coordinator: the launch's fork server (:class:`hopnet.launch.forkserver.ForkServer`).
+    ``spawn`` raises :class:`~hopnet.bootstrap.forkserver.ForkServerGone` when it cannot."""
+
+    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], piped: bool,
+              entry: str = ...) -> ProcessHandle: ...
 
 
 class CoordinatorStartError(HopnetError):
@@ -47,12 +79,15 @@ class CoordinatorStartError(HopnetError):
 
 
 class CoordinatorProcess:
-    """A running ``python -m hopnet.launch.coordinator_main``."""
+    """A running ``python -m hopnet.bootstrap.coordinator_main``."""
 
-    def __init__(self, proc: ProcessHandle, name: str, address: str, forkserver_failure: str | None = None) -> None:
+    def __init__(self, proc: ProcessHandle, name: str, address: str, forkserver_failure: str | None = None,
+                 forked: bool = False) -> None:
         self.proc = proc
         self.name = name
         self.address = address
+        self.forked = forked
+        """Whether the fork server forked it (else it was exec'd)."""
         self.forkserver_failure = forkserver_failure
         """Why it was exec'd although a fork server was given (``None``: it was not, or forked)."""
 
@@ -61,17 +96,13 @@ class CoordinatorProcess:
         return self.proc.pid
 
     @property
-    def forked(self) -> bool:
-        return isinstance(self.proc, ForkedWorker)
-
-    @property
     def label(self) -> str:
         return f"the coordinator ({self.name}) at {self.address}"
 
     @classmethod
     def start(cls, name: str, *, graph_path: str, config_json: str, run_dir: str, bind_host: str,
               env: Mapping[str, str], pass_fds: Sequence[int], relay: Callable[[bytes], None] | None,
-              timeout_s: float = START_TIMEOUT_S, forkserver: ForkServer | None = None) -> CoordinatorProcess:
+              timeout_s: float = START_TIMEOUT_S, forkserver: Forker | None = None) -> CoordinatorProcess:
         """Start it and wait for its address. ``forkserver``: fork it from there (it must have been
         started with ``pass_fds`` too, which a forked process inherits at the same numbers)."""
         args = ["--graph", graph_path, "--config", config_json, "--run-dir", run_dir, "--bind", bind_host]
@@ -115,7 +146,7 @@ class CoordinatorProcess:
                 break
         if relay is not None:
             _thread(_drain_queue, lines, proc, relay)
-        return cls(proc, name, address, forkserver_failure)
+        return cls(proc, name, address, forkserver_failure, forked=forkserver is not None and forkserver_failure is None)
 
     def worker_env(self) -> dict[str, str]:
         return {COORDINATOR_ENV: self.address, COORDINATOR_NAME_ENV: self.name}

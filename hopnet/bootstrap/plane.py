@@ -61,7 +61,7 @@ def make_transport(*, rank: int, peers: frozenset[int], bind_host: str, bulk: st
     if not store_endpoint:
         raise ConfigError(f"--bulk {bulk} with {device.type} tensors needs the run's c10d store "
                           "(HOPNET_STORE, set by `hopnet launch`)")
-    from hopnet.launch.store import connect_store
+    from hopnet.rendezvous.store import connect_store
     from hopnet.transports.torchdist import TorchBulkTransport
 
     store = connect_store(store_endpoint, timeout_s)
@@ -91,7 +91,7 @@ def collective_factory(*, rank: int, world_size: int, bulk: str, device: torch.d
 
     def build(node: NodeServices) -> AllReduce:
         from hopnet.collectives.torchdist import TorchCollective
-        from hopnet.launch.store import connect_store
+        from hopnet.rendezvous.store import connect_store
 
         return TorchCollective(rank, world_size, connect_store(store_endpoint, timeout_s),
                                timeout_s=timeout_s, host=bind_host)

@@ -7,7 +7,7 @@ build their process groups from prefixed keys of it, so process groups are forme
 their members alone. With several machines node 0's launcher hosts it at
 ``--rdzv-endpoint`` (:mod:`hopnet.launch.nodes`); under torchrun's c10d rendezvous the
 same role is played by torchrun's own agent store, under srun by a store rank 0 hosts
-(:mod:`hopnet.launch.external`).
+(:mod:`hopnet.bootstrap.external`).
 """
 
 from __future__ import annotations

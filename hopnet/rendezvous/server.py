@@ -1,25 +1,14 @@
-"""Rendezvous: workers find each other's addresses, and meet at barriers.
+"""The rendezvous server: the launcher's meeting point for its workers' addresses and barriers.
 
 The launcher runs a :class:`RendezvousServer` (a ZeroMQ ROUTER socket served by a
 thread) and passes its endpoint to every worker in ``HOPNET_RENDEZVOUS``. Each worker
-binds its own transport first, then calls :func:`exchange_addresses` with the address
-its peers should connect to; the call returns once *every* rank has registered, with
-the full table ``{rank: address}`` (the same on every rank).
+binds its own transport first, then registers the address its peers should connect to
+(:func:`hopnet.rendezvous.client.exchange_addresses`); the server answers every rank at
+once, when *every* rank has registered, with the full table ``{rank: address}``.
 
-The same server implements named barriers (:func:`barrier`): the call returns once all
-ranks have entered the barrier with that name. Workers use one at shutdown, so that no
-worker closes its sockets while a neighbour still needs its last updates.
-
-Wire format: one msgpack map per request and per reply (a request that is a JSON object
-gets a JSON reply, for clients in other languages). Requests::
-
-    {"rank": R, "address": "tcp://...", "world_size": N,
-     "config": {...}, "restart": N}                          -> {"addresses": {R: address, ...}}
-    {"rank": R, "barrier": "name"}                          -> {"barrier": "name"}
-    {"status": true}                                        -> {"status": {...}}
-
-and any request may be answered ``{"error": "one line"}`` (rank out of range, a rank
-registered twice with different addresses, a world size that disagrees, ...).
+The same server implements named barriers: a barrier's ranks are answered once all of them
+have entered it. Workers use one at shutdown, so that no worker closes its sockets while a
+neighbour still needs its last updates. The wire format is :mod:`hopnet.rendezvous.wire`.
 
 ``restart`` (optional, an integer >= 1) marks the registration of a replacement worker
 (``HOPNET_RESTART``, see :mod:`hopnet.launch.restarts`): once the table is complete, it
@@ -38,72 +27,24 @@ With the run's CURVE keys (``curve=`` on the server and on every client call, se
 without it never completes the handshake, so its requests are neither read nor
 answered (they time out on its side), and the refused attempts are counted in
 :attr:`RendezvousServer.refused_handshakes`.
-
-Every wait takes a timeout and raises :class:`~hopnet.errors.WaitTimeout` naming the
-rendezvous and, when the server can still tell, the ranks that never showed up.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import math
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import zmq
-import zmq.asyncio
 
-from hopnet.errors import ConfigError, HopnetError, WaitTimeout
-from hopnet.security import CurveKeys, HandshakeWatch, make_curve_client, make_curve_server
+from hopnet.errors import ConfigError
+from hopnet.rendezvous.wire import config_mismatch, decode, encode
+from hopnet.security import CurveKeys, HandshakeWatch, make_curve_server
 
-__all__ = [
-    "RendezvousConfigError",
-    "RendezvousError",
-    "RendezvousServer",
-    "barrier",
-    "barrier_async",
-    "exchange_addresses",
-    "exchange_addresses_async",
-    "rendezvous_status",
-]
+__all__ = ["RendezvousServer"]
 
-_STATUS_TIMEOUT_S = 0.5
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
-
-
-class RendezvousError(HopnetError):
-    """The rendezvous server refused a request (the message says why)."""
-
-
-class RendezvousConfigError(RendezvousError, ConfigError):
-    """The rendezvous refused the ranks' configuration (ranks that run different protocol
-    options): a configuration error, which every rank meets (exit status 2)."""
-
-
-# ----------------------------------------------------------------------------- encoding
-def _encode(obj: Mapping[str, Any], as_json: bool = False) -> bytes:
-    if as_json:
-        return json.dumps(obj, sort_keys=True).encode("utf-8")
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _decode(data: bytes) -> tuple[Any, bool]:
-    """Decode a request or reply; returns (object, was_json)."""
-    if data[:1] == b"{":
-        return json.loads(data.decode("utf-8")), True
-    return msgpack.unpackb(data, raw=False, strict_map_key=False), False
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if not ranks:
-        return "none"
-    if len(ranks) > 16:
-        return ", ".join(str(r) for r in ranks[:16]) + f", ... ({len(ranks)} in all)"
-    return ", ".join(str(r) for r in ranks)
 
 
 # ------------------------------------------------------------------------------- server
@@ -269,7 +210,7 @@ class RendezvousServer:
 
     @staticmethod
     def _reply(sock: zmq.Socket, identity: bytes, obj: Mapping[str, Any], as_json: bool) -> None:
-        sock.send_multipart([identity, b"", _encode(obj, as_json)])
+        sock.send_multipart([identity, b"", encode(obj, as_json)])
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, message: str, as_json: bool, config: bool = False) -> None:
         """Answer with ``message``; ``config``: the configuration is refused (a :class:`RendezvousConfigError`)."""
@@ -283,7 +224,7 @@ class RendezvousServer:
             return
         identity, payload = frames[0], frames[-1]
         try:
-            msg, as_json = _decode(payload)
+            msg, as_json = decode(payload)
         except Exception:
             self._refuse(sock, identity, "rendezvous: undecodable request (expected msgpack or JSON)", False)
             return
@@ -329,7 +270,7 @@ class RendezvousServer:
                 elif self.config is None:
                     self.config, self._config_rank = dict(config), rank
                 elif config != self.config:
-                    self._config_error = _config_mismatch(self._config_rank, self.config, rank, config)
+                    self._config_error = config_mismatch(self._config_rank, self.config, rank, config)
             message = self._config_error
             waiting = self._waiting if message is not None else {}
             if message is not None:
@@ -392,236 +333,3 @@ class RendezvousServer:
             self._barriers_done.append(name)
         for _, (ident, js) in sorted(entered.items()):
             self._reply(sock, ident, {"barrier": name}, js)
-
-
-def _config_mismatch(rank_a: int | None, a: Mapping[str, Any], rank_b: int, b: Mapping[str, Any]) -> str:
-    names = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    shown = "; ".join(f"{k}={a.get(k)!r} on rank {rank_a}, {k}={b.get(k)!r} on rank {rank_b}" for k in names[:3])
-    return f"ranks {rank_a} and {rank_b} run different protocol options: {shown}"
-
-
-# ------------------------------------------------------------------------------- client
-def _check_endpoint(endpoint: str) -> None:
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r} is not a ZeroMQ endpoint (expected tcp://HOST:PORT)")
-
-
-def _check_timeout(timeout_s: float) -> float:
-    if timeout_s is None or not timeout_s > 0:
-        raise ConfigError(f"rendezvous timeout must be > 0 (got {timeout_s!r})")
-    return float(timeout_s)
-
-
-def _connect(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None = None) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        make_curve_client(sock, curve)
-    try:
-        sock.connect(endpoint)
-    except zmq.ZMQError as exc:
-        sock.close(0)
-        raise ConfigError(f"rendezvous endpoint {endpoint!r}: {exc}") from None
-
-
-def _unpack_reply(data: bytes, endpoint: str) -> dict[str, Any]:
-    try:
-        reply, _ = _decode(data)
-    except Exception:
-        raise RendezvousError(f"rendezvous at {endpoint}: undecodable reply") from None
-    if not isinstance(reply, dict):
-        raise RendezvousError(f"rendezvous at {endpoint}: malformed reply")
-    if "error" in reply:
-        raise (RendezvousConfigError if reply.get("config_error") else RendezvousError)(str(reply["error"]))
-    return reply
-
-
-def _poll_ms(deadline: float) -> int:
-    """Milliseconds to poll until ``deadline`` (rounded up: never return before it)."""
-    return max(1, math.ceil((deadline - time.monotonic()) * 1000))
-
-
-def _request_sync(endpoint: str, request: Mapping[str, Any], timeout_s: float,
-                  curve: CurveKeys | None = None) -> dict[str, Any] | None:
-    """Send one request; the reply, or ``None`` after ``timeout_s``."""
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
-    _connect(sock, endpoint, curve)
-    deadline = time.monotonic() + timeout_s
-    try:
-        # A REQ socket holds a send until a connection completes, and one the
-        # server refuses (a wrong CurveZMQ key) never does: wait only so long.
-        while True:
-            if sock.poll(_poll_ms(deadline), zmq.POLLOUT):
-                try:
-                    sock.send(_encode(request), zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-            if time.monotonic() >= deadline:
-                return None
-        while not sock.poll(_poll_ms(deadline), zmq.POLLIN):
-            if time.monotonic() >= deadline:
-                return None
-        return _unpack_reply(sock.recv(), endpoint)
-    finally:
-        sock.close(0)
-
-
-async def _request_async(endpoint: str, request: Mapping[str, Any], timeout_s: float,
-                         curve: CurveKeys | None = None) -> dict[str, Any] | None:
-    sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
-    _connect(sock, endpoint, curve)
-    deadline = time.monotonic() + timeout_s
-    try:
-        try:  # as in _request_sync: a refused connection never takes the send
-            await asyncio.wait_for(sock.send(_encode(request)), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return None
-        while not await sock.poll(_poll_ms(deadline)):  # flags default to POLLIN
-            if time.monotonic() >= deadline:
-                return None
-        return _unpack_reply(await sock.recv(), endpoint)
-    finally:
-        sock.close(0)
-
-
-def rendezvous_status(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S,
-                      curve: CurveKeys | None = None) -> dict[str, Any] | None:
-    """The server's view (registered and missing ranks, open barriers), or ``None`` if it does not answer."""
-    _check_endpoint(endpoint)
-    try:
-        reply = _request_sync(endpoint, {"status": True}, timeout_s, curve)
-    except HopnetError:
-        return None
-    return None if reply is None else reply.get("status")
-
-
-async def _rendezvous_status_async(endpoint: str, timeout_s: float = _STATUS_TIMEOUT_S,
-                                   curve: CurveKeys | None = None) -> dict[str, Any] | None:
-    try:
-        reply = await _request_async(endpoint, {"status": True}, timeout_s, curve)
-    except HopnetError:
-        return None
-    return None if reply is None else reply.get("status")
-
-
-def _exchange_what(endpoint: str, world_size: int, status: dict[str, Any] | None) -> str:
-    what = f"the addresses of all {world_size} ranks from the rendezvous at {endpoint}"
-    if status is None:
-        return what + " (the rendezvous server does not answer)"
-    missing = list(status.get("missing", []))
-    return what + f" (ranks that never registered: {_ranks_text(missing)})"
-
-
-def _barrier_what(endpoint: str, name: str, status: dict[str, Any] | None) -> str:
-    what = f"all ranks at barrier {name!r} of the rendezvous at {endpoint}"
-    if status is None:
-        return what + " (the rendezvous server does not answer)"
-    entered = set(status.get("barriers", {}).get(name, []))
-    world_size = int(status.get("world_size", 0))
-    missing = [r for r in range(world_size) if r not in entered]
-    return what + f" (ranks that never arrived: {_ranks_text(missing)})"
-
-
-def _exchange_request(rank: int, world_size: int, address: str,
-                      config: Mapping[str, Any] | None = None, restart: int = 0) -> dict[str, Any]:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world size must be an integer >= 1 (got {world_size!r})")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank!r} out of range (world size {world_size})")
-    if not isinstance(address, str) or not address:
-        raise ConfigError(f"rank {rank}: bad address {address!r}")
-    request: dict[str, Any] = {"rank": rank, "world_size": world_size, "address": address}
-    if config is not None:
-        request["config"] = dict(config)
-    if not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
-        raise ConfigError(f"rank {rank}: bad restart number {restart!r} (expected an integer >= 0)")
-    if restart > 0:
-        request["restart"] = restart
-    return request
-
-
-def _address_table(reply: dict[str, Any], endpoint: str, world_size: int) -> dict[int, str]:
-    table = reply.get("addresses")
-    if not isinstance(table, dict):
-        raise RendezvousError(f"rendezvous at {endpoint}: reply carries no address table")
-    result = {int(r): str(a) for r, a in table.items()}
-    if sorted(result) != list(range(world_size)):
-        raise RendezvousError(f"rendezvous at {endpoint}: address table covers ranks "
-                              f"{_ranks_text(sorted(result))}, expected 0..{world_size - 1}")
-    return dict(sorted(result.items()))
-
-
-def exchange_addresses(endpoint: str, rank: int, world_size: int, address: str,
-                       timeout_s: float, config: Mapping[str, Any] | None = None,
-                       curve: CurveKeys | None = None, *, restart: int = 0) -> dict[int, str]:
-    """Register ``address`` for ``rank``; block until every rank has; return ``{rank: address}``.
-
-    Raises :class:`WaitTimeout` (naming the rendezvous and the missing ranks) after
-    ``timeout_s``, and :class:`RendezvousError` when the server refuses the request
-    (also when ``config``, the protocol configuration this rank runs, differs from another
-    rank's). ``curve``: the run key, when the server was started with one.
-    ``restart`` N > 0 (``HOPNET_RESTART``): this process replaces rank ``rank``'s dead one; once
-    every rank registered, its address replaces the old one and the table comes back at once.
-    """
-    _check_endpoint(endpoint)
-    timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address, config, restart)
-    start = time.monotonic()
-    reply = _request_sync(endpoint, request, timeout_s, curve)
-    if reply is None:
-        waited = time.monotonic() - start
-        status = rendezvous_status(endpoint, curve=curve)
-        raise WaitTimeout(_exchange_what(endpoint, world_size, status), waited_s=waited)
-    return _address_table(reply, endpoint, world_size)
-
-
-async def exchange_addresses_async(endpoint: str, rank: int, world_size: int, address: str,
-                                   timeout_s: float, config: Mapping[str, Any] | None = None,
-                                   curve: CurveKeys | None = None, *, restart: int = 0) -> dict[int, str]:
-    """:func:`exchange_addresses` for an asyncio event loop (uses ``zmq.asyncio``)."""
-    _check_endpoint(endpoint)
-    timeout_s = _check_timeout(timeout_s)
-    request = _exchange_request(rank, world_size, address, config, restart)
-    start = time.monotonic()
-    reply = await _request_async(endpoint, request, timeout_s, curve)
-    if reply is None:
-        waited = time.monotonic() - start
-        status = await _rendezvous_status_async(endpoint, curve=curve)
-        raise WaitTimeout(_exchange_what(endpoint, world_size, status), waited_s=waited)
-    return _address_table(reply, endpoint, world_size)
-
-
-def _barrier_request(rank: int, name: str) -> dict[str, Any]:
-    if not isinstance(rank, int) or rank < 0:
-        raise ConfigError(f"barrier: bad rank {rank!r}")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"barrier: bad name {name!r}")
-    return {"rank": rank, "barrier": name}
-
-
-def barrier(endpoint: str, rank: int, name: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
-    """Block until every rank has entered the barrier ``name`` (raises :class:`WaitTimeout`)."""
-    _check_endpoint(endpoint)
-    timeout_s = _check_timeout(timeout_s)
-    start = time.monotonic()
-    reply = _request_sync(endpoint, _barrier_request(rank, name), timeout_s, curve)
-    if reply is None:
-        waited = time.monotonic() - start
-        raise WaitTimeout(_barrier_what(endpoint, name, rendezvous_status(endpoint, curve=curve)), waited_s=waited)
-    if reply.get("barrier") != name:
-        raise RendezvousError(f"rendezvous at {endpoint}: unexpected reply to barrier {name!r}")
-
-
-async def barrier_async(endpoint: str, rank: int, name: str, timeout_s: float,
-                        curve: CurveKeys | None = None) -> None:
-    """:func:`barrier` for an asyncio event loop."""
-    _check_endpoint(endpoint)
-    timeout_s = _check_timeout(timeout_s)
-    start = time.monotonic()
-    reply = await _request_async(endpoint, _barrier_request(rank, name), timeout_s, curve)
-    if reply is None:
-        waited = time.monotonic() - start
-        status = await _rendezvous_status_async(endpoint, curve=curve)
-        raise WaitTimeout(_barrier_what(endpoint, name, status), waited_s=waited)
-    if reply.get("barrier") != name:
-        raise RendezvousError(f"rendezvous at {endpoint}: unexpected reply to barrier {name!r}")

@@ -1,6 +1,6 @@
 """The rendezvous over a torch ``TCPStore``, for workers that torchrun or srun started.
 
-`hopnet launch` runs a ZeroMQ rendezvous server (:mod:`hopnet.launch.rendezvous`); other
+`hopnet launch` runs a ZeroMQ rendezvous server (:mod:`hopnet.rendezvous.server`); other
 launchers give hopnet only a store. Each rank writes ``<prefix>addr/<rank>`` (its address
 and the protocol options it runs, JSON) and waits for every other rank's key; the table
 is the same on every rank. Rank 0 shares the run directory the same way, and at the end
@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, WaitTimeout
-from hopnet.launch.rendezvous import _config_mismatch
+from hopnet.rendezvous.wire import config_mismatch
 
 POLL_S = 0.05
 
@@ -71,7 +71,7 @@ class StoreRendezvous:
             if first is None:
                 first = (r, other)
             elif other != first[1]:
-                raise ConfigError(_config_mismatch(first[0], first[1], r, other))
+                raise ConfigError(config_mismatch(first[0], first[1], r, other))
         return table
 
     def share(self, name: str, value: str | None, timeout_s: float) -> str:

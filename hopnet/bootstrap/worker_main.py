@@ -1,13 +1,13 @@
 """The entry point `hopnet launch` runs every worker through.
 
-    python -m hopnet.launch.worker_main SCRIPT [ARGS...]
-    python -m hopnet.launch.worker_main -m MODULE [ARGS...]
+    python -m hopnet.bootstrap.worker_main SCRIPT [ARGS...]
+    python -m hopnet.bootstrap.worker_main -m MODULE [ARGS...]
 
 It runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``,
 ``sys.argv``, ``sys.path[0]`` the script's directory) and owns the process's whole life:
 
 * before the script imports anything it arms the launcher watch
-  (:mod:`hopnet.launch.parent_watch`) and a SIGTERM handler that raises
+  (:mod:`hopnet.bootstrap.parent_watch`) and a SIGTERM handler that raises
   :class:`~hopnet.runtime.shutdown.Terminated` in the main thread;
 * however the script ends it closes the open workers in order
   (:func:`hopnet.runtime.shutdown.finish`): normally on success, promptly with an
@@ -32,11 +32,12 @@ import time
 from types import FrameType, TracebackType
 from typing import NoReturn
 
-from hopnet.launch import parent_watch
-from hopnet.launch.quick_exit import exit_now, flush_stdio
+from hopnet.bootstrap import parent_watch
+from hopnet.bootstrap.quick_exit import exit_now, flush_stdio
+from hopnet.bootstrap.title import title_launched_worker
 from hopnet.runtime import shutdown
 
-USAGE = "usage: python -m hopnet.launch.worker_main [-m MODULE | SCRIPT] [ARGS...]"
+USAGE = "usage: python -m hopnet.bootstrap.worker_main [-m MODULE | SCRIPT] [ARGS...]"
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -59,7 +60,7 @@ def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
 def _report(exc: BaseException) -> None:
     """Print what ended the script, the way the interpreter would (or quieter)."""
     from hopnet.errors import ConfigError
-    from hopnet.launch.rendezvous import RendezvousError
+    from hopnet.rendezvous.wire import RendezvousError
 
     if isinstance(exc, (shutdown.Terminated, KeyboardInterrupt)):
         return
@@ -118,7 +119,7 @@ def _exit_code(exc: BaseException | None) -> int:
 
 def _record_without_worker(exc: BaseException | None, code: int) -> None:
     """The failure came before hopnet.init finished (or after close): log it all the same."""
-    from hopnet.launch.env import RANK, RUN_DIR
+    from hopnet.bootstrap.env import RANK, RUN_DIR
 
     run_dir, rank = os.environ.get(RUN_DIR), os.environ.get(RANK)
     if run_dir and rank and rank.strip().isdigit() and os.path.isdir(run_dir):
@@ -160,9 +161,11 @@ def _wait_for_a_stop_signal(exc: BaseException | None) -> BaseException | None:
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     parent_watch.start()
+    args = list(sys.argv[1:] if argv is None else argv)
+    title_launched_worker(args, os.environ)
     exc: BaseException | None = None
     try:
-        exc = _wait_for_a_stop_signal(_stop_underneath(run(list(sys.argv[1:] if argv is None else argv))))
+        exc = _wait_for_a_stop_signal(_stop_underneath(run(args)))
         if exc is not None:
             _report(exc)
         had_workers = bool(shutdown.open_workers())
@@ -189,8 +192,8 @@ def _exit_now(code: int) -> NoReturn:
 
 def leave(code: int) -> NoReturn:
     """End the process as the interpreter would, without tearing its modules down
-    (:mod:`hopnet.launch.quick_exit`; a forked worker ends the same way, see
-    :mod:`hopnet.launch.forkserver`). The script's module-level objects are released when it
+    (:mod:`hopnet.bootstrap.quick_exit`; a forked worker ends the same way, see
+    :mod:`hopnet.bootstrap.forkserver`). The script's module-level objects are released when it
     returns (so a file it left open there is flushed then); what it left open elsewhere is not
     flushed, as with ``os._exit``: close what you write."""
     exit_now(code)

@@ -17,9 +17,9 @@ the same script can also run stand-alone.
 ``HOPNET_BIND``        host the worker binds its sockets to (default: 127.0.0.1)
 ``HOPNET_EXPLICIT``    protocol options given explicitly on the command line, as a
                        JSON list of :class:`~hopnet.config.ProtocolConfig` field names
-                       (code may set the others; see :mod:`hopnet.launch.options`)
+                       (code may set the others; see :mod:`hopnet.bootstrap.options`)
 ``HOPNET_STORE``       ``HOST:PORT`` of the run's c10d ``TCPStore`` (hosted by the launcher;
-                       workers open it as clients on demand, see :mod:`hopnet.launch.store`).
+                       workers open it as clients on demand, see :mod:`hopnet.rendezvous.store`).
                        Optional: without it the torch bulk plane and collective are unavailable
 =====================  ==============================================================
 
@@ -42,7 +42,7 @@ workers, so a group or averaging that a dead member broke is rolled back on the 
 (as under ``--max-restarts``), instead of failing them.
 
 The launcher also sets ``HOPNET_PARENT_FD`` and ``HOPNET_LAUNCHER_PID`` for the
-launcher watch (:mod:`hopnet.launch.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
+launcher watch (:mod:`hopnet.bootstrap.parent_watch`), and ``HOPNET_CURVE_KEY`` (the run's
 CurveZMQ key, ``"PUBLIC SECRET"``) when the run's sockets are secured
 (:mod:`hopnet.security`).
 """
@@ -186,7 +186,7 @@ class WorkerEnv:
         if not self.bind_host:
             raise ConfigError(f"{BIND} is empty (expected a host such as 127.0.0.1)")
         if self.store:
-            from hopnet.launch.store import parse_endpoint
+            from hopnet.rendezvous.store import parse_endpoint
 
             try:
                 parse_endpoint(self.store)

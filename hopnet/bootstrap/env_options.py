@@ -7,7 +7,7 @@ and each option of the chosen protocol can be given as an upper-case variable in
 for an optional field). ``HOPNET_CONFIG`` (a JSON object) is read first, the single
 variables override it. Options set this way count as given explicitly, like flags on
 the command line: code may not set them to something else (see
-:func:`hopnet.launch.options.check_explicit`).
+:func:`hopnet.bootstrap.options.check_explicit`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from hopnet import registry
 from hopnet.config import ProtocolConfig, option_field, run_fields
 from hopnet.errors import ConfigError
-from hopnet.launch.env import CONFIG
+from hopnet.bootstrap.env import CONFIG
 from hopnet.options import iter_unique, parse_text
 
 

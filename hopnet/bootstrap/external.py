@@ -58,7 +58,7 @@ class ExternalEnv:
 
     @property
     def store_endpoint(self) -> str:
-        from hopnet.launch.store import format_endpoint
+        from hopnet.rendezvous.store import format_endpoint
 
         return format_endpoint(self.master_addr, self.master_port)
 
