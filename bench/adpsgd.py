@@ -9,7 +9,7 @@ rank 1 5x slower (`--slowdown rank=1:5`). Throughput is the sum over workers of
 iterations per second (each worker's iterations over the time from its first iteration's
 start to the end of its second-to-last step, from the event logs: a passive's last step
 waits for its actives to finish, which is not training time); the ratio is AD-PSGD's over allreduce's
-in the same configuration. See bench/README.md ("AD-PSGD") for results.
+in the same configuration. See docs/performance/index.md ("AD-PSGD") for results.
 """
 
 from __future__ import annotations

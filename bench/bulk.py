@@ -19,7 +19,7 @@ the same preallocated tensor and after the N-th acknowledges over ZeroMQ (raw: a
 
 ``--allreduce`` adds :class:`~hopnet.collectives.torchdist.TorchCollective` against
 ``ProcessGroup.allreduce`` called directly on the same backend (2 ranks).
-See bench/README.md ("Bulk plane") for results.
+See docs/performance/index.md ("The bulk plane: gloo against ZeroMQ") for results.
 """
 
 from __future__ import annotations

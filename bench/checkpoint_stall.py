@@ -15,7 +15,7 @@ measure's value for no stall, a control). Against it:
 
 Writers, alternated within each repeat so the machine's load hits them alike: ``none`` (no
 checkpoint: the it/s baseline), ``torch`` (``torch.save`` as before format 2) and ``format2``
-(:func:`hopnet.checkpoint.dump`). Numbers: bench/README.md, "Checkpoint cost".
+(:func:`hopnet.checkpoint.dump`). Numbers: docs/performance/index.md, "Checkpoints".
 """
 
 from __future__ import annotations

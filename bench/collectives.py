@@ -17,7 +17,7 @@ N-th (N at most --max-count). gloo's mean is ``all_reduce(SUM)`` then a division
 shows the median time per all-reduce, the bus bandwidth (``2 (P-1)/P * bytes / time``,
 what each link carries) and each hopnet collective's throughput as a ratio of gloo's.
 Point to point (1 to 64 MiB, torch plane against ZeroMQ) is bench/bulk.py's job.
-See bench/README.md ("Collectives") for results.
+See docs/performance/index.md ("All-reduce against torch.distributed") for results.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ load changes hit both alike. Throughput: rank 0 sends messages of one uint8 tens
 back until --total-mib have arrived at rank 1. Latency: the median round trip of a control
 message (rank 0 -> 1 -> 0). The table shows the medians and CURVE / plain. libzmq encrypts
 in its I/O threads, so the numbers include that work whichever core it lands on.
-See bench/README.md ("CurveZMQ").
+See docs/performance/index.md ("Encryption (CurveZMQ)").
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ every --eval-every iterations, and how each iteration split on the trainer's clo
 forward (with the sleep; DDP: and --slowdown), backward (which waits for DDP's gradient
 all-reduce, and hopnet's buckets) and the optimizer step (hopnet: with what is left to
 reduce, and --slowdown). hopnet's rows add its event log's split (``iteration`` records:
-compute_s, wait_updates_s, wait_tokens_s, mix_s). See bench/README.md ("Hop and
-all-reduce against DDP").
+compute_s, wait_updates_s, wait_tokens_s, mix_s). See docs/performance/index.md ("Against DDP:
+emulated compute", "Against DDP: real compute", "Time to accuracy against DDP").
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ round's ratio to allreduce in that round.
   (min and mean over the 8), and seconds until every worker's model scored >= --target.
 * NAP: mean number of active processes (fresh gradients) per eager round.
 
-Numbers: bench/README.md, "eager-SGD".
+Numbers: docs/performance/index.md, "eager-SGD".
 """
 
 from __future__ import annotations

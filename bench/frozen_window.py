@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hopnet.coordinator.partial_reduce import PartialReduceController, minimum_connecting_groups  # noqa: E402
+from hopnet.protocols.partial_reduce.controller import PartialReduceController, minimum_connecting_groups  # noqa: E402
 
 GROUPS = 4000
 AVERAGE_S = 0.001

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The checks a lent GPU machine runs, in one call (bench/README.md, "On a GPU").
+# The checks a lent GPU machine runs, in one call (docs/performance/index.md, "GPUs").
 #   bash bench/gpu_checks.sh [STEP...]  # the steps below (default all: 1-5); OUT=folder for the logs
 # Wheels of what that machine lacks (pyzmq, pytest-asyncio) may wait in .whl/.
 set -u

@@ -28,7 +28,8 @@ Throughput as in the simulator but on the workers' clocks; time to target = seco
 worker's first iteration until its own model first scores >= --target on the held-out split,
 for the median worker and for the slowest. Protocols are interleaved across --repeat rounds
 and ``/proc/loadavg`` is recorded with every run; ratios are to allreduce of the same round.
-Results and discussion: bench/README.md ("Group protocols").
+Results: docs/performance/index.md ("Each protocol's own numbers"); discussion:
+docs/performance/archive.md ("Group protocols").
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ def main() -> None:
                         help="real runs' iterations (the cosine schedule's length)")
     parser.add_argument("--compute-ms", type=float, default=40.0, help="real runs' emulated compute")
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--target", type=float, default=0.85, help="held-out accuracy to reach (see bench/README.md)")
+    parser.add_argument("--target", type=float, default=0.85,
+                        help="held-out accuracy to reach (why 0.85: docs/performance/archive.md, \"Group protocols\")")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--repeat", type=int, default=1, help="real-run rounds, protocols interleaved")
     parser.add_argument("--warmup", type=int, default=10)

@@ -26,7 +26,8 @@ How rates are measured (the same function for both): from each worker's event lo
 as the iterations it jumps). A setting's rate is the mean over workers. Real-process
 startup (16 torch imports on a small machine) is thus left out.
 
-Numbers and their discussion: bench/README.md, "Heterogeneity (Hop Sec. 7)".
+Numbers: docs/performance/index.md, "Stragglers and heterogeneity"; their discussion:
+docs/performance/archive.md, "Heterogeneity".
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def main() -> int:
     p.add_argument("--compute-ms", type=float, default=50.0, help="compute per iteration (default 50)")
     p.add_argument("--model-mb", type=float, default=0.05,
                    help="model size for real runs, MB (default 0.05: under the zmq transport's 64 KiB "
-                        "zero-copy threshold; see bench/README.md for why)")
+                        "zero-copy threshold; see docs/performance/archive.md, \"Heterogeneity\", for why)")
     p.add_argument("--sim-iterations", type=int, default=None, help="iterations per simulated run "
                    "(default 1000, --quick 400)")
     p.add_argument("--real-iterations", type=int, default=None, help="iterations per real run "

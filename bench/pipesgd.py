@@ -22,7 +22,7 @@ torchrun with torch DDP (gloo):
 3. ``--accuracy``: the digits example (examples/train_digits.py, 300 iterations) with
    allreduce, pipe-sgd K=2 and K=2 int8: held-out accuracy, mean over ranks.
 
-Numbers: bench/README.md, "Pipe-SGD".
+Numbers: docs/performance/index.md, "Pipe-SGD".
 """
 
 from __future__ import annotations

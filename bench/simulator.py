@@ -9,7 +9,7 @@ child process (so that its peak RSS is its own). A child times building the grap
 simulation (:func:`hopnet.sim.engine.simulate`) and writing the ``--json`` document
 (:func:`hopnet.cli.simulate_cmd.result_json`), and reports the CPU time of all three and its
 peak RSS. Every repeat must give the same JSON bytes (the simulator is deterministic); the
-script checks it. Targets (bench/README.md, "Simulator scale"): 1024 workers x 100 iterations
+script checks it. Targets (docs/performance/index.md, "Simulator: accuracy and scale"): 1024 workers x 100 iterations
 in <= 10 s; 10,000 workers x 100 iterations of Hop in <= 60 s and 4 GB.
 """
 

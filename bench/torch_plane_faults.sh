@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A neighbour's death on the torch plane, through `hopnet launch` (issue 18; bench/README.md,
-# "Dead peers on the torch plane"): examples/train_cnn.py, 4 workers on ring:4, --bulk torch; once
+# A neighbour's death on the torch plane, through `hopnet launch` (issue 18; docs/performance/index.md,
+# "Faults: detection, restarts, recovery"): examples/train_cnn.py, 4 workers on ring:4, --bulk torch; once
 # rank 2's event log shows iteration 20 it gets SIG (KILL or STOP). Prints the run's end and, for each
 # neighbour of rank 2, seconds from the signal to its peer_dead record (the machine's monotonic clock).
 #

@@ -11,7 +11,7 @@ Latency is the median round trip of --pings control messages, one at a time.
 --payload-stream times ZmqTransport with its payload stream on, off, or both (one transport
 each, interleaved). Every configuration runs --repeat times, interleaved with the others so load changes hit
 all alike, after one untimed warm-up round; the table shows the median.
-See bench/README.md ("Transport") for results.
+See docs/performance/index.md ("Transport: throughput and latency") for results.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ less than their name suggests.
 It checks the options on their own (:meth:`ProtocolConfig.validate`), the options that
 name ranks against the run's size, and then what the protocol's declaration asks
 (``check_graph`` of :class:`hopnet.registry.ProtocolSpec`: Hop's Table 1 bounds in
-:mod:`hopnet.protocols.hop`, AD-PSGD's bipartite graph, Prague's static schedule).
+:mod:`hopnet.protocols.hop.protocol`, AD-PSGD's bipartite graph, Prague's static schedule).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `hopnet simulate` read a protocol's :class:`OutputSpec` (``ProtocolSpec.output``), so each
 shows only the quantities that apply to the protocol that ran and none of them names one.
 
-Plain data read from the event records every protocol already writes (docs/events.md):
+Plain data read from the event records every protocol already writes (docs/reference/events.md):
 the step's waits from ``iteration`` records, per-rank counts from the ``stop`` record (the
 protocol's ``summary()``), run-wide counts from the coordinator's ``stop`` record.
 """

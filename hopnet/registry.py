@@ -1,13 +1,13 @@
 """Where protocols declare themselves, and where everything else looks them up.
 
-Each built-in protocol's declaration module in :mod:`hopnet.protocols.specs` ends with one
+Each built-in protocol is a package of :mod:`hopnet.protocols` whose ``spec`` module ends with one
 :func:`register` call of a :class:`ProtocolSpec`: its name, its options, whether it uses the
 graph, what it averages, its coordinator and its message kinds. The command-line flags, the
 keyword options of :func:`hopnet.init`, the ``HOPNET_*`` variables, the config checks, the
 simulator and the report all read that declaration; no other list of protocol names exists.
 
-Built-in protocols are found by importing every module of :mod:`hopnet.protocols.specs` the
-first time a name is looked up: declarations import no torch (``build`` imports the
+Built-in protocols are found by importing ``hopnet.protocols.<package>.spec`` for every package
+of :mod:`hopnet.protocols` that has one, the first time a name is looked up: declarations import no torch (``build`` imports the
 algorithm), so the command line stays fast. Protocols of other packages register the same way
 when their module is imported (one that imports torch makes every command that looks up a
 protocol load it): name it in ``HOPNET_PLUGINS`` (comma-separated module names, imported in
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import os
 import pkgutil
 import threading
@@ -164,16 +165,30 @@ def register(spec: ProtocolSpec[OptionsT]) -> ProtocolSpec[OptionsT]:
     return spec
 
 
+DECLARATION_MODULE = "spec"
+"""The module of a protocol package that declares it (imports no torch)."""
+
+
+def _builtin_declarations() -> list[str]:
+    """``hopnet.protocols.<package>.spec`` for each package of :mod:`hopnet.protocols` that has one:
+    a new protocol is a new package there, and no list to edit."""
+    import hopnet.protocols as protocols
+
+    found = []
+    for package in pkgutil.iter_modules(protocols.__path__, protocols.__name__ + "."):
+        if package.ispkg and importlib.util.find_spec(f"{package.name}.{DECLARATION_MODULE}") is not None:
+            found.append(f"{package.name}.{DECLARATION_MODULE}")
+    return found
+
+
 def _discover() -> None:
     global _discovered
     with _lock:
         if _discovered:
             return
         _discovered = True
-        import hopnet.protocols.specs as package
-
-        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-            importlib.import_module(module.name)
+        for name in _builtin_declarations():
+            importlib.import_module(name)
         for name in filter(None, (part.strip() for part in os.environ.get(PLUGINS_VARIABLE, "").split(","))):
             try:
                 importlib.import_module(name)

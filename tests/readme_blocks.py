@@ -50,7 +50,8 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}:{self.lang}:{self.mode}"
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path.name
+        return f"{where}:{self.line}:{self.lang}:{self.mode}"
 
 
 def fenced_blocks(path: Path, languages: tuple[str, ...] = LANGUAGES) -> list[Block]:

@@ -18,7 +18,7 @@ from hopnet import ConfigError, Graph, ProtocolConfig, Worker
 from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import PeerFailure, WaitTimeout
 from hopnet.protocols import make_protocol
-from hopnet.protocols.adpsgd import AdPsgdProtocol, Averaging
+from hopnet.protocols.adpsgd.protocol import AdPsgdProtocol, Averaging
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
 from hopnet.runtime.node import Node

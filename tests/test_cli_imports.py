@@ -74,7 +74,7 @@ def test_commands_that_train_nothing_never_import_torch(tmp_path: Path) -> None:
 
 def test_compress_declares_the_codecs_the_collectives_know() -> None:
     from hopnet.collectives.compression import COMPRESSIONS
-    from hopnet.protocols.specs.compression import COMPRESSIONS as DECLARED
+    from hopnet.protocols.compression import COMPRESSIONS as DECLARED
 
     assert DECLARED == COMPRESSIONS
 

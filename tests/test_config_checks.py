@@ -15,7 +15,7 @@ import pytest
 from hopnet import Graph, ProtocolConfig
 from hopnet.cli.main import main as cli
 from hopnet.config_checks import check_config_for_graph
-from hopnet.protocols.hop import largest_lead
+from hopnet.protocols.hop.spec import largest_lead
 from hopnet.errors import ConfigError
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 

@@ -14,7 +14,7 @@ import pytest
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Send
 from hopnet.coordinator.host import CoordinatorHost
-from hopnet.coordinator.random_gg import RandomGroupGenerator
+from hopnet.protocols.prague.random_gg import RandomGroupGenerator
 from hopnet.coordinator.wire import BadFrame, decode, encode, rank_of
 
 

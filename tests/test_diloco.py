@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hopnet import ConfigError, DistributedOptimizer, Graph, ProtocolConfig, Worker, analysis
-from hopnet.protocols.diloco import DiLoCoOptions, DiLoCoProtocol, OuterSGD, fragment_pieces, sync_offsets
-from hopnet.protocols.diloco_quorum import QuorumBook, QuorumDiLoCoProtocol
+from hopnet.protocols.diloco.options import DiLoCoOptions, sync_offsets
+from hopnet.protocols.diloco.protocol import DiLoCoProtocol, OuterSGD, fragment_pieces
+from hopnet.protocols.diloco.quorum import QuorumBook, QuorumDiLoCoProtocol
 from hopnet.sim.engine import SimSpec, simulate
 from hopnet.transports.inproc import LinkModel
 from tests.support.threaded import Start, run_ranks, seeded

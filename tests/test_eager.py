@@ -13,7 +13,7 @@ import torch
 from hopnet import ConfigError, Graph, ProtocolConfig
 from hopnet.errors import PeerFailure, WaitTimeout
 from hopnet.protocols import make_protocol
-from hopnet.protocols.eager import EagerProtocol, activation_targets, majority_initiator
+from hopnet.protocols.eager.protocol import EagerProtocol, activation_targets, majority_initiator
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.node import Node
 from hopnet.sim.engine import SimSpec, simulate

@@ -19,7 +19,7 @@ from support.ports import free_port
 from hopnet.errors import ConfigError
 from hopnet.launch.env_options import config_from_variables
 from hopnet.launch.external import detect, parse_nodelist
-from hopnet.protocols.hop import HopOptions
+from hopnet.protocols.hop.options import HopOptions
 
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = str(EXAMPLES / "train_digits.py")

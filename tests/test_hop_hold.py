@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hopnet import Graph, ProtocolConfig
-from hopnet.protocols.hop import STREAM_WINDOW
+from hopnet.protocols.hop.protocol import STREAM_WINDOW
 from hopnet.transports.base import Transport
 
 from support.holding import HoldingLinks, HoldingTransport

@@ -1,4 +1,4 @@
-"""Hop mixes by accumulation (hopnet/runtime/mix_sums.py): the mix equals the weighted average of
+"""Hop mixes by accumulation (hopnet/protocols/hop/mix_sums.py): the mix equals the weighted average of
 the model and the updates used, computed directly, with backup workers and with staleness."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hopnet import Graph, ProtocolConfig
-from hopnet.runtime.mix_sums import MixSums, RegionPool, mix_into, plan_regions
-from hopnet.protocols.hop import PART, STREAM_WINDOW
+from hopnet.protocols.hop.mix_sums import MixSums, RegionPool, mix_into, plan_regions
+from hopnet.protocols.hop.protocol import PART, STREAM_WINDOW
 from hopnet.transports.base import Transport
 from hopnet.wire import Message, TensorSpec
 
@@ -275,7 +275,7 @@ def test_a_streamed_update_has_at_most_the_window_of_chunks_in_the_transport_per
 
 
 def test_by_default_only_updates_of_256_mib_or_more_stream() -> None:
-    from hopnet.protocols.specs.hop import HopOptions
+    from hopnet.protocols.hop.options import HopOptions
 
     mib = 1 << 20
     default = HopOptions()

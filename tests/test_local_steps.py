@@ -21,7 +21,7 @@ from hopnet.coordinator.sim import SimCoordinator
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
 from hopnet.params import FlatGradients
-from hopnet.protocols.specs.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
+from hopnet.protocols.local_steps import mixes_at, mixing_iteration, round_of, rounds_sent_by
 from hopnet.report.diagnosis import update_arrivals
 from hopnet.report.rundir import RunData
 from hopnet.runtime.events import EventLog

@@ -11,7 +11,7 @@ import torch
 
 from hopnet import DistributedOptimizer, Graph, NonFiniteError, ProtocolConfig
 from hopnet.finite import all_finite
-from hopnet.protocols.allreduce import AllReduceOptions
+from hopnet.protocols.allreduce.options import AllReduceOptions
 
 from support.digits import digits_split
 from support.threaded import Start, run_ranks, seeded

@@ -14,7 +14,8 @@ import torch
 
 from hopnet import DistributedOptimizer, Graph, HopnetError, ProtocolConfig, Worker
 from hopnet.params import FlatGradients, flatten_parameters
-from hopnet.protocols.allreduce import DEFAULT_BUCKET_MB, AllReduceOptions
+from hopnet.protocols.allreduce.options import AllReduceOptions
+from hopnet.protocols.gradient_options import DEFAULT_BUCKET_MB
 from hopnet.transports.inproc import InprocNetwork
 
 from support.clip_task import MAX_NORM, STEPS, batch, flat, make_model, make_optimizer

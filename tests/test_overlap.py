@@ -20,9 +20,9 @@ from hopnet import AsyncWorker, DistributedOptimizer, Graph, PeerFailure, Protoc
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.collectives.torchdist import TorchCollective
 from hopnet.launch.store import connect_store, host_store
-from hopnet.protocols.allreduce import AllReduceOptions
+from hopnet.protocols.allreduce.options import AllReduceOptions
 from hopnet.protocols.overlap import MB, plan_buckets
-from hopnet.protocols.pipesgd import PipeSgdOptions
+from hopnet.protocols.pipesgd.options import PipeSgdOptions
 from hopnet.transports.inproc import InprocNetwork
 
 from support.bn_task import LR, cnn, set_lr, state

@@ -1,5 +1,5 @@
-"""Partial Reduce's controller (hopnet/coordinator/partial_reduce.py) and weights
-(hopnet/coordinator/weights.py): pure tests, driven by a small event simulation of workers."""
+"""Partial Reduce's controller (hopnet/protocols/partial_reduce/controller.py) and weights
+(hopnet/protocols/partial_reduce/weights.py): pure tests, driven by a small event simulation of workers."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hopnet.coordinator.base import BadCoordinatorMessage, Send
-from hopnet.coordinator.mixing import mixing_matrix, spectral_rho
-from hopnet.coordinator.partial_reduce import (FormedGroup, PartialReduceController, default_frozen_window,
+from hopnet.protocols.partial_reduce.mixing import mixing_matrix, spectral_rho
+from hopnet.protocols.partial_reduce.controller import (FormedGroup, PartialReduceController, default_frozen_window,
                                                sync_graph_connected)
-from hopnet.coordinator.weights import constant_weights, dynamic_weights
+from hopnet.protocols.partial_reduce.weights import constant_weights, dynamic_weights
 
 # ---------------------------------------------------------------------------- a driver
 

@@ -14,9 +14,9 @@ from support.launch import run_launch
 from support.records import all_records
 from hopnet import ConfigError, Graph, ProtocolConfig
 from hopnet.coordinator import make_coordinator
-from hopnet.coordinator.mixing import GROUP_RECORD, groups_from_records, mixing_matrix, spectral_rho
+from hopnet.protocols.partial_reduce.mixing import GROUP_RECORD, groups_from_records, mixing_matrix, spectral_rho
 from hopnet.coordinator.sim import SimCoordinator
-from hopnet.coordinator.weights import dynamic_weights
+from hopnet.protocols.partial_reduce.weights import dynamic_weights
 from hopnet.errors import PeerFailure
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock

@@ -1,5 +1,5 @@
 """Partial Reduce's frozen filter keeps its window's connectivity incrementally
-(hopnet/coordinator/window_components.py): the same decisions as rebuilding a union-find
+(hopnet/protocols/partial_reduce/window.py): the same decisions as rebuilding a union-find
 over the window for every group, which is the reference written here."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 import pytest
 
 from hopnet.coordinator.base import Send
-from hopnet.coordinator.partial_reduce import PartialReduceController
-from hopnet.coordinator.window_components import WindowComponents
+from hopnet.protocols.partial_reduce.controller import PartialReduceController
+from hopnet.protocols.partial_reduce.window import WindowComponents
 
 
 def rebuilt_roots(groups: Iterable[Sequence[int]], size: int) -> list[int]:

@@ -15,7 +15,7 @@ from hopnet.collectives.compression import (Int8Codec, Trunc16Codec, dequantize8
 from hopnet.collectives.ring import RingCollective
 from hopnet.params import FlatGradients, flatten_parameters
 from hopnet.protocols import make_protocol
-from hopnet.protocols.pipesgd import PipeSgdProtocol
+from hopnet.protocols.pipesgd.protocol import PipeSgdProtocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.node import Node
 from hopnet.sim.engine import SimSpec, simulate

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hopnet.errors import ProtocolError
-from hopnet.runtime.queues import BufferPool, TokenCredits, Update, UpdateQueue
+from hopnet.protocols.hop.queues import BufferPool, TokenCredits, Update, UpdateQueue
 
 
 def test_dequeue_by_iteration_and_sender_tags() -> None:

@@ -29,7 +29,7 @@ from hopnet.cli.main import main as cli_main
 
 from support.env import clean_env
 from support.launch import run_launch
-from readme_blocks import Block, all_blocks, fenced_blocks, launch_script
+from readme_blocks import ROOT, Block, all_blocks, fenced_blocks, launch_script
 
 BLOCKS = all_blocks()
 
@@ -133,7 +133,7 @@ def test_the_readme_examples_are_all_found() -> None:
     assert any(b.mode == "launch" and "hopnet.init(model)" in b.text for b in readme)  # the embedding snippet
     assert any(b.lang == "python" and "Graph.ring(8)" in b.text for b in readme)
     assert any(b.lang == "json" and _is_graph(json.loads(b.text)) for b in readme)
-    assert any(b.path.name == "graph-schema.md" for b in BLOCKS)
+    assert any(b.path == ROOT / "docs" / "reference" / "graph-schema.md" for b in BLOCKS)
 
 
 BROKEN = """\

@@ -238,7 +238,7 @@ def test_summary_table_numbers(tmp_path: Path) -> None:
 
 
 def test_events_doc_example_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = (ROOT / "docs" / "events.md").read_text()
+    text = (ROOT / "docs" / "reference" / "events.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     run_dir = write_run(tmp_path / "run")
     exec(code.replace('"runs/20250101-120000-hop-ring-4"', repr(str(run_dir))), {})

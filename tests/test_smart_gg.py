@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import BadCoordinatorMessage, make_coordinator
-from hopnet.coordinator.smart_gg import GROUP_KINDS, GroupFormed, SmartGroupGenerator
+from hopnet.protocols.prague.smart_gg import GROUP_KINDS, GroupFormed, SmartGroupGenerator
 from hopnet.graph import Graph
 
 
@@ -667,7 +667,7 @@ def test_prague_smart_and_static_run_sixteen_workers_on_four_machines_in_the_sim
     what each worker ran is what the schedule, or the generator's rules, say."""
     import torch
 
-    from hopnet.coordinator.static_schedule import static_group
+    from hopnet.protocols.prague.static_schedule import static_group
     from hopnet.sim.engine import ComputeModel, SimSpec, simulate
     from hopnet.transports.inproc import LinkModel
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
-from hopnet.coordinator.static_schedule import PERIOD, check_static_schedule, static_group, static_phases
+from hopnet.protocols.prague.static_schedule import PERIOD, check_static_schedule, static_group, static_phases
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 

@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
     """Add the ``graph`` subcommand and its ``validate`` / ``show`` / ``make`` actions."""
     parser = subparsers.add_parser(
         NAME, help=HELP,
-        description="Validate, inspect or generate a communication graph (JSON schema: docs/graph-schema.md).",
+        description="Validate, inspect or generate a communication graph (JSON schema: docs/reference/graph-schema.md).",
     )
     sub = parser.add_subparsers(dest="graph_command", metavar="ACTION")
     sub.required = True

@@ -1,9 +1,13 @@
 """Training protocols: algorithm only, no sockets (see :mod:`hopnet.protocols.base`).
 
-Each protocol is one algorithm module here, declared (:func:`hopnet.registry.register`) by the
-module of the same name in :mod:`hopnet.protocols.specs`, which imports no torch; adding a
-protocol is adding the two (docs/design.md, "Adding a protocol"). This package's own import
-loads no torch either: the declarations sit below it.
+Each protocol is a package here holding everything that is only its own: ``spec`` (its
+declaration, :func:`hopnet.registry.register`; imports no torch), ``options``, ``protocol`` (the
+algorithm) and its own parts (Hop's queues, Prague's Group Generators, Partial Reduce's
+controller). Adding a protocol is adding a package (docs/design/adding-a-protocol.md). The
+modules at this level are what several protocols share: the interface (``base``), the gradient
+protocols' machinery (``gradient``, ``overlap``, ``buffer_sync``, ``resync``) and shared
+declarations (``local_steps``, ``gradient_options``, ``compression``). This package's own import
+loads no torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Averaged gradients keep the parameters identical on every rank, but a buffer tha
 forward pass updates (BatchNorm's running statistics) follows each rank's own batches
 and drifts apart. torch's DistributedDataParallel broadcasts rank 0's buffers before each
 forward pass; the gradient protocols take ``--buffers``, declared once (:class:`GradientOptions`,
-in :mod:`hopnet.protocols.specs.gradient_options`) for all of them:
+in :mod:`hopnet.protocols.gradient_options`) for all of them:
 
 * ``broadcast`` (the default, DDP's choice): after each step every rank takes rank 0's
   buffers. Rank 0's own buffers follow its own batches exactly as under DDP.
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hopnet.protocols.specs.gradient_options import BUFFER_MODES, GradientOptions
+from hopnet.protocols.gradient_options import BUFFER_MODES, GradientOptions
 from hopnet.runtime.services import AllReduce
 
 ROOT = 0

@@ -46,7 +46,7 @@ import torch
 
 from hopnet.collectives.base import IssueFn, PendingReduce
 from hopnet.params import FlatGradients
-from hopnet.protocols.specs.gradient_options import DEFAULT_BUCKET_MB, BucketOptions
+from hopnet.protocols.gradient_options import DEFAULT_BUCKET_MB, BucketOptions
 
 MB = 1 << 20
 

@@ -1,6 +1,6 @@
 """What limited a run, and what to try: the conclusion at the top of `hopnet report`.
 
-From the event records alone (docs/events.md) this finds
+From the event records alone (docs/reference/events.md) this finds
 
 - **stragglers**: ranks whose compute per step is well above the median rank's;
 - **slow links**: directed links whose measured transfer time (an update's send on one

@@ -45,5 +45,5 @@ def render_html(content: ReportContent) -> str:
                          f"{escape(figure.caption)}</figcaption></figure>")
         parts.extend(_table(t) for t in section.tables)
     parts.append("<p><small>Written by <code>hopnet report</code> from the run's event logs "
-                 "(see docs/events.md).</small></p></body></html>")
+                 "(see docs/reference/events.md).</small></p></body></html>")
     return "\n".join(parts) + "\n"

@@ -1,6 +1,6 @@
 """Per-rank numbers from event records: progress, rate, where the time went, skips, drops.
 
-Everything here is computed from the records alone (docs/events.md): ``iteration``
+Everything here is computed from the records alone (docs/reference/events.md): ``iteration``
 records give progress (``iter``, ``mono``), the time split (``compute_s``,
 ``wait_updates_s``, ``wait_tokens_s``, ``mix_s``) and the trainer's metrics (``loss``);
 ``skip``, ``stop``, ``error``, ``peer_left`` and ``peer_dead`` records the rest. Which of the

@@ -3,7 +3,7 @@
 Every record has ``event``, ``rank``, ``t`` (seconds since the worker started, on its
 clock: virtual time in the simulator) and ``mono`` (``time.monotonic()``, shared by the
 processes of one machine, so the logs of a run merge into one timeline). The records and
-their fields are documented in docs/events.md.
+their fields are documented in docs/reference/events.md.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from hopnet.graph import Graph
 from hopnet.output_spec import SKIPS
 from hopnet.protocols import make_protocol
 from hopnet.protocols.base import Protocol
-from hopnet.protocols.adpsgd import REPLY as AVERAGING_REPLY
-from hopnet.protocols.adpsgd import REQUEST as AVERAGING_REQUEST
+from hopnet.protocols.adpsgd.options import REPLY as AVERAGING_REPLY
+from hopnet.protocols.adpsgd.options import REQUEST as AVERAGING_REQUEST
 from hopnet.registry import Averages
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog
