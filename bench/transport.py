@@ -97,15 +97,15 @@ async def _worker(role: int, conn, args: argparse.Namespace, ports: dict) -> Non
     import zmq
     import zmq.asyncio
 
-    import hopnet.transports.zmq as hz
+    import hopnet.transports.zmq.limits as zmq_limits
     from hopnet.transports.zmq import ZmqTransport
     from hopnet.wire import Message
 
     torch.set_num_threads(1)
     if args.chunk_mib:
-        hz.CHUNK_BYTES = int(args.chunk_mib * MiB)
+        zmq_limits.CHUNK_BYTES = int(args.chunk_mib * MiB)
     if args.stage_mib is not None:
-        hz.STAGE_BYTES = int(args.stage_mib * MiB)
+        zmq_limits.STAGE_BYTES = int(args.stage_mib * MiB)
     if args.stream_min_kib is not None:
         import hopnet.transports.payload_stream as ps
         ps.MIN_BYTES = int(args.stream_min_kib * 1024)

@@ -14,6 +14,7 @@ import pytest
 import hopnet.cli.main as cli_main
 from hopnet.errors import ConfigError, GraphError
 from hopnet.graph import Graph
+from hopnet.graph.analysis import path_lengths_bfs, path_lengths_dense
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -238,8 +239,8 @@ def test_back_lengths_are_the_path_lengths_back_along_each_edge() -> None:
 def test_path_lengths_match_between_sparse_and_dense_paths() -> None:
     # complete graphs with n > 64 take the dense (matrix) route; compare with BFS.
     g = Graph.hierarchical([20] * 5)
-    dense = g._spl_dense()
-    sparse = g._spl_bfs()
+    dense = path_lengths_dense(g.n, g.edges)
+    sparse = path_lengths_bfs(g.n, [g.out_peers(v) for v in g.nodes])
     assert (dense == sparse).all()
     assert Graph.complete(100).diameter() == 1
 

@@ -11,6 +11,11 @@ also watches its neighbours (:mod:`hopnet.runtime.liveness`): any valid message 
 sign of life, a ``beat`` goes to a neighbour nothing else went to lately, and a
 neighbour silent for ``peer_timeout_s`` is declared dead and handled like one that
 said ``bye``.
+
+Its parts, each in a module of its own: the sends in flight (:mod:`hopnet.runtime.outbox`),
+the watch over its neighbours (:mod:`hopnet.runtime.peer_watch`), its part in replacing a
+dead worker (:mod:`hopnet.runtime.replacement`) and the timing of each step
+(:mod:`hopnet.runtime.step_timing`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from hopnet.errors import HopnetError, PeerFailure
@@ -28,35 +33,18 @@ from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime.liveness import Liveness
 from hopnet.runtime.mailbox import COLLECTIVE_KINDS, Mailbox
-from hopnet.runtime.rejoin import HANDOVER, HANDOVER_REQUEST, REJOIN, REJOIN_KINDS, Handover, read_handover
+from hopnet.runtime.outbox import Outbox
+from hopnet.runtime.peer_watch import PeerWatch, ignore_result
+from hopnet.runtime.rejoin import REJOIN_KINDS, Handover
+from hopnet.runtime.replacement import Replacements
 from hopnet.runtime.services import (AddressExchange, AllReduce, CollectiveFactory, CoordinatorChannel, Timer,
                                      TrainingProtocol)
+from hopnet.runtime.step_timing import StepTimes, StepTiming
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 EnterObserver = Callable[[int, int], None]
 P = TypeVar("P", bound=TrainingProtocol)
-
-
-class StepTimes:
-    """Where the current step's time went so far (seconds); reset at the start of each step."""
-
-    __slots__ = ("wait_updates", "wait_tokens", "apply", "updates_from", "tokens_from")
-
-    def __init__(self) -> None:
-        self.wait_updates = 0.0
-        self.wait_tokens = 0.0
-        self.apply = 0.0
-        self.updates_from: dict[int, float] = {}
-        """Seconds of ``wait_updates`` blamed on each peer (the protocols that name it)."""
-        self.tokens_from: dict[int, float] = {}
-
-    def reset(self) -> None:
-        self.wait_updates = self.wait_tokens = self.apply = 0.0
-        if self.updates_from:
-            self.updates_from.clear()
-        if self.tokens_from:
-            self.tokens_from.clear()
 
 
 class Node(Generic[P]):
@@ -92,16 +80,13 @@ class Node(Generic[P]):
         # one timeline. Not loop.time(): uvloop caches it per loop turn at millisecond resolution.
         # The simulator passes its virtual clock.
         self.timer = timer
-        self.step_times = StepTimes()
-        self._in_step = False
-        self._step_ended: float | None = None
-        self._finished: dict[str, Any] | None = None
+        self._steps = StepTiming(timer)
+        self.step_times: StepTimes = self._steps.times
         self._begun: asyncio.Task[None] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._send_nowait = transport.send_nowait if transport.sends_at_once else None
+        self._outbox = Outbox(self)
+        self._send_nowait = self._outbox.send_nowait
         self.model_lock = threading.Lock()
-        self._pending: set[asyncio.Task[None]] = set()
-        self._send_error: BaseException | None = None
         self._pending_metrics: dict[str, Any] = {}
         self._t0 = 0.0
         self.address: str | None = None
@@ -115,14 +100,14 @@ class Node(Generic[P]):
         self.liveness: Liveness | None = None
         self._heard: set[int] = set()  # peers heard from since the watch last looked
         self._holding: set[int] = set()  # peers whose messages the transport holds back for the protocol
-        self._watch: asyncio.Task[None] | None = None
+        self.watch: PeerWatch | None = None
         self.mailbox = Mailbox(COLLECTIVE_KINDS, clock)
         self._mailbox_kinds = self.mailbox.kinds
         self.addresses: dict[int, str] | None = None  # every rank's, once the rendezvous answered
         # Set once the rendezvous answered (or failed): the transport receives during the
         # exchange, and a protocol acting on an early message must not send before it can.
         self._exchanged: asyncio.Event | None = None
-        self._connected: set[int] = set()
+        self.connected: set[int] = set()  # ranks connect_to opened the way to
         self._collective_factory = collective_factory
         self._collective: AllReduce | None = None
         self.coordinator = coordinator
@@ -140,10 +125,7 @@ class Node(Generic[P]):
         self.handover_now: Callable[[list[int]], None] | None = None
         """Answers handover requests on the event loop while the trainer is blocked and the model
         consistent (:meth:`handover_point`); set by :class:`hopnet.api.Worker`."""
-        self._rejoined: asyncio.Event | None = None  # set at each readmission (wait_for_rejoins)
-        self._handover: asyncio.Future[Handover] | None = None
-        self._handover_from: int | None = None
-        self._at_handover_point = False
+        self._replacements = Replacements(self)
         if coordinator is not None:
             coordinator.bind(self)
         protocol.bind(self)
@@ -180,7 +162,8 @@ class Node(Generic[P]):
         if self.peer_timeout_s is not None and self.graph.peers(self.rank):
             self.liveness = Liveness(self.graph.peers(self.rank), timeout_s=self.peer_timeout_s,
                                      now=self.clock.now())
-            self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
+            self.watch = PeerWatch(self, self.liveness, heard=self._heard, holding=self._holding)
+            self.watch.start()
 
     def _flush_tick(self) -> None:
         """Flush the event log while the worker waits, so a live reader sees its last records."""
@@ -197,14 +180,14 @@ class Node(Generic[P]):
         the transport itself) there is nothing to do."""
         if self._exchanged is not None and not self._exchanged.is_set():
             await self._exchanged.wait()  # a message that arrived during the rendezvous got us here
-        new = [r for r in ranks if r != self.rank and r not in self._connected]
+        new = [r for r in ranks if r != self.rank and r not in self.connected]
         if not new or self.addresses is None:
             return
         unknown = [r for r in new if r not in self.addresses]
         if unknown:
             raise HopnetError(f"rank {self.rank}: no address for rank(s) {unknown} (not in the rendezvous)")
         await self.transport.connect({r: self.addresses[r] for r in new})
-        self._connected.update(new)
+        self.connected.update(new)
 
     @property
     def collective(self) -> AllReduce:
@@ -240,10 +223,10 @@ class Node(Generic[P]):
             except TimeoutError:
                 if flush_timeout_s is None:
                     raise
-                for task in list(self._pending):
-                    task.cancel()
+                self._outbox.cancel()
         finally:
-            await self._stop_watch()
+            if self.watch is not None:
+                await self.watch.stop()
             if self.coordinator is not None:
                 await self.coordinator.close()
             self.record("stop", iter=self.protocol.iteration, dropped=dict(self.dropped_all()),
@@ -274,51 +257,7 @@ class Node(Generic[P]):
         await self.flush()
         self.record("quiesced", iter=self.protocol.iteration)
 
-    # ------------------------------------------------------------------ liveness
-    async def _watch_peers(self) -> None:
-        """Beat to quiet links, and declare neighbours that stay silent dead."""
-        liveness = self.liveness
-        assert liveness is not None
-        # Look at least once per beat interval: arrivals are stamped when the watch looks,
-        # so a silence is measured at most one interval short.
-        period = liveness.beat_interval_s
-        while liveness.watched:
-            now = self.clock.now()
-            away = liveness.look(now)
-            if away:
-                self.record("watch_paused", away_s=round(away, 3), iter=self.protocol.iteration)
-            heard, self._heard = self._heard, set()
-            # A peer whose update this worker holds back waits on this worker, and what it sends
-            # meanwhile (beats included) queues behind that update: its silence is ours.
-            heard.update(self._holding)
-            for peer in heard:
-                liveness.heard(peer, now)
-            for peer, silent_s in liveness.silent_peers(now):
-                self.peer_dead(peer, silent_s)
-            iteration = self.protocol.iteration
-            for peer in liveness.beat_due(now):
-                self._post_beat(Message("beat", self.rank, peer, iteration))
-            await asyncio.sleep(max(0.0, min(liveness.next_check(now), now + period) - self.clock.now()))
-
-    def _post_beat(self, msg: Message) -> None:
-        """Send a beat; a beat that cannot be sent is not worth failing the worker for."""
-        if self._send_nowait is not None:
-            self._send_nowait(msg)
-            return
-        # Express: on a saturated link a beat queued behind updates would arrive too late.
-        task = asyncio.get_running_loop().create_task(self.transport.send_express(msg))
-        task.add_done_callback(_ignore_result)
-
-    async def _stop_watch(self) -> None:
-        task, self._watch = self._watch, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-
+    # ------------------------------------------------------------------ peers dead, lost, replaced
     def peer_dead(self, peer: int, silent_s: float, cause: str | None = None) -> None:
         """``peer`` went silent for ``silent_s``, or the transport found it gone (``cause``, its
         words): handle it like a departure without a bye."""
@@ -328,8 +267,7 @@ class Node(Generic[P]):
         if cause is not None:
             self.death_causes[peer] = cause
         self._holding.discard(peer)
-        if peer == self._handover_from and self._handover is not None and not self._handover.done():
-            self._handover.set_exception(_DonorGone())
+        self._replacements.donor_gone(peer)
         # "restart": which process of the rank died (the launcher's death watch must not take it for
         # a replacement that already started)
         self.record("peer_dead", peer=peer, silent_s=round(silent_s, 3), iter=self.protocol.iteration,
@@ -394,7 +332,7 @@ class Node(Generic[P]):
     def deliver(self, msg: Message) -> None:
         src = msg.src
         if msg.kind in REJOIN_KINDS:
-            self._on_rejoin_kind(msg)
+            self._replacements.on_message(msg)
             return
         if src in self.dead:
             self.count_drop("from_dead_peer")  # written off already; it must not rejoin half-way
@@ -412,8 +350,7 @@ class Node(Generic[P]):
                 final = final if isinstance(final, int) else None
                 self.departed[src] = msg.iter
                 self.final_iterations[src] = final
-                if src == self._handover_from and self._handover is not None and not self._handover.done():
-                    self._handover.set_exception(_DonorGone())
+                self._replacements.donor_gone(src)
                 if self.liveness is not None:
                     self.liveness.forget(src)
                 self.record("peer_left", peer=src, last_iter=msg.iter, final_iter=final)
@@ -433,133 +370,14 @@ class Node(Generic[P]):
     def count_drop(self, reason: str) -> None:
         self.dropped[reason] += 1
 
-    # ------------------------------------------------------------------ replacements (hopnet.runtime.rejoin)
-    def _on_rejoin_kind(self, msg: Message) -> None:
-        meta = msg.meta or {}
-        if msg.kind == HANDOVER:
-            waiter = self._handover
-            if waiter is None or waiter.done() or msg.src != self._handover_from:
-                self.count_drop("unexpected_handover")
-                return
-            try:
-                waiter.set_result(read_handover(msg))
-            except HopnetError as exc:
-                waiter.set_exception(exc)
-            return
-        restart = meta.get("restart")
-        if msg.kind == HANDOVER_REQUEST and self.max_restarts and meta.get("epoch") == self.epoch:
-            self._requested(msg.src, meta)  # a live peer catching up in a resync (fetch_state)
-            return
-        if self.max_restarts == 0 or not isinstance(restart, int) or restart < 1:
-            self.count_drop("unexpected_rejoin")
-            return
-        if msg.kind == HANDOVER_REQUEST:
-            if self.restarts_seen.get(msg.src, 0) != restart:  # its rejoin comes first on the same link
-                self.count_drop("handover_request_before_rejoin")
-                return
-            self._requested(msg.src, meta)
-            return
-        address = meta.get("address")
-        if not isinstance(address, str) or self.restarts_seen.get(msg.src, 0) >= restart:
-            self.count_drop("stale_rejoin")
-            return
-        self._readmit(msg.src, restart, address)
-
-    def _requested(self, peer: int, meta: Mapping[str, Any]) -> None:
-        if peer not in self.handover_requests:
-            self.handover_requests.append(peer)
-            self.record("handover_requested", peer=peer, iter=self.protocol.iteration,
-                        **{k: v for k, v in meta.items() if k in ("restart", "epoch")})
-        if self._at_handover_point or self.quiesced:  # blocked where the model is consistent, or done training
-            if self.handover_now is not None:
-                self.handover_now(self.take_handover_requests())
-
-    def _readmit(self, peer: int, restart: int, address: str) -> None:
-        """A new process of ``peer``'s rank joined: end the old one here, if that had not happened
-        yet, then take the rank back (its address, the liveness watch, the protocol)."""
-        if peer not in self.dead and peer not in self.departed:
-            silence = self.liveness.silence(peer, self.clock.now()) if self.liveness is not None else None
-            self.peer_dead(peer, silence or 0.0)
-        self.restarts_seen[peer] = restart
-        self.dead.pop(peer, None)
-        self.death_causes.pop(peer, None)
-        self.departed.pop(peer, None)
-        self.final_iterations.pop(peer, None)
-        self.done_peers.pop(peer, None)
-        if self.addresses is not None:
-            self.addresses[peer] = address
-        # Connected at once: the messages right behind the rejoin may need an answer.
-        self.transport.readmit_peer(peer, address if peer in self._connected else None)
-        self.mailbox.peer_rejoined(peer)
-        if self.liveness is not None and peer in self.graph.peers(self.rank):
-            # Declared dead by the coordinator's notice or by a rejoin, the old process is still
-            # watched here with its last stamp: the new one starts a silence of its own.
-            self.liveness.forget(peer)
-            self.liveness.watch(peer, self.clock.now())
-            if self._watch is None or self._watch.done():
-                self._watch = asyncio.get_running_loop().create_task(self._watch_peers())
-        # A round it was a member of cannot finish: its predecessor's part is lost, and the new process
-        # takes up no round it did not start.
-        self.mailbox.break_rounds_with(peer, "was replaced")
-        self.record("peer_rejoined", peer=peer, restart=restart, iter=self.protocol.iteration)
-        self.events.flush()
-        if self._rejoined is not None:
-            self._rejoined.set()
-        self.protocol.on_peer_rejoined(peer)
-        if self.quiesced and peer in self.graph.peers(self.rank):
-            self.post(Message("done", self.rank, peer, self.protocol.iteration))  # it must not wait on this one
-
+    # ------------------------------------------------------------------ replacements (hopnet.runtime.replacement)
     async def rejoin(self, restart: int, ranks: Iterable[int], donors: Iterable[int], wait_s: float) -> Handover:
-        """This process replaces its rank's dead worker: say ``rejoin`` to ``ranks`` and take the state of
-        the first of ``donors`` that hands it over within ``wait_s`` (a donor this node declares dead
-        meanwhile is passed over at once)."""
-        self.restart = restart
-        ranks = [r for r in ranks if r != self.rank]
-        await self.connect_to(ranks)
-        for rank in ranks:
-            self.post(Message(REJOIN, self.rank, rank, self.protocol.iteration,
-                              meta={"restart": restart, "address": self.address}))
-        await self.flush()
-        tried = []
-        neighbours = set(self.graph.peers(self.rank))
-        for donor in donors:
-            if donor == self.rank or donor in self.dead or donor in self.departed:
-                continue
-            tried.append(donor)
-            # A neighbour is watched: one that died, or left, is passed over after --peer-timeout. Another
-            # rank is not: it gets twice that, not the whole --timeout.
-            wait = wait_s if donor in neighbours or self.peer_timeout_s is None else min(wait_s, 2 * self.peer_timeout_s)
-            handover = await self._ask_for_state(donor, {"restart": restart}, wait)
-            if handover is not None:
-                return handover
-        raise HopnetError(f"rank {self.rank}: restart {restart}: no neighbour handed its state over "
-                          f"(asked {tried})")
+        """This process replaces its rank's dead worker: see :meth:`Replacements.rejoin`."""
+        return await self._replacements.rejoin(restart, ranks, donors, wait_s)
 
     async def fetch_state(self, donor: int, wait_s: float) -> Handover:
-        """Take ``donor``'s state as a replacement would, this worker being live (a resync found it a
-        step behind ``donor``, who answers while it waits in the same resync)."""
-        handover = await self._ask_for_state(donor, {"epoch": self.epoch}, wait_s)
-        if handover is None:
-            raise PeerFailure(f"rank {self.rank}: rank {donor} did not hand its state over (in resync {self.epoch})",
-                              peer=donor, peer_state=self.peer_state(donor))
-        return handover
-
-    async def _ask_for_state(self, donor: int, meta: dict[str, Any], wait_s: float) -> Handover | None:
-        await self.connect_to([donor])
-        self._handover = asyncio.get_running_loop().create_future()
-        self._handover_from = donor
-        self.post(Message(HANDOVER_REQUEST, self.rank, donor, self.protocol.iteration, meta=meta))
-        try:
-            async with asyncio.timeout(wait_s):
-                return await self._handover
-        except TimeoutError:
-            self.record("handover_missing", peer=donor, waited_s=wait_s)
-        except _DonorGone:
-            self.record("handover_missing", peer=donor, state=self.peer_state(donor))
-        finally:
-            self._handover = None
-            self._handover_from = None
-        return None
+        """Take ``donor``'s state, this worker being live: see :meth:`Replacements.fetch_state`."""
+        return await self._replacements.fetch_state(donor, wait_s)
 
     @property
     def epoch(self) -> int:
@@ -569,23 +387,16 @@ class Node(Generic[P]):
 
     async def wait_for_rejoins(self, what: str) -> None:
         """Wait until every peer declared dead has been replaced (``--timeout`` at most)."""
-        while self.dead:
-            self._rejoined = event = asyncio.Event()
-            missing = sorted(self.dead)
-            await self.clock.wait(event.wait(), f"{what}: the replacement of rank(s) {missing}",
-                                  peer=missing[0], iteration=self.protocol.iteration)
+        await self._replacements.wait_for_rejoins(what)
 
     def handover_point(self, reached: bool = True) -> None:
         """The protocol is blocked where its model is consistent (``reached``) or goes on: answer the
         replacements waiting for this worker's state now, rather than at the next step boundary."""
-        self._at_handover_point = reached
-        if reached and self.handover_requests and self.handover_now is not None:
-            self.handover_now(self.take_handover_requests())
+        self._replacements.handover_point(reached)
 
     def take_handover_requests(self) -> list[int]:
         """The replacements waiting for this worker's state (each is answered once)."""
-        requests, self.handover_requests = self.handover_requests, []
-        return [r for r in requests if r not in self.dead and r not in self.departed]
+        return self._replacements.take_handover_requests()
 
     def dropped_all(self) -> Counter[str]:
         """Drops counted by the transport and by the protocol together."""
@@ -597,96 +408,39 @@ class Node(Generic[P]):
     def post(self, msg: Message) -> None:
         """Send without waiting; :meth:`flush` waits until every posted send is done."""
         if self._send_nowait is not None and self.liveness is None:
-            self._send_nowait(msg)  # all that _post does on the simulator's transport (once per message)
+            self._send_nowait(msg)  # all that a post does on the simulator's transport (once per message)
             return
-        self._post(msg, self.transport.send)
+        self._outbox.post(msg, self.transport.send)
 
     def post_latest(self, msg: Message) -> None:
         """Like :meth:`post`, for a message the receiver only uses the newest of: while the
         link is busy, a later one replaces it (:meth:`Transport.send_latest`)."""
-        self._post(msg, self.transport.send_latest)
+        self._outbox.post(msg, self.transport.send_latest)
 
     def post_express(self, msg: Message) -> None:
         """Like :meth:`post`, for a control message that must not wait behind tensors sent to
         the same peer (it may overtake them): :meth:`Transport.send_express`."""
-        self._post(msg, self.transport.send_express)
+        self._outbox.post(msg, self.transport.send_express)
 
     def post_tracked(self, msg: Message) -> asyncio.Task[None] | None:
         """Like :meth:`post`, and return what to await before ``msg.tensors`` may be
         modified again (``None``: the transport already let go of them)."""
-        return self._post(msg, self.transport.send)
+        return self._outbox.post(msg, self.transport.send)
 
     def post_stream(self, msgs: Sequence[Message], window: int) -> None:
         """Send ``msgs`` (to one peer) in order, at most ``window`` of them in the transport at once:
         a large update as chunks, whose receiver then holds a few chunks in flight, not all of them.
         :meth:`flush` waits for the last."""
-        if not msgs:
-            return
-        if self._send_nowait is not None:
-            for msg in msgs:
-                self._post(msg, self.transport.send)
-            return
-        if self.liveness is not None:
-            self.liveness.sent(msgs[0].dst, self.clock.now())
-        task = asyncio.get_running_loop().create_task(self._stream(msgs, window))
-        self._pending.add(task)
-        task.add_done_callback(self._sent)
-
-    async def _stream(self, msgs: Sequence[Message], window: int) -> None:
-        if self._exchanged is not None and not self._exchanged.is_set():
-            await self.connect_to([msgs[0].dst])
-        loop = asyncio.get_running_loop()
-        sending: set[asyncio.Task[None]] = set()
-        try:
-            for msg in msgs:
-                while len(sending) >= window:
-                    done, sending = await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
-                    for finished in done:
-                        finished.result()
-                sending.add(loop.create_task(self.transport.send(msg)))
-            await asyncio.gather(*sending)
-        finally:
-            for task in sending:
-                task.cancel()
-
-    def _post(self, msg: Message, send: Callable[[Message], Coroutine[Any, Any, None]]) -> asyncio.Task[None] | None:
-        """Every post goes through here: the send counts as a sign of life to ``msg.dst``."""
-        if self.liveness is not None:
-            self.liveness.sent(msg.dst, self.clock.now())
-        if self._send_nowait is not None:  # the simulator's transport: one way, in virtual time
-            self._send_nowait(msg)
-            return None
-        if self._exchanged is not None and not self._exchanged.is_set():
-            # An answer to a message that came during this node's rendezvous (an ad-psgd passive's
-            # reply to an active that started first): it leaves once the way to its peer is open.
-            task = asyncio.get_running_loop().create_task(self._send_once_connected(msg, send))
-        else:
-            task = asyncio.get_running_loop().create_task(send(msg))
-        self._pending.add(task)
-        task.add_done_callback(self._sent)
-        return task
-
-    async def _send_once_connected(self, msg: Message, send: Callable[[Message], Coroutine[Any, Any, None]]) -> None:
-        await self.connect_to([msg.dst])  # waits for the rendezvous first
-        await send(msg)
-
-    def _sent(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
-        if task.cancelled() or (error := task.exception()) is None:
-            return
-        if isinstance(error, PeerFailure) and error.peer is not None and error.peer_state == "dead":
-            self.peer_lost(error)
-            return
-        if self._send_error is None:
-            self._send_error = error
+        self._outbox.post_stream(msgs, window)
 
     async def flush(self) -> None:
         """Wait until every posted message has left, so its tensors may be modified again."""
-        while self._pending:
-            await asyncio.wait(list(self._pending))
-        if self._send_error is not None:
-            error, self._send_error = self._send_error, None
-            raise HopnetError(f"rank {self.rank}: sending failed: {error}") from error
+        await self._outbox.flush()
+
+    @property
+    def awaiting_addresses(self) -> bool:
+        """The rendezvous has not answered yet (the transport already receives meanwhile)."""
+        return self._exchanged is not None and not self._exchanged.is_set()
 
     def entered(self, iteration: int, protocol: TrainingProtocol) -> None:
         """The protocol entered ``iteration`` (called before it sends anything for it)."""
@@ -711,7 +465,7 @@ class Node(Generic[P]):
         if self._begun is None:
             self._begun = asyncio.get_running_loop().create_task(self.protocol.begin(),
                                                                  name=f"rank{self.rank}-begin")
-            self._begun.add_done_callback(_ignore_result)
+            self._begun.add_done_callback(ignore_result)
         return self._begun
 
     # ------------------------------------------------------------------ one step, timed
@@ -728,57 +482,19 @@ class Node(Generic[P]):
         if not self._logging:
             await self.protocol.finish_iteration(apply, last=last)
             return
-        timer = self.timer
-        times = self.step_times
-        times.reset()
-        began = timer()
-        self._in_step = True
+        steps = self._steps
+        began = steps.start()
         try:
-            await self.protocol.finish_iteration(
-                apply if apply is None else self._timed_apply(apply), last=last)
+            await self.protocol.finish_iteration(apply if apply is None else steps.timed_apply(apply), last=last)
         finally:
-            self._in_step = False
-            record = self._finished
+            record = steps.end(began, compute_s)
             if record is not None:
-                self._finished = None
-                ended = timer()
-                waited = times.wait_updates + times.wait_tokens
-                record["compute_s"] = round(compute_s + times.apply, 6)
-                record["wait_updates_s"] = round(times.wait_updates, 6)
-                record["wait_tokens_s"] = round(times.wait_tokens, 6)
-                # The rest of the interval since the previous step ended, so that the parts add
-                # up to it: the hand-overs between the trainer and the loop count as mixing.
-                since = began if self._step_ended is None else self._step_ended + compute_s
-                record["mix_s"] = round(max(0.0, ended - since - waited - times.apply), 6)
-                if times.updates_from:
-                    record["wait_updates_from"] = _by_peer(times.updates_from)
-                if times.tokens_from:
-                    record["wait_tokens_from"] = _by_peer(times.tokens_from)
-                record["mono"] = ended
-                self._step_ended = ended
                 self.record("iteration", **record)
-
-    def _timed_apply(self, apply: Callable[[], None]) -> Callable[[], None]:
-        def timed() -> None:
-            began = self.timer()
-            try:
-                apply()
-            finally:
-                self.step_times.apply += self.timer() - began
-        return timed
 
     def waited(self, what: str, seconds: float, peers: Sequence[int] = ()) -> None:
         """The protocol waited ``seconds`` for ``"updates"`` or ``"tokens"`` (acks count as tokens);
         ``peers``: the neighbours it waited on (the wait is split evenly between them)."""
-        times = self.step_times
-        if what == "updates":
-            times.wait_updates += seconds
-            by_peer = times.updates_from
-        else:
-            times.wait_tokens += seconds
-            by_peer = times.tokens_from
-        for peer in peers:
-            by_peer[peer] = by_peer.get(peer, 0.0) + seconds / len(peers)
+        self._steps.waited(what, seconds, peers)
 
     def iteration_done(self, iteration: int, protocol: TrainingProtocol) -> None:
         """The protocol finished ``iteration``; its record is written when the step ends."""
@@ -789,9 +505,7 @@ class Node(Generic[P]):
         if self._pending_metrics:
             record.update(self._pending_metrics)
             self._pending_metrics = {}
-        if self._in_step:
-            self._finished = record
-        else:
+        if not self._steps.keep_until_step_ends(record):
             self.record("iteration", **record)
 
     def record_error(self, fields: Mapping[str, Any], iteration: int | None = None) -> None:
@@ -803,20 +517,6 @@ class Node(Generic[P]):
         if self._logging:
             self.events.write({"event": event, "rank": self.rank,
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
-
-
-def _by_peer(seconds: dict[int, float]) -> dict[str, float]:
-    """A per-peer wait as the record writes it: JSON keys are strings."""
-    return {str(peer): round(s, 6) for peer, s in sorted(seconds.items())}
-
-
-class _DonorGone(Exception):
-    """The neighbour asked for a handover was declared dead."""
-
-
-def _ignore_result(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not log it
 
 
 __all__ = ["AddressExchange", "CollectiveFactory", "EnterObserver", "Node", "StepTimes", "Timer"]

@@ -1,0 +1,46 @@
+"""Once per process, glibc's malloc tuned for the large buffers libzmq receives messages into."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import sys
+
+log = logging.getLogger(__name__)
+
+_malloc_tuned: bool | None = None
+
+
+def tune_malloc() -> bool:
+    """Stop glibc from handing large message buffers back to the kernel after every use.
+
+    libzmq allocates a fresh buffer for every frame it receives. With glibc's defaults a
+    large buffer is ``mmap``-ed, or the heap top is trimmed after ``free``, so the next
+    message faults its pages in again: receiving 64 MiB messages faulted on 0.24-0.44 of
+    all 4 KiB pages on the reference VM, and throughput dropped by a quarter (see
+    bench/README.md, "Transport"). Fixing ``M_MMAP_THRESHOLD`` at 32 MiB and
+    ``M_TRIM_THRESHOLD`` at 512 MiB keeps those buffers in the heap for reuse. This is
+    process-wide (it also makes PyTorch's CPU allocations reuse memory instead of
+    faulting it in again) and is what ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` would do; the cost is up to that much freed memory kept
+    by the process. Done once per process by :meth:`ZmqTransport.start` unless
+    ``tune_malloc=False`` or ``HOPNET_TUNE_MALLOC=0``. Returns whether it is in effect.
+    """
+    global _malloc_tuned
+    if _malloc_tuned is not None:
+        return _malloc_tuned
+    _malloc_tuned = False
+    if sys.platform != "linux" or os.environ.get("HOPNET_TUNE_MALLOC", "1") == "0":
+        return False
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    _malloc_tuned = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 512 << 20))
+    log.debug("glibc malloc tuned for message buffers: %s", _malloc_tuned)
+    return _malloc_tuned
