@@ -53,7 +53,7 @@ NPROC = 4
 class Config:
     flags: tuple[str, ...]
     expect: str
-    """What the README and docs/design.md promise when one worker is lost:
+    """What the docs promise (docs/guides/failures.md, docs/design/checkpoints.md) when one worker is lost:
     ``exit 0`` (the others finish, a 'lost rank' line), ``exit 0 or named`` (the others
     finish unless the victim was inside a group/averaging in progress, which fails with
     it), ``named`` (a strict protocol: the run stops naming the victim)."""
@@ -67,12 +67,12 @@ CONFIGS: dict[str, Config] = {
     # ring:4 gives each worker 2 in-neighbours; one backup worker lets it go on with one.
     "hop": Config(("--backup-workers", "1", "--max-failures", "1"), "exit 0"),
     "notify-ack": Config((), "named"),
-    # design.md: an averaging a dead passive broke is skipped; a group a dead member broke is
+    # docs/protocols/ad-psgd.md: an averaging a dead passive broke is skipped; a group a dead member broke is
     # rolled back on the others, who carry on.
     "ad-psgd": Config(("--max-failures", "1"), "exit 0"),
     "prague": Config(("--max-failures", "1"), "exit 0"),
     "eager-sgd": Config((), "named"),
-    # design.md: killed while computing or queued, it is dropped; inside a group, the group is rolled back.
+    # docs/design/checkpoints.md: killed while computing or queued, it is dropped; inside a group, the group is rolled back.
     "partial-reduce": Config(("--max-failures", "1"), "exit 0"),
     "pipe-sgd": Config((), "named"),
     "allreduce": Config((), "named"),

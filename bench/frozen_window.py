@@ -1,4 +1,4 @@
-"""How often Partial Reduce's group-frozen filter acts, by window size (docs/design.md).
+"""How often Partial Reduce's group-frozen filter acts, by window size (docs/protocols/partial-reduce.md).
 
 Drives the controller (no torch, no network) with workers whose compute times are
 exponential: homogeneous, or rank 0 five times slower. A worker computes, sends ready,

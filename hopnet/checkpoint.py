@@ -13,7 +13,7 @@ writer thread holds the GIL only to pickle that skeleton; the tensor bytes go ou
 ``write(2)`` from a view of the tensor, which runs with the GIL released, so the trainer's
 thread and the node's event loop (and so the neighbours waiting on them) are not held up by
 the write (``torch.save`` held it through the pickling, the copies and the CRC of every byte:
-bench/README.md, "Checkpoint cost"). :func:`load` also reads the ``torch.save`` files of format 1.
+docs/performance/index.md, "Checkpoints"). :func:`load` also reads the ``torch.save`` files of format 1.
 
 The resume point (:func:`common_iteration`) is the highest iteration for which every rank has
 a complete checkpoint: the synchronous protocols need all ranks to resume from the same one.

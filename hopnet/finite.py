@@ -1,6 +1,6 @@
 """Is a tensor free of inf and NaN? The checks that keep non-finite values out of the mix.
 
-Who calls them, and what happens then (docs/design.md, "Non-finite values"):
+Who calls them, and what happens then (docs/design/optimizer.md, "Non-finite values"):
 
 * :class:`hopnet.optim.DistributedOptimizer` skips the step whose gradient (the averaged one,
   under a gradient protocol) is not finite, on every rank of the reduction alike, and raises

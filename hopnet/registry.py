@@ -112,7 +112,7 @@ class ProtocolSpec(Generic[OptionsT]):
     """:attr:`gap_bound` in words, for the report."""
     resumable: bool = False
     """Its workers can resume from checkpoints (:meth:`hopnet.protocols.base.Protocol.resume_at`;
-    docs/design.md, "Checkpoints: consistent points")."""
+    docs/design/checkpoints.md)."""
     restartable: bool = False
     """A dead worker can be replaced while the others train (``hopnet launch --max-restarts``;
     :mod:`hopnet.runtime.rejoin`): the others keep going without it, then take it back."""

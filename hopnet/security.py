@@ -243,7 +243,7 @@ def resolve_run_key(bind: str, *, insecure: bool = False, secure: bool = False,
     ``key_file`` is given; ``insecure`` turns it off (with a warning when the sockets
     are reachable from other machines). Loopback-only runs are plain by default:
     nothing off this machine can reach them, and encryption would cost every message
-    (see docs/design.md, "Security").
+    (see docs/design/transports.md, "Security").
     """
     if insecure and (secure or key_file is not None):
         raise ConfigError("--insecure cannot be combined with --secure or --key-file")

@@ -23,7 +23,7 @@ from hopnet.transports.zmq import ZmqTransport
 
 AUTO_CPU_MIN_BYTES: int | None = 16 << 20
 """Smallest CPU message ``auto`` sends over gloo (``None`` would mean ZeroMQ for every size).
-From bench/bulk.py and bench/transport.py (bench/README.md, "Bulk plane"): ZeroMQ was
+From bench/bulk.py and bench/transport.py (docs/performance/index.md, "The bulk plane"): ZeroMQ was
 faster up to 1 MiB in every run, gloo at 16 MiB in most, 4 MiB was a toss-up."""
 
 

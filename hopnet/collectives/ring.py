@@ -42,7 +42,7 @@ from hopnet.wire import Message, TensorSpec
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Largest chunk on one hop (before encoding). Smaller chunks pipeline the hops more finely
-but cost a message each: over ZeroMQ on the reference VM (bench/README.md, "Collectives"),
+but cost a message each: over ZeroMQ on the reference VM (docs/performance/index.md, "All-reduce against torch.distributed"),
 16 MiB chunks all-reduced 64 MiB tensors faster than 1 MiB ones in every run (1.4x at
 P = 4, 3.7x or more at P = 2; noisy, a loaded machine). (The ZeroMQ
 transport still splits a message into 1 MiB frames.)"""

@@ -147,7 +147,7 @@ class TorchCollective(Collective):
     def allreduce_blocking(self, group: Sequence[int], tensor: torch.Tensor, op: ReduceOp = "mean", *,
                            tag: str) -> torch.Tensor | None:
         """A cached group's reduce, issued and waited for in the calling thread: no hand-off to
-        the loop and back (at 1 MiB those cost up to half the time, bench/README.md "Collectives").
+        the loop and back (at 1 MiB those cost up to half the time, docs/performance/index.md, "All-reduce against torch.distributed").
         None for a group not yet known to be cached: its first call meets through the store, and
         an uncached one forms a communicator per call; those go through :meth:`allreduce`."""
         members = self._check(group, tensor, op, tag)

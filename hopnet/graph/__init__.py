@@ -7,7 +7,7 @@ weight ``W[i][j] >= 0`` used by the receiver: ``x_j = sum_{i in N_in(j)} W[i][j]
 so every column sums to 1 over the in-edges. The default is Hop's Eq. 1,
 ``W[i][j] = 1 / |N_in(j)|``. A graph must be strongly connected.
 
-JSON schema (see ``docs/graph-schema.md``)::
+JSON schema (see ``docs/reference/graph-schema.md``)::
 
     {
       "name": "ring:8",                    # optional string

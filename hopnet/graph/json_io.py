@@ -1,4 +1,4 @@
-"""A graph in JSON (the schema is in the package's docstring and ``docs/graph-schema.md``):
+"""A graph in JSON (the schema is in the package's docstring and ``docs/reference/graph-schema.md``):
 read from a file, a text or a dict into the constructor's arguments, and written back."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ can be a step apart. Every rank, the replacement included, all-reduces its itera
 counters the protocol must agree on, the maximum of each is taken); the lowest rank of the
 furthest iteration is the leader. A rank behind takes the leader's state first (a handover: its
 optimizer state must include the steps it missed), then the leader broadcasts its model
-(parameters and buffers) to every rank. docs/design.md, "A dead worker replaced live".
+(parameters and buffers) to every rank. docs/design/checkpoints.md, "A dead worker replaced live".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 libzmq receives every frame into a buffer of its own, so a tensor received over ZeroMQ is
 copied twice, and each message crosses libzmq's I/O threads on both sides: at 1 MiB that
-held the transport near 0.6x a plain socket (bench/README.md, "Transport"). Here large
+held the transport near 0.6x a plain socket (docs/performance/index.md, "Transport: throughput and latency"). Here large
 tensor messages go whole (header and tensor bytes) over one TCP connection per ordered
 pair of ranks (sender -> receiver), written with ``sendmsg`` straight from the tensors and
 read with ``recv_into`` straight into the tensors the receiver's ``buffers_for`` returns,
@@ -83,7 +83,7 @@ ENV = "HOPNET_ZMQ_PAYLOAD_STREAM"
 
 MIN_BYTES = 64 << 10
 """Smallest message (tensor bytes in total) sent over the stream; smaller ones go over
-ZeroMQ. Chosen by bench/transport.py (bench/README.md, "Issue 18: tensor payloads over a
+ZeroMQ. Chosen by bench/transport.py (docs/performance/archive.md, "Tensor payloads over a
 TCP stream")."""
 
 CONNECT_TIMEOUT_S = 5.0
@@ -104,7 +104,7 @@ sender dropped (``send_timeout``) never comes."""
 SPIN_S = 0.002
 """How long a stream's reader, mid-message, waits for more bytes in ``poll`` before it
 yields to the event loop: the loop's round per partial read cost more than the wait at
-1 MiB (bench/README.md, "Issue 18: the header on the stream too"). Bounds how long one
+1 MiB (docs/performance/archive.md, "The header on the stream too"). Bounds how long one
 read holds the loop; 0 turns it off."""
 
 MAX_HEADER_BYTES = 16 << 20

@@ -20,7 +20,7 @@ matching receive; no byte is buffered on the receiver before), so the receiver m
 payload where it is: when its Receiver's ``hold(header)`` says so, the header waits, with
 every later message of the same sender (their receives must be posted in header order), until
 ``take_in_held()``; the sender's ``send`` waits meanwhile. Hop holds its neighbours' updates of
-the next iteration until it has mixed the current one (docs/design.md, "Memory").
+the next iteration until it has mixed the current one (docs/protocols/hop.md, "Holding the next iteration back").
 
 Ordering. Ops of one pair's process group match in issue order. The sender issues its
 sends in the order of its ``send`` calls, under a per-peer lock that also covers handing

@@ -55,7 +55,7 @@ DEFAULT_MAX_IG = 2
 STREAM_MIB_TORCH = 16.0
 """Default chunk size of streamed updates on the torch plane: its threshold under ``--bulk auto``
 (:data:`hopnet.bootstrap.plane.AUTO_CPU_MIN_BYTES`), so the chunks of a CPU model take gloo there, as
-whole updates did (twice as fast as ZeroMQ at 100 MB: bench/README.md, "Memory (issue 18)")."""
+whole updates did (twice as fast as ZeroMQ at 100 MB: docs/performance/archive.md, "Streamed updates")."""
 STREAM_MIB_ZMQ = 2.0
 STREAM_DEFAULT_MIN_MIB = 256.0
 """Without ``--stream-mib``, only updates of this size or more stream. Streaming bounds memory but
@@ -70,7 +70,7 @@ keep that backlog small."""
 @dataclass(frozen=True)
 class HopOptions(LocalStepsOptions):
     """Hop's options (Table 1's settings). With ``--local-steps H`` a worker mixes every H iterations,
-    and everything Table 1 bounds counts rounds of H iterations (docs/design.md, "Local steps")."""
+    and everything Table 1 bounds counts rounds of H iterations (docs/protocols/local-steps.md)."""
 
     max_ig: int = option(DEFAULT_MAX_IG, minimum=1, metavar="N",
                          help="maximum iteration gap between neighbours, via token queues")

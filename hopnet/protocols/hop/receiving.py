@@ -58,7 +58,7 @@ class HopReceiving(HopState):
         sends only once it mixed the iteration before, so ``j`` could not finish that iteration
         earlier; and what this worker waits for to mix its next iteration, ``j`` sent before the held
         update on the same FIFO link, so nothing it needs queues behind what it holds. By induction
-        on the iteration, no cycle of waits (docs/design.md, "Memory")."""
+        on the iteration, no cycle of waits (docs/protocols/hop.md, "Holding the next iteration back")."""
         if header.kind != "update" or header.src not in self._hold_from or self.node.max_restarts:
             return False
         mixing = max(self._reduced + 1, self.round, self._awaiting)

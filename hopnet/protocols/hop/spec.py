@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 #   ``i``'s update of every iteration, ``s + 1`` with staleness ``s`` and unbounded when
 #   ``j`` has backup workers; the token queues give the second term. When ``T`` is not
 #   below that for any worker, nothing ever skips. A jump is also capped at
-#   ``max_ig - 1`` iterations (docs/design.md), so ``--max-ig 1`` never skips.
+#   ``max_ig - 1`` iterations (docs/protocols/hop.md, "Skips are capped at max_ig"), so ``--max-ig 1`` never skips.
 #
 # What is accepted, with a note:
 #

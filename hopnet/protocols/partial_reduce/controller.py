@@ -49,7 +49,7 @@ GROUP = "group"
 BYE = "bye"
 FROZEN_WINDOW_FACTOR = 3
 """The default window is this many times the fewest groups that can connect N workers
-(docs/design.md, "Partial Reduce": at 2x, groups drawn at random leave the window
+(docs/protocols/partial-reduce.md, "Design": at 2x, groups drawn at random leave the window
 disconnected 4 to 18 % of the time for N <= 8, so the filter would repair groups that
 were never frozen; at 3x, 0.5 to 3 %)."""
 

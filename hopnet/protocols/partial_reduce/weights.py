@@ -1,7 +1,7 @@
 """Partial Reduce's aggregation weights: constant 1/P, or staleness-aware (Eq. 9 of Miao et
 al., SIGMOD'21, Sec. 3.3). Pure functions of the members' iteration counters.
 
-Dynamic weights, formalised (docs/design.md, "Partial Reduce"): a member with counter
+Dynamic weights, formalised (docs/protocols/partial-reduce.md, "Design"): a member with counter
 ``k_j`` has relative iteration (staleness level) ``r_j = max(k) - k_j + 1``, so the freshest
 member is at level 1 and the stalest at ``K = max(r)``. Eq. 9 with ``k := K`` gives level
 ``r`` the weight

@@ -32,7 +32,7 @@ iteration ``t`` runs in place on the buffer the trainer's backward filled, and s
 rebinds every ``.grad`` to the buffer of ``t+1-K``'s result (:meth:`FlatGradients.rebind`),
 which the next ``zero_grad``/``backward`` reuses: ``K`` buffers take turns and no gradient
 is copied (two fewer model-sized copies per iteration than copying into a slot and back,
-which on a busy CPU cost as much as a good part of the all-reduce; bench/README.md,
+which on a busy CPU cost as much as a good part of the all-reduce; docs/performance/index.md,
 "Pipe-SGD"). So a reference to a ``.grad`` tensor is good for one iteration only. A bare
 gradient tensor (``Worker(grads=tensor)``) cannot move: it is copied into a slot and back.
 
@@ -145,7 +145,7 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
     async def _reduce_now(self, t: int, grads: torch.Tensor) -> None:
         """K = 1: the iteration waits for its own all-reduce (nothing else is ever in flight), so it runs in
         this coroutine, not a task of its own chained and awaited through the clock (a few loop
-        wake-ups less per iteration, which is what K = 1 lost to ``allreduce``, bench/README.md)."""
+        wake-ups less per iteration, which is what K = 1 lost to ``allreduce``, docs/performance/index.md, "Pipe-SGD")."""
         reduced = self._reduced_in_backward()
         slot = grads if self._zero_copy else self._slot(t, like=grads)
         if slot is not grads:

@@ -439,7 +439,7 @@ class SmartGroupGenerator(Coordinator):
         return frozenset(w for group in self._groups.values() if group.started for w in group.unacked)
 
     def summary(self) -> dict[str, Any]:
-        """Counters (docs/events.md, the coordinator's ``stop`` record) and the settings in force;
+        """Counters (docs/reference/events.md, the coordinator's ``stop`` record) and the settings in force;
         ``inter_intra`` says whether the phases ran and, when not, why."""
         out: dict[str, Any] = dict(self._counters)
         out.update({

@@ -12,7 +12,7 @@ CHUNK_BYTES = 1 << 20
 libzmq receives every frame into a buffer it allocates. One frame per large tensor is
 slow: above ~32 MiB glibc maps fresh pages for each (a page fault per 4 KiB, which on
 the reference VM costs more than the copy). Frames of at most a few MiB come from the
-reused heap; 1 MiB measured best there (bench/README.md: 16, 4, 2, 1 and 0.5 MiB were
+reused heap; 1 MiB measured best there (docs/performance/archive.md: 16, 4, 2, 1 and 0.5 MiB were
 compared, 1 MiB was as fast or faster for 16 and 64 MiB tensors, and the receiver's
 copy into the destination tensor is cheapest from small, reused buffers).
 """
@@ -49,7 +49,7 @@ off the socket into its own frames as fast as they come, whatever the reader doe
 this many it stops reading that connection, and the peer's messages wait on its side (its ``send``
 waits, up to ``send_timeout``). So a receiver holds at most this many messages per peer that it has
 not handled: with Hop's streamed updates (chunks of ``--stream-mib``) a few MiB per in-neighbour,
-where the whole update piled up before (bench/README.md, "Memory (issue 18)")."""
+where the whole update piled up before (docs/performance/archive.md, "Streamed updates")."""
 
 MAX_FRAME_BYTES = 64 << 20
 """Largest frame the ROUTER accepts (libzmq disconnects a peer that sends a bigger one):

@@ -20,7 +20,7 @@ def tune_malloc() -> bool:
     large buffer is ``mmap``-ed, or the heap top is trimmed after ``free``, so the next
     message faults its pages in again: receiving 64 MiB messages faulted on 0.24-0.44 of
     all 4 KiB pages on the reference VM, and throughput dropped by a quarter (see
-    bench/README.md, "Transport"). Fixing ``M_MMAP_THRESHOLD`` at 32 MiB and
+    docs/performance/index.md, "Transport: throughput and latency"). Fixing ``M_MMAP_THRESHOLD`` at 32 MiB and
     ``M_TRIM_THRESHOLD`` at 512 MiB keeps those buffers in the heap for reuse. This is
     process-wide (it also makes PyTorch's CPU allocations reuse memory instead of
     faulting it in again) and is what ``MALLOC_MMAP_THRESHOLD_`` /
