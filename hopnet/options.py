@@ -55,6 +55,13 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     return dataclasses.field(default=default, metadata={"option": info})
 
 
+def flag_of(name: str, *, turns_off: bool = False) -> str:
+    """The command-line flag of a declared field: ``grace_s`` -> ``--grace``, ``max_ig`` ->
+    ``--max-ig``; a switch that is on by default is turned off by ``--no-NAME``."""
+    base = name.removesuffix("_s").replace("_", "-")
+    return f"--no-{base}" if turns_off else f"--{base}"
+
+
 @dataclass(frozen=True)
 class OptionField:
     """One declared option of a dataclass: its name, type (as written), default and :class:`OptionInfo`."""
@@ -66,10 +73,7 @@ class OptionField:
 
     @property
     def flag(self) -> str:
-        if self.info.flag:
-            return self.info.flag
-        base = self.name.removesuffix("_s").replace("_", "-")
-        return f"--no-{base}" if self.is_switch and self.default is True else f"--{base}"
+        return self.info.flag or flag_of(self.name, turns_off=self.is_switch and self.default is True)
 
     @property
     def is_switch(self) -> bool:
@@ -283,5 +287,5 @@ def iter_unique(fields: Sequence[OptionField]) -> Iterator[OptionField]:
             yield f
 
 
-__all__ = ["NoOptions", "OptionField", "OptionInfo", "ProtocolOptions", "add_arguments", "flag_text",
+__all__ = ["NoOptions", "OptionField", "OptionInfo", "ProtocolOptions", "add_arguments", "flag_of", "flag_text",
            "given_options", "iter_unique", "option", "option_fields", "parse_text", "value_text"]

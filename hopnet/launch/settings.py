@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 from hopnet.bootstrap.env import DEFAULT_BIND
 from hopnet.errors import ConfigError
+from hopnet.options import flag_of
 
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
@@ -105,10 +106,7 @@ class Setting:
 
     @property
     def flag(self) -> str:
-        if self.info.flag:
-            return self.info.flag
-        base = self.name.removesuffix("_s").replace("_", "-")
-        return f"--no-{base}" if self.is_switch and self.default is True else f"--{base}"
+        return self.info.flag or flag_of(self.name, turns_off=self.is_switch and self.default is True)
 
     @property
     def dest(self) -> str:
