@@ -66,3 +66,15 @@ def test_a_new_protocol_is_one_new_package(tmp_path: Path) -> None:
     assert lines[0] == "True False"
     assert "protocol:          scaled-mean, scale_by=0.5" in proc.stdout
     assert lines[-1] == "0 True"
+
+
+def test_a_package_offers_its_options_and_algorithm_by_their_old_paths() -> None:
+    """``from hopnet.protocols.hop import HopOptions, HopProtocol`` still work: the options
+    without torch, the algorithm imported when asked for."""
+    code = ("import sys; from hopnet.protocols.hop import HopOptions; print('torch' in sys.modules); "
+            "from hopnet.protocols.hop import HopProtocol; from hopnet.protocols.prague import PragueOptions, "
+            "PragueProtocol; print(HopProtocol.__module__, PragueProtocol.__module__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "hopnet.protocols.hop.protocol", "hopnet.protocols.prague.protocol"]

@@ -7,3 +7,24 @@ machine), ``weights`` (staleness-aware weights), ``window`` (the group-frozen fi
 The registry imports ``spec`` only (no torch); ``spec`` imports ``protocol`` when a run builds one,
 and ``protocol`` reads ``options``, never ``spec``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hopnet.protocols.partial_reduce.options import PartialReduceOptions
+
+if TYPE_CHECKING:
+    from hopnet.protocols.partial_reduce.protocol import PartialReduceProtocol
+
+
+def __getattr__(name: str) -> object:
+    """``from hopnet.protocols.partial_reduce import PartialReduceProtocol`` imports the algorithm (torch) only when asked."""
+    if name == "PartialReduceProtocol":
+        from hopnet.protocols.partial_reduce.protocol import PartialReduceProtocol
+
+        return PartialReduceProtocol
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["PartialReduceOptions", "PartialReduceProtocol"]
