@@ -34,9 +34,14 @@ The package's modules:
 - ``validation``: the constructor's checks (edges, weights, machines, connectivity);
 - ``builders``: the named graphs (``ring:8``, ``torus:2x4``, ``hierarchical:4,4``...);
 - ``json_io``: the JSON schema, read and written;
-- ``analysis``: path lengths, the two-colouring, the spectral gap.
+- ``analysis``: path lengths, the two-colouring, the spectral gap;
+- ``reform``: how each builder re-forms for another number of members;
+- ``members``: :class:`MemberGraph`, a graph over a run's member ranks (``Graph.over_members``);
+- ``source``: :class:`GraphSource`, what ``--graph`` was (a builder that re-forms, or a fixed graph).
 """
 
 from hopnet.graph.core import Graph
+from hopnet.graph.members import MemberGraph
+from hopnet.graph.source import GraphSource
 
-__all__ = ["Graph"]
+__all__ = ["Graph", "GraphSource", "MemberGraph"]

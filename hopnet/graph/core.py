@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hopnet.errors import GraphError
 from hopnet.graph import analysis, builders, json_io, validation
 from hopnet.graph.arguments import GraphArgs
+
+if TYPE_CHECKING:
+    from hopnet.graph.members import MemberGraph
 
 __all__ = ["Graph"]
 
@@ -320,6 +323,20 @@ class Graph:
         """Build from a spec: ``ring:8``, ``ring_based:16``, ``double_ring:8``, ``complete:5``,
         ``torus:2x4``, ``exponential:8``, ``hierarchical:4,4``."""
         return cls._from_args(builders.by_name(spec))
+
+    @staticmethod
+    def over_members(spec: str, members: Iterable[int],
+                     machines: Mapping[int, str] | None = None) -> MemberGraph:
+        """The graph a builder spec names (``ring``, ``ring:8``, ``torus``, ``hierarchical``...),
+        re-formed over the run's member ranks (any order, not necessarily ``0..n-1``) and
+        labelled with each member's machine when ``machines`` (rank -> machine) is given.
+
+        The same spec and member set give the same graph on every member; over ``range(n)``
+        it equals :meth:`by_name` for ``n`` nodes. See :class:`~hopnet.graph.members.MemberGraph`.
+        """
+        from hopnet.graph.members import MemberGraph  # members builds on this module
+
+        return MemberGraph.build(spec, members, machines)
 
     @classmethod
     def load(cls, source: str | os.PathLike[str]) -> Graph:
