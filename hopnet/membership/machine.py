@@ -193,7 +193,8 @@ class Membership:
             self._note_ballot(message.ballot, now)
             if self._acceptor.accept(message.ballot, message.change):
                 vote = Accepted(view.number, message.ballot, message.change)
-                self.votes.append(vote)
+                if vote not in self.votes[-1:]:  # an Accept sent again is accepted again, recorded once
+                    self.votes.append(vote)
                 self._send(sender, vote)
             else:
                 self._nack(sender, message.ballot)
