@@ -353,7 +353,7 @@ network = dict(seed=st.integers(0, 2**32 - 1), loss=st.floats(0.0, 0.15), dup=st
                hold=st.floats(0.0, 0.4))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(n=st.integers(3, 5), crashes=st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 4.0)), max_size=3),
        joins=st.lists(st.floats(0.0, 4.0), max_size=3),
        leaves=st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 4.0)), max_size=2),
