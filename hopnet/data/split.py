@@ -120,13 +120,21 @@ class Split:
     def unconsumed(self, rank: int, cursor: int, through_epoch: int) -> list[Segment]:
         """The segments of ``rank``'s stream from ``cursor`` on, cut off after ``through_epoch``."""
         left: list[Segment] = []
-        start, stop = self.fresh_share(rank)
-        fresh = [(e, start, stop) for e in range(self.opened + 1, through_epoch + 1)]
-        for epoch, first, last in [*self._queue(rank), *fresh]:
+        for epoch, first, last in self._queue(rank):
             taken = min(cursor, last - first)
             cursor -= taken
             if first + taken < last and epoch <= through_epoch:
                 left.append((epoch, first + taken, last))
+        start, stop = self.fresh_share(rank)
+        first_fresh = self.opened + 1
+        if stop > start:  # whole fresh epochs consumed: skipped by arithmetic, a long run has many
+            done = min(cursor // (stop - start), max(0, through_epoch - first_fresh + 1))
+            first_fresh, cursor = first_fresh + done, cursor - done * (stop - start)
+        for epoch in range(first_fresh, through_epoch + 1):
+            taken = min(cursor, stop - start)
+            cursor -= taken
+            if start + taken < stop:
+                left.append((epoch, start + taken, stop))
         return left
 
     def check_cursor(self, rank: int, cursor: int) -> None:
