@@ -5,8 +5,10 @@ Run it under the launcher; the protocol and its options come from the launcher's
     hopnet launch --nproc 4 examples/train_digits.py
     hopnet launch --graph examples/ring.json --backup-workers 1 examples/train_digits.py --iterations 400
 
-Each worker trains on its own shard of the training set and evaluates on the same
-held-out split, so the accuracies printed at the end are comparable across workers.
+Each worker trains on its own share of the training set, from hopnet.data.ElasticSampler:
+every epoch a new order of the samples, each sample in one worker's share (docs/guides/data.md).
+Every worker evaluates on the same held-out split, so the accuracies printed at the end are
+comparable across workers.
 The final parameters are saved into the run directory (``final_rank{R}.pt``), where a
 test or a person can check that the workers agree.
 
@@ -19,14 +21,17 @@ held-out accuracy. With ``hopnet launch --save-model`` that rank also writes it 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 import hopnet
 from digits_data import digits_split
+from hopnet.data import ElasticSampler
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,10 +45,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def load_shard(rank: int, world_size: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """This rank's shard of the training split, and the whole held-out split."""
-    x_train, y_train, x_test, y_test = digits_split(seed)
-    return x_train[rank::world_size], y_train[rank::world_size], x_test, y_test
+def batches(sampler: ElasticSampler, batch_size: int) -> Iterator[torch.Tensor]:
+    """Batches of sample indices without end: this worker's share of an epoch, then of the next
+    (a batch that spans the end of an epoch takes the start of the next one: every batch is full)."""
+    def indices() -> Iterator[int]:
+        while True:
+            yield from sampler
+            sampler.set_epoch(sampler.epoch + 1)
+
+    stream = indices()
+    while True:
+        yield torch.tensor(list(itertools.islice(stream, batch_size)))
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -61,15 +73,16 @@ def main() -> None:
     worker = hopnet.init(model)
     optimizer = hopnet.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), worker)
-    x_train, y_train, x_test, y_test = load_shard(worker.rank, worker.graph.n, args.seed)
+    x_train, y_train, x_test, y_test = digits_split(args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(args.seed * 1000 + worker.rank)
-    worker.register_state("batch_generator", generator)  # checkpointed; restored on resume
+    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=range(worker.graph.n), seed=args.seed)
+    worker.register_state("sampler", sampler)  # checkpointed: a resumed run goes on from the same sample
+    next_batch = batches(sampler, args.batch_size)
 
     for step in worker.iterations(args.iterations):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.iterations))
-        batch = torch.randint(len(x_train), (args.batch_size,), generator=generator)
+        batch = next(next_batch)
         optimizer.zero_grad()
         loss = loss_fn(model(x_train[batch]), y_train[batch])
         loss.backward()

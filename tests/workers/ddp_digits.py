@@ -1,7 +1,7 @@
 """examples/train_digits.py's training loop under torch DistributedDataParallel (gloo).
 
 Launched the torch way (``python -m torch.distributed.run --nproc-per-node N``), with the
-same model, seeds, shards, batches and learning-rate schedule as the example, so that its
+same model, seeds, samples, batches and learning-rate schedule as the example, so that its
 parameters can be compared with ``hopnet launch --protocol allreduce``'s. Rank 0 saves
 its flat parameters to ``OUT``.
 """
@@ -19,7 +19,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from train_digits import load_shard  # noqa: E402
+from digits_data import digits_split  # noqa: E402
+from train_digits import batches  # noqa: E402
+
+from hopnet.data import ElasticSampler  # noqa: E402
 
 
 def main() -> None:
@@ -39,13 +42,13 @@ def main() -> None:
         torch.nn.Linear(64, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 10))
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    x_train, y_train, _, _ = load_shard(rank, world, args.seed)
+    x_train, y_train, _, _ = digits_split(args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    next_batch = batches(ElasticSampler(len(x_train), rank=rank, members=range(world), seed=args.seed), args.batch_size)
     for step in range(args.iterations):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.iterations))
-        batch = torch.randint(len(x_train), (args.batch_size,), generator=generator)
+        batch = next(next_batch)
         optimizer.zero_grad()
         loss_fn(ddp(x_train[batch]), y_train[batch]).backward()
         optimizer.step()
