@@ -2,7 +2,8 @@
 
 BatchNorm and dropout, a frozen stem, AdamW with two parameter groups, a cosine schedule
 stepped every iteration, two micro-batches of gradient accumulation, clipping of the
-averaged gradient and autocast; at the end the workers agree on one model.
+averaged gradient and autocast; at the end the workers agree on one model. The micro-batches
+come from ``hopnet.data.ElasticSampler``: each sample once per epoch across the workers.
 
     hopnet launch --nproc 4 examples/train_cnn.py
     hopnet launch --nproc 4 --protocol ad-psgd examples/train_cnn.py --amp none
@@ -27,6 +28,7 @@ from torch import nn
 
 import hopnet
 from digits_data import digits_split
+from hopnet.data import ElasticSampler
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,16 +96,18 @@ def main() -> None:
     worker.register_state("grad_scaler", scaler)
 
     x_train, y_train, x_test, y_test = digits_split(args.seed)
-    x_train, y_train = x_train[worker.rank::worker.graph.n], y_train[worker.rank::worker.graph.n]
     x_train, x_test = x_train.view(-1, 1, 8, 8), x_test.view(-1, 1, 8, 8)
     loss_fn = nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(args.seed * 1000 + worker.rank)
+    # Each sample once per epoch across the workers; checkpointed and handed to a replacement.
+    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=range(worker.graph.n), seed=args.seed)
+    worker.register_state("sampler", sampler)
+    micro_batches = sampler.batches(args.batch_size)
 
     model.train()
     for _ in worker.iterations(args.iterations):
         optimizer.zero_grad()
         for _ in range(args.micro_batches):
-            batch = torch.randint(len(x_train), (args.batch_size,), generator=generator)
+            batch = torch.tensor(next(micro_batches))
             autocast = (torch.autocast("cpu", dtype=amp_dtype) if amp_dtype is not None
                         else contextlib.nullcontext())
             with autocast:

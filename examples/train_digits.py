@@ -21,10 +21,8 @@ held-out accuracy. With ``hopnet launch --save-model`` that rank also writes it 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,19 +41,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="same model initialisation on every worker")
     parser.add_argument("--eval-every", type=int, default=100)
     return parser.parse_args()
-
-
-def batches(sampler: ElasticSampler, batch_size: int) -> Iterator[torch.Tensor]:
-    """Batches of sample indices without end: this worker's share of an epoch, then of the next
-    (a batch that spans the end of an epoch takes the start of the next one: every batch is full)."""
-    def indices() -> Iterator[int]:
-        while True:
-            yield from sampler
-            sampler.set_epoch(sampler.epoch + 1)
-
-    stream = indices()
-    while True:
-        yield torch.tensor(list(itertools.islice(stream, batch_size)))
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -77,12 +62,12 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     sampler = ElasticSampler(len(x_train), rank=worker.rank, members=range(worker.graph.n), seed=args.seed)
     worker.register_state("sampler", sampler)  # checkpointed: a resumed run goes on from the same sample
-    next_batch = batches(sampler, args.batch_size)
+    next_batch = sampler.batches(args.batch_size)  # full batches, epoch after epoch
 
     for step in worker.iterations(args.iterations):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.iterations))
-        batch = next(next_batch)
+        batch = torch.tensor(next(next_batch))
         optimizer.zero_grad()
         loss = loss_fn(model(x_train[batch]), y_train[batch])
         loss.backward()

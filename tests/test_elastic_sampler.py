@@ -323,3 +323,32 @@ def test_bad_input_is_refused_in_one_line() -> None:
 def test_a_split_is_plain_values() -> None:
     split = Split.first(10, [2, 0]).changed(1, [0, 1, 2], {0: 3, 2: 7})
     assert Split.from_dict(split.to_dict()) == split
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 60), n=st.integers(1, 5), batch_size=st.integers(1, 17), epochs=st.integers(1, 3))
+def test_endless_batches_are_full_and_cover_each_epoch_once_across_members(length: int, n: int, batch_size: int,
+                                                                          epochs: int) -> None:
+    samplers = [ElasticSampler(length, rank=r, members=range(n), seed=5) for r in range(n)]
+    streams = [sampler.batches(batch_size) for sampler in samplers]
+    taken: list[list[int]] = [[] for _ in range(n)]
+    for rank, stream in enumerate(streams):
+        share = len(samplers[rank])  # this member's share of one epoch
+        while len(taken[rank]) < share * epochs:
+            batch = next(stream)
+            assert len(batch) == batch_size  # a batch spanning an epoch's end takes the next one's start
+            taken[rank].extend(batch)
+    shares = [len(ElasticSampler(length, rank=r, members=range(n), seed=5)) for r in range(n)]
+    for epoch in range(epochs):
+        seen = Counter(i for rank in range(n) for i in taken[rank][epoch * shares[rank]:(epoch + 1) * shares[rank]])
+        assert seen == Counter(range(length)), f"epoch {epoch}"
+
+
+def test_endless_batches_end_when_the_member_has_left_and_refuse_a_bad_size() -> None:
+    sampler = ElasticSampler(10, rank=2, members=[0, 1, 2], seed=0)
+    stream = sampler.batches(2)
+    first = next(stream)
+    sampler.change_view(1, [0, 1], {0: 0, 1: 0, 2: 2})
+    assert len(first) == 2 and list(stream) == []
+    with pytest.raises(ValueError, match=r"batches\(0\): the batch size must be an integer >= 1"):
+        next(ElasticSampler(10, rank=0, members=[0]).batches(0))

@@ -11,6 +11,7 @@ among the new ones; every member computes the same division from the same argume
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -90,6 +91,30 @@ class ElasticSampler(Sampler[int]):
                 return
             self._cursor += 1
             yield self._order(place[0])[place[1]]
+
+    def batches(self, batch_size: int) -> Iterator[list[int]]:
+        """Full batches of this member's indices, without end: its share of epoch :attr:`epoch`,
+        then (moving to the next epoch itself) of the next. A batch that spans the end of an
+        epoch takes the start of the next one, so every batch has ``batch_size`` indices, as a
+        trainer that counts iterations rather than epochs wants. It ends only when this member
+        is no longer among the members, or a whole epoch gives it nothing."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batches({batch_size!r}): the batch size must be an integer >= 1")
+        stream = self._endless()
+        while batch := list(itertools.islice(stream, batch_size)):
+            yield batch
+
+    def _endless(self) -> Iterator[int]:
+        fresh = False  # the first pass may find the current epoch's share already consumed
+        while self.rank in self._split.members:
+            given = 0
+            for index in self:
+                given += 1
+                yield index
+            if given == 0 and fresh:
+                return
+            self.set_epoch(self._epoch + 1)
+            fresh = True
 
     # ------------------------------------------------------------------ what a member does
     def set_epoch(self, epoch: int) -> None:

@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from digits_data import digits_split  # noqa: E402
-from train_digits import batches  # noqa: E402
 
 from hopnet.data import ElasticSampler  # noqa: E402
 
@@ -44,11 +43,12 @@ def main() -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     x_train, y_train, _, _ = digits_split(args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
-    next_batch = batches(ElasticSampler(len(x_train), rank=rank, members=range(world), seed=args.seed), args.batch_size)
+    sampler = ElasticSampler(len(x_train), rank=rank, members=range(world), seed=args.seed)
+    next_batch = sampler.batches(args.batch_size)
     for step in range(args.iterations):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.iterations))
-        batch = next(next_batch)
+        batch = torch.tensor(next(next_batch))
         optimizer.zero_grad()
         loss_fn(ddp(x_train[batch]), y_train[batch]).backward()
         optimizer.step()
