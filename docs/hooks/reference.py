@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hopnet import registry
+from hopnet.bootstrap.env_options import variable_name
 from hopnet.cli.main import build_parser
 from hopnet.config import run_fields
 from hopnet.options import OptionField, iter_unique, value_text
@@ -33,11 +34,6 @@ PROTOCOL_PAGES = {"hop": "hop", "notify-ack": "hop", "allreduce": "allreduce", "
                   "pipe-sgd": "pipe-sgd", "ad-psgd": "ad-psgd", "partial-reduce": "partial-reduce",
                   "prague": "prague", "diloco": "diloco"}
 """The protocols/ page of each built-in protocol (linked where the page exists)."""
-
-
-def variable_name(option_name: str) -> str:
-    """The variable that sets an option under torchrun or srun (the rule of hopnet's env options)."""
-    return "HOPNET_" + option_name.upper()
 
 
 # ------------------------------------------------------------------ Markdown helpers
