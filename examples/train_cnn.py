@@ -99,7 +99,8 @@ def main() -> None:
     x_train, x_test = x_train.view(-1, 1, 8, 8), x_test.view(-1, 1, 8, 8)
     loss_fn = nn.CrossEntropyLoss()
     # Each sample once per epoch across the workers; checkpointed and handed to a replacement.
-    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=range(worker.graph.n), seed=args.seed)
+    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=worker.members, view=worker.view,
+                             seed=args.seed)
     worker.register_state("sampler", sampler)
     micro_batches = sampler.batches(args.batch_size)
 

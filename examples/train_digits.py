@@ -60,7 +60,8 @@ def main() -> None:
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), worker)
     x_train, y_train, x_test, y_test = digits_split(args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
-    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=range(worker.graph.n), seed=args.seed)
+    sampler = ElasticSampler(len(x_train), rank=worker.rank, members=worker.members, view=worker.view,
+                             seed=args.seed)
     worker.register_state("sampler", sampler)  # checkpointed: a resumed run goes on from the same sample
     next_batch = sampler.batches(args.batch_size)  # full batches, epoch after epoch
 

@@ -20,6 +20,7 @@ while the trainer computes. ``opt.step()`` blocks only for what the protocol nee
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -46,6 +47,9 @@ from hopnet.runtime import rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel
+from hopnet.elastic.changeover import Changeover
+from hopnet.elastic.settings import ElasticSettings
+from hopnet.elastic.setup import check_elastic, lone_graph, open_control, start_elastic
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
@@ -105,7 +109,7 @@ class Worker:
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
                  max_restarts: int = 0, restart: int = 0, max_failures: int = 0,
-                 module: torch.nn.Module | None = None) -> None:
+                 module: torch.nn.Module | None = None, position: int | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
@@ -113,7 +117,9 @@ class Worker:
         ``node.coordinator``). ``max_restarts``: dead workers the launcher may replace (peers then
         wait for them to come back); ``restart``: this process replaces its rank's dead worker (the
         ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`).
-        ``max_failures``: workers the run may lose; a group a dead member broke is then rolled back."""
+        ``max_failures``: workers the run may lose; a group a dead member broke is then rolled back.
+        ``position``: the node's place in ``graph`` when it is not ``rank`` (a joiner of an elastic
+        run starts alone, on a graph of one node)."""
         model = ModelState.wrap(params)
         if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
@@ -127,7 +133,7 @@ class Worker:
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        self.node = assemble_node(rank=rank, graph=graph, config=config, params=params, grads=grads,
+        self.node = assemble_node(rank=rank if position is None else position, graph=graph, config=config, params=params, grads=grads,
                                   transport=transport, events=events, collective_factory=collective_factory,
                                   coordinator=coordinator)
         self._final_iteration: int | None = None
@@ -150,6 +156,9 @@ class Worker:
         self.saved_model: Path | None = None
         """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
         self.consensus_calls = 0
+        self.changeover: Changeover | None = None
+        """An elastic run's view changes (``--min-nproc``/``--max-nproc``): set by :func:`init`."""
+        self._left = False
         self.checkpointer: checkpoint.Checkpointer | None = None
         """Saves this worker's state every N iterations (:func:`init` sets it from ``HOPNET_CHECKPOINT_EVERY``)."""
         self._states: dict[str, Any] = {}
@@ -233,10 +242,12 @@ class Worker:
             time.sleep((factor - 1.0) * (time.monotonic() - self._compute_started))
             self.report(slowdown=factor)
         last = self._final_iteration is not None and self.iteration >= self._final_iteration
+        # The view's last iteration: its segment ends after it, as a run ends after its last.
+        ends = last or (self.changeover is not None and self.changeover.ends_segment(self.iteration))
         compute_s = time.monotonic() - self._compute_started
         finished = self.iteration
         try:
-            self._thread.run(self.node.run_step(apply, last=last, compute_s=compute_s))
+            self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
         except Exception as exc:
             self.failure = exc
             raise
@@ -261,7 +272,17 @@ class Worker:
         handed = bool(self.node.handover_requests) and not self._closed
         if handed:
             self._hand_over(finished + 1 if last else self.iteration, finished=last)
-        if saved or handed:
+        changed = False
+        if self.changeover is not None and not last and not self._closed:
+            entry = self.changeover.due(finished)
+            if entry is not None:
+                try:
+                    self.changeover.enter(entry)
+                except BaseException:
+                    self._left = True  # the segment was closed: nothing to close or abort but the log
+                    raise
+                changed = True
+        if saved or handed or changed:
             self._compute_started = time.monotonic()  # the next iteration's compute starts now
 
     # ------------------------------------------------------------------ replacements
@@ -366,6 +387,21 @@ class Worker:
         self._states[name] = obj
         if name in self._resumed:
             checkpoint.load_state_into(obj, self._resumed.pop(name))
+        if self.changeover is not None:
+            self.changeover.registered(name, obj)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of the view this worker trains in: ``0..n-1`` unless the run is elastic and
+        its membership changed (what :class:`hopnet.data.ElasticSampler` divides the data over)."""
+        if self.changeover is not None and self.changeover.members:
+            return self.changeover.members
+        return tuple(range(self.graph.n))
+
+    @property
+    def view(self) -> int:
+        """The number of the view this worker trains in (0 unless the run is elastic)."""
+        return self.changeover.view if self.changeover is not None else 0
 
     def save_checkpoint(self, iteration: int) -> Path:
         """Write the state after ``iteration``: the model (parameters and buffers), the registered
@@ -525,10 +561,21 @@ class Worker:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             self._answer_late_handovers()
-            self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
+            if not self._left:
+                self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
+            self._close_elastic()
         finally:
             self._thread.stop()
             self._run_after_close(aborted=False)
+
+    def _close_elastic(self) -> None:
+        """An elastic worker's segments leave its event log open, and its control channel lives on."""
+        if self.changeover is None:
+            return
+        try:
+            self._thread.run(self.changeover.run.close(), timeout_s=CLOSE_TIMEOUT_S)
+        finally:
+            self.node.events.close()
 
     def _run_after_close(self, aborted: bool) -> None:
         for hook in self.after_close:
@@ -551,7 +598,11 @@ class Worker:
         iteration = shutdown.iteration_of(error)
         try:
             if self._thread.alive:
-                self._thread.run(self._abort(fields, iteration), timeout_s=CLOSE_TIMEOUT_S)
+                if self._left:
+                    self.node.record_error(fields, iteration)
+                else:
+                    self._thread.run(self._abort(fields, iteration), timeout_s=CLOSE_TIMEOUT_S)
+                self._close_elastic()
         finally:
             self._thread.stop()
             self._run_after_close(aborted=True)
@@ -671,22 +722,36 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     run = open_run(context, cfg)
     tensors = ModelTensors.of(spec.model, spec.params)
     restarts = check_restarts(Restarts.from_environ(os.environ), cfg, context, tensors)
-    transport, factory = connect(context, cfg, tensors, replaceable=restarts.allowed > 0)
+    elastic = ElasticSettings.from_environ(os.environ)
+    channel = None
+    if elastic is not None:
+        check_elastic(cfg, tensors.device.type, restarts.allowed)
+        channel, _ = open_control(context, cfg)
+    joining = elastic is not None and elastic.joining
+    # A joiner starts alone, on a graph of one node, until a view admits it (hopnet.elastic.setup).
+    alone = dataclasses.replace(context, rank=0, world_size=1, graph=lone_graph()) if joining else context
+    transport, factory = connect(alone, cfg, tensors, replaceable=restarts.allowed > 0)
     try:
         settings = checkpoint.CheckpointSettings.from_environ(os.environ, run.run_dir)
         resume_after = settings.resume_iteration(context.graph.n)
         saved = (checkpoint.load(settings.directory, context.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
-        worker = Worker(rank=context.rank, graph=context.graph, config=cfg, params=tensors.params,
-                        transport=transport, exchange=context.exchange(cfg, restarts.this),
+        worker = Worker(rank=context.rank, graph=alone.graph, config=cfg, params=tensors.params,
+                        transport=transport, exchange=None if joining else context.exchange(cfg, restarts.this),
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
                         max_restarts=restarts.allowed, restart=restarts.this, max_failures=restarts.losses,
-                        module=spec.model)
+                        module=spec.model, position=0 if joining else None)
     except BaseException:
         run.finish(aborted=True)
         raise
+    if elastic is not None and channel is not None:
+        try:
+            start_elastic(worker, elastic, channel, context, cfg, run.run_dir)
+        except BaseException as exc:
+            worker.abort(exc)
+            raise
     worker.after_close.append(run.finish)
     if settings.every and settings.directory is not None:
         worker.checkpointer = checkpoint.Checkpointer(settings.directory, context.rank, settings.every)

@@ -75,6 +75,8 @@ SAVE_MODEL = "HOPNET_SAVE_MODEL"
 MAX_RESTARTS = "HOPNET_MAX_RESTARTS"
 MAX_FAILURES = "HOPNET_MAX_FAILURES"
 RESTART = "HOPNET_RESTART"
+ELASTIC = "HOPNET_ELASTIC"
+JOIN = "HOPNET_JOIN"
 MODEL_FILE = "model.pt"
 """Where ``--save-model`` puts the consensus model, in the run directory."""
 

@@ -31,7 +31,7 @@ from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.bootstrap.attach import AttachedRun, attach
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
-from hopnet.bootstrap.env import Restarts, WorkerEnv
+from hopnet.bootstrap.env import JOIN, Restarts, WorkerEnv
 from hopnet.bootstrap.external import detect
 from hopnet.bootstrap.options import check_coordinator_options, check_explicit
 from hopnet.rendezvous.client import exchange_addresses_async
@@ -145,7 +145,7 @@ def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping
             check_same_graph(g, graph)
         context = WorkerContext(launched.rank, launched.world_size, g, launched.config(), launched.explicit_options,
                                 launched.bind_host, launched.store, keys_from_environ(environ), launched=launched)
-    if context.graph.n != context.world_size:
+    if context.graph.n != context.world_size and environ.get(JOIN, "").strip() != "1":
         raise ConfigError(f"the graph has {context.graph.n} nodes but the launcher started "
                           f"{context.world_size} workers")
     return context

@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 
 from hopnet.errors import ConfigError
 
-SUBCOMMAND_MODULES = ("graph_cmd", "launch_cmd", "simulate_cmd", "report_cmd", "keygen_cmd")
+SUBCOMMAND_MODULES = ("graph_cmd", "launch_cmd", "join_cmd", "simulate_cmd", "report_cmd", "keygen_cmd")
 
 
 def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:

@@ -60,6 +60,7 @@ from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
+from hopnet.launch.elastic import join_info, mark_stopping, read_views
 from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe
@@ -229,6 +230,8 @@ class Launch:
                                            else self.rdzv_host, advertise_host=self.rdzv_host,
                                            curve=self.security.keys).start()
             self.rendezvous_endpoint = self.server.endpoint
+            if plan.elastic is not None:
+                self.server.join_info = join_info(plan, self.run_dir, self.base_env)
         if self.group is not None:
             self.store_endpoint = self.group.endpoint  # node 0's launchers' store is the run's store too
         else:
@@ -468,6 +471,7 @@ class Launch:
         machines, a failure here first goes to the abort record every launcher follows."""
         state = self.state
         state.stopping(self.workers.running())
+        mark_stopping(self.run_dir)  # an elastic worker takes this SIGTERM for the launcher's, not a preemption
         if self.group is not None and state.first_failure is not None and not self._signalled():
             self._abort_other_machines(self.group)
         if self._signalled():
@@ -571,6 +575,8 @@ class Launch:
         result = LaunchResult(returncode=state.returncode, run_dir=str(self.run_dir), failed_rank=state.failed_rank,
                               reason=state.reason, worker_returncodes=state.returncodes, wall_s=wall_s,
                               summary=state.summary, lost_ranks=lost, restarts=self.restarts.to_json())
+        if plan.elastic is not None:
+            self.record.data["views"] = read_views(self.run_dir, plan.world_size)
         self.record.data["result"] = {
             "returncode": state.returncode,
             "failed_rank": state.failed_rank,

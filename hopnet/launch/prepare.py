@@ -22,7 +22,7 @@ from typing import Any
 from hopnet import checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
-from hopnet.bootstrap.env import MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
+from hopnet.bootstrap.env import ELASTIC, JOIN, MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.bootstrap.run_name import graph_label, make_run_dir
 from hopnet.launch.run_dir import RunDirClaim, claim_for_resume, claim_run_dir
@@ -176,6 +176,7 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
         "explicit_options": sorted(spec.explicit_options),
         "max_failures": spec.max_failures,
         "max_restarts": spec.max_restarts,
+        "elastic": json.loads(plan.elastic.to_json()) if plan.elastic is not None else None,
         "save_model": spec.save_model,
         "checkpoint_every": spec.checkpoint_every,
         "checkpoint_dir": os.fspath(spec.checkpoint_dir) if spec.checkpoint_dir is not None else None,
@@ -223,8 +224,10 @@ def worker_base_env(plan: LaunchPlan, security: RunSecurity,
     env["PYTHONPATH"] = worker_pythonpath(env)
     if plan.spec.env_extra:
         env.update({str(k): str(v) for k, v in plan.spec.env_extra.items()})
-    for name in (SAVE_MODEL, MAX_RESTARTS, MAX_FAILURES, RESTART):  # the launcher's flags decide, not its own environment
+    for name in (SAVE_MODEL, MAX_RESTARTS, MAX_FAILURES, RESTART, ELASTIC, JOIN):  # the launcher's flags decide
         env.pop(name, None)
+    if plan.elastic is not None:
+        env[ELASTIC] = plan.elastic.to_json()
     if plan.spec.save_model:
         env[SAVE_MODEL] = "1"
     if plan.spec.max_restarts > 0:

@@ -201,6 +201,14 @@ class LaunchSpec:
         0, group=LAUNCHER, metavar="K", number=int, minimum=0,
         help="replace a worker that dies (crash, kill, declared dead by its peers) with a new process that "
              "rejoins the running job, up to K times per launcher (default: 0, a dead worker is lost)")
+    min_nproc: int | None = setting(
+        None, group=LAUNCHER, metavar="N", number=int, minimum=1,
+        help="make the run elastic: a worker that gets SIGTERM leaves and the run goes on, down to N workers "
+             "(default: 1 when --max-nproc is given; without either flag the run is not elastic)")
+    max_nproc: int | None = setting(
+        None, group=LAUNCHER, metavar="N", number=int, minimum=1,
+        help="make the run elastic: `hopnet join RUN_DIR` adds workers, up to N (default: --nproc when "
+             "--min-nproc is given)")
     nnodes: int = setting(
         1, group=MACHINES, metavar="N", number=int, minimum=1,
         help="number of machines, each running its own `hopnet launch` (default: 1)")
@@ -256,6 +264,8 @@ class LaunchKeywords(TypedDict, total=False):
     resume: bool
     max_failures: int
     max_restarts: int
+    min_nproc: int | None
+    max_nproc: int | None
     nnodes: int
     node_rank: int
     rdzv_endpoint: str | None

@@ -19,7 +19,10 @@ from hopnet.config import ProtocolConfig
 from hopnet.config_checks import check_config_for_graph
 from hopnet.coordinator import make_coordinator
 from hopnet.errors import ConfigError
+from hopnet.elastic.settings import ElasticSettings
+from hopnet.elastic.support import elastic_refusal
 from hopnet.graph import Graph
+from hopnet.graph.source import GraphSource
 from hopnet.bootstrap.env import WorkerEnv
 from hopnet.launch.nodes import place_ranks
 from hopnet.launch.options import option_names
@@ -82,6 +85,8 @@ class LaunchPlan:
     """The protocol's coordinator (:func:`hopnet.coordinator.make_coordinator`), if it has one."""
     notes: list[str] = field(default_factory=list)
     """What :func:`check_config_for_graph` noted about the options on this graph."""
+    elastic: ElasticSettings | None = None
+    """Set when the run is elastic (``--min-nproc``/``--max-nproc``)."""
 
     @property
     def world_size(self) -> int:
@@ -172,7 +177,33 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
                           f"(there are {world_size} workers; got {max_failures!r})")
     return LaunchPlan(spec=spec, config=config, command=command, graph=graph,
                       nodes=_node_plan(spec, graph, world_size), bind=spec.bind.strip(),
-                      coordinator_name=machine.name if machine is not None else None, notes=notes)
+                      coordinator_name=machine.name if machine is not None else None, notes=notes,
+                      elastic=elastic_settings(spec, config, world_size))
+
+
+def elastic_settings(spec: LaunchSpec, config: ProtocolConfig, world_size: int) -> ElasticSettings | None:
+    """``--min-nproc``/``--max-nproc``: the elastic run's settings, refused in one line when the graph,
+    the protocol or the other flags cannot change membership mid-run (None: the run is not elastic)."""
+    low, high = spec.min_nproc, spec.max_nproc
+    if low is None and high is None:
+        return None
+    low = 1 if low is None else low
+    high = world_size if high is None else high
+    if not low <= world_size <= high:
+        raise ConfigError(f"--min-nproc {low} and --max-nproc {high} must bracket the {world_size} workers "
+                          "the run starts with")
+    source = GraphSource.from_argument(spec.graph)
+    if source.builder is None:
+        raise ConfigError(f"--min-nproc/--max-nproc: {source.label} is a fixed graph and cannot re-form when "
+                          "workers join or leave: give a builder such as --graph ring or --graph torus")
+    refusal = elastic_refusal(config)
+    if refusal is None and spec.max_restarts:
+        refusal = "--max-restarts replaces a dead worker in place; an elastic run re-forms without it instead"
+    if refusal is None and spec.nnodes > 1:
+        refusal = "runs over several machines (--nnodes) cannot change membership yet; grow one with `hopnet join`"
+    if refusal is not None:
+        raise ConfigError(f"--min-nproc/--max-nproc: {refusal}")
+    return ElasticSettings(graph=str(source.builder), min_nproc=low, max_nproc=high)
 
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_NPROC", "DEFAULT_SETTLE_S", "START_METHODS", "GraphArgument", "LaunchPlan",

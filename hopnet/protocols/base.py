@@ -175,6 +175,12 @@ class Protocol(abc.ABC):
         last received from the peer says so instead."""
         self.on_peer_departed(peer, self.iteration - 1)
 
+    def view_change_iteration(self, candidate: int) -> int:
+        """The first iteration at or after ``candidate`` where an elastic run's next view may begin:
+        every worker then starts it as a run resumed there would (:meth:`resume_at`). Any iteration,
+        unless the protocol has rounds longer than one step."""
+        return candidate
+
     def checkpoint_state(self) -> Stateful | None:
         """The protocol's own state to save in checkpoints beside the model and to load on resume
         (``state_dict``/``load_state_dict``), or None: it has none a resume needs."""

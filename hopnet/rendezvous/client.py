@@ -273,3 +273,25 @@ async def barrier_async(endpoint: str, rank: int, name: str, timeout_s: float,
         raise WaitTimeout(_barrier_what(endpoint, name, status), waited_s=waited)
     if reply.get("barrier") != name:
         raise RendezvousError(f"rendezvous at {endpoint}: unexpected reply to barrier {name!r}")
+
+
+def register_control(endpoint: str, rank: int, address: str, timeout_s: float,
+                     curve: CurveKeys | None = None) -> dict[int, str]:
+    """An elastic run: register this rank's control address; returns every control address known."""
+    reply = _request_sync(endpoint, {"rank": rank, "control": address}, timeout_s, curve)
+    if reply is None:
+        raise HopnetError(f"rank {rank}: the rendezvous at {endpoint} did not answer within {timeout_s:g}s")
+    if "error" in reply:
+        raise HopnetError(str(reply["error"]))
+    return {int(r): str(a) for r, a in reply.get("control", {}).items()}
+
+
+def request_join(endpoint: str, count: int, timeout_s: float, curve: CurveKeys | None = None) -> dict[str, Any]:
+    """`hopnet join`: ask the run at ``endpoint`` for ``count`` new ranks."""
+    reply = _request_sync(endpoint, {"join": count}, timeout_s, curve)
+    if reply is None:
+        raise HopnetError(f"the run's rendezvous at {endpoint} did not answer within {timeout_s:g}s "
+                          "(is the run still going, and is the key file the run's?)")
+    if "error" in reply:
+        raise ConfigError(str(reply["error"]))
+    return reply

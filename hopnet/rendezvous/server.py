@@ -90,6 +90,11 @@ class RendezvousServer:
         """One line per refused request, for the launcher's log."""
         self.bad_requests = 0
         """Requests that could not be handled at all (a bug or a malformed request)."""
+        # an elastic run: every rank's control address, and what `hopnet join` needs to start workers
+        self._control: dict[int, str] = {}
+        self._next_rank = world_size
+        self.join_info: dict[str, Any] | None = None
+        """Set by the launcher of an elastic run: what a joining worker needs besides its rank."""
 
     # -- lifecycle
     @property
@@ -234,7 +239,20 @@ class RendezvousServer:
         if msg.get("status"):
             self._reply(sock, identity, {"status": self.status()}, as_json)
             return
+        if "join" in msg:
+            self._assign_ranks(sock, identity, msg["join"], as_json)
+            return
         rank = msg.get("rank")
+        if "control" in msg and isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self._next_rank:
+            address = msg["control"]
+            if not isinstance(address, str) or not address:
+                self._refuse(sock, identity, f"rendezvous: rank {rank} sent a bad control address", as_json)
+                return
+            with self._lock:
+                self._control[rank] = address
+                table = {str(r): a for r, a in self._control.items()}
+            self._reply(sock, identity, {"control": table}, as_json)
+            return
         if not isinstance(rank, int) or isinstance(rank, bool):
             self._refuse(sock, identity, f"rendezvous: rank must be an integer (got {rank!r})", as_json)
             return
@@ -260,6 +278,22 @@ class RendezvousServer:
             self._enter_barrier(sock, identity, rank, msg["barrier"], as_json)
         else:
             self._refuse(sock, identity, "rendezvous: request has neither 'address' nor 'barrier'", as_json)
+
+    def _assign_ranks(self, sock: zmq.Socket, identity: bytes, count: Any, as_json: bool) -> None:
+        """`hopnet join --nproc K`: K new ranks, never used before, and what their workers need."""
+        if self.join_info is None:
+            self._refuse(sock, identity, "this run is not elastic: it was launched without --max-nproc "
+                                         "or --min-nproc, so it takes no joiners", as_json)
+            return
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            self._refuse(sock, identity, f"rendezvous: join needs a count >= 1 (got {count!r})", as_json)
+            return
+        with self._lock:
+            ranks = list(range(self._next_rank, self._next_rank + count))
+            self._next_rank += count
+            table = {str(r): a for r, a in self._control.items()}
+        self._reply(sock, identity, {"ranks": ranks, "control": table, "config": self.config,
+                                     "info": self.join_info}, as_json)
 
     def _check_config(self, sock: zmq.Socket, identity: bytes, rank: int, config: Any, as_json: bool) -> bool:
         """Keep the first configuration; a different one fails every rank of the rendezvous."""

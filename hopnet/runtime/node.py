@@ -126,6 +126,11 @@ class Node(Generic[P]):
         """Answers handover requests on the event loop while the trainer is blocked and the model
         consistent (:meth:`handover_point`); set by :class:`hopnet.api.Worker`."""
         self._replacements = Replacements(self)
+        self.owns_events = True
+        """Close the event log with the node (an elastic run's segments share the worker's log)."""
+        self.members: tuple[int, ...] | None = None
+        """The run's rank on each position of ``graph``, in an elastic run's view (records name ranks, not
+        positions); None when positions are ranks."""
         if coordinator is not None:
             coordinator.bind(self)
         protocol.bind(self)
@@ -235,7 +240,10 @@ class Node(Generic[P]):
                 self._flush_timer.cancel()
                 self._flush_timer = None
             await self.transport.close()
-            self.events.close()
+            if self.owns_events:
+                self.events.close()
+            else:
+                self.events.flush()
 
     async def quiesce(self) -> None:
         """Finish training for the consensus: wait for the sends in flight, let the protocol
@@ -515,7 +523,12 @@ class Node(Generic[P]):
 
     def record(self, event: str, **fields: Any) -> None:
         if self._logging:
-            self.events.write({"event": event, "rank": self.rank,
+            members = self.members
+            if members is not None:
+                peer = fields.get("peer")
+                if isinstance(peer, int) and 0 <= peer < len(members):
+                    fields["peer"] = members[peer]
+            self.events.write({"event": event, "rank": self.rank if members is None else members[self.rank],
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
 
 

@@ -200,6 +200,10 @@ class DiLoCoProtocol(Protocol):
         self.anchor = [flat.detach().clone() for flat in self.flats]
         self.momentum = [torch.zeros_like(flat) for flat in self.flats]
 
+    def view_change_iteration(self, candidate: int) -> int:
+        """An outer round's first iteration: the model is the shared outer result there."""
+        return -(-candidate // self.h) * self.h
+
     # ------------------------------------------------------------------ the step
     def syncs_after(self, iteration: int) -> list[int]:
         """The fragments whose round ends with ``iteration``."""

@@ -1,0 +1,255 @@
+"""A worker's move from one view's training segment to the next, on the trainer's thread.
+
+Each view runs as a segment of its own: a node, a transport and a protocol over the view's
+members, numbered by position (the members in rank order), as a fresh run resumed at the
+view's first iteration would be. Messages of an older view cannot reach a newer segment: its
+sockets are new. What lives on across segments is the trainer's: the model, the optimizer and
+the registered state, the event log, the control channel.
+
+At a step boundary the worker asks :meth:`Changeover.due`; when the old segment's last iteration
+is done, :meth:`Changeover.enter` ends it (quiesce, wait for the neighbours, close), hands each
+joiner it serves its state, and opens the next segment. See docs/design/elastic.md."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hopnet import checkpoint
+from hopnet.bootstrap.plane import collective_factory, make_transport
+from hopnet.data import ElasticSampler
+from hopnet.elastic.run import ElasticRun, ViewEntry
+from hopnet.elastic.switch import assign_donors
+from hopnet.errors import HopnetError
+from hopnet.graph.members import MemberGraph
+from hopnet.protocols import make_protocol
+from hopnet.runtime.clock import Clock
+from hopnet.runtime.node import Node
+from hopnet.security import CurveKeys
+
+
+class Left(SystemExit):
+    """Raised from ``worker.iterations()`` in a worker whose leave (a SIGTERM) took effect: the
+    process exits 0, without running the rest of the training script."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(0)
+        self.line = line
+
+
+class Changeover:
+    """The segments of one elastic worker (a :class:`hopnet.api.Worker`, typed ``Any``: the api is a
+    layer above this one)."""
+
+    def __init__(self, worker: Any, run: ElasticRun, *, graph_spec: str, bind_host: str,
+                 curve: CurveKeys | None, safe_point: Callable[[int], int]) -> None:
+        self.worker = worker
+        self.run = run
+        self.graph_spec = graph_spec
+        self.bind_host = bind_host
+        self.curve = curve
+        self.safe_point = safe_point
+        self.members: tuple[int, ...] = ()
+        self.view = run.segment_view
+        self.last_iteration: int | None = None
+        """The old segment's last iteration, once a committed change fixed it."""
+        self._entry: ViewEntry | None = None
+        self._late_samplers: dict[str, tuple[int, tuple[int, ...], dict[int, int]]] = {}
+
+    # ------------------------------------------------------------------ at each step boundary
+    def due(self, finished: int) -> ViewEntry | None:
+        """After iteration ``finished``: the committed view to enter now, else None (the segment
+        goes on; its last iteration is set once a change is committed)."""
+        worker, run = self.worker, self.run
+        if run.stopped_line is not None:
+            raise HopnetError(run.stopped_line)
+        entry = self._entry or worker._thread.run(self._head())
+        if entry is None:
+            return None
+        if self._entry is None:
+            first = worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
+            self._entry, self.last_iteration = entry, first - 1
+            final = worker._final_iteration
+            worker.node.protocol.final_iteration = first - 1 if final is None else min(final, first - 1)
+            worker.record("view_change_at", view=entry.number, iter=first, members=list(entry.members))
+        if self.last_iteration is not None and finished >= self.last_iteration:
+            return entry
+        return None
+
+    async def _head(self) -> ViewEntry | None:
+        return self.run.head()
+
+    def ends_segment(self, iteration: int) -> bool:
+        """Whether ``iteration`` is the current segment's last (its step is the segment's ``last``)."""
+        return self.last_iteration is not None and iteration >= self.last_iteration
+
+    # ------------------------------------------------------------------ the change
+    def enter(self, entry: ViewEntry) -> None:
+        """End the current segment after its last iteration and start ``entry``'s (or leave)."""
+        worker = self.worker
+        assert self.last_iteration is not None
+        first = self.last_iteration + 1
+        started = time.monotonic()
+        graph = MemberGraph.build(self.graph_spec, entry.members)
+        old_members = [m for m in entry.members if m in entry.old_members]
+        joiners = [j for j in entry.commit.change.joined if j in entry.members]
+        donors = assign_donors(graph, joiners, old_members) if joiners and old_members else {}
+        cursors = {name: obj.cursor for name, obj in worker._states.items() if isinstance(obj, ElasticSampler)}
+        worker._thread.run(self._send_cursors(entry, cursors))
+        worker._thread.run(self._end_segment(worker.node), timeout_s=None)
+        served = [j for j, d in donors.items() if d == worker.rank]
+        if served:
+            payload = self._state_payload(first)
+            for joiner in served:
+                worker._thread.run(self._send_state(entry, joiner, payload))
+            worker.record("state_sent", view=entry.number, to=served, bytes=len(payload))
+        self._entry, self.last_iteration = None, None
+        if worker.rank not in entry.members:
+            worker._thread.run(self._entered(entry))
+            line = f"rank {worker.rank} left after iteration {first - 1}: view {entry.number} goes on without it"
+            worker.record("left", view=entry.number, iter=first - 1, line=line)
+            raise Left(line)
+        self._open_segment(entry, graph, first, donor=None)
+        worker.record("view_entered", view=entry.number, members=list(entry.members), iter=first,
+                      position=graph.position(worker.rank), stall_s=round(time.monotonic() - started, 6))
+
+    def join(self) -> None:
+        """A joiner: wait to be admitted, then enter the admitting view with a donor's state."""
+        worker, run = self.worker, self.run
+        started = time.monotonic()
+        entry = worker._thread.run(run.admitted(), timeout_s=None)
+        first = worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
+        graph = MemberGraph.build(self.graph_spec, entry.members)
+        old_members = [m for m in entry.members if m in entry.old_members]
+        donors = assign_donors(graph, [j for j in entry.commit.change.joined if j in entry.members], old_members)
+        donor = donors[worker.rank]
+        worker._thread.run(self._close_alone(worker.node), timeout_s=None)
+        self._open_segment(entry, graph, first, donor=donor)
+        worker.record("joined", view=entry.number, members=list(entry.members), iter=first, donor=donor,
+                      position=graph.position(worker.rank), wait_s=round(time.monotonic() - started, 6))
+
+    async def _send_cursors(self, entry: ViewEntry, cursors: dict[str, int]) -> None:
+        self.run.send_cursors(entry, cursors)
+
+    async def _send_state(self, entry: ViewEntry, joiner: int, payload: bytes) -> None:
+        self.run.send_state(entry, joiner, payload)
+
+    async def _entered(self, entry: ViewEntry) -> None:
+        self.run.entered(entry)
+
+    @staticmethod
+    async def _close_alone(node: Node[Any]) -> None:
+        """A joiner's node before its admission: it trained nothing and knows nobody."""
+        node.owns_events = False
+        await node.close(leave=False)
+
+    def registered(self, name: str, obj: Any) -> None:
+        """The trainer registered ``obj`` after this worker joined: a sampler enters the view the
+        worker joined, from the division its donor's state brought."""
+        late = self._late_samplers.pop(name, None)
+        if late is not None and isinstance(obj, ElasticSampler):
+            view, members, cursors = late
+            obj.change_view(view, members, cursors)
+
+    async def _end_segment(self, node: Node[Any], wait_for_peers: bool = True) -> None:
+        """Finish the old segment as a run finishes: quiesce, wait until every neighbour is done
+        too (none waits on this worker any more), say bye, close its sockets."""
+        node.owns_events = False
+        await node.quiesce()
+        if wait_for_peers:
+            deadline = time.monotonic() + node.clock.default_timeout_s
+            while any(p not in node.done_peers and p not in node.departed and p not in node.dead
+                      for p in node.graph.peers(node.rank)):
+                if time.monotonic() > deadline:
+                    raise HopnetError(f"rank {self.worker.rank}: the neighbours did not finish view {self.view} "
+                                      f"within {node.clock.default_timeout_s:g}s (--timeout)")
+                await asyncio.sleep(0.002)
+        await node.close()
+
+    def _state_payload(self, first: int) -> bytes:
+        worker = self.worker
+        with worker.model_lock:
+            state = {"iteration": first, "model": worker._model_state(),
+                     "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()
+                                if not isinstance(obj, torch.Generator)}}
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def _load_state(self, payload: bytes) -> None:
+        worker = self.worker
+        state = torch.load(io.BytesIO(payload), weights_only=False)
+        with worker.model_lock:
+            worker._load_model(state["model"])
+        for name, held in state.get("states", {}).items():
+            if name in worker._states:
+                checkpoint.load_state_into(worker._states[name], held)
+            else:
+                worker._resumed[name] = held  # registered later by the trainer
+
+    def _open_segment(self, entry: ViewEntry, graph: MemberGraph, first: int, donor: int | None) -> None:
+        worker, run = self.worker, self.run
+        config = worker.config
+        position = graph.position(worker.rank)
+        device = worker.model.device if worker.model is not None else torch.device("cpu")
+        params_bytes = worker.model.nbytes if worker.model is not None else None
+        transport = make_transport(rank=position, peers=frozenset(graph.graph.peers(position)),
+                                   bind_host=self.bind_host, bulk="zmq", device=device, store_endpoint="",
+                                   timeout_s=config.timeout_s, message_bytes=params_bytes, curve=self.curve)
+        grads = worker.grads
+        factory = collective_factory(rank=position, world_size=graph.graph.n, bulk="zmq", device=device,
+                                     store_endpoint="", timeout_s=config.timeout_s, bind_host=self.bind_host,
+                                     tensor_bytes=None)
+        old = worker.node
+        protocol = make_protocol(config, worker.params, grads)
+        node: Node[Any] = Node(position, graph.graph, transport, protocol, clock=Clock(config.timeout_s),
+                               events=old.events, peer_timeout_s=config.peer_timeout_s, collective_factory=factory)
+        node.owns_events = False
+        node.members = entry.members
+        node.survives_losses = old.survives_losses
+        node.handover_now = old.handover_now
+        node.load_state = old.load_state
+        protocol.resume_at(first)
+
+        async def exchange(address: str) -> dict[int, str]:
+            run.announce(entry, {"addr": address})
+            segments = await run.segments(entry)
+            return {graph.position(rank): str(segments[rank]["addr"]) for rank in entry.members}
+
+        worker._thread.run(node.open(exchange), timeout_s=None)
+        node._t0 = old._t0  # one time axis for the worker's records, across its segments
+        carried = old.protocol.checkpoint_state()
+        held = protocol.checkpoint_state()
+        if held is not None:
+            if carried is not None and donor is None:
+                held.load_state_dict(carried.state_dict())
+            worker._states[checkpoint.PROTOCOL_STATE] = held
+        if donor is not None:
+            payload = worker._thread.run(run.state(entry, donor), timeout_s=None)
+            self._load_state(payload)
+        reported = worker._thread.run(run.cursors(entry), timeout_s=None)
+        names = {name for held in reported.values() for name in held}
+        for name in sorted(names):
+            # a member taken for dead reported nothing: its whole share goes round again (seen twice, never lost)
+            cursors = {rank: reported.get(rank, {}).get(name, 0) for rank in entry.old_members}
+            obj = worker._states.get(name)
+            if isinstance(obj, ElasticSampler):
+                obj.change_view(entry.number, entry.members, cursors)
+            elif obj is None and donor is not None:
+                self._late_samplers[name] = (entry.number, entry.members, cursors)
+        worker.node = node
+        worker.graph = graph.graph
+        self.members = entry.members
+        self.view = entry.number
+        worker._thread.run(self._entered(entry))
+        worker._thread.run(protocol.start(), timeout_s=None)
+        worker._thread.run(protocol.after_resume(), timeout_s=None)
+        final = worker._final_iteration
+        if final is not None:
+            protocol.final_iteration = final
+            worker._thread.loop.call_soon_threadsafe(node.plan, final + 1)

@@ -1,0 +1,106 @@
+"""An elastic worker's start: what :func:`hopnet.init` adds when the launcher made the run elastic."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hopnet.bootstrap.init import WorkerContext
+from hopnet.config import ProtocolConfig
+from hopnet.elastic.changeover import Changeover
+from hopnet.elastic.control import ControlChannel
+from hopnet.elastic.run import ElasticRun
+from hopnet.elastic.settings import STOP_FILE, ElasticSettings
+from hopnet.elastic.support import elastic_refusal
+from hopnet.errors import ConfigError
+from hopnet.graph import Graph
+from hopnet.membership import MembershipConfig, View
+from hopnet.rendezvous.client import register_control
+from hopnet.runtime import shutdown
+
+DEFAULT_PEER_TIMEOUT_S = 10.0
+"""The membership's silence limit when the run sets no ``--peer-timeout``."""
+
+
+def check_elastic(config: ProtocolConfig, device_type: str, max_restarts: int) -> None:
+    """Refuse what an elastic worker cannot run, before any socket opens."""
+    refusal = elastic_refusal(config)
+    if refusal is None and device_type != "cpu":
+        refusal = "an elastic run needs CPU tensors for now: the ZeroMQ plane carries them"
+    if refusal is None and max_restarts:
+        refusal = "--max-restarts replaces a dead worker in place; an elastic run re-forms without it instead"
+    if refusal is not None:
+        raise ConfigError(f"--min-nproc/--max-nproc: {refusal}")
+
+
+def lone_graph() -> Graph:
+    """A joiner's graph until it is admitted: itself alone."""
+    return Graph(1, [], name="joining")
+
+
+def open_control(context: WorkerContext, config: ProtocolConfig) -> tuple[ControlChannel, dict[int, str]]:
+    """Bind this worker's control channel and register it with the run's rendezvous."""
+    launched = context.launched
+    if launched is None:
+        raise ConfigError("--min-nproc/--max-nproc needs `hopnet launch` (or `hopnet join`)")
+    channel = ControlChannel(context.rank, context.bind_host, context.curve)
+    address = channel.open()
+    table = register_control(launched.rendezvous, context.rank, address, config.timeout_s, context.curve)
+    return channel, table
+
+
+def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChannel, context: WorkerContext,
+                  config: ProtocolConfig, run_dir: str) -> Changeover:
+    """Start ``worker``'s membership; a joiner is admitted and takes its state before this returns."""
+    assert context.launched is not None
+    table = register_control(context.launched.rendezvous, context.rank, channel.address, config.timeout_s,
+                             context.curve)  # complete now: every first member registered before its exchange
+    channel.learn(table)
+    peer_timeout = config.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
+    membership = MembershipConfig(peer_timeout=peer_timeout, max_members=settings.max_nproc,
+                                  min_members=settings.min_nproc)
+    first = None if settings.joining else View(0, tuple(range(context.world_size)))
+    contacts = sorted(r for r in table if r != context.rank)
+    run = ElasticRun(context.rank, channel, membership, first_view=first, contacts=contacts,
+                     record=worker.record, iteration=lambda: worker.node.protocol.iteration,
+                     timeout_s=config.timeout_s)
+
+    async def begin() -> None:
+        run.start()
+
+    worker._thread.run(begin())
+    changeover = Changeover(worker, run, graph_spec=settings.graph, bind_host=context.bind_host,
+                            curve=context.curve, safe_point=lambda k: worker.node.protocol.view_change_iteration(k))
+    worker.changeover = changeover
+    if first is not None:
+        changeover.members, changeover.view = first.members, 0
+    _leave_on_sigterm(worker, run, Path(run_dir) / STOP_FILE)
+    if settings.joining:
+        worker.node.members = (context.rank,)  # its records name its rank, not its place alone
+        changeover.join()
+    return changeover
+
+
+def _leave_on_sigterm(worker: Any, run: ElasticRun, stop_file: Path) -> None:
+    """A SIGTERM the launcher did not send (a preemption) makes this worker leave at its next
+    view change; the launcher's own (it wrote ``stop_file`` first), or a second one, stops it."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> Any:
+        if run.leaving or stop_file.exists() or not worker._thread.alive or worker._closed:
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                return previous(signum, frame)
+            raise shutdown.Terminated(signum)
+        worker._thread.loop.call_soon_threadsafe(run.leave)
+        return None
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: SIGTERM keeps its meaning (the process stops)
+        pass
+
+
+__all__ = ["check_elastic", "lone_graph", "open_control", "start_elastic"]

@@ -1,0 +1,22 @@
+"""Which runs can change membership mid-run: refused in one line at `hopnet launch`, not mid-run."""
+
+from __future__ import annotations
+
+from hopnet.config import ProtocolConfig
+from hopnet.coordinator import needs_coordinator
+
+
+def elastic_refusal(config: ProtocolConfig) -> str | None:
+    """Why ``config`` cannot change membership mid-run, in one line (None: it can)."""
+    name = config.protocol
+    if needs_coordinator(config):
+        return f"--protocol {name} runs with a coordinator, which cannot change its members yet"
+    options = config.options
+    if name == "diloco" and (getattr(options, "fragments", 1) != 1 or options.overlap()
+                             or getattr(options, "outer_quorum", None) is not None):
+        return "--protocol diloco changes membership at an outer step: not with --fragments, --overlap-steps " \
+               "or --outer-quorum"
+    if config.bulk == "torch":
+        return "an elastic run needs the ZeroMQ plane (--bulk zmq or auto): the torch plane's process groups " \
+               "are fixed"
+    return None

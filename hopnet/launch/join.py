@@ -1,0 +1,121 @@
+"""`hopnet join`: start workers that join a running elastic run.
+
+The run's rendezvous hands out new ranks and what their workers need (the command, the
+protocol's configuration, the elastic settings); each worker then asks the members to admit it
+(:mod:`hopnet.elastic`). `hopnet join` watches its workers as `hopnet launch` does its own: it
+passes a SIGINT or SIGTERM on, and exits with the first failure's status, else 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hopnet.bootstrap.env import ELASTIC, JOIN, WorkerEnv
+from hopnet.bootstrap.parent_watch import LAUNCHER_PID, PARENT_FD
+from hopnet.errors import ConfigError
+from hopnet.rendezvous.client import request_join
+from hopnet.security import KEY_ENV, CurveKeys, load_key_file
+
+REQUEST_TIMEOUT_S = 10.0
+
+
+def _run_facts(run_dir: Path, rendezvous: str | None) -> tuple[str, str | None, dict[str, Any]]:
+    """The rendezvous, the launcher's working directory, and the run's launch.json (if here)."""
+    record: dict[str, Any] = {}
+    path = run_dir / "launch.json"
+    if path.is_file():
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+    endpoint = rendezvous or record.get("rendezvous")
+    if not endpoint:
+        raise ConfigError(f"{run_dir} holds no launch.json of a running run: give the run's --rendezvous")
+    if record.get("result") is not None:
+        raise ConfigError(f"the run in {run_dir} has ended ({record['result'].get('summary') or 'finished'})")
+    return str(endpoint), record.get("cwd"), record
+
+
+def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | None = None,
+             key_file: str | os.PathLike[str] | None = None, bind: str | None = None) -> int:
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: add at least 1 worker")
+    directory = Path(run_dir)
+    endpoint, cwd, record = _run_facts(directory, rendezvous)
+    keys: CurveKeys | None = load_key_file(key_file) if key_file is not None else None
+    if keys is None and record.get("security") == "curve":
+        raise ConfigError("the run is secured with a run key: give its --key-file")
+    reply = request_join(endpoint, nproc, REQUEST_TIMEOUT_S, keys)
+    info = reply["info"]
+    ranks = [int(r) for r in reply["ranks"]]
+    directory.mkdir(parents=True, exist_ok=True)
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    base = dict(os.environ)
+    base.update({str(k): str(v) for k, v in info.get("env", {}).items()})
+    # the joiners end when this process does, as a launcher's workers do (hopnet.bootstrap.parent_watch)
+    watch_read, watch_write = os.pipe()
+    base[PARENT_FD], base[LAUNCHER_PID] = str(watch_read), str(os.getpid())
+    if keys is not None:
+        base[KEY_ENV] = keys.to_text()
+    config_json = json.dumps(reply["config"]) if reply.get("config") else base.get("HOPNET_CONFIG", "{}")
+    print(f"hopnet join: starting rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+          f"for the run in {directory}", file=sys.stderr)
+    for local, rank in enumerate(ranks):
+        worker = WorkerEnv(rank=rank, world_size=rank + 1, local_rank=local,
+                           graph_path=str(directory / "graph.json"), rendezvous=endpoint, run_dir=str(directory),
+                           config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
+                           explicit_options=tuple(info.get("explicit", ())))
+        env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: "1"}
+        procs[rank] = subprocess.Popen(info["command"], env=env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                                       start_new_session=True, pass_fds=(watch_read,))
+    os.close(watch_read)
+    try:
+        return _watch(procs)
+    finally:
+        os.close(watch_write)
+
+
+def _watch(procs: dict[int, subprocess.Popen[bytes]]) -> int:
+    """Wait for the joiners; pass a SIGINT/SIGTERM on to them; the first failure's status, else 0."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        for proc in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    codes: dict[int, int] = {}
+    try:
+        while len(codes) < len(procs):
+            for rank, proc in procs.items():
+                if rank not in codes and proc.poll() is not None:
+                    codes[rank] = proc.returncode
+                    code = proc.returncode
+                    what = "exited 0" if code == 0 else (f"killed by signal {-code}" if code < 0 else f"exited {code}")
+                    print(f"hopnet join: rank {rank} {what}", file=sys.stderr)
+            time.sleep(0.05)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for proc in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    if received:
+        return 128 + received[0]
+    failed = [c for c in codes.values() if c != 0]
+    return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
