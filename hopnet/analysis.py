@@ -93,8 +93,9 @@ def _read_log(path: Path, rank: int) -> list[dict[str, Any]]:
         records.append(record)
     starts = [r for r in records if r.get("event") == "start"]
     # a replacement of a dead worker (hopnet launch --max-restarts) appends to its rank's log,
-    # starting with a start record that carries "restart": N
-    fresh = [r for r in starts[1:] if not _is_restart(r.get("restart"))]
+    # starting with a start record that carries "restart": N; an elastic worker's node of each
+    # later view starts with one that carries "view": N
+    fresh = [r for r in starts[1:] if not _is_restart(r.get("restart")) and not isinstance(r.get("view"), int)]
     if fresh:
         runs = 1 + len(fresh)
         raise RunLogError(f"{path} holds {runs} runs ({runs} start records without \"restart\"): the run "
@@ -117,6 +118,14 @@ def incarnations(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return parts
 
 
+def _elastic(folder: Path) -> bool:
+    """Whether the run in ``folder`` was launched elastic (``launch.json``'s ``elastic``)."""
+    try:
+        return bool(json.loads((folder / "launch.json").read_text(encoding="utf-8")).get("elastic"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_run(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Every rank's event log in a run directory, by rank, checked to be one run.
 
@@ -133,7 +142,7 @@ def load_run(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
             continue
         runs[int(suffix)] = _read_log(path, int(suffix))
     graph_path = folder / "graph.json"
-    if graph_path.is_file():
+    if graph_path.is_file() and not _elastic(folder):  # an elastic run's joiners take ranks beyond its first graph
         n = Graph.from_json(graph_path).n
         stray = sorted(r for r in runs if r >= n)
         if stray:

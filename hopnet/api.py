@@ -109,7 +109,7 @@ class Worker:
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
                  max_restarts: int = 0, restart: int = 0, max_failures: int = 0,
-                 module: torch.nn.Module | None = None, position: int | None = None) -> None:
+                 module: torch.nn.Module | None = None, members: tuple[int, ...] | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
@@ -118,8 +118,7 @@ class Worker:
         wait for them to come back); ``restart``: this process replaces its rank's dead worker (the
         ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`).
         ``max_failures``: workers the run may lose; a group a dead member broke is then rolled back.
-        ``position``: the node's place in ``graph`` when it is not ``rank`` (a joiner of an elastic
-        run starts alone, on a graph of one node)."""
+        ``members``: the rank on each node of ``graph`` if not ``0..n-1`` (an elastic joiner's: ``(rank,)``)."""
         model = ModelState.wrap(params)
         if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
@@ -133,9 +132,10 @@ class Worker:
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        self.node = assemble_node(rank=rank if position is None else position, graph=graph, config=config, params=params, grads=grads,
+        self.node = assemble_node(rank=rank if members is None else members.index(rank), graph=graph, config=config, params=params, grads=grads,
                                   transport=transport, events=events, collective_factory=collective_factory,
                                   coordinator=coordinator)
+        self.node.members = members
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -156,9 +156,8 @@ class Worker:
         self.saved_model: Path | None = None
         """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
         self.consensus_calls = 0
-        self.changeover: Changeover | None = None
-        """An elastic run's view changes (``--min-nproc``/``--max-nproc``): set by :func:`init`."""
-        self._left = False
+        self.changeover: Changeover | None = None  # an elastic run's view changes, set by init()
+        self._left = False  # an elastic worker that left: its node is closed
         self.checkpointer: checkpoint.Checkpointer | None = None
         """Saves this worker's state every N iterations (:func:`init` sets it from ``HOPNET_CHECKPOINT_EVERY``)."""
         self._states: dict[str, Any] = {}
@@ -272,16 +271,7 @@ class Worker:
         handed = bool(self.node.handover_requests) and not self._closed
         if handed:
             self._hand_over(finished + 1 if last else self.iteration, finished=last)
-        changed = False
-        if self.changeover is not None and not last and not self._closed:
-            entry = self.changeover.due(finished)
-            if entry is not None:
-                try:
-                    self.changeover.enter(entry)
-                except BaseException:
-                    self._left = True  # the segment was closed: nothing to close or abort but the log
-                    raise
-                changed = True
+        changed = self.changeover is not None and not last and not self._closed and self.changeover.boundary(finished)
         if saved or handed or changed:
             self._compute_started = time.monotonic()  # the next iteration's compute starts now
 
@@ -392,11 +382,8 @@ class Worker:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """The ranks of the view this worker trains in: ``0..n-1`` unless the run is elastic and
-        its membership changed (what :class:`hopnet.data.ElasticSampler` divides the data over)."""
-        if self.changeover is not None and self.changeover.members:
-            return self.changeover.members
-        return tuple(range(self.graph.n))
+        """The ranks of the view this worker trains in (what :class:`hopnet.data.ElasticSampler` divides)."""
+        return self.changeover.members if self.changeover is not None else tuple(range(self.graph.n))
 
     @property
     def view(self) -> int:
@@ -569,13 +556,8 @@ class Worker:
             self._run_after_close(aborted=False)
 
     def _close_elastic(self) -> None:
-        """An elastic worker's segments leave its event log open, and its control channel lives on."""
-        if self.changeover is None:
-            return
-        try:
-            self._thread.run(self.changeover.run.close(), timeout_s=CLOSE_TIMEOUT_S)
-        finally:
-            self.node.events.close()
+        if self.changeover is not None:
+            self.changeover.close(CLOSE_TIMEOUT_S)
 
     def _run_after_close(self, aborted: bool) -> None:
         for hook in self.after_close:
@@ -742,7 +724,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
                         max_restarts=restarts.allowed, restart=restarts.this, max_failures=restarts.losses,
-                        module=spec.model, position=0 if joining else None)
+                        module=spec.model, members=(context.rank,) if joining else None)
     except BaseException:
         run.finish(aborted=True)
         raise

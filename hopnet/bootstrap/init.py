@@ -145,7 +145,7 @@ def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping
             check_same_graph(g, graph)
         context = WorkerContext(launched.rank, launched.world_size, g, launched.config(), launched.explicit_options,
                                 launched.bind_host, launched.store, keys_from_environ(environ), launched=launched)
-    if context.graph.n != context.world_size and environ.get(JOIN, "").strip() != "1":
+    if context.graph.n != context.world_size and not environ.get(JOIN, "").strip():
         raise ConfigError(f"the graph has {context.graph.n} nodes but the launcher started "
                           f"{context.world_size} workers")
     return context

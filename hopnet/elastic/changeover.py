@@ -84,6 +84,25 @@ class Changeover:
     async def _head(self) -> ViewEntry | None:
         return self.run.head()
 
+    def boundary(self, finished: int) -> bool:
+        """At the step boundary after ``finished``: enter the next view if it begins now (True)."""
+        entry = self.due(finished)
+        if entry is None:
+            return False
+        try:
+            self.enter(entry)
+        except BaseException:
+            self.worker._left = True  # its node is closed: only the event log is left to close
+            raise
+        return True
+
+    def close(self, timeout_s: float) -> None:
+        """The worker closes: the control channel, then the event log its segments shared."""
+        try:
+            self.worker._thread.run(self.run.close(), timeout_s=timeout_s)
+        finally:
+            self.worker.node.events.close()
+
     def ends_segment(self, iteration: int) -> bool:
         """Whether ``iteration`` is the current segment's last (its step is the segment's ``last``)."""
         return self.last_iteration is not None and iteration >= self.last_iteration
@@ -211,6 +230,7 @@ class Changeover:
                                events=old.events, peer_timeout_s=config.peer_timeout_s, collective_factory=factory)
         node.owns_events = False
         node.members = entry.members
+        node.start_fields = {"view": entry.number}
         node.survives_losses = old.survives_losses
         node.handover_now = old.handover_now
         node.load_state = old.load_state

@@ -10,7 +10,8 @@ from hopnet.bootstrap.env import ELASTIC, JOIN
 from hopnet.errors import ConfigError
 
 # HOPNET_ELASTIC: JSON {"graph": BUILDER, "min": M, "max": N}, the run is elastic (--min-nproc/--max-nproc);
-# HOPNET_JOIN=1 in a worker `hopnet join` started: it asks the members to admit it.
+# HOPNET_JOIN=R1,R2,... in a worker `hopnet join` started: the ranks that join with it (its own among them),
+# admitted together.
 STOP_FILE = "stopping"
 """The launcher writes this file into the run directory before it stops the workers: a SIGTERM
 is then the launcher's, not a preemption (which an elastic worker answers by leaving)."""
@@ -23,6 +24,8 @@ class ElasticSettings:
     min_nproc: int
     max_nproc: int
     joining: bool = False
+    batch: tuple[int, ...] = ()
+    """A joiner's: the ranks of its `hopnet join`, admitted in one view."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nproc <= self.max_nproc:
@@ -38,7 +41,8 @@ class ElasticSettings:
             return None
         try:
             data = json.loads(text)
-            return cls(str(data["graph"]), int(data["min"]), int(data["max"]),
-                       joining=environ.get(JOIN, "").strip() == "1")
+            joined = environ.get(JOIN, "").strip()
+            batch = tuple(int(r) for r in joined.split(",") if r.strip()) if joined else ()
+            return cls(str(data["graph"]), int(data["min"]), int(data["max"]), joining=bool(batch), batch=batch)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{ELASTIC}={text!r}: {exc}") from None

@@ -17,8 +17,12 @@ from hopnet.elastic.support import elastic_refusal
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.membership import MembershipConfig, View
-from hopnet.rendezvous.client import register_control
+from hopnet.rendezvous.client import barrier, register_control
 from hopnet.runtime import shutdown
+
+GATHER_S = 0.2
+"""How long the proposer waits for more joiners after the first asks (those of one `hopnet join`
+ask within milliseconds of each other), so they enter in one view."""
 
 DEFAULT_PEER_TIMEOUT_S = 10.0
 """The membership's silence limit when the run sets no ``--peer-timeout``."""
@@ -60,12 +64,16 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
     channel.learn(table)
     peer_timeout = config.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
     membership = MembershipConfig(peer_timeout=peer_timeout, max_members=settings.max_nproc,
-                                  min_members=settings.min_nproc)
+                                  min_members=settings.min_nproc, gather_s=GATHER_S)
     first = None if settings.joining else View(0, tuple(range(context.world_size)))
     contacts = sorted(r for r in table if r != context.rank)
     run = ElasticRun(context.rank, channel, membership, first_view=first, contacts=contacts,
                      record=worker.record, iteration=lambda: worker.node.protocol.iteration,
                      timeout_s=config.timeout_s)
+
+    if len(settings.batch) > 1:  # the joiners of one `hopnet join` ask together, to be admitted in one view
+        barrier(context.launched.rendezvous, context.rank, f"join-{settings.batch[0]}", config.timeout_s,
+                context.curve, count=len(settings.batch))
 
     async def begin() -> None:
         run.start()
@@ -78,7 +86,6 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
         changeover.members, changeover.view = first.members, 0
     _leave_on_sigterm(worker, run, Path(run_dir) / STOP_FILE)
     if settings.joining:
-        worker.node.members = (context.rank,)  # its records name its rank, not its place alone
         changeover.join()
     return changeover
 

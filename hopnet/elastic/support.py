@@ -12,7 +12,8 @@ def elastic_refusal(config: ProtocolConfig) -> str | None:
     if needs_coordinator(config):
         return f"--protocol {name} runs with a coordinator, which cannot change its members yet"
     options = config.options
-    if name == "diloco" and (getattr(options, "fragments", 1) != 1 or options.overlap()
+    overlap = getattr(options, "overlap", None)
+    if name == "diloco" and (getattr(options, "fragments", 1) != 1 or (callable(overlap) and overlap())
                              or getattr(options, "outer_quorum", None) is not None):
         return "--protocol diloco changes membership at an outer step: not with --fragments, --overlap-steps " \
                "or --outer-quorum"

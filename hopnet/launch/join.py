@@ -72,7 +72,7 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
                            graph_path=str(directory / "graph.json"), rendezvous=endpoint, run_dir=str(directory),
                            config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
                            explicit_options=tuple(info.get("explicit", ())))
-        env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: "1"}
+        env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: ",".join(map(str, ranks))}
         procs[rank] = subprocess.Popen(info["command"], env=env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
                                        start_new_session=True, pass_fds=(watch_read,))
     os.close(watch_read)

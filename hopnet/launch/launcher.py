@@ -471,7 +471,8 @@ class Launch:
         machines, a failure here first goes to the abort record every launcher follows."""
         state = self.state
         state.stopping(self.workers.running())
-        mark_stopping(self.run_dir)  # an elastic worker takes this SIGTERM for the launcher's, not a preemption
+        if self.plan.elastic is not None:
+            mark_stopping(self.run_dir)  # an elastic worker takes this SIGTERM for the launcher's, not a preemption
         if self.group is not None and state.first_failure is not None and not self._signalled():
             self._abort_other_machines(self.group)
         if self._signalled():

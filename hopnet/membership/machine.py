@@ -36,6 +36,8 @@ class MembershipConfig:
     beat_s: float | None = None
     max_members: int | None = None
     min_members: int = 1
+    gather_s: float = 0.0
+    """How long a proposer waits, once a join is due, for more requests to put in the same view."""
 
     def __post_init__(self) -> None:
         if not self.peer_timeout > 0:
@@ -259,7 +261,8 @@ class Membership:
         turn = alive.index(self.rank)
         if turn == 0 or now - self._due_since >= turn * self.config.peer_timeout:
             if self._round is None:
-                if now >= self._yield_until:
+                gathering = bool(self._pending.joins) and now - self._due_since < self.config.gather_s
+                if now >= self._yield_until and not gathering:
                     self._start_round(now)
             elif now - self._round.sent >= self.config.retry:
                 self._resend(self._round, now)

@@ -239,20 +239,22 @@ async def exchange_addresses_async(endpoint: str, rank: int, world_size: int, ad
     return _address_table(reply, endpoint, world_size)
 
 
-def _barrier_request(rank: int, name: str) -> dict[str, Any]:
+def _barrier_request(rank: int, name: str, count: int | None = None) -> dict[str, Any]:
     if not isinstance(rank, int) or rank < 0:
         raise ConfigError(f"barrier: bad rank {rank!r}")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"barrier: bad name {name!r}")
-    return {"rank": rank, "barrier": name}
+    return {"rank": rank, "barrier": name} if count is None else {"rank": rank, "barrier": name, "count": count}
 
 
-def barrier(endpoint: str, rank: int, name: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
-    """Block until every rank has entered the barrier ``name`` (raises :class:`WaitTimeout`)."""
+def barrier(endpoint: str, rank: int, name: str, timeout_s: float, curve: CurveKeys | None = None,
+            count: int | None = None) -> None:
+    """Block until every rank (``count`` ranks, if given) has entered the barrier ``name`` (raises
+    :class:`WaitTimeout`)."""
     _check_endpoint(endpoint)
     timeout_s = _check_timeout(timeout_s)
     start = time.monotonic()
-    reply = _request_sync(endpoint, _barrier_request(rank, name), timeout_s, curve)
+    reply = _request_sync(endpoint, _barrier_request(rank, name, count), timeout_s, curve)
     if reply is None:
         waited = time.monotonic() - start
         raise WaitTimeout(_barrier_what(endpoint, name, rendezvous_status(endpoint, curve=curve)), waited_s=waited)
@@ -288,7 +290,10 @@ def register_control(endpoint: str, rank: int, address: str, timeout_s: float,
 
 def request_join(endpoint: str, count: int, timeout_s: float, curve: CurveKeys | None = None) -> dict[str, Any]:
     """`hopnet join`: ask the run at ``endpoint`` for ``count`` new ranks."""
-    reply = _request_sync(endpoint, {"join": count}, timeout_s, curve)
+    try:
+        reply = _request_sync(endpoint, {"join": count}, timeout_s, curve)
+    except RendezvousError as exc:
+        raise ConfigError(str(exc)) from None
     if reply is None:
         raise HopnetError(f"the run's rendezvous at {endpoint} did not answer within {timeout_s:g}s "
                           "(is the run still going, and is the key file the run's?)")

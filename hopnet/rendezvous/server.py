@@ -256,6 +256,11 @@ class RendezvousServer:
         if not isinstance(rank, int) or isinstance(rank, bool):
             self._refuse(sock, identity, f"rendezvous: rank must be an integer (got {rank!r})", as_json)
             return
+        batch = msg.get("count")
+        if "barrier" in msg and isinstance(batch, int) and not isinstance(batch, bool) and 0 < batch \
+                and 0 <= rank < self._next_rank:
+            self._enter_barrier(sock, identity, rank, msg["barrier"], as_json, count=batch)
+            return
         if not 0 <= rank < self.world_size:
             self._refuse(sock, identity, f"rendezvous: rank {rank} out of range "
                                          f"(world size {self.world_size})", as_json)
@@ -354,14 +359,16 @@ class RendezvousServer:
                 reply_table: dict[Any, str] = {str(r): a for r, a in table.items()} if js else table
                 self._reply(sock, ident, {"addresses": reply_table}, js)
 
-    def _enter_barrier(self, sock: zmq.Socket, identity: bytes, rank: int, name: Any, as_json: bool) -> None:
+    def _enter_barrier(self, sock: zmq.Socket, identity: bytes, rank: int, name: Any, as_json: bool,
+                       count: int | None = None) -> None:
+        """``count``: the barrier is for that many ranks (the workers of one `hopnet join`), not the whole world."""
         if not isinstance(name, str) or not name:
             self._refuse(sock, identity, f"rendezvous: rank {rank} sent a bad barrier name {name!r}", as_json)
             return
         with self._lock:
             entered = self._barriers.setdefault(name, {})
             entered[rank] = (identity, as_json)  # a rank entering again is a retry
-            if len(entered) < self.world_size:
+            if len(entered) < (self.world_size if count is None else count):
                 return
             del self._barriers[name]
             self._barriers_done.append(name)

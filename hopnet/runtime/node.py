@@ -128,6 +128,8 @@ class Node(Generic[P]):
         self._replacements = Replacements(self)
         self.owns_events = True
         """Close the event log with the node (an elastic run's segments share the worker's log)."""
+        self.start_fields: dict[str, Any] = {}
+        """More fields for the ``start`` record (an elastic run's later views: ``view``)."""
         self.members: tuple[int, ...] | None = None
         """The run's rank on each position of ``graph``, in an elastic run's view (records name ranks, not
         positions); None when positions are ranks."""
@@ -160,7 +162,7 @@ class Node(Generic[P]):
         if self.coordinator is not None:
             await self.coordinator.start()
         restart = {"restart": self.restart} if self.restart else {}  # a replacement (hopnet.runtime.rejoin)
-        self.record("start", address=self.address, **restart, **self.protocol.start_record())
+        self.record("start", address=self.address, **restart, **self.start_fields, **self.protocol.start_record())
         if self._jsonl is not None:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self._jsonl.flush_interval_s, self._flush_tick)

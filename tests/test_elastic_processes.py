@@ -1,0 +1,114 @@
+"""Elastic runs as a user meets them: `hopnet launch --max-nproc`, `hopnet join RUN_DIR`, and a
+preemption (SIGTERM to one worker) that the run survives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hopnet import Graph
+
+from support.launch import kill, recorded_worker_pids, run_launch, start_launch
+from support.paths import ROOT
+from support.records import all_records, records
+from support.wait import wait_until
+
+DIGITS = str(ROOT / "examples" / "train_digits.py")
+JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
+
+
+def _iteration(run_dir: Path, rank: int) -> int:
+    done = records(run_dir, rank, "iteration")
+    return done[-1]["iter"] if done else -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol, flags", [("hop", []), ("diloco", ["--local-steps", "8"])])
+def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Path, protocol: str,
+                                                                   flags: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--nproc", "4", "--max-nproc", "6", "--protocol", protocol, *flags, "--run-dir",
+                             str(run_dir), DIGITS, "--iterations", "6000", "--eval-every", "100000"])
+    joiner: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: _iteration(run_dir, 0) >= 200, 120, what="rank 0 to train 200 iterations")
+        joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: all(records(run_dir, r, "joined") for r in (4, 5)), 120,
+                   what="ranks 4 and 5 to join")
+        os.kill(recorded_worker_pids(run_dir)[2], signal.SIGTERM)  # a preemption notice, to that worker alone
+        out, err = launcher.communicate(timeout=180)
+        joined_out, _ = joiner.communicate(timeout=60)
+    finally:
+        kill(launcher)
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+            joiner.communicate()
+    assert launcher.returncode == 0, out + err
+    assert joiner.returncode == 0, joined_out
+    record = json.loads((run_dir / "launch.json").read_text())
+    views = record["views"]
+    assert views[0]["members"] == [0, 1, 2, 3]
+    assert sorted(rank for view in views for rank in view["joined"]) == [4, 5]
+    assert [rank for view in views for rank in view["left"]] == [2]
+    assert views[-1]["members"] == [0, 1, 3, 4, 5]
+    assert len(views) >= 3
+    assert record["result"]["worker_returncodes"]["2"] == 0  # a leave is not a failure
+    left = records(run_dir, 2, "left")
+    assert left and left[0]["line"].startswith("rank 2 left after iteration")
+    finals = {r["rank"]: r["accuracy"] for r in all_records(run_dir, "eval") if r.get("final")}
+    assert set(finals) == {0, 1, 3, 4, 5}
+    assert min(finals.values()) >= 0.95, finals
+    for joined in (4, 5):  # each took a state from a member that was there before it, not both from one
+        assert records(run_dir, joined, "joined")[0]["donor"] in (0, 1, 2, 3)
+
+
+def test_a_fixed_graph_refuses_an_elastic_run_at_launch(tmp_path: Path) -> None:
+    graph = tmp_path / "ring.json"
+    Graph.ring(4).to_json(graph)
+    done = run_launch(["--max-nproc", "6", "--graph", str(graph), "--run-dir", str(tmp_path / "run"), DIGITS])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"hopnet launch: error: --min-nproc/--max-nproc: --graph {graph} is a fixed graph and cannot re-form when "
+        "workers join or leave: give a builder such as --graph ring or --graph torus")
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--protocol", "partial-reduce"], "--protocol partial-reduce runs with a coordinator, which cannot change "
+                                        "its members yet"),
+    (["--protocol", "diloco", "--fragments", "2"], "--protocol diloco changes membership at an outer step: not "
+                                                    "with --fragments, --overlap-steps or --outer-quorum"),
+    (["--max-restarts", "1"], "--max-restarts replaces a dead worker in place; an elastic run re-forms without "
+                              "it instead"),
+])
+def test_a_protocol_that_cannot_change_membership_says_so_at_launch(tmp_path: Path, flags: list[str],
+                                                                    line: str) -> None:
+    done = run_launch(["--nproc", "4", "--min-nproc", "2", *flags, "--run-dir", str(tmp_path / "run"), DIGITS])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"hopnet launch: error: --min-nproc/--max-nproc: {line}"
+
+
+def test_max_and_min_must_bracket_the_starting_size(tmp_path: Path) -> None:
+    done = run_launch(["--nproc", "4", "--max-nproc", "3", "--run-dir", str(tmp_path / "run"), DIGITS])
+    assert done.returncode == 2
+    assert "--min-nproc 1 and --max-nproc 3 must bracket the 4 workers" in done.stderr
+
+
+def test_join_refuses_a_run_that_is_not_elastic(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--nproc", "2", "--run-dir", str(run_dir), DIGITS, "--iterations", "100000"])
+    try:
+        wait_until(lambda: _iteration(run_dir, 0) >= 0, 120, what="the run to start training")
+        done = subprocess.run([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        kill(launcher)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("hopnet join: error: this run is not elastic: it was launched without "
+                                   "--max-nproc or --min-nproc, so it takes no joiners")
