@@ -67,12 +67,13 @@ def test_the_command_line_has_a_flag_per_setting_and_translates_back_to_the_spec
         assert getattr(defaults, s.name) == s.default, s.name
     assert (defaults.script, list(defaults.script_args)) == ("train.py", [])
     args = _parse_launch(["--nproc", "3", "--grace", "2", "--no-prefix", "--start-method", "exec", "--resume", "r",
-                          "--key-file", "k", "-m", "pkg.train", "--lr", "1"])
+                          "--key-file", "k", "--min-nproc", "2", "--max-nproc", "6", "-m", "pkg.train", "--lr", "1"])
     spec = spec_from_args(args)
     assert (spec.nproc, spec.grace_s, spec.prefix, spec.start_method, spec.resume, spec.key_file, spec.module) == \
         (3, 2.0, False, "exec", True, "k", True)
+    assert (spec.min_nproc, spec.max_nproc) == (2, 6)
     assert (spec.script, list(spec.script_args)) == ("pkg.train", ["--lr", "1"])
-    assert len({s.flag for s in flagged}) == len(flagged) == 22
+    assert len({s.flag for s in flagged}) == len(flagged) == 24
 
 
 @pytest.mark.parametrize("changes, message", [

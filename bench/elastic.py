@@ -1,0 +1,92 @@
+"""Elastic runs, measured: 4 workers on digits, 2 join with one `hopnet join` once training runs,
+then rank 2 gets SIGTERM once they trained; per protocol, how the run ended and what the changes cost.
+
+    python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000]
+
+Columns: the launcher's and `hopnet join`'s exit codes, rank 2's exit code, the views, the time
+from `hopnet join` to a joiner's first iteration (process start, torch import and admission
+included), the joiners' wait inside hopnet.init (admission and state transfer), the longest
+stall a member had at a view change, and the lowest final accuracy of the members that finished."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "examples" / "train_digits.py")
+FLAGS = {"diloco": ["--local-steps", "8"]}
+
+
+def _records(run_dir: Path, rank: int, event: str) -> list[dict[str, Any]]:
+    path = run_dir / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            out.append(record)
+    return out
+
+
+def _wait(what: str, ready: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def run(protocol: str, iterations: int, base: Path) -> dict[str, Any]:
+    run_dir = base / protocol
+    launcher = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--max-nproc",
+                                 "6", "--protocol", protocol, *FLAGS.get(protocol, []), "--run-dir", str(run_dir),
+                                 DIGITS, "--iterations", str(iterations), "--eval-every", "100000"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= 200)
+    joined_at = time.monotonic()
+    joiner = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "join", str(run_dir), "--nproc", "2"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait("the joiners' first iterations", lambda: all(_records(run_dir, r, "iteration") for r in (4, 5)))
+    first_iteration_s = max(_records(run_dir, r, "iteration")[0]["mono"] for r in (4, 5)) - joined_at
+    pid = json.loads((run_dir / "launch.json").read_text())["worker_pids"]["2"]
+    os.kill(pid, signal.SIGTERM)
+    launch_rc, join_rc = launcher.wait(timeout=300), joiner.wait(timeout=120)
+    record = json.loads((run_dir / "launch.json").read_text())
+    stalls = [r["stall_s"] for rank in range(6) for r in _records(run_dir, rank, "view_entered")]
+    waits = [r["wait_s"] for rank in (4, 5) for r in _records(run_dir, rank, "joined")]
+    finals = [r["accuracy"] for rank in range(6) for r in _records(run_dir, rank, "eval") if r.get("final")]
+    return {"protocol": protocol, "launch": launch_rc, "join": join_rc,
+            "rank 2": record["result"]["worker_returncodes"].get("2"), "views": len(record["views"]),
+            "join to 1st iteration (s)": round(first_iteration_s, 2), "admission + state (s)": round(max(waits), 3),
+            "max stall (s)": round(max(stalls), 3), "min accuracy": round(min(finals), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "ad-psgd"])
+    parser.add_argument("--iterations", type=int, default=6000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run(p, args.iterations, Path(tmp)) for p in args.protocols]
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + " --- |" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
