@@ -76,16 +76,16 @@ def run(protocol: str, iterations: int, base: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "ad-psgd"])
+    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd"])
     parser.add_argument("--iterations", type=int, default=6000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(p, args.iterations, Path(tmp)) for p in args.protocols]
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+        for i, protocol in enumerate(args.protocols):
+            row = run(protocol, args.iterations, Path(tmp))
+            if i == 0:
+                print("| " + " | ".join(row) + " |")
+                print("|" + " --- |" * len(row))
+            print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ class Changeover:
     def close(self, timeout_s: float) -> None:
         """The worker closes: the control channel, then the event log its segments shared."""
         try:
+            self.worker._thread.run(self._run_ended(), timeout_s=timeout_s)
             self.worker._thread.run(self.run.close(), timeout_s=timeout_s)
         finally:
             self.worker.node.events.close()
@@ -151,6 +152,9 @@ class Changeover:
         self._open_segment(entry, graph, first, donor=donor)
         worker.record("joined", view=entry.number, members=list(entry.members), iter=first, donor=donor,
                       position=graph.position(worker.rank), wait_s=round(time.monotonic() - started, 6))
+
+    async def _run_ended(self) -> None:
+        self.run.tell_joiners_the_run_ended(self.worker.node.protocol.iteration)
 
     async def _send_cursors(self, entry: ViewEntry, cursors: dict[str, int]) -> None:
         self.run.send_cursors(entry, cursors)

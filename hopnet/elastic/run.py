@@ -19,6 +19,10 @@ from hopnet.membership import Commit, Membership, MembershipConfig, Send, View
 
 Recorder = Callable[..., None]
 
+
+class RunEnded(HopnetError):
+    """A joiner's: the run finished before it could enter (its process then exits 0 with the line)."""
+
 TICK_S = 0.02
 """How often the membership looks at the time (it sends only what is due)."""
 
@@ -79,6 +83,8 @@ class ElasticRun:
         self._installed = 0
         self._changed = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
+        self.ended_line: str | None = None
+        """A joiner's: the run ended before the view that admitted it began."""
         self.stopped_line: str | None = None
         """Why the membership stopped this worker (cut off, too few members, refused...)."""
         self.leaving = False
@@ -139,6 +145,9 @@ class ElasticRun:
                                                                       in header["cursors"].items()}
             elif kind == "state" and payload is not None:
                 self._pending_states[view] = bytes(payload)
+            elif kind == "ended" and self.segment_view < view and self.ended_line is None:
+                self.ended_line = (f"rank {self.rank}: the run ended (at iteration {header.get('iter')}) before "
+                                   f"view {view}, which admitted it, began")
         self._after_event()
 
     def _after_event(self) -> None:
@@ -189,6 +198,8 @@ class ElasticRun:
         while not ready():
             if self.stopped_line is not None:
                 raise HopnetError(self.stopped_line)
+            if self.ended_line is not None:
+                raise RunEnded(self.ended_line)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise HopnetError(f"rank {self.rank}: {what()} within {self.timeout_s:g}s (--timeout)")
@@ -256,6 +267,13 @@ class ElasticRun:
         """A joiner: wait until a view admits it."""
         await self._wait(lambda: bool(self.queue), lambda: f"rank {self.rank} was not admitted to the run")
         return self.queue[0]
+
+    def tell_joiners_the_run_ended(self, iteration: int) -> None:
+        """This member finished training with views still to enter: their joiners will not get in."""
+        for entry in self.queue:
+            for joiner in entry.commit.change.joined:
+                if joiner != self.rank:
+                    self.channel.send(joiner, {"t": "ended", "view": entry.number, "iter": iteration})
 
     def entered(self, entry: ViewEntry) -> None:
         """This worker now runs ``entry``'s view."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -11,7 +12,7 @@ from hopnet.bootstrap.init import WorkerContext
 from hopnet.config import ProtocolConfig
 from hopnet.elastic.changeover import Changeover
 from hopnet.elastic.control import ControlChannel
-from hopnet.elastic.run import ElasticRun
+from hopnet.elastic.run import ElasticRun, RunEnded
 from hopnet.elastic.settings import STOP_FILE, ElasticSettings
 from hopnet.elastic.support import elastic_refusal
 from hopnet.errors import ConfigError
@@ -86,7 +87,14 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
         changeover.members, changeover.view = first.members, 0
     _leave_on_sigterm(worker, run, Path(run_dir) / STOP_FILE)
     if settings.joining:
-        changeover.join()
+        try:
+            changeover.join()
+        except RunEnded as ended:
+            worker.record("run_ended", line=str(ended))
+            print(f"hopnet: {ended}", file=sys.stderr, flush=True)
+            worker._left = True  # its nodes are closed or never started
+            worker.close()
+            raise SystemExit(0) from None
     return changeover
 
 

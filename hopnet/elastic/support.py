@@ -11,6 +11,9 @@ def elastic_refusal(config: ProtocolConfig) -> str | None:
     name = config.protocol
     if needs_coordinator(config):
         return f"--protocol {name} runs with a coordinator, which cannot change its members yet"
+    if name == "ad-psgd":
+        return "--protocol ad-psgd's workers drift apart without bound, so a view change would wait for the " \
+               "slowest to catch up with the fastest; it cannot change membership yet"
     options = config.options
     overlap = getattr(options, "overlap", None)
     if name == "diloco" and (getattr(options, "fragments", 1) != 1 or (callable(overlap) and overlap())

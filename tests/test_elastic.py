@@ -1,0 +1,94 @@
+"""The parts of an elastic run one at a time: the membership messages on the wire, where a view
+begins, who hands a joiner its state, the launcher's settings, the rendezvous's new ranks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hopnet.elastic import codec
+from hopnet.elastic.settings import ElasticSettings
+from hopnet.elastic.switch import assign_donors, first_iteration
+from hopnet.errors import ConfigError, HopnetError
+from hopnet.graph.members import MemberGraph
+from hopnet.membership import (
+    Accept, Accepted, Ballot, Beat, Change, ChangeRequest, Commit, JoinRequest, Nack, Prepare, Promise,
+    Requests, View,
+)
+from hopnet.rendezvous.client import barrier, register_control, request_join
+from hopnet.rendezvous.server import RendezvousServer
+
+CHANGE = Change(View(3, (0, 1, 4, 5)), joined=(4, 5), left=(2,), died=(3,), refused=(6,))
+MESSAGES = [
+    Beat(2), JoinRequest(-1, 7), ChangeRequest(2, Requests((7,), (1,), (3,))), Prepare(2, Ballot(4, 1)),
+    Promise(2, Ballot(4, 1), Ballot(3, 0), CHANGE, Requests((7,))), Promise(2, Ballot(4, 1), None, None, Requests()),
+    Accept(2, Ballot(4, 1), CHANGE), Accepted(2, Ballot(4, 1), CHANGE), Nack(2, Ballot(4, 1), Ballot(5, 2)),
+    Commit(2, Ballot(4, 1), CHANGE, (0, 1, 4)),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_membership_message_survives_the_wire(message: object) -> None:
+    import msgpack
+
+    assert codec.decode(msgpack.unpackb(msgpack.packb(codec.encode(message)))) == message  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("data", [{}, {"k": "Beat"}, {"k": "Nope", "v": 1}, {"k": "Commit", "v": 1, "b": [1]}])
+def test_a_malformed_message_is_refused_in_one_line(data: dict[str, object]) -> None:
+    with pytest.raises(HopnetError, match="malformed membership message"):
+        codec.decode(data)
+
+
+def test_a_view_begins_two_past_the_highest_report_at_the_protocols_safe_point() -> None:
+    assert first_iteration({0: 10, 1: 12, 3: 11}, lambda k: k) == 14
+    assert first_iteration({0: 10, 1: 12}, lambda k: -(-k // 8) * 8) == 16  # DiLoCo, H = 8: an outer round's start
+    with pytest.raises(ValueError):
+        first_iteration({}, lambda k: k)
+
+
+def test_joiners_take_their_state_from_old_neighbours_spread_over_donors() -> None:
+    graph = MemberGraph.build("ring", (0, 1, 2, 3, 4, 5))
+    donors = assign_donors(graph, (4, 5), (0, 1, 2, 3))
+    assert donors == {4: 3, 5: 0}  # each one's old neighbour on the ring
+    many = assign_donors(MemberGraph.build("ring", range(8)), (4, 5, 6, 7), (0, 1, 2, 3))
+    assert sorted(many.values()) == [0, 1, 2, 3]  # four joiners, four donors: never all on one
+    assert all(d in (0, 1, 2, 3) for d in many.values())
+    with pytest.raises(ValueError):
+        assign_donors(graph, (4,), ())
+
+
+def test_the_launchers_variables_read_back() -> None:
+    settings = ElasticSettings("torus", 2, 8)
+    environ = {"HOPNET_ELASTIC": settings.to_json()}
+    assert ElasticSettings.from_environ(environ) == settings
+    joiner = ElasticSettings.from_environ({**environ, "HOPNET_JOIN": "8,9"})
+    assert joiner is not None and joiner.joining and joiner.batch == (8, 9)
+    assert ElasticSettings.from_environ({}) is None
+    with pytest.raises(ConfigError, match="HOPNET_ELASTIC"):
+        ElasticSettings.from_environ({"HOPNET_ELASTIC": '{"graph": "ring"}'})
+    with pytest.raises(ConfigError, match=r"need 1 <= min \(3\) <= max \(2\)"):
+        ElasticSettings("ring", 3, 2)
+
+
+def test_the_rendezvous_hands_out_fresh_ranks_and_the_control_table() -> None:
+    with RendezvousServer(4) as server:
+        with pytest.raises(ConfigError, match="this run is not elastic"):
+            request_join(server.endpoint, 2, 5.0)
+        server.join_info = {"command": ["python", "train.py"]}
+        assert register_control(server.endpoint, 1, "tcp://127.0.0.1:5001", 5.0) == {1: "tcp://127.0.0.1:5001"}
+        first = request_join(server.endpoint, 2, 5.0)
+        second = request_join(server.endpoint, 1, 5.0)
+        assert (first["ranks"], second["ranks"]) == ([4, 5], [6])  # a rank is never handed out twice
+        assert first["control"] == {"1": "tcp://127.0.0.1:5001"} and first["info"] == server.join_info
+        table = register_control(server.endpoint, 5, "tcp://127.0.0.1:5005", 5.0)
+        assert table == {1: "tcp://127.0.0.1:5001", 5: "tcp://127.0.0.1:5005"}
+        with pytest.raises(HopnetError):
+            register_control(server.endpoint, 9, "tcp://127.0.0.1:5009", 5.0)  # a rank nobody was given
+        # the workers of one `hopnet join` meet at a barrier of their own count
+        other = threading.Thread(target=barrier, args=(server.endpoint, 4, "join-4", 10.0), kwargs={"count": 2})
+        other.start()
+        barrier(server.endpoint, 5, "join-4", 10.0, count=2)
+        other.join(10.0)
+        assert not other.is_alive()
