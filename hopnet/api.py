@@ -49,7 +49,7 @@ from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel
 from hopnet.elastic.changeover import Changeover
 from hopnet.elastic.settings import ElasticSettings
-from hopnet.elastic.setup import check_elastic, lone_graph, open_control, start_elastic
+from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
@@ -132,7 +132,8 @@ class Worker:
         self.slowdown = config.make_slowdown()
         self.slowdown.validate_ranks(graph.n)
         self._thread = EventLoopThread(name=f"hopnet-rank{rank}")
-        self.node = assemble_node(rank=rank if members is None else members.index(rank), graph=graph, config=config, params=params, grads=grads,
+        self.node = assemble_node(rank=rank if members is None else members.index(rank), graph=graph,
+                                  config=config if members is None else lone_config(), params=params, grads=grads,
                                   transport=transport, events=events, collective_factory=collective_factory,
                                   coordinator=coordinator)
         self.node.members = members

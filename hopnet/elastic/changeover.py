@@ -23,6 +23,9 @@ import torch
 from hopnet import checkpoint
 from hopnet.bootstrap.plane import collective_factory, make_transport
 from hopnet.data import ElasticSampler
+from hopnet.coordinator import needs_coordinator
+from hopnet.coordinator.client import client_from_environ
+from hopnet.elastic.coordinator import ViewCoordinator
 from hopnet.elastic.run import ElasticRun, ViewEntry
 from hopnet.elastic.switch import assign_donors
 from hopnet.errors import HopnetError
@@ -47,7 +50,7 @@ class Changeover:
     layer above this one)."""
 
     def __init__(self, worker: Any, run: ElasticRun, *, graph_spec: str, bind_host: str,
-                 curve: CurveKeys | None, safe_point: Callable[[int], int]) -> None:
+                 curve: CurveKeys | None, safe_point: Callable[[int], int], run_dir: str) -> None:
         self.worker = worker
         self.run = run
         self.graph_spec = graph_spec
@@ -60,6 +63,9 @@ class Changeover:
         """The old segment's last iteration, once a committed change fixed it."""
         self._entry: ViewEntry | None = None
         self._late_samplers: dict[str, tuple[int, tuple[int, ...], dict[int, int]]] = {}
+        self.run_dir = run_dir
+        self._hosted: ViewCoordinator | None = None
+        """The coordinator of the view this worker hosts (the lowest member hosts it, if the protocol has one)."""
 
     # ------------------------------------------------------------------ at each step boundary
     def due(self, finished: int) -> ViewEntry | None:
@@ -101,6 +107,7 @@ class Changeover:
         try:
             self.worker._thread.run(self._run_ended(), timeout_s=timeout_s)
             self.worker._thread.run(self.run.close(), timeout_s=timeout_s)
+            self._stop_hosted()
         finally:
             self.worker.node.events.close()
 
@@ -130,6 +137,9 @@ class Changeover:
             worker.record("state_sent", view=entry.number, to=served, bytes=len(payload))
         self._entry, self.last_iteration = None, None
         if worker.rank not in entry.members:
+            if self._hosted is not None:  # the old view's members may still need it for their last iteration
+                worker._thread.run(self.run.segments(entry), timeout_s=None)
+                self._stop_hosted()
             worker._thread.run(self._entered(entry))
             line = f"rank {worker.rank} left after iteration {first - 1}: view {entry.number} goes on without it"
             worker.record("left", view=entry.number, iter=first - 1, line=line)
@@ -152,6 +162,14 @@ class Changeover:
         self._open_segment(entry, graph, first, donor=donor)
         worker.record("joined", view=entry.number, members=list(entry.members), iter=first, donor=donor,
                       position=graph.position(worker.rank), wait_s=round(time.monotonic() - started, 6))
+
+    def _stop_hosted(self) -> None:
+        if self._hosted is not None:
+            hosted, self._hosted = self._hosted, None
+            hosted.stop()
+
+    async def _send_coordinator(self, entry: ViewEntry, env: dict[str, str]) -> None:
+        self.run.send_coordinator(entry, env)
 
     async def _run_ended(self) -> None:
         self.run.tell_joiners_the_run_ended(self.worker.node.protocol.iteration)
@@ -230,8 +248,17 @@ class Changeover:
                                      tensor_bytes=None)
         old = worker.node
         protocol = make_protocol(config, worker.params, grads)
+        hosting = None
+        client = None
+        if needs_coordinator(config):
+            if position == 0:
+                hosting = ViewCoordinator.start(config, graph.graph, self.run_dir, entry.number, self.bind_host)
+                worker._thread.run(self._send_coordinator(entry, hosting.worker_env()))
+            env = worker._thread.run(run.coordinator_env(entry), timeout_s=None)
+            client = client_from_environ(position, config.peer_timeout_s or 0.0, env)
         node: Node[Any] = Node(position, graph.graph, transport, protocol, clock=Clock(config.timeout_s),
-                               events=old.events, peer_timeout_s=config.peer_timeout_s, collective_factory=factory)
+                               events=old.events, peer_timeout_s=config.peer_timeout_s, collective_factory=factory,
+                               coordinator=client)
         node.owns_events = False
         node.members = entry.members
         node.start_fields = {"view": entry.number}
@@ -247,6 +274,8 @@ class Changeover:
 
         worker._thread.run(node.open(exchange), timeout_s=None)
         node._t0 = old._t0  # one time axis for the worker's records, across its segments
+        self._stop_hosted()  # every member announced: the old view is over everywhere
+        self._hosted = hosting
         carried = old.protocol.checkpoint_state()
         held = protocol.checkpoint_state()
         if held is not None:

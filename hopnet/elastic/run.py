@@ -36,6 +36,8 @@ class ViewEntry:
     reports: dict[int, int] = field(default_factory=dict)
     segments: dict[int, dict[str, Any]] = field(default_factory=dict)
     cursors: dict[int, dict[str, int]] = field(default_factory=dict)
+    coordinator: dict[str, str] | None = None
+    """The view's coordinator's ``HOPNET_COORDINATOR*`` variables (protocols that have one)."""
     """Each old member's samplers' cursors at the end of the old view (rank -> name -> cursor)."""
     state: bytes | None = None
 
@@ -79,6 +81,7 @@ class ElasticRun:
         self._pending_reports: dict[int, dict[int, int]] = {}
         self._pending_segments: dict[int, dict[int, dict[str, Any]]] = {}
         self._pending_cursors: dict[int, dict[int, dict[str, int]]] = {}
+        self._pending_coordinators: dict[int, dict[str, str]] = {}
         self._pending_states: dict[int, bytes] = {}
         self._installed = 0
         self._changed = asyncio.Event()
@@ -143,6 +146,8 @@ class ElasticRun:
             elif kind == "cur" and isinstance(header.get("cursors"), dict):
                 self._pending_cursors.setdefault(view, {})[sender] = {str(k): int(v) for k, v
                                                                       in header["cursors"].items()}
+            elif kind == "coord" and isinstance(header.get("env"), dict):
+                self._pending_coordinators[view] = {str(k): str(v) for k, v in header["env"].items()}
             elif kind == "state" and payload is not None:
                 self._pending_states[view] = bytes(payload)
             elif kind == "ended" and self.segment_view < view and self.ended_line is None:
@@ -168,6 +173,8 @@ class ElasticRun:
             entry.reports.update(self._pending_reports.pop(n, {}))
             entry.segments.update(self._pending_segments.pop(n, {}))
             entry.cursors.update(self._pending_cursors.pop(n, {}))
+            if n in self._pending_coordinators:
+                entry.coordinator = self._pending_coordinators.pop(n)
             if n in self._pending_states:
                 entry.state = self._pending_states.pop(n)
         state = self.membership.state
@@ -224,9 +231,22 @@ class ElasticRun:
         """Tell every member of ``entry``'s view this worker's part of it (its address...)."""
         mine = {**header, "t": "seg", "view": entry.number}
         entry.segments[self.rank] = {**mine, "f": self.rank}
-        for rank in entry.members:
+        for rank in set(entry.members) | set(entry.commit.change.left):  # a leaver learns the old view is over
             if rank != self.rank:
                 self.channel.send(rank, mine)
+
+    def send_coordinator(self, entry: ViewEntry, env: Mapping[str, str]) -> None:
+        """The view's coordinator, which this member hosts, for every member of the view."""
+        entry.coordinator = dict(env)
+        for rank in entry.members:
+            if rank != self.rank:
+                self.channel.send(rank, {"t": "coord", "view": entry.number, "env": dict(env)})
+
+    async def coordinator_env(self, entry: ViewEntry) -> dict[str, str]:
+        await self._wait(lambda: entry.coordinator is not None,
+                         lambda: f"view {entry.number}: no coordinator from rank {entry.members[0]}")
+        assert entry.coordinator is not None
+        return entry.coordinator
 
     def send_cursors(self, entry: ViewEntry, cursors: Mapping[str, int]) -> None:
         """An old member's samplers' cursors at the end of its last iteration in the old view, for

@@ -40,6 +40,11 @@ def check_elastic(config: ProtocolConfig, device_type: str, max_restarts: int) -
         raise ConfigError(f"--min-nproc/--max-nproc: {refusal}")
 
 
+def lone_config() -> ProtocolConfig:
+    """A joiner's protocol until it is admitted: one that needs no coordinator, never started."""
+    return ProtocolConfig(protocol="allreduce")
+
+
 def lone_graph() -> Graph:
     """A joiner's graph until it is admitted: itself alone."""
     return Graph(1, [], name="joining")
@@ -81,7 +86,8 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
 
     worker._thread.run(begin())
     changeover = Changeover(worker, run, graph_spec=settings.graph, bind_host=context.bind_host,
-                            curve=context.curve, safe_point=lambda k: worker.node.protocol.view_change_iteration(k))
+                            curve=context.curve, safe_point=lambda k: worker.node.protocol.view_change_iteration(k),
+                            run_dir=run_dir)
     worker.changeover = changeover
     if first is not None:
         changeover.members, changeover.view = first.members, 0
@@ -118,4 +124,4 @@ def _leave_on_sigterm(worker: Any, run: ElasticRun, stop_file: Path) -> None:
         pass
 
 
-__all__ = ["check_elastic", "lone_graph", "open_control", "start_elastic"]
+__all__ = ["check_elastic", "lone_config", "lone_graph", "open_control", "start_elastic"]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from hopnet.config import ProtocolConfig
-from hopnet.coordinator import needs_coordinator
 
 
 def elastic_refusal(config: ProtocolConfig) -> str | None:
     """Why ``config`` cannot change membership mid-run, in one line (None: it can)."""
     name = config.protocol
-    if needs_coordinator(config):
-        return f"--protocol {name} runs with a coordinator, which cannot change its members yet"
     if name == "ad-psgd":
         return "--protocol ad-psgd's workers drift apart without bound, so a view change would wait for the " \
                "slowest to catch up with the fastest; it cannot change membership yet"
