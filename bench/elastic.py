@@ -76,7 +76,7 @@ def run(protocol: str, iterations: int, base: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd"])
+    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd", "partial-reduce", "prague"])
     parser.add_argument("--iterations", type=int, default=6000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

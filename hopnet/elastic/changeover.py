@@ -222,9 +222,10 @@ class Changeover:
             torch.save(state, buffer)
         return buffer.getvalue()
 
-    def _load_state(self, payload: bytes) -> None:
+    def _load_state(self, payload: bytes) -> dict[str, Any]:
+        """Load a donor's state into the model and the registered state; returns it."""
         worker = self.worker
-        state = torch.load(io.BytesIO(payload), weights_only=False)
+        state: dict[str, Any] = torch.load(io.BytesIO(payload), weights_only=False)
         with worker.model_lock:
             worker._load_model(state["model"])
         for name, held in state.get("states", {}).items():
@@ -232,6 +233,7 @@ class Changeover:
                 checkpoint.load_state_into(worker._states[name], held)
             else:
                 worker._resumed[name] = held  # registered later by the trainer
+        return state
 
     def _open_segment(self, entry: ViewEntry, graph: MemberGraph, first: int, donor: int | None) -> None:
         worker, run = self.worker, self.run
@@ -248,6 +250,14 @@ class Changeover:
                                      tensor_bytes=None)
         old = worker.node
         protocol = make_protocol(config, worker.params, grads)
+        held = protocol.checkpoint_state()  # DiLoCo's outer optimizer goes on in the new protocol object
+        if held is not None:
+            carried = old.protocol.checkpoint_state()
+            if carried is not None and donor is None:
+                held.load_state_dict(carried.state_dict())
+            worker._states[checkpoint.PROTOCOL_STATE] = held
+        if donor is not None:
+            self._load_state(worker._thread.run(run.state(entry, donor), timeout_s=None))
         hosting = None
         client = None
         if needs_coordinator(config):
@@ -276,15 +286,6 @@ class Changeover:
         node._t0 = old._t0  # one time axis for the worker's records, across its segments
         self._stop_hosted()  # every member announced: the old view is over everywhere
         self._hosted = hosting
-        carried = old.protocol.checkpoint_state()
-        held = protocol.checkpoint_state()
-        if held is not None:
-            if carried is not None and donor is None:
-                held.load_state_dict(carried.state_dict())
-            worker._states[checkpoint.PROTOCOL_STATE] = held
-        if donor is not None:
-            payload = worker._thread.run(run.state(entry, donor), timeout_s=None)
-            self._load_state(payload)
         reported = worker._thread.run(run.cursors(entry), timeout_s=None)
         names = {name for held in reported.values() for name in held}
         for name in sorted(names):

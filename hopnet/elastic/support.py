@@ -9,8 +9,8 @@ def elastic_refusal(config: ProtocolConfig) -> str | None:
     """Why ``config`` cannot change membership mid-run, in one line (None: it can)."""
     name = config.protocol
     if name == "ad-psgd":
-        return "--protocol ad-psgd's workers drift apart without bound, so a view change would wait for the " \
-               "slowest to catch up with the fastest; it cannot change membership yet"
+        return "--protocol ad-psgd's workers drift apart without bound (a passive one runs far ahead), and a " \
+               "view begins at one iteration for all; it cannot change membership yet"
     options = config.options
     overlap = getattr(options, "overlap", None)
     if name == "diloco" and (getattr(options, "fragments", 1) != 1 or (callable(overlap) and overlap())
