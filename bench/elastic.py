@@ -2,6 +2,7 @@
 then rank 2 gets SIGTERM once they trained; per protocol, how the run ended and what the changes cost.
 
     python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000]
+    python bench/elastic.py --protocols diloco --hidden 340000 --iterations 400 --join-after 40   # ~100 MB
 
 Columns: the launcher's and `hopnet join`'s exit codes, rank 2's exit code, the views, the time
 from `hopnet join` to a joiner's first iteration (process start, torch import and admission
@@ -49,28 +50,30 @@ def _wait(what: str, ready: Any, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def run(protocol: str, iterations: int, base: Path) -> dict[str, Any]:
+def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int) -> dict[str, Any]:
     run_dir = base / protocol
     launcher = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--max-nproc",
                                  "6", "--protocol", protocol, *FLAGS.get(protocol, []), "--run-dir", str(run_dir),
-                                 DIGITS, "--iterations", str(iterations), "--eval-every", "100000"],
+                                 DIGITS, "--iterations", str(iterations), "--eval-every", "100000",
+                                 "--hidden", str(hidden)],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= 200)
+    _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= join_after, 600)
     joined_at = time.monotonic()
     joiner = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "join", str(run_dir), "--nproc", "2"],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait("the joiners' first iterations", lambda: all(_records(run_dir, r, "iteration") for r in (4, 5)))
+    _wait("the joiners' first iterations", lambda: all(_records(run_dir, r, "iteration") for r in (4, 5)), 600)
     first_iteration_s = max(_records(run_dir, r, "iteration")[0]["mono"] for r in (4, 5)) - joined_at
     pid = json.loads((run_dir / "launch.json").read_text())["worker_pids"]["2"]
     os.kill(pid, signal.SIGTERM)
-    launch_rc, join_rc = launcher.wait(timeout=300), joiner.wait(timeout=120)
+    launch_rc, join_rc = launcher.wait(timeout=1200), joiner.wait(timeout=300)
     record = json.loads((run_dir / "launch.json").read_text())
+    sent = [r["bytes"] for rank in range(6) for r in _records(run_dir, rank, "state_sent")]
     stalls = [r["stall_s"] for rank in range(6) for r in _records(run_dir, rank, "view_entered")]
     waits = [r["wait_s"] for rank in (4, 5) for r in _records(run_dir, rank, "joined")]
     finals = [r["accuracy"] for rank in range(6) for r in _records(run_dir, rank, "eval") if r.get("final")]
     return {"protocol": protocol, "launch": launch_rc, "join": join_rc,
             "rank 2": record["result"]["worker_returncodes"].get("2"), "views": len(record["views"]),
-            "join to 1st iteration (s)": round(first_iteration_s, 2), "admission + state (s)": round(max(waits), 3),
+            "state (MB)": round(max(sent) / 1e6, 1), "join to 1st iteration (s)": round(first_iteration_s, 2), "admission + state (s)": round(max(waits), 3),
             "max stall (s)": round(max(stalls), 3), "min accuracy": round(min(finals), 4)}
 
 
@@ -78,10 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd", "partial-reduce", "prague"])
     parser.add_argument("--iterations", type=int, default=6000)
+    parser.add_argument("--hidden", type=int, default=64, help="the MLP's width (340000: a model of about 100 MB)")
+    parser.add_argument("--join-after", type=int, default=200, help="rank 0's iterations before the join")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for i, protocol in enumerate(args.protocols):
-            row = run(protocol, args.iterations, Path(tmp))
+            row = run(protocol, args.iterations, Path(tmp), args.hidden, args.join_after)
             if i == 0:
                 print("| " + " | ".join(row) + " |")
                 print("|" + " --- |" * len(row))

@@ -47,7 +47,7 @@ from hopnet.runtime import rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel
-from hopnet.elastic.changeover import Changeover
+from hopnet.elastic.changeover import Changeover, close_elastic
 from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
 from hopnet.transports.base import Transport
@@ -74,7 +74,12 @@ async def run_consensus(node: Node, call: int) -> ConsensusResult:
     """Quiesce the node's protocol, then average its model over the live workers
     (:func:`hopnet.collectives.consensus.consensus`)."""
     await node.quiesce()
-    return await consensus(node, node.protocol.model_tensors(), call=call)
+    result = await consensus(node, node.protocol.model_tensors(), call=call)
+    ranks = node.members  # an elastic run's view: the collective counts positions, the result names ranks
+    if ranks is None:
+        return result
+    return dataclasses.replace(result, members=tuple(ranks[p] for p in result.members),
+                               non_finite=tuple(ranks[p] for p in result.non_finite))
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -250,6 +255,8 @@ class Worker:
             self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
         except Exception as exc:
             self.failure = exc
+            if self.changeover is not None:
+                self.changeover.step_failed(exc)  # a leaver whose run stopped around it leaves all the same
             raise
         self.steps += 1
         self._boundary = (finished, last)
@@ -551,14 +558,10 @@ class Worker:
             self._answer_late_handovers()
             if not self._left:
                 self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
-            self._close_elastic()
+            close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
             self._run_after_close(aborted=False)
-
-    def _close_elastic(self) -> None:
-        if self.changeover is not None:
-            self.changeover.close(CLOSE_TIMEOUT_S)
 
     def _run_after_close(self, aborted: bool) -> None:
         for hook in self.after_close:
@@ -585,7 +588,7 @@ class Worker:
                     self.node.record_error(fields, iteration)
                 else:
                     self._thread.run(self._abort(fields, iteration), timeout_s=CLOSE_TIMEOUT_S)
-                self._close_elastic()
+                close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
             self._run_after_close(aborted=True)

@@ -51,6 +51,7 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
             joiner.kill()
             joiner.communicate()
     assert launcher.returncode == 0, out + err
+    assert "(mean of ranks 0, 1, 3, 4, 5)" in out  # the consensus names ranks, not places in the view
     assert joiner.returncode == 0, joined_out
     record = json.loads((run_dir / "launch.json").read_text())
     views = record["views"]
@@ -112,3 +113,22 @@ def test_join_refuses_a_run_that_is_not_elastic(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == ("hopnet join: error: this run is not elastic: it was launched without "
                                    "--max-nproc or --min-nproc, so it takes no joiners")
+
+
+@pytest.mark.slow
+def test_a_leave_below_min_nproc_stops_the_run_naming_who_left(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--nproc", "4", "--min-nproc", "4", "--run-dir", str(run_dir), DIGITS,
+                             "--iterations", "1000000"])
+    try:
+        wait_until(lambda: _iteration(run_dir, 0) >= 20, 120, what="rank 0 to train")
+        os.kill(recorded_worker_pids(run_dir)[2], signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        kill(launcher)
+    assert launcher.returncode == 1, out + err
+    line = "view 1 has 3 members, fewer than the minimum 4 (rank 2 left): the run stops"
+    assert f"HopnetError: {line}" in err
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["result"]["worker_returncodes"]["2"] == 0  # the leaver left; the others stopped
+    assert {record["result"]["worker_returncodes"][str(r)] for r in (0, 1, 3)} == {1}

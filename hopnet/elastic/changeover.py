@@ -26,7 +26,7 @@ from hopnet.data import ElasticSampler
 from hopnet.coordinator import needs_coordinator
 from hopnet.coordinator.client import client_from_environ
 from hopnet.elastic.coordinator import ViewCoordinator
-from hopnet.elastic.run import ElasticRun, ViewEntry
+from hopnet.elastic.run import ElasticRun, LeftRun, ViewEntry
 from hopnet.elastic.switch import assign_donors
 from hopnet.errors import HopnetError
 from hopnet.graph.members import MemberGraph
@@ -72,6 +72,8 @@ class Changeover:
         """After iteration ``finished``: the committed view to enter now, else None (the segment
         goes on; its last iteration is set once a change is committed)."""
         worker, run = self.worker, self.run
+        if run.left_line is not None:
+            raise Left(run.left_line)
         if run.stopped_line is not None:
             raise HopnetError(run.stopped_line)
         entry = self._entry or worker._thread.run(self._head())
@@ -92,11 +94,17 @@ class Changeover:
 
     def boundary(self, finished: int) -> bool:
         """At the step boundary after ``finished``: enter the next view if it begins now (True)."""
-        entry = self.due(finished)
+        try:
+            entry = self.due(finished)
+        except LeftRun as left:
+            raise Left(str(left)) from None
         if entry is None:
             return False
         try:
             self.enter(entry)
+        except LeftRun as left:
+            self.worker._left = True
+            raise Left(str(left)) from None
         except BaseException:
             self.worker._left = True  # its node is closed: only the event log is left to close
             raise
@@ -110,6 +118,14 @@ class Changeover:
             self._stop_hosted()
         finally:
             self.worker.node.events.close()
+
+    def step_failed(self, error: Exception) -> None:
+        """A step failed: in a worker whose leave was committed, that is the run stopping around it
+        (below ``--min-nproc``); it leaves all the same (raises :class:`Left`)."""
+        line = self.run.left_line
+        if line is not None:
+            self.worker._left = True
+            raise Left(line) from error
 
     def ends_segment(self, iteration: int) -> bool:
         """Whether ``iteration`` is the current segment's last (its step is the segment's ``last``)."""
@@ -307,3 +323,9 @@ class Changeover:
         if final is not None:
             protocol.final_iteration = final
             worker._thread.loop.call_soon_threadsafe(node.plan, final + 1)
+
+
+def close_elastic(changeover: Changeover | None, timeout_s: float) -> None:
+    """Close an elastic worker's control channel and event log (nothing for another worker)."""
+    if changeover is not None:
+        changeover.close(timeout_s)

@@ -20,6 +20,10 @@ from hopnet.membership import Commit, Membership, MembershipConfig, Send, View
 Recorder = Callable[..., None]
 
 
+class LeftRun(HopnetError):
+    """This worker's leave was committed while it waited (its process then exits 0 with the line)."""
+
+
 class RunEnded(HopnetError):
     """A joiner's: the run finished before it could enter (its process then exits 0 with the line)."""
 
@@ -89,6 +93,8 @@ class ElasticRun:
         self.ended_line: str | None = None
         """A joiner's: the run ended before the view that admitted it began."""
         self.stopped_line: str | None = None
+        self.left_line: str | None = None
+        """Set when this worker asked to leave and the membership then stopped (the run went below --min-nproc)."""
         """Why the membership stopped this worker (cut off, too few members, refused...)."""
         self.leaving = False
 
@@ -164,6 +170,10 @@ class ElasticRun:
             entry = ViewEntry(commit, old_members_of(commit))
             self.queue.append(entry)
             change = commit.change
+            minimum = self.membership.config.min_members
+            if self.rank in change.left and len(change.view.members) < minimum and self.left_line is None:
+                self.left_line = (f"rank {self.rank} left; view {change.view.number} has {len(change.view.members)} "
+                                  f"members, fewer than the minimum {minimum}: the run stops")
             self.record("view_committed", view=change.view.number, members=list(change.view.members),
                         joined=list(change.joined), left=list(change.left), died=list(change.died),
                         refused=list(change.refused), iter=self.iteration(), mono=time.monotonic())
@@ -178,7 +188,10 @@ class ElasticRun:
             if n in self._pending_states:
                 entry.state = self._pending_states.pop(n)
         state = self.membership.state
-        if state == "stopped" and self.stopped_line is None:
+        if state == "stopped" and self.leaving and self.left_line is None:
+            # it asked to leave, and the view without it stopped the run (too few members): it left all the same
+            self.left_line = self.membership.line or f"rank {self.rank} left"
+        elif state == "stopped" and self.stopped_line is None and not self.leaving:
             self.stopped_line = self.membership.line or f"rank {self.rank} was stopped by the membership"
             self.record("membership_stopped", line=self.stopped_line, iter=self.iteration())
         self._changed.set()
@@ -203,6 +216,8 @@ class ElasticRun:
     async def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not ready():
+            if self.left_line is not None:
+                raise LeftRun(self.left_line)
             if self.stopped_line is not None:
                 raise HopnetError(self.stopped_line)
             if self.ended_line is not None:
