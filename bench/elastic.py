@@ -1,7 +1,7 @@
 """Elastic runs, measured: 4 workers on digits, 2 join with one `hopnet join` once training runs,
 then rank 2 gets SIGTERM once they trained; per protocol, how the run ended and what the changes cost.
 
-    python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000]
+    python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000] [--keep DIR]
 
 Columns: the launcher's and `hopnet join`'s exit codes, rank 2's exit code, the views, the time
 from `hopnet join` to a joiner's first iteration (process start, torch import and admission
@@ -78,10 +78,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd"])
     parser.add_argument("--iterations", type=int, default=6000)
+    parser.add_argument("--keep", type=Path, help="keep the run dirs under this folder (DIR/PROTOCOL)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for i, protocol in enumerate(args.protocols):
-            row = run(protocol, args.iterations, Path(tmp))
+            row = run(protocol, args.iterations, args.keep or Path(tmp))
             if i == 0:
                 print("| " + " | ".join(row) + " |")
                 print("|" + " --- |" * len(row))
