@@ -221,10 +221,10 @@ def lag_figure(stats: RunStats, highlight: set[int], samples: int = 400) -> Figu
             return iters[at - 1] if at else -1
 
         done = {r: [finished(r, t) for t in grid] for r in series if series[r][0]}
-        lead = [max((d[i] for d in done.values() if d[i] is not None), default=-1) for i in range(samples)]
+        lead = [max((k for d in done.values() if (k := d[i]) is not None), default=-1) for i in range(samples)]
         for rank in done:
             straggler = rank in highlight
-            lags = [math.nan if b is None else a - b for a, b in zip(lead, done[rank])]
+            lags = [math.nan if k is None else top - k for top, k in zip(lead, done[rank])]
             ax.step([t - stats.t0 for t in grid], lags, where="post",
                     color="black" if straggler else _rank_color(rank, n),
                     linewidth=2.4 if straggler else 1.0, zorder=3 if straggler else 2,

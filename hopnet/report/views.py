@@ -10,6 +10,7 @@ the launch's own ranks and has no record.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,9 @@ class View:
         if record.get("event") != "view_committed" or not isinstance(number, int):
             return None
         mono = record.get("mono")
-        return View(number, _ranks(record.get("members")), *(_ranks(record.get(what)) for what in CHANGES),
-                    mono=float(mono) if isinstance(mono, (int, float)) else None)
+        return View(number, _ranks(record.get("members")), joined=_ranks(record.get("joined")),
+                    left=_ranks(record.get("left")), died=_ranks(record.get("died")),
+                    refused=_ranks(record.get("refused")), mono=float(mono) if isinstance(mono, (int, float)) else None)
 
 
 def fold_views(records: Iterable[Record], first_members: Iterable[int]) -> list[View]:
@@ -83,8 +85,7 @@ def fold_views(records: Iterable[Record], first_members: Iterable[int]) -> list[
     for number in sorted(views):
         view = views[number]
         if number in firsts and number != 0:
-            view = View(view.number, view.members, view.joined, view.left, view.died, view.refused, view.mono,
-                        firsts[number])
+            view = dataclasses.replace(view, first_iter=firsts[number])
         out.append(view)
     return out
 
