@@ -4,6 +4,7 @@ joins in view 1 (from iteration 4), rank 1 leaves in view 2 (after iteration 6, 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from hopnet import Graph, ProtocolConfig
 from hopnet.launch.elastic import left_the_run
 from hopnet.report.build import write_report
 from hopnet.report.diagnosis import diagnose
-from hopnet.report.live import ProgressState
+from hopnet.report.live import LaunchProgress, ProgressState
 from hopnet.report.plots import iteration_figure, lag_figure, loss_figure
 from hopnet.report.rundir import load_run_dir
 from hopnet.report.stats import run_stats
@@ -183,6 +184,13 @@ def test_status_line_counts_the_latest_views_members() -> None:
         state.add(rank, elastic_records(rank))
     text = state.status_text()
     assert f"iter {ITERATIONS}–{ITERATIONS}" in text and "view 2, 3 workers" in text  # rank 1 left at 7
+
+
+def test_launch_progress_follows_the_joiners_logs_after_a_view_change(tmp_path: Path) -> None:
+    progress = LaunchProgress(write_elastic_run(tmp_path / "run"), [0, 1, 2], io.StringIO(), io.StringIO(), live=False)
+    progress.poll()  # the launch's own ranks: view 1 committed
+    progress.poll()  # now rank 3's log too
+    assert sorted(progress.state.ranks) == [0, 1, 2, 3] and progress.state.members == [0, 2, 3]
 
 
 def test_left_the_run_reads_the_leavers_log(tmp_path: Path) -> None:

@@ -235,10 +235,9 @@ def views_section(stats: RunStats) -> Section:
     rows = []
     for view in stats.views:
         at = "start" if view.number == 0 else "?" if view.mono is None else f"{view.mono - stats.t0:.2f} s"
+        changes = [_ranks_or_dash(ranks) for ranks in (view.joined, view.left, view.died, view.refused)]
         rows.append([str(view.number), "?" if view.first_iter is None else str(view.first_iter), at,
-                     f"{len(view.members)}: {_ranks_or_dash(view.members)}", *(_ranks_or_dash(getattr(view, what))
-                                                                             for what in ("joined", "left", "died",
-                                                                                          "refused"))])
+                     f"{len(view.members)}: {_ranks_or_dash(view.members)}", *changes])
     lines = [f"View {v.number} at {v.mono - stats.t0:.2f} s: {v.change()}." for v in stats.views[1:]
              if v.mono is not None]
     return Section("Views", tables=[Table(["view", "from iteration", "at", "members", "joined", "left", "died",
