@@ -1,7 +1,7 @@
 """Elastic runs, measured: 4 workers on digits, 2 join with one `hopnet join` once training runs,
 then rank 2 gets SIGTERM once they trained; per protocol, how the run ended and what the changes cost.
 
-    python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000]
+    python bench/elastic.py [--protocols hop allreduce diloco] [--iterations 6000] [--keep DIR]
     python bench/elastic.py --protocols diloco --hidden 340000 --iterations 400 --join-after 40   # ~100 MB
 
 Columns: the launcher's and `hopnet join`'s exit codes, rank 2's exit code, the views, the time
@@ -50,17 +50,22 @@ def _wait(what: str, ready: Any, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int) -> dict[str, Any]:
+def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int, keep: bool = False
+        ) -> dict[str, Any]:
     run_dir = base / protocol
+    base.mkdir(parents=True, exist_ok=True)
+    # kept: the launcher's and hopnet join's output beside the run dir (PROTOCOL.launch.log, PROTOCOL.join.log)
+    launch_out: Any = open(base / f"{protocol}.launch.log", "w") if keep else subprocess.DEVNULL
+    join_out: Any = open(base / f"{protocol}.join.log", "w") if keep else subprocess.DEVNULL
     launcher = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", "4", "--max-nproc",
                                  "6", "--protocol", protocol, *FLAGS.get(protocol, []), "--run-dir", str(run_dir),
                                  DIGITS, "--iterations", str(iterations), "--eval-every", "100000",
                                  "--hidden", str(hidden)],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                cwd=ROOT, stdout=launch_out, stderr=subprocess.STDOUT)
     _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= join_after, 600)
     joined_at = time.monotonic()
     joiner = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "join", str(run_dir), "--nproc", "2"],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              cwd=ROOT, stdout=join_out, stderr=subprocess.STDOUT)
     _wait("the joiners' first iterations", lambda: all(_records(run_dir, r, "iteration") for r in (4, 5)), 600)
     first_iteration_s = max(_records(run_dir, r, "iteration")[0]["mono"] for r in (4, 5)) - joined_at
     pid = json.loads((run_dir / "launch.json").read_text())["worker_pids"]["2"]
@@ -79,14 +84,18 @@ def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd", "partial-reduce", "prague"])
+    parser.add_argument("--protocols", nargs="+", default=["hop", "allreduce", "diloco", "eager-sgd", "pipe-sgd",
+                                                              "partial-reduce", "prague"])
     parser.add_argument("--iterations", type=int, default=6000)
     parser.add_argument("--hidden", type=int, default=64, help="the MLP's width (340000: a model of about 100 MB)")
     parser.add_argument("--join-after", type=int, default=200, help="rank 0's iterations before the join")
+    parser.add_argument("--keep", type=Path, help="keep the run dirs under this folder (DIR/PROTOCOL), and the "
+                        "launcher's and hopnet join's output beside them (DIR/PROTOCOL.launch.log, .join.log)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for i, protocol in enumerate(args.protocols):
-            row = run(protocol, args.iterations, Path(tmp), args.hidden, args.join_after)
+            row = run(protocol, args.iterations, args.keep or Path(tmp), args.hidden, args.join_after,
+                      keep=args.keep is not None)
             if i == 0:
                 print("| " + " | ".join(row) + " |")
                 print("|" + " --- |" * len(row))

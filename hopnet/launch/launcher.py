@@ -60,7 +60,7 @@ from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
-from hopnet.launch.elastic import join_info, mark_stopping, read_views
+from hopnet.launch.elastic import join_info, left_the_run, mark_stopping, read_views
 from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.options import describe
@@ -95,6 +95,7 @@ from hopnet.launch.state import RunState
 from hopnet.rendezvous.store import HostedStore, host_store
 from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
+from hopnet.report.view_watch import ViewWatch
 from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
 
@@ -102,6 +103,8 @@ ABORT_POLL_S = 0.25
 DEATH_POLL_S = 0.2
 """How often the launcher looks for workers declared dead whose process still runs."""
 """How often a launcher of a multi-machine run looks for another machine's abort."""
+VIEW_POLL_S = 0.5
+"""How often an elastic launch looks for committed views to say (:class:`~hopnet.report.view_watch.ViewWatch`)."""
 FINISH_WAIT_S = 30.0
 """How long node 0's launcher keeps the launchers' store up for the others' end."""
 REMOTE_BLAME_WAIT_S = 3.0
@@ -208,6 +211,8 @@ class Launch:
         self._next_death_check = 0.0
         self.startup_talk = StartupTalk(plan.world_size, self.started)
         self.shutdown_talk = ShutdownTalk()
+        self.view_watch = ViewWatch(run_dir) if plan.elastic is not None else None
+        self._next_view_check = 0.0
 
     @property
     def node_rank(self) -> int:
@@ -338,6 +343,7 @@ class Launch:
                 self.output.say(f"{state.summary}; the workers waiting on it fail")
                 return
             self._talk()
+            self._say_views()
             if not self._announced and self.server is not None and self.server.complete.is_set():
                 self._announced = True
                 self._announce_options()
@@ -358,7 +364,8 @@ class Launch:
             if self._restart(rank, code):
                 continue
             state.ended(rank, code)
-            self.shutdown_talk.finished(time.monotonic())
+            if not (code == 0 and self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
+                self.shutdown_talk.finished(time.monotonic())  # a leaver's exit is no end of the run
             if code != 0:
                 total_lost = self.group.lose() if self.group is not None else len(state.lost)
                 if total_lost > spec.max_failures:
@@ -387,6 +394,15 @@ class Launch:
         line = self.shutdown_talk.poll(now, self.state.pending)
         if line is not None:
             self.output.say(line)
+
+    def _say_views(self, *, now: bool = False) -> None:
+        """Say each view of an elastic run once, as its members commit it (``view 1: ranks 4, 5 joined
+        (6 workers)``); every :data:`VIEW_POLL_S`, or ``now``."""
+        if self.view_watch is None or (not now and time.monotonic() < self._next_view_check):
+            return
+        self._next_view_check = time.monotonic() + VIEW_POLL_S
+        for view in self.view_watch.poll():
+            self.output.say(view.line())
 
     def _restart(self, rank: int, code: int) -> bool:
         """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
@@ -564,6 +580,7 @@ class Launch:
         machine = f"{host_name(plan.bind)}, node {self.node_rank}" if self.group is not None else None
         conclude(state, self.run_dir, max_failures=self.spec.max_failures, world_size=plan.world_size,
                  machine=machine)
+        self._say_views(now=True)  # the views committed since the last look
         if state.summary is not None:
             self.output.say(state.summary)
         restarted = self.restarts.summary()

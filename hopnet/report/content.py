@@ -6,6 +6,7 @@ and :mod:`~hopnet.report.markdown` lay the same content out.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from hopnet.report.gaps import EdgeGap, bound_rule, edge_gaps, format_bound
 from hopnet.report.rundir import RunData
 from hopnet.report.stats import RunStats, run_stats, time_parts
 from hopnet.report.timeline import launch_phases
+from hopnet.report.views import View, is_elastic
 
 
 @dataclass
@@ -66,6 +68,9 @@ def _overview(run: RunData, stats: RunStats) -> Table:
     else:
         rows.append(["workers", str(len(stats.ranks))])
     rows.append(["options", format_options(run.config)])
+    if len(stats.views) > 1:
+        rows.append(["views", f"{len(stats.views)} (" + " → ".join(str(len(v.members)) for v in stats.views)
+                     + " workers); see Views"])
     if run.launch.get("start_time"):
         rows.append(["started", str(run.launch["start_time"])])
     total = stats.total
@@ -160,13 +165,41 @@ def _gap_note(run: RunData, gaps: list[EdgeGap]) -> str:
             f"{max(g.observed for g in gaps)}.")
 
 
+def first_view_run(run: RunData, views: list[View]) -> RunData:
+    """``run`` as far as its first view went: view 0's ranks, their records before view 1 began
+    (the iteration gaps are measured on one graph; later views place the members on new ones)."""
+    if len(views) < 2:
+        return run
+    change = views[1]
+    members = set(views[0].members)
+
+    def before(rec: dict[str, Any]) -> bool:
+        if change.first_iter is not None:
+            return not isinstance(rec.get("iter"), int) or rec["iter"] < change.first_iter
+        return change.mono is None or not isinstance(rec.get("mono"), (int, float)) or rec["mono"] < change.mono
+
+    events = {rank: [rec for rec in records if before(rec)] for rank, records in run.events.items() if rank in members}
+    return dataclasses.replace(run, events=events)
+
+
+def _first_view_note(views: list[View]) -> str:
+    if len(views) < 2:
+        return ""
+    first = views[1].first_iter
+    return (" Measured in view 0 only" + (f" (iterations before {first})" if first is not None else "")
+            + ": each later view places its members on a new graph.")
+
+
 def gap_section(run: RunData, stats: RunStats) -> Section | None:
     """The iteration gaps, as far as they matter for the protocol (``OutputSpec.gaps``): between graph
-    neighbours against its proven bound (Hop), the largest between any two workers, or none."""
+    neighbours against its proven bound (Hop), the largest between any two workers, or none. An elastic
+    run's are those of its first view."""
     scope = stats.output.gaps
+    note = _first_view_note(stats.views)
+    run = first_view_run(run, stats.views)
     if scope == "neighbours":
         gaps = edge_gaps(run)
-        section = Section("Iteration gaps", paragraphs=[_gap_note(run, gaps)])
+        section = Section("Iteration gaps", paragraphs=[_gap_note(run, gaps) + note])
         figure = plots.gap_plot(gaps)
         if figure is not None:
             section.figures.append(Figure("gaps", "Largest gap per pair of neighbours", "Observed (bars) "
@@ -175,7 +208,7 @@ def gap_section(run: RunData, stats: RunStats) -> Section | None:
             section.tables.append(gap_table(gaps))
         return section
     if scope == "all":
-        return Section("Iteration gaps", paragraphs=[_largest_gap_note(run)])
+        return Section("Iteration gaps", paragraphs=[_largest_gap_note(run) + note])
     return None
 
 
@@ -191,6 +224,34 @@ def _largest_gap_note(run: RunData) -> str:
     bound = f"; bound for this setting: {rule}" if rule is not None else f"; --protocol {protocol} proves no bound on it"
     return (f"The largest Iter(i) − Iter(j) between any two workers was {gap}" + (f" (i = {i}, j = {j})" if gap else "")
             + bound + ".")
+
+
+def _ranks_or_dash(ranks: tuple[int, ...]) -> str:
+    return ", ".join(str(r) for r in ranks) or "-"
+
+
+def views_section(stats: RunStats) -> Section:
+    """An elastic run's views: who joined, left, died or was refused, from which iteration and when."""
+    rows = []
+    for view in stats.views:
+        at = "start" if view.number == 0 else "?" if view.mono is None else f"{view.mono - stats.t0:.2f} s"
+        changes = [_ranks_or_dash(ranks) for ranks in (view.joined, view.left, view.died, view.refused)]
+        rows.append([str(view.number), "?" if view.first_iter is None else str(view.first_iter), at,
+                     f"{len(view.members)}: {_ranks_or_dash(view.members)}", *changes])
+    lines = [f"View {v.number} at {v.mono - stats.t0:.2f} s: {v.change()}." for v in stats.views[1:]
+             if v.mono is not None]
+    return Section("Views", tables=[Table(["view", "from iteration", "at", "members", "joined", "left", "died",
+                                           "refused"], rows)], paragraphs=[
+        "The run's membership (hopnet launch --max-nproc, hopnet join): each view's members, who joined, left "
+        "(SIGTERM: a clean leave, exit 0), died or was refused, the view's first iteration and when its first "
+        "member committed it (from the run's start). The plots mark each change with a dashed line.", *lines])
+
+
+def _at_view_change(rec: dict[str, Any], views: list[View]) -> bool:
+    """A ``peer_left`` record of a segment's end: the peer finished the view's last iteration."""
+    last = rec.get("last_iter")
+    return rec.get("event") == "peer_left" and isinstance(last, int) and any(
+        v.number > 0 and v.first_iter == last + 1 for v in views)
 
 
 def _describe(rec: dict[str, Any], t0: float) -> str:
@@ -232,7 +293,8 @@ def build_content(run: RunData) -> ReportContent:
     split = Section("Where the time went", figures=[Figure(
         "time_split", "Time per worker", "Stacked: " + ", ".join(label for _, label in time_parts(stats)) + ".",
         plots.time_split_plot(stats))])
-    sections = [progress, split]
+    sections = [views_section(stats)] if is_elastic(run) else []
+    sections += [progress, split]
     gaps = gap_section(run, stats)
     if gaps is not None:
         sections.append(gaps)
@@ -245,6 +307,7 @@ def build_content(run: RunData) -> ReportContent:
     notable = [rec for rec in stats.notable
                if rec.get("event") != "peer_left" or not isinstance(rec.get("last_iter"), int)
                or rec["last_iter"] < last_iteration]  # leaving after the last iteration is the normal end
+    notable = [rec for rec in notable if not _at_view_change(rec, stats.views)]
     if notable:
         sections.append(Section("Departures, dead peers, errors and rejoins",
                                 paragraphs=[_describe(rec, stats.t0) for rec in notable]))

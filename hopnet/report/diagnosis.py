@@ -338,6 +338,10 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
     if not any(waits.values()) and any(wait_shares.values()):
         diagnosis.notes.append("the logs do not say which peer each wait was for (a protocol or hopnet "
                                "version that does not record wait_updates_from)")
+    if len(stats.views) > 1:
+        diagnosis.notes.append(f"no prediction: the run went through {len(stats.views)} views (elastic) and the "
+                               "simulator models one graph")
+        return diagnosis
     scenario = _scenario(run, stats, links, fastest)
     diagnosis.scenario = scenario
     if scenario is None:

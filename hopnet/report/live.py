@@ -64,6 +64,9 @@ class ProgressState:
         self.ranks: dict[int, RankProgress] = {}
         self.loss: float | None = None
         self._loss_mono = -math.inf
+        self.view = 0
+        self.members: list[int] | None = None
+        """An elastic run's members in its latest committed view (``None``: no view change yet)."""
         self.shows_skips = True
         """Whether the protocol skips iterations at all (its ``output`` counts skips), as the
         workers' ``start`` records name it; until one is read (or for an unknown one), yes."""
@@ -87,6 +90,8 @@ class ProgressState:
                 state.total = rec["total"]
             elif event == "skip":
                 state.skips += 1
+            elif event == "view_committed":
+                self._view_from(rec)
             elif event == "stop":
                 state.stopped = True
             elif event == "error":
@@ -95,6 +100,11 @@ class ProgressState:
                 if rec.get("restart"):
                     state.stopped = state.failed = False  # a replacement (--max-restarts) runs on
                 self._protocol_from(rec.get("config"))
+
+    def _view_from(self, rec: Record) -> None:
+        number, members = rec.get("view"), rec.get("members")
+        if isinstance(number, int) and number > self.view and isinstance(members, list):
+            self.view, self.members = number, [r for r in members if isinstance(r, int)]
 
     def _protocol_from(self, config: Any) -> None:
         protocol = config.get("protocol") if isinstance(config, dict) else None
@@ -112,16 +122,24 @@ class ProgressState:
         return max(totals) if totals else None
 
     def status_text(self) -> str:
-        """One line: ``training  iter 12–15 of 100  8.30 it/s  loss 0.412  skips 3  ~11 s left``."""
+        """One line: ``training  iter 12–15 of 100  8.30 it/s  loss 0.412  skips 3  ~11 s left``; in an
+        elastic run, after its first view change, over the members of the latest view (``view 2, 5 workers``)."""
         active = [s for s in self.ranks.values() if s.finished >= 0 or s.window]
         if not active:
             return f"{STATUS_LABEL}  starting {self.world_size} workers…"
-        done = [s.finished + 1 for s in self.ranks.values()]
-        done += [0] * (self.world_size - len(done))
-        slowest, fastest = min(done), max(done)
+        if self.members is not None:
+            counted = [self.ranks[r] for r in self.members if r in self.ranks]
+            done = [s.finished + 1 for s in counted] + [0] * sum(1 for r in self.members if r not in self.ranks)
+        else:
+            counted = list(self.ranks.values())
+            done = [s.finished + 1 for s in counted]
+            done += [0] * (self.world_size - len(done))
+        slowest, fastest = min(done, default=0), max(done, default=0)
         total = self.total
         parts = [f"{STATUS_LABEL}  iter {slowest}–{fastest}" + (f" of {total}" if total is not None else "")]
-        rates = [r for r in (s.rate() for s in self.ranks.values()) if r is not None]
+        if self.members is not None:
+            parts.append(f"view {self.view}, {len(self.members)} workers")
+        rates = [r for r in (s.rate() for s in counted) if r is not None]
         rate = sum(rates) / len(rates) if rates else None
         parts.append(f"{rate:.2f} it/s" if rate is not None else "- it/s")
         if self.loss is not None:
@@ -234,7 +252,11 @@ class LaunchProgress:
         return Text(self.state.status_text(), style="bold", no_wrap=True, overflow="ellipsis")
 
     def poll(self) -> None:
-        """Read whatever the ranks logged since the last poll."""
+        """Read whatever the ranks logged since the last poll (after an elastic run's first view change,
+        the joiners' logs too)."""
+        if self.state.view > 0:
+            for rank, path in rank_logs(self.run_dir).items():
+                self._tails.setdefault(rank, LogTail(path))
         for rank, tail in self._tails.items():
             records = tail.read()
             if records:

@@ -42,8 +42,25 @@ def _figure(width: float = 8.0, height: float = 4.0) -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
+VIEW_COLOR = "#555555"
+
+
+def mark_views(ax: Axes, marks: list[tuple[float, str]]) -> None:
+    """A dashed vertical line at each view change of an elastic run, labelled ``view N`` at the top."""
+    for x, label in marks:
+        ax.axvline(x, color=VIEW_COLOR, linestyle="--", linewidth=0.9, zorder=1, label="_nolegend_", gid=label)
+        ax.text(x, 0.99, f" {label}", transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="left",
+                fontsize="x-small", color=VIEW_COLOR)
+
+
 def loss_plot(stats: RunStats) -> bytes | None:
     """Loss against wall time, one line per worker; ``None`` when no worker reported a loss."""
+    fig = loss_figure(stats)
+    return None if fig is None else _png(fig)
+
+
+def loss_figure(stats: RunStats) -> Figure | None:
+    """:func:`loss_plot`'s figure, view changes marked."""
     if not any(s.losses for s in stats.ranks.values()):
         return None
     fig, ax = _figure()
@@ -59,14 +76,20 @@ def loss_plot(stats: RunStats) -> bytes | None:
         if max(values) / min(values) > 20:
             ax.set_yscale("log")
     ax.set_title("Loss per worker")
+    mark_views(ax, stats.view_marks())
     if n <= LEGEND_LIMIT:
         ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def iteration_plot(stats: RunStats) -> bytes:
     """Iteration against wall time per worker: a straggler's line is flatter; skips are marked."""
+    return _png(iteration_figure(stats))
+
+
+def iteration_figure(stats: RunStats) -> Figure:
+    """:func:`iteration_plot`'s figure, view changes marked."""
     fig, ax = _figure()
     n = len(stats.ranks)
     skip_label = "skip"
@@ -83,10 +106,11 @@ def iteration_plot(stats: RunStats) -> bytes:
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("iteration finished")
     ax.set_title("Progress per worker (▲ = skip ahead)")
+    mark_views(ax, stats.view_marks())
     if n <= LEGEND_LIMIT:
         ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def time_split_plot(stats: RunStats) -> bytes:
@@ -170,6 +194,11 @@ def straggler_plot(stats: RunStats, highlight: set[int]) -> bytes:
 def lag_plot(stats: RunStats, highlight: set[int], samples: int = 400) -> bytes:
     """How many iterations each worker was behind the furthest one, against wall time: the
     ranks' progress lines pulled apart (a straggler's lag is the highest; skips drop it)."""
+    return _png(lag_figure(stats, highlight, samples))
+
+
+def lag_figure(stats: RunStats, highlight: set[int], samples: int = 400) -> Figure:
+    """:func:`lag_plot`'s figure, view changes marked."""
     import bisect
 
     fig, ax = _figure()
@@ -181,25 +210,30 @@ def lag_plot(stats: RunStats, highlight: set[int], samples: int = 400) -> bytes:
         lo, hi = min(starts), max(ends)
         grid = [lo + (hi - lo) * i / max(1, samples - 1) for i in range(samples)]
 
-        def finished(rank: int, t: float) -> int:
+        def finished(rank: int, t: float) -> int | None:
+            """None where an elastic run's member was not in it: before a joiner's first iteration, after a
+            leaver's last."""
             times, iters = series[rank]
+            s = stats.ranks[rank]
+            if (s.joined_iter is not None and t < times[0]) or (s.ended is not None and t > times[-1]):
+                return None
             at = bisect.bisect_right(times, t)
             return iters[at - 1] if at else -1
 
-        done = {r: [finished(r, t) for t in grid] for r in series}
-        lead = [max(done[r][i] for r in done) for i in range(samples)]
-        for rank in series:
-            if not series[rank][0]:
-                continue
+        done = {r: [finished(r, t) for t in grid] for r in series if series[r][0]}
+        lead = [max((k for d in done.values() if (k := d[i]) is not None), default=-1) for i in range(samples)]
+        for rank in done:
             straggler = rank in highlight
-            ax.step([t - stats.t0 for t in grid], [a - b for a, b in zip(lead, done[rank])], where="post",
+            lags = [math.nan if k is None else top - k for top, k in zip(lead, done[rank])]
+            ax.step([t - stats.t0 for t in grid], lags, where="post",
                     color="black" if straggler else _rank_color(rank, n),
                     linewidth=2.4 if straggler else 1.0, zorder=3 if straggler else 2,
                     label=f"rank {rank}" + (" (straggler)" if straggler else ""))
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("iterations behind the furthest worker")
     ax.set_title("Lag behind the furthest worker")
+    mark_views(ax, stats.view_marks())
     if n <= LEGEND_LIMIT:
         ax.legend(fontsize="small", ncols=2 if n > 8 else 1)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig

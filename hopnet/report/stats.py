@@ -17,11 +17,14 @@ from typing import Any
 
 from hopnet.output_spec import GENERIC_OUTPUT, SKIPS, WAIT_PARTS, Count, OutputSpec, Wait, present
 from hopnet.report.rundir import Record, RunData
+from hopnet.report.views import View, run_views, view_marks
 
 TIME_PARTS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
 PART_LABELS = {"compute_s": "compute", "wait_updates_s": "wait for updates",
                "wait_tokens_s": "wait for tokens", "mix_s": "mixing"}
 NOTABLE_EVENTS = ("peer_left", "peer_dead", "error", "rejoined")
+ENDINGS = {"left": "left", "run_ended": "run ended before its view", "membership_stopped": "stopped by the membership"}
+"""An elastic run's records that end a member early without failing it, and the status they give."""
 
 
 @dataclass
@@ -53,6 +56,11 @@ class RankStats:
     """The last ``stop`` record: the protocol's own counts (``OutputSpec.counts``)."""
     restarts: int = 0
     """Replacement processes of this rank (``start`` records with ``"restart"``, ``--max-restarts``)."""
+    joined_iter: int | None = None
+    """The iteration a joiner of an elastic run began in (its ``joined`` record); its rate counts from there."""
+    ended: str | None = None
+    """How an elastic run's member ended other than at the run's end: ``left`` (its ``left`` record),
+    or why it never trained or stopped (``run_ended``, ``membership_stopped``)."""
     progress: list[tuple[float, int]] = field(default_factory=list)
     """(``mono``, ``iter``) at the end of each computed iteration."""
     losses: list[tuple[float, float]] = field(default_factory=list)
@@ -67,9 +75,10 @@ class RankStats:
 
     @property
     def rate(self) -> float:
-        """Iterations per second, from beginning iteration 0 to finishing the last one."""
+        """Iterations per second, from beginning iteration 0 (a joiner: the one it joined in) to finishing
+        the last one."""
         elapsed = self.elapsed_s
-        return self.iterations / elapsed if elapsed > 0 else 0.0
+        return (self.iterations - (self.joined_iter or 0)) / elapsed if elapsed > 0 else 0.0
 
     @property
     def busy_s(self) -> float:
@@ -89,6 +98,8 @@ class RankStats:
     def status(self) -> str:
         if self.error is not None:
             status = f"failed ({self.error.get('error', 'error')})"
+        elif self.ended is not None:
+            status = self.ended
         else:
             status = "finished" if self.stopped else "no stop record"
         if self.restarts:
@@ -158,6 +169,11 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
             stats.late_updates_dropped = int(rec.get("late_updates_dropped") or 0)
         elif event == "error":
             stats.error = stats.error or rec
+        elif event == "joined":
+            if isinstance(rec.get("iter"), int) and stats.joined_iter is None:
+                stats.joined_iter = rec["iter"]
+        elif event in ENDINGS:
+            stats.ended = ENDINGS[event]
     if stats.began is None:
         stats.began = entered_mono if entered_mono is not None else start_mono
     return stats
@@ -175,6 +191,12 @@ class RunStats:
     """What matters for the protocol that ran (all of Hop's quantities when the run's options are unknown)."""
     coordinator: Record | None = None
     """The coordinator's ``stop`` record (``coordinator.jsonl``), for runs that had one."""
+    views: list[View] = field(default_factory=list)
+    """An elastic run's views (:mod:`hopnet.report.views`); view 0 only for a run without changes."""
+
+    def view_marks(self) -> list[tuple[float, str]]:
+        """Each view change as (seconds since :attr:`t0`, ``"view N"``), for the plots' time axes."""
+        return view_marks(self.views, self.t0)
 
     def shown_waits(self) -> tuple[Wait, ...]:
         """The protocol's waits, and any other wait a rank spent time in (shown rather than lost)."""
@@ -219,4 +241,5 @@ def run_stats(run: RunData) -> RunStats:
                       if rec.get("event") in NOTABLE_EVENTS),
                      key=lambda rec: (_number(rec.get("mono")) or 0.0, rec.get("rank", 0)))
     output = run.config.spec.output if run.config is not None else GENERIC_OUTPUT
-    return RunStats(t0=run.t0, ranks=ranks, notable=notable, output=output, coordinator=run.coordinator)
+    return RunStats(t0=run.t0, ranks=ranks, notable=notable, output=output, coordinator=run.coordinator,
+                    views=run_views(run))

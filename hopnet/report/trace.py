@@ -8,6 +8,7 @@ ones; their order inside a step is nominal (with the parallel approach the optim
 step, counted as compute, actually runs after the mix). Skips, departures, dead peers
 errors and rejoins are instant ("i") events, and so is each restart of a rank by the launcher
 (``launch.json``'s ``restarts``, ``--max-restarts``), on the rank's track when its replacement started.
+Each view change of an elastic run is a global instant (``view N``, its members and change in ``args``).
 
 A wait that the protocol attributed to peers (``wait_updates_from``, ``wait_tokens_from``) names
 them (``wait for updates from 1``), and a flow arrow runs from each such peer's send of the
@@ -23,6 +24,7 @@ from typing import Any
 from hopnet.output_spec import GENERIC_OUTPUT
 from hopnet.report.diagnosis import update_arrivals
 from hopnet.report.rundir import RunData
+from hopnet.report.views import run_views
 
 SPAN_ORDER = (("compute_s", "compute"), ("wait_updates_s", "wait for updates"),
               ("mix_s", "mixing"), ("wait_tokens_s", "wait for tokens"))
@@ -99,6 +101,13 @@ def restart_events(run: RunData, t0: float) -> list[dict[str, Any]]:
     return events
 
 
+def view_events(run: RunData, t0: float) -> list[dict[str, Any]]:
+    """A global instant (a line across every track) at each view change of an elastic run."""
+    return [{"name": f"view {v.number}", "cat": "view", "ph": "i", "s": "g", "ts": _us(v.mono - t0), "pid": 0,
+             "tid": STEP_TID, "args": {"members": list(v.members), "change": v.change(), "first_iter": v.first_iter}}
+            for v in run_views(run) if v.number > 0 and v.mono is not None]
+
+
 def update_flows(run: RunData, t0: float) -> list[dict[str, Any]]:
     """Flow arrows from a peer's send of an update to the end of the wait it ended (the first
     :data:`FLOW_LIMIT`); each end sits 1 us inside its span, so the viewer binds it there."""
@@ -119,6 +128,7 @@ def chrome_trace(run: RunData) -> dict[str, Any]:
     for rank, records in sorted(run.events.items()):
         events.extend(rank_trace_events(rank, records, t0, spans))
     events.extend(restart_events(run, t0))
+    events.extend(view_events(run, t0))
     events.extend(update_flows(run, t0))
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run_dir": str(run.path)}}
 

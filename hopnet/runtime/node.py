@@ -45,6 +45,8 @@ from hopnet.wire import BYE_FINAL_ITER, Header, Message
 
 EnterObserver = Callable[[int, int], None]
 P = TypeVar("P", bound=TrainingProtocol)
+BY_PEER_FIELDS = ("wait_updates_from", "wait_tokens_from")
+"""Iteration record fields keyed by peer (:mod:`hopnet.runtime.step_timing`)."""
 
 
 class Node(Generic[P]):
@@ -530,6 +532,11 @@ class Node(Generic[P]):
                 peer = fields.get("peer")
                 if isinstance(peer, int) and 0 <= peer < len(members):
                     fields["peer"] = members[peer]
+                for key in BY_PEER_FIELDS:  # the step's waits, by peer: positions in the view, logged as ranks
+                    by_peer = fields.get(key)
+                    if by_peer:
+                        fields[key] = {str(members[int(p)]) if 0 <= int(p) < len(members) else p: s
+                                       for p, s in by_peer.items()}
             self.events.write({"event": event, "rank": self.rank if members is None else members[self.rank],
                                "t": round(self.clock.now() - self._t0, 6), "mono": self.timer(), **fields})
 
