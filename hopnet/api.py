@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -104,6 +105,20 @@ def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: Mo
                 coordinator=coordinator)
 
 
+async def rejoin_coordinator(coordinator: CoordinatorChannel) -> None:
+    coordinator.send({"t": "rejoin"})  # count this rank in again (hopnet.coordinator.wire)
+
+
+def load_handover(worker: Worker, handover: rejoin.Handover) -> None:
+    """A resync found ``worker`` behind ``handover.donor``: take its model and registered state
+    (the optimizer's: the models stay identical only if the steps do), on the event loop with the
+    trainer blocked in its step."""
+    worker._load_model(handover.state["model"])
+    for name, state in handover.state.get("states", {}).items():
+        if name in worker._states:
+            checkpoint.load_state_into(worker._states[name], state)
+
+
 class Worker:
     """One training process's handle on its node, driven from the trainer's thread."""
 
@@ -177,7 +192,7 @@ class Worker:
         self.node.restart = restart
         self.node.mailbox.replaceable = max_restarts > 0
         self.node.handover_now = self._hand_over_on_loop
-        self.node.load_state = self._load_handover
+        self.node.load_state = functools.partial(load_handover, self)
         self._resuming = bool(start_iteration)
         """Resumed from a checkpoint whose load (:meth:`load_checkpoint`) has not yet run the
         protocol's :meth:`~hopnet.protocols.base.Protocol.after_resume`."""
@@ -211,6 +226,7 @@ class Worker:
         """
         if total < 1:
             raise ConfigError(f"iterations(total) needs total >= 1 (got {total})")
+        self._enter_run()
         self._final_iteration = total - 1
         self.node.protocol.final_iteration = total - 1
         if self.model is not None:
@@ -238,6 +254,7 @@ class Worker:
         """Finish the current iteration: ``apply`` is the optimizer step (Hop's Apply)."""
         if self._closed:
             raise HopnetError("step() on a closed worker")
+        self._enter_run()
         if self.consensus_calls:
             raise HopnetError(f"rank {self.rank}: step() after consensus(): training is over, close the worker")
         if self.model is not None:
@@ -263,6 +280,10 @@ class Worker:
         if not self._in_loop:
             self._step_boundary()
         self._compute_started = time.monotonic()
+
+    def _enter_run(self) -> None:
+        if self.changeover is not None:  # a joiner of an elastic run enters it at its first step, set up
+            self.changeover.join_when_due()
 
     def _step_boundary(self) -> None:
         """Where the trainer's state is whole between two iterations: a checkpoint is due, or a
@@ -305,16 +326,12 @@ class Worker:
         node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != self.rank})
         node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
         if node.coordinator is not None:
-            self._thread.run(self._rejoin_coordinator(node.coordinator))
+            self._thread.run(rejoin_coordinator(node.coordinator))
         if not finished:  # else the others are done training: there is nothing to catch up with
             self._thread.run(node.protocol.after_rejoin())
         self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
                     fingerprint=loaded, initial_fingerprint=before,
                     donor_fingerprint=handover.fingerprint)
-
-    @staticmethod
-    async def _rejoin_coordinator(coordinator: CoordinatorChannel) -> None:
-        coordinator.send({"t": "rejoin"})  # count this rank in again (hopnet.coordinator.wire)
 
     def _hand_over(self, iteration: int, finished: bool = False) -> None:
         """Send this worker's state to the replacements that asked for it (at a step boundary, or
@@ -325,15 +342,6 @@ class Worker:
         with self.model_lock:
             messages = self._handover_messages(requests, iteration, finished)
         self._thread.run(self._send_handovers(messages))
-
-    def _load_handover(self, handover: rejoin.Handover) -> None:
-        """A resync found this worker behind ``handover.donor``: take its model and registered state
-        (the optimizer's: the models stay identical only if the steps do), on the event loop with the
-        trainer blocked in its step."""
-        self._load_model(handover.state["model"])
-        for name, state in handover.state.get("states", {}).items():
-            if name in self._states:
-                checkpoint.load_state_into(self._states[name], state)
 
     def _hand_over_on_loop(self, requests: list[int]) -> None:
         """The same on the event loop, while the protocol waits with the trainer blocked in its step

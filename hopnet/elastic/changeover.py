@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from hopnet.data import ElasticSampler
 from hopnet.coordinator import needs_coordinator
 from hopnet.coordinator.client import client_from_environ
 from hopnet.elastic.coordinator import ViewCoordinator
-from hopnet.elastic.run import ElasticRun, LeftRun, ViewEntry
+from hopnet.elastic.run import ElasticRun, LeftRun, RunEnded, ViewEntry
 from hopnet.elastic.switch import assign_donors
 from hopnet.errors import HopnetError
 from hopnet.graph.members import MemberGraph
@@ -50,7 +51,8 @@ class Changeover:
     layer above this one)."""
 
     def __init__(self, worker: Any, run: ElasticRun, *, graph_spec: str, bind_host: str,
-                 curve: CurveKeys | None, safe_point: Callable[[int], int], run_dir: str) -> None:
+                 curve: CurveKeys | None, safe_point: Callable[[int], int], run_dir: str,
+                 ask_to_join: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self.run = run
         self.graph_spec = graph_spec
@@ -63,6 +65,9 @@ class Changeover:
         """The old segment's last iteration, once a committed change fixed it."""
         self._entry: ViewEntry | None = None
         self._late_samplers: dict[str, tuple[int, tuple[int, ...], dict[int, int]]] = {}
+        self.joining = False
+        self._ask_to_join = ask_to_join
+        """A joiner not admitted yet: it asks at its first step (:meth:`join_when_due`)."""
         self.run_dir = run_dir
         self._hosted: ViewCoordinator | None = None
         """The coordinator of the view this worker hosts (the lowest member hosts it, if the protocol has one)."""
@@ -164,10 +169,25 @@ class Changeover:
         worker.record("view_entered", view=entry.number, members=list(entry.members), iter=first,
                       position=graph.position(worker.rank), stall_s=round(time.monotonic() - started, 6))
 
+    def join_when_due(self) -> None:
+        """A joiner's first step or loop: it asks to be admitted now, its trainer set up (whatever the
+        trainer does between ``hopnet.init`` and its loop does not hold the members up)."""
+        if self.joining:
+            self.joining = False
+            try:
+                self.join()
+            except RunEnded as ended:
+                self.worker.record("run_ended", line=str(ended))
+                print(f"hopnet: {ended}", file=sys.stderr, flush=True)
+                self.worker._left = True  # its nodes are closed or never started
+                raise Left(str(ended)) from None
+
     def join(self) -> None:
         """A joiner: wait to be admitted, then enter the admitting view with a donor's state."""
         worker, run = self.worker, self.run
         started = time.monotonic()
+        if self._ask_to_join is not None:
+            self._ask_to_join()
         entry = worker._thread.run(run.admitted(), timeout_s=None)
         first = worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
         graph = MemberGraph.build(self.graph_spec, entry.members)
@@ -175,7 +195,7 @@ class Changeover:
         donors = assign_donors(graph, [j for j in entry.commit.change.joined if j in entry.members], old_members)
         donor = donors[worker.rank]
         worker._thread.run(self._close_alone(worker.node), timeout_s=None)
-        self._open_segment(entry, graph, first, donor=donor)
+        first = self._open_segment(entry, graph, first, donor=donor)
         worker.record("joined", view=entry.number, members=list(entry.members), iter=first, donor=donor,
                       position=graph.position(worker.rank), wait_s=round(time.monotonic() - started, 6))
 
@@ -251,7 +271,8 @@ class Changeover:
                 worker._resumed[name] = held  # registered later by the trainer
         return state
 
-    def _open_segment(self, entry: ViewEntry, graph: MemberGraph, first: int, donor: int | None) -> None:
+    def _open_segment(self, entry: ViewEntry, graph: MemberGraph, first: int, donor: int | None) -> int:
+        """Open this worker's segment of ``entry``'s view; returns the view's first iteration."""
         worker, run = self.worker, self.run
         config = worker.config
         position = graph.position(worker.rank)
@@ -291,6 +312,8 @@ class Changeover:
         node.survives_losses = old.survives_losses
         node.handover_now = old.handover_now
         node.load_state = old.load_state
+        # (a joiner computed ``first`` before it had the run's protocol: the safe point is the protocol's)
+        first = protocol.view_change_iteration(first)
         protocol.resume_at(first)
 
         async def exchange(address: str) -> dict[int, str]:
@@ -323,6 +346,7 @@ class Changeover:
         if final is not None:
             protocol.final_iteration = final
             worker._thread.loop.call_soon_threadsafe(node.plan, final + 1)
+        return first
 
 
 def close_elastic(changeover: Changeover | None, timeout_s: float) -> None:

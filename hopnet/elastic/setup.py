@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -12,7 +11,7 @@ from hopnet.bootstrap.init import WorkerContext
 from hopnet.config import ProtocolConfig
 from hopnet.elastic.changeover import Changeover
 from hopnet.elastic.control import ControlChannel
-from hopnet.elastic.run import ElasticRun, RunEnded
+from hopnet.elastic.run import ElasticRun
 from hopnet.elastic.settings import STOP_FILE, ElasticSettings
 from hopnet.elastic.support import elastic_refusal
 from hopnet.errors import ConfigError
@@ -63,7 +62,7 @@ def open_control(context: WorkerContext, config: ProtocolConfig) -> tuple[Contro
 
 def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChannel, context: WorkerContext,
                   config: ProtocolConfig, run_dir: str) -> Changeover:
-    """Start ``worker``'s membership; a joiner is admitted and takes its state before this returns."""
+    """Start ``worker``'s membership; a joiner asks to be admitted at its first step."""
     assert context.launched is not None
     table = register_control(context.launched.rendezvous, context.rank, channel.address, config.timeout_s,
                              context.curve)  # complete now: every first member registered before its exchange
@@ -77,30 +76,31 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
                      record=worker.record, iteration=lambda: worker.node.protocol.iteration,
                      timeout_s=config.timeout_s)
 
-    if len(settings.batch) > 1:  # the joiners of one `hopnet join` ask together, to be admitted in one view
-        barrier(context.launched.rendezvous, context.rank, f"join-{settings.batch[0]}", config.timeout_s,
-                context.curve, count=len(settings.batch))
-
     async def begin() -> None:
         run.start()
 
-    worker._thread.run(begin())
+    rendezvous, rank = context.launched.rendezvous, context.rank
+
+    def ask_to_join() -> None:
+        """A joiner's first step: the members it may ask now, its fellow joiners met, its requests out."""
+        fresh = register_control(rendezvous, rank, channel.address, config.timeout_s, context.curve)
+        channel.learn(fresh)
+        run.membership.set_contacts(r for r in fresh if r != rank)
+        if len(settings.batch) > 1:  # the joiners of one `hopnet join` ask together, to enter in one view
+            barrier(rendezvous, rank, f"join-{settings.batch[0]}", config.timeout_s, context.curve,
+                    count=len(settings.batch))
+        worker._thread.run(begin())
+
+    if not settings.joining:
+        worker._thread.run(begin())
     changeover = Changeover(worker, run, graph_spec=settings.graph, bind_host=context.bind_host,
                             curve=context.curve, safe_point=lambda k: worker.node.protocol.view_change_iteration(k),
-                            run_dir=run_dir)
+                            run_dir=run_dir, ask_to_join=ask_to_join)
     worker.changeover = changeover
-    if first is not None:
-        changeover.members, changeover.view = first.members, 0
+    # until it is admitted a joiner is alone (what a sampler it builds now divides the data over)
+    changeover.members, changeover.view = (first.members if first is not None else (context.rank,)), 0
     _leave_on_sigterm(worker, run, Path(run_dir) / STOP_FILE)
-    if settings.joining:
-        try:
-            changeover.join()
-        except RunEnded as ended:
-            worker.record("run_ended", line=str(ended))
-            print(f"hopnet: {ended}", file=sys.stderr, flush=True)
-            worker._left = True  # its nodes are closed or never started
-            worker.close()
-            raise SystemExit(0) from None
+    changeover.joining = settings.joining  # it asks to be admitted at its first step
     return changeover
 
 

@@ -101,6 +101,11 @@ class Membership:
 
     # events -------------------------------------------------------------------------------
 
+    def set_contacts(self, contacts: Iterable[int]) -> None:
+        """A joiner's members to ask, as it now knows them (before it asks)."""
+        if self.state == "joining":
+            self._contacts = tuple(contacts)
+
     def tick(self, now: float) -> list[Send]:
         """Time passed: beat, notice silence, propose or forward what is due."""
         if self.state == "joining":
