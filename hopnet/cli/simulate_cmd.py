@@ -145,7 +145,18 @@ def resolve_graph(source: str | None, nproc_text: str | None) -> tuple[Graph, st
     """The graph and a label for it: ``--graph`` (checked against ``--nproc``) or a ring."""
     from hopnet.launch.spec import resolve_graph as resolve_run_graph
 
+    from hopnet.graph.members import MemberGraph
+    from hopnet.graph.reform import KINDS, BuilderSpec
+    from hopnet.launch.spec import DEFAULT_NPROC
+
     nproc = None if nproc_text is None else _int("--nproc", nproc_text)
+    kind = (source or "").strip().lower().replace("-", "_")
+    if kind in KINDS and not os.path.exists(source or ""):  # a kind alone (ring, torus): over --nproc workers
+        n = DEFAULT_NPROC if nproc is None else nproc
+        if n < 1:
+            raise ConfigError(f"--nproc must be an integer >= 1 (got {n})")
+        graph = MemberGraph.build(BuilderSpec.parse(kind), range(n)).graph
+        return graph, graph.name or f"{kind}:{n}"
     graph, _ = resolve_run_graph(source, nproc)
     return graph, graph.name or source or f"ring:{graph.n}"
 
@@ -194,7 +205,13 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
     churn = parse_schedule(list(args.churn), args.churn_rate)
-    builder = GraphSource.from_argument(args.graph).builder if churn else None
+    builder = None
+    if churn:
+        source = GraphSource.from_argument(args.graph)
+        if source.builder is None:
+            raise ConfigError(f"--churn: {source.label} is a fixed graph and cannot re-form when workers join or "
+                              "leave: give a builder such as --graph ring or --graph torus")
+        builder = source.builder
     config = config_from_args(args)
     for note in check_config_for_graph(config, graph):
         print(f"hopnet simulate: note: {note}", file=sys.stderr)
@@ -268,7 +285,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
         first = len(result.views[0]["members"])
         workers = f"{first} worker{'' if first == 1 else 's'} at the start, {n} ranks in all"
     lines = [
-        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {n}",
+        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {workers}",
         f"protocol:          {', '.join(settings)}",
         f"iterations:        {inputs['requested_iterations']} requested; completed "
         + (f"{done[0]} by every worker" if len(set(done)) == 1 else f"min {min(done)}, max {max(done)}"),

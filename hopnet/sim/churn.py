@@ -174,7 +174,7 @@ class Membership:
                 if why is None:
                     members.difference_update(self._picks.sample(candidates, event.count))
             if why is not None:
-                skipped.append(f"{event.describe()}: {why}")
+                skipped.append(f"{event.describe()!r}: {why}")
         self.members = tuple(sorted(members))
         return Change(self.members, tuple(joined), tuple(sorted(before - members)), skipped)
 
@@ -209,7 +209,7 @@ def _poisson(kind: str, rate: float, seed: int) -> Iterator[ChurnEvent]:
     t = 0.0
     while True:
         t += rng.expovariate(rate)
-        yield ChurnEvent(kind, t, 1, None, f"{kind} (rate)")
+        yield ChurnEvent(kind, t, 1, None, f"{kind}:1@{t:.6g}s (--churn-rate)")
 
 
 def instants(schedule: ChurnSchedule, seed: int) -> Iterator[tuple[float, list[ChurnEvent]]]:

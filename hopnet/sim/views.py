@@ -141,10 +141,11 @@ class ChurnRun:
                 await self._begun.wait()
             change = membership.apply(events)
             self.skipped += change.skipped
-            if (change.joined or change.left) and not self._decide(change, at_s):
+            what = ", ".join(repr(event.describe()) for event in events)
+            if (change.joined or change.left) and not self._decide(change, at_s, what):
                 return
 
-    def _decide(self, change: Change, at_s: float) -> bool:
+    def _decide(self, change: Change, at_s: float, what: str) -> bool:
         """Fix where the next view begins, from the members' reports; False when it would begin
         after the run's last iteration (the run ends first: the change never takes effect)."""
         segment = self.segment
@@ -153,7 +154,7 @@ class ChurnRun:
         safe_point = next(iter(segment.nodes.values())).protocol.view_change_iteration
         first = first_iteration(reports, safe_point)
         if first > self.last_iteration:
-            self.skipped.append(f"the view at {at_s:g}s would begin at iteration {first}, after the run's last "
+            self.skipped.append(f"{what}: its view would begin at iteration {first}, after the run's last "
                                 f"({self.last_iteration}): the run ends first")
             return False
         segment.last = first - 1
@@ -319,22 +320,10 @@ class ChurnRun:
         return max((p.summary().get(key) or 0 for p in self.protocols[rank]), default=0)
 
     def _counts(self, rank: int) -> dict[str, Any]:
-        """A rank's counts over its segments, each combined as the protocol declares it across ranks
-        (a sum stays a sum, a maximum a maximum); any other field: its last segment's."""
-        across = {count.field: count.across for count in self.spec.config.spec.output.counts}
-        total: dict[str, Any] = {}
-        for protocol in self.protocols[rank]:
-            for key, value in {**protocol.summary(), SKIPS: len(protocol.skip_log)}.items():
-                before = total.get(key)
-                numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (before, value))
-                rule = across.get(key)
-                if numbers and rule in ("sum", "per_rank"):
-                    total[key] = before + value
-                elif numbers and rule == "max":
-                    total[key] = max(before, value)
-                else:
-                    total[key] = value
-        return total
+        """A rank's counts as `hopnet report` reads an elastic worker's log: its last segment's
+        ``stop`` record (each segment's protocol counts afresh), its skips over every segment."""
+        protocols = self.protocols[rank]
+        return {**protocols[-1].summary(), SKIPS: sum(len(p.skip_log) for p in protocols)}
 
 
 __all__ = ["ChurnRun", "ViewRecord"]
