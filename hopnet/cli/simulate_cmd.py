@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 
 from hopnet.errors import ConfigError, HopnetError
-from hopnet.graph.source import GraphSource
 from hopnet.output_spec import Count, combine, format_value, present
 from hopnet.sim import GAP_MATRIX_MAX_N
-from hopnet.sim.churn import parse_schedule
 
 if TYPE_CHECKING:  # the simulator (torch) is imported once the arguments are checked
     from hopnet.graph import Graph
@@ -201,6 +199,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     """The simulation ``args`` ask for, and its inputs as a JSON-ready dict."""
     from hopnet.config import config_from_args
     from hopnet.config_checks import check_config_for_graph
+    from hopnet.graph.source import GraphSource
+    from hopnet.sim.churn import parse_schedule
 
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
@@ -285,7 +285,7 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
         first = len(result.views[0]["members"])
         workers = f"{first} worker{'' if first == 1 else 's'} at the start, {n} ranks in all"
     lines = [
-        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {workers}",
+        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {workers if result.views else n}",
         f"protocol:          {', '.join(settings)}",
         f"iterations:        {inputs['requested_iterations']} requested; completed "
         + (f"{done[0]} by every worker" if len(set(done)) == 1 else f"min {min(done)}, max {max(done)}"),
