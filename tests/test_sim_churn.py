@@ -40,6 +40,7 @@ def test_a_schedule_parses_in_time_order():
     (["--churn-rate", "join=fast"], "is not a number"),
     (["--churn", "join:1@1s", "--graph", "torus:2x2"], "cannot take 5 workers"),
     (["--churn", "join:1@1s", "--graph", "examples/ring.json"], "is a fixed graph"),
+    (["--churn", "join:2@1s,leave:4@1s"], "no member of the view before would stay"),
     (["--churn", "join:1@1s", "--protocol", "prague"], "runs with a coordinator"),
     (["--churn", "join:1@1s", "--protocol", "ad-psgd"], "drift apart"),
     (["--churn", "join:1@1s", "--stop", "1:3"], "leave:rankR@T"),

@@ -163,14 +163,17 @@ class Membership:
             elif event.rank is not None:
                 why = None if event.rank in members and event.rank in before else \
                     f"rank {event.rank} is not a member then"
+                if why is None and members & before == {event.rank}:
+                    why = "no member of the view before would stay (a joiner copies one's model)"
                 why = why or takes(self.builder, len(members) - 1)
                 if why is None:
                     members.discard(event.rank)
             else:
                 why = takes(self.builder, len(members) - event.count)
                 candidates = sorted(members & before)
-                if why is None and len(candidates) < event.count:
-                    why = f"only {len(candidates)} member(s) can leave then"
+                if why is None and len(candidates) <= event.count:
+                    why = f"no member of the view before would stay (a joiner copies one's model)" \
+                        if len(candidates) == event.count else f"only {len(candidates)} member(s) can leave then"
                 if why is None:
                     members.difference_update(self._picks.sample(candidates, event.count))
             if why is not None:

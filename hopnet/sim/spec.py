@@ -120,6 +120,7 @@ class SimSpec:
 
     def _validate_churn(self, churn: ChurnSchedule) -> None:
         """What the real runtime refuses for an elastic run, and what the simulator cannot re-form."""
+        from hopnet.coordinator import needs_coordinator
         from hopnet.elastic.support import elastic_refusal
         from hopnet.sim.churn import check
 
@@ -129,6 +130,9 @@ class SimSpec:
         refusal = elastic_refusal(self.config)
         if refusal is not None:
             raise ConfigError(f"--churn: {refusal}")
+        if needs_coordinator(self.config):
+            raise ConfigError(f"--churn: --protocol {self.config.protocol} runs with a coordinator, which the simulator "
+                              "does not start per view yet")
         if self.stop_at:
             raise ConfigError("--churn with --stop: a worker leaves for good with leave:rankR@T")
         if self.link.overrides or self.link.between_machines:
