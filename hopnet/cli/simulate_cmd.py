@@ -311,6 +311,12 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     return lines
 
 
+RUNS_SHOWN = 8
+"""A view's members are listed as runs of consecutive ranks, this many at most."""
+VIEWS_SHOWN = 20
+"""The summary lists this many views at most: the first and the last half of them."""
+
+
 def _ranks(ranks: list[int]) -> str:
     """``0-7, 9``: runs of consecutive ranks shortened."""
     runs: list[list[int]] = []
@@ -319,18 +325,26 @@ def _ranks(ranks: list[int]) -> str:
             runs[-1].append(rank)
         else:
             runs.append([rank])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    shown = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs[:RUNS_SHOWN])
+    return shown if len(runs) <= RUNS_SHOWN else f"{shown}, ..."
 
 
 def view_lines(result: SimResult) -> list[str]:
     """A run with churn: one line per view (who, who joined and left, when it began, its throughput)."""
     if result.views is None:
         return []
-    lines = [f"views:             {len(result.views)}"]
-    for view in result.views:
+    views = result.views
+    lines = [f"views:             {len(views)}"]
+    half = VIEWS_SHOWN // 2
+    shown = views if len(views) <= VIEWS_SHOWN else [*views[:half], None, *views[-half:]]
+    for view in shown:
+        if view is None:
+            lines.append(f"  ... {len(views) - 2 * half} more (--json has every view)")
+            continue
         change = "; ".join([f"joined {_ranks(view['joined'])}"] * bool(view["joined"])
                            + [f"left {_ranks(view['left'])}"] * bool(view["left"]))
-        lines.append(f"  view {view['view']}: {len(view['members'])} member{'' if len(view['members']) == 1 else 's'} "
+        count = len(view["members"])
+        lines.append(f"  view {view['view']}: {count} member{'' if count == 1 else 's'} "
                      f"({_ranks(view['members'])})" + (f", {change}" if change else "")
                      + f"; from {view['began_s']:.6g} s, iteration {view['iteration']}; "
                      f"{view['throughput']:.6g} iterations/s")

@@ -50,7 +50,8 @@ class ViewRecord:
     began_s: float
     iteration: int
     decided_s: float
-    """When the change that made it came (the view begins once the old one's last iteration is done)."""
+    """When the change that made it was decided: its events' time, or later when they waited for the
+    change before them (the view begins once the old one's last iteration is done)."""
     ended_s: float | None = None
     iterations_done: int = 0
     """Iterations its members finished in it, all together."""
@@ -80,7 +81,7 @@ class _Segment:
     last: int | None = None
     """The segment's last iteration, once a change is decided."""
     next_view: tuple[Change, int, float] | None = None
-    """The decided change, the next view's first iteration, and when the change came."""
+    """The decided change, the next view's first iteration, and when it was decided."""
 
 
 class ChurnRun:
@@ -142,10 +143,10 @@ class ChurnRun:
             change = membership.apply(events)
             self.skipped += change.skipped
             what = ", ".join(repr(event.describe()) for event in events)
-            if (change.joined or change.left) and not self._decide(change, at_s, what):
+            if (change.joined or change.left) and not self._decide(change, what):
                 return
 
-    def _decide(self, change: Change, at_s: float, what: str) -> bool:
+    def _decide(self, change: Change, what: str) -> bool:
         """Fix where the next view begins, from the members' reports; False when it would begin
         after the run's last iteration (the run ends first: the change never takes effect)."""
         segment = self.segment
@@ -161,7 +162,7 @@ class ChurnRun:
         for node in segment.nodes.values():
             final = node.protocol.final_iteration
             node.protocol.final_iteration = first - 1 if final is None else min(final, first - 1)
-        segment.next_view = (change, first, at_s)
+        segment.next_view = (change, first, self.loop.time())
         self._begun = asyncio.Event()
         return True
 
