@@ -27,11 +27,12 @@ class GapTracker:
     O(n) per entry and O(n^2) memory, so it is kept only when ``matrix`` is true.
     """
 
-    def __init__(self, n: int, matrix: bool = True) -> None:
-        self.iters = np.zeros(n, dtype=np.int64)
+    def __init__(self, n: int, matrix: bool = True, start: int = 0) -> None:
+        """``start``: the iteration every worker begins in (an elastic run's view begins past 0)."""
+        self.iters = np.full(n, start, dtype=np.int64)
         self.max_gap: np.ndarray | None = np.zeros((n, n), dtype=np.int64) if matrix else None
-        self._count: dict[int, int] = {0: n}  # how many workers are in each iteration
-        self._min = 0
+        self._count: dict[int, int] = {start: n}  # how many workers are in each iteration
+        self._min = start
         self._largest = (0, 0, 0)
 
     @property

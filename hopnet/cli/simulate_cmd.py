@@ -4,6 +4,7 @@
                     [--iterations N] [--compute-ms SPEC] [--compute-ms-rank R:SPEC ...]
                     [--link-latency-ms MS] [--link-gbps G] [--link-model FILE]
                     [--model-mb MB] [--stop R:K ...] [--gap-matrix WHEN] [--json FILE|-]
+                    [--churn EVENTS] [--churn-rate RATES] [--plot FILE.png]
 
 Every worker is the real protocol object (see :mod:`hopnet.sim.engine`); only time is
 modelled. A short summary goes to stdout (to stderr when ``--json -`` takes stdout).
@@ -51,6 +52,9 @@ inputs and seed give byte-identical --json output.
 
 EPILOG = """\
 compute time SPEC (milliseconds): MS (constant), uniform:LO:HI, exp:MEAN, normal:MEAN:SD.
+churn: --churn "join:2@0.5s,leave:1@1s,leave:rank3@1500ms" (K workers join or leave, or rank R
+leaves, at a virtual time in s or ms); --churn-rate join=0.5,leave=0.5 (Poisson arrivals per
+virtual second, from --seed). Each change is a new view over the graph re-formed for its members.
 exit status: 0 on success; 1 when the simulated run deadlocks, times out or fails
 for want of a departed peer; 2 for bad arguments.
 """
@@ -92,6 +96,13 @@ def register(subparsers: Any) -> None:
                      help="bytes charged to the link per update, in MB of 10^6 bytes (default: 0)")
     sim.add_argument("--stop", action="append", default=[], metavar="R:K",
                      help="rank R leaves for good before iteration K (repeatable)")
+    sim.add_argument("--churn", action="append", default=[], metavar="EVENTS",
+                     help="workers join and leave at virtual times: join:K@T, leave:K@T, leave:rankR@T, "
+                          "comma-separated, T in s or ms (repeatable)")
+    sim.add_argument("--churn-rate", default=None, metavar="RATES",
+                     help="workers join and leave at random: join=RATE,leave=RATE per virtual second (seeded)")
+    sim.add_argument("--plot", default=None, metavar="FILE.png",
+                     help="draw the throughput against virtual time, with each view change marked")
     sim.add_argument("--gap-matrix", default="auto", choices=("auto", "always", "never"),
                      help="report every pair's largest gap (max_gap in --json: O(N^2)); auto: up to "
                           f"{GAP_MATRIX_MAX_N} workers (default: auto)")
@@ -132,7 +143,18 @@ def resolve_graph(source: str | None, nproc_text: str | None) -> tuple[Graph, st
     """The graph and a label for it: ``--graph`` (checked against ``--nproc``) or a ring."""
     from hopnet.launch.spec import resolve_graph as resolve_run_graph
 
+    from hopnet.graph.members import MemberGraph
+    from hopnet.graph.reform import KINDS, BuilderSpec
+    from hopnet.launch.spec import DEFAULT_NPROC
+
     nproc = None if nproc_text is None else _int("--nproc", nproc_text)
+    kind = (source or "").strip().lower().replace("-", "_")
+    if kind in KINDS and not os.path.exists(source or ""):  # a kind alone (ring, torus): over --nproc workers
+        n = DEFAULT_NPROC if nproc is None else nproc
+        if n < 1:
+            raise ConfigError(f"--nproc must be an integer >= 1 (got {n})")
+        graph = MemberGraph.build(BuilderSpec.parse(kind), range(n)).graph
+        return graph, graph.name or f"{kind}:{n}"
     graph, _ = resolve_run_graph(source, nproc)
     return graph, graph.name or source or f"ring:{graph.n}"
 
@@ -145,6 +167,7 @@ def _rank(flag: str, text: str, n: int, item: str) -> int:
 
 
 def parse_compute(default: str, per_rank: list[str], n: int) -> ComputeModel:
+    """``--compute-ms`` and ``--compute-ms-rank`` (``n``: the ranks there may be, joiners included)."""
     from hopnet.sim.engine import ComputeModel
 
     model = ComputeModel.parse(default)
@@ -176,9 +199,19 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     """The simulation ``args`` ask for, and its inputs as a JSON-ready dict."""
     from hopnet.config import config_from_args
     from hopnet.config_checks import check_config_for_graph
+    from hopnet.graph.source import GraphSource
+    from hopnet.sim.churn import parse_schedule
 
     graph, label = resolve_graph(args.graph, args.nproc)
     n = graph.n
+    churn = parse_schedule(list(args.churn), args.churn_rate)
+    builder = None
+    if churn:
+        source = GraphSource.from_argument(args.graph)
+        if source.builder is None:
+            raise ConfigError(f"--churn: {source.label} is a fixed graph and cannot re-form when workers join or "
+                              "leave: give a builder such as --graph ring or --graph torus")
+        builder = source.builder
     config = config_from_args(args)
     for note in check_config_for_graph(config, graph):
         print(f"hopnet simulate: note: {note}", file=sys.stderr)
@@ -189,7 +222,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     gbps = _number("--link-gbps", args.link_gbps)
     model_mb = _number("--model-mb", args.model_mb)
     stops = parse_stops(list(args.stop), n)
-    compute = parse_compute(args.compute_ms, list(args.compute_ms_rank), n)  # imports the simulator (torch)
+    # a joiner's rank counts up from the first world size: --compute-ms-rank may name the scheduled ones
+    compute = parse_compute(args.compute_ms, list(args.compute_ms_rank), n + churn.explicit_joins)  # loads torch
     from hopnet.sim.engine import SimSpec
     from hopnet.sim.links import load_link_model
     from hopnet.transports.inproc import LinkModel
@@ -202,7 +236,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
         link_inputs["rules"] = [rule.to_dict() for rule in rules]
     gap_matrix = {"auto": None, "always": True, "never": False}[args.gap_matrix]
     spec = SimSpec(graph=graph, config=config, iterations=iterations, compute=compute, link=link,
-                   model_bytes=int(round(model_mb * BYTES_PER_MB)), stop_at=stops, gap_matrix=gap_matrix)
+                   model_bytes=int(round(model_mb * BYTES_PER_MB)), stop_at=stops, gap_matrix=gap_matrix,
+                   churn=churn or None, builder=builder)
     spec.validate()
     per_rank: dict[str, str] = {}
     for item in args.compute_ms_rank:
@@ -218,6 +253,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
         "stop": {str(r): k for r, k in sorted(stops.items())},
         "seed": config.seed,
     }
+    if churn:
+        inputs["churn"] = churn.to_dict()
     return spec, inputs
 
 
@@ -244,8 +281,11 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
     settings = [config["protocol"], *protocol.options.settings()]
     done = [len(times) for times in result.finish_times]  # iterations each worker completed
     workers = f"{n} worker{'' if n == 1 else 's'}"
+    if result.views:  # a run with churn: n counts every rank that ever was a member
+        first = len(result.views[0]["members"])
+        workers = f"{first} worker{'' if first == 1 else 's'} at the start, {n} ranks in all"
     lines = [
-        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {n}",
+        f"graph:             {inputs['graph']} ({workers})" if spec.uses_graph else f"workers:           {workers if result.views else n}",
         f"protocol:          {', '.join(settings)}",
         f"iterations:        {inputs['requested_iterations']} requested; completed "
         + (f"{done[0]} by every worker" if len(set(done)) == 1 else f"min {min(done)}, max {max(done)}"),
@@ -266,16 +306,70 @@ def summary_lines(result: SimResult, inputs: dict[str, Any]) -> list[str]:
         shown = present(output.coordinator_counts, [c]) or (Count("groups_formed", "groups formed"),)
         lines.append(f"coordinator:       {c.get('coordinator')}: "
                      + ", ".join(f"{format_value(c.get(count.field, 0))} {count.label}" for count in shown))
+    lines += view_lines(result)
     lines.append(f"wall clock:        {result.wall_seconds:.3f} s")
     return lines
 
 
+RUNS_SHOWN = 8
+"""A view's members are listed as runs of consecutive ranks, this many at most."""
+VIEWS_SHOWN = 20
+"""The summary lists this many views at most: the first and the last half of them."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-7, 9``: runs of consecutive ranks shortened."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    shown = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs[:RUNS_SHOWN])
+    return shown if len(runs) <= RUNS_SHOWN else f"{shown}, ..."
+
+
+def view_lines(result: SimResult) -> list[str]:
+    """A run with churn: one line per view (who, who joined and left, when it began, its throughput)."""
+    if result.views is None:
+        return []
+    views = result.views
+    lines = [f"views:             {len(views)}"]
+    half = VIEWS_SHOWN // 2
+    shown = views if len(views) <= VIEWS_SHOWN else [*views[:half], None, *views[-half:]]
+    for view in shown:
+        if view is None:
+            lines.append(f"  ... {len(views) - 2 * half} more (--json has every view)")
+            continue
+        change = "; ".join([f"joined {_ranks(view['joined'])}"] * bool(view["joined"])
+                           + [f"left {_ranks(view['left'])}"] * bool(view["left"]))
+        count = len(view["members"])
+        lines.append(f"  view {view['view']}: {count} member{'' if count == 1 else 's'} "
+                     f"({_ranks(view['members'])})" + (f", {change}" if change else "")
+                     + f"; from {view['began_s']:.6g} s, iteration {view['iteration']}; "
+                     f"{view['throughput']:.6g} iterations/s")
+    for line in result.churn_skipped:
+        lines.append(f"  not applied: {line}")
+    return lines
+
+
+def write_plot(path: str, result: SimResult) -> None:
+    from hopnet.sim.plot import throughput_plot
+
+    try:
+        with open(path, "wb") as fh:
+            fh.write(throughput_plot(result))
+    except OSError as exc:
+        raise ConfigError(f"--plot {path}: cannot write file: {exc.strerror or exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     spec, inputs = build_spec(args)
-    if args.json not in (None, "-"):
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--json {args.json}: no such directory {folder}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path not in (None, "-"):
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"{flag} {path}: no such directory {folder}")
     from hopnet.sim.engine import simulate
 
     try:
@@ -285,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
     except HopnetError as exc:  # Deadlock, WaitTimeout, PeerFailure, ProtocolError
         print(f"hopnet simulate: error: {exc}", file=sys.stderr)
         return 1
+    if args.plot is not None:
+        write_plot(args.plot, result)
     text = result_json(result, inputs)
     summary = "\n".join(summary_lines(result, inputs)) + "\n"
     if args.json == "-":
