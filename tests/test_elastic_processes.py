@@ -132,3 +132,21 @@ def test_a_leave_below_min_nproc_stops_the_run_naming_who_left(tmp_path: Path) -
     record = json.loads((run_dir / "launch.json").read_text())
     assert record["result"]["worker_returncodes"]["2"] == 0  # the leaver left; the others stopped
     assert {record["result"]["worker_returncodes"][str(r)] for r in (0, 1, 3)} == {1}
+
+
+@pytest.mark.slow
+def test_a_join_beyond_max_nproc_is_refused_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--nproc", "2", "--max-nproc", "2", "--run-dir", str(run_dir), DIGITS,
+                             "--iterations", "1000000"])
+    try:
+        wait_until(lambda: _iteration(run_dir, 0) >= 20, 120, what="rank 0 to train")
+        done = subprocess.run([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        still_training = _iteration(run_dir, 0)
+        wait_until(lambda: _iteration(run_dir, 0) > still_training + 20, 60, what="the run to go on")
+    finally:
+        kill(launcher)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the join of rank 2 was refused: view 1 has 2 members, the most allowed (2)" in done.stderr
+    assert "hopnet join: rank 2 exited 1" in done.stderr
