@@ -78,7 +78,8 @@ def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int
     finals = [r["accuracy"] for rank in range(6) for r in _records(run_dir, rank, "eval") if r.get("final")]
     return {"protocol": protocol, "launch": launch_rc, "join": join_rc,
             "rank 2": record["result"]["worker_returncodes"].get("2"), "views": len(record["views"]),
-            "state (MB)": round(max(sent) / 1e6, 3), "join to 1st iteration (s)": round(first_iteration_s, 2), "admission + state (s)": round(max(waits), 3),
+            "state (MB)": round(max(sent) / 1e6, 3), "join to 1st iteration (s)": round(first_iteration_s, 2),
+            "admission + state (s)": round(max(waits), 3),
             "max stall (s)": round(max(stalls), 3), "min accuracy": round(min(finals), 4)}
 
 
