@@ -49,7 +49,7 @@ from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel
 from hopnet.elastic.changeover import Changeover
 from hopnet.elastic.settings import ElasticSettings
-from hopnet.elastic.setup import check_elastic, lone_graph, open_control, start_elastic
+from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
@@ -248,6 +248,12 @@ class Worker:
         try:
             self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
         except Exception as exc:
+            if self.changeover is not None and isinstance(exc, HopnetError):
+                # the membership may have stopped this worker: its line says why, not the segment's
+                explained = self._thread.run(self.changeover.run.verdict(exc), timeout_s=None)
+                if explained is not exc:
+                    self.failure = explained
+                    raise explained from None  # the line says it all: not the segment's failure too
             self.failure = exc
             raise
         self.steps += 1
@@ -718,13 +724,15 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         resume_after = settings.resume_iteration(context.graph.n)
         saved = (checkpoint.load(settings.directory, context.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
-        worker = Worker(rank=context.rank, graph=alone.graph, config=cfg, params=tensors.params,
+        worker = Worker(rank=context.rank, graph=alone.graph, config=lone_config(cfg) if joining else cfg,
+                        params=tensors.params,
                         transport=transport, exchange=None if joining else context.exchange(cfg, restarts.this),
                         events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
                         max_restarts=restarts.allowed, restart=restarts.this, max_failures=restarts.losses,
                         module=spec.model, members=(context.rank,) if joining else None)
+        worker.config = cfg  # a joiner's segments run the run's configuration, not its lone node's
     except BaseException:
         run.finish(aborted=True)
         raise

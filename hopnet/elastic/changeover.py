@@ -25,7 +25,7 @@ from hopnet.bootstrap.plane import collective_factory, make_transport
 from hopnet.data import ElasticSampler
 from hopnet.elastic.run import ElasticRun, ViewEntry
 from hopnet.elastic.switch import assign_donors
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, MembershipStopped
 from hopnet.graph.members import MemberGraph
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
@@ -67,7 +67,7 @@ class Changeover:
         goes on; its last iteration is set once a change is committed)."""
         worker, run = self.worker, self.run
         if run.stopped_line is not None:
-            raise HopnetError(run.stopped_line)
+            raise MembershipStopped(run.stopped_line)
         entry = self._entry or worker._thread.run(self._head())
         if entry is None:
             return None

@@ -14,7 +14,7 @@ from typing import Any
 from hopnet.elastic import codec
 from hopnet.elastic.control import ControlChannel
 from hopnet.elastic.switch import first_iteration
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, MembershipStopped, PeerFailure
 from hopnet.membership import Commit, Membership, MembershipConfig, Send, View
 
 Recorder = Callable[..., None]
@@ -197,7 +197,7 @@ class ElasticRun:
         deadline = time.monotonic() + self.timeout_s
         while not ready():
             if self.stopped_line is not None:
-                raise HopnetError(self.stopped_line)
+                raise MembershipStopped(self.stopped_line)
             if self.ended_line is not None:
                 raise RunEnded(self.ended_line)
             left = deadline - time.monotonic()
@@ -208,6 +208,26 @@ class ElasticRun:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def verdict(self, failure: BaseException) -> BaseException:
+        """A step failed with ``failure``. When the membership stops this worker (cut off from a
+        majority, dropped, too few members), that is why: its line, not the segment's. A peer's
+        silence fails the step at the segment's peer timeout, before the membership, which takes
+        half a peer timeout more to say a member is cut off: so this waits until the membership
+        stops this worker or commits a view without that peer, 1.5 peer timeouts at most."""
+        if self.stopped_line is None and isinstance(failure, PeerFailure) and failure.peer is not None:
+            peer = failure.peer
+            deadline = time.monotonic() + 1.5 * self.membership.config.peer_timeout
+            while (self.stopped_line is None and time.monotonic() < deadline
+                   and not any(peer in commit.change.died for commit in self.membership.history)):
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    pass
+        if self.stopped_line is None:
+            return failure
+        return MembershipStopped(self.stopped_line)
 
     async def first_iteration(self, entry: ViewEntry, safe_point: Callable[[int], int]) -> int:
         """Wait for every report of ``entry`` and return its first iteration."""

@@ -45,6 +45,14 @@ def lone_graph() -> Graph:
     return Graph(1, [], name="joining")
 
 
+def lone_config(config: ProtocolConfig) -> ProtocolConfig:
+    """A joiner's configuration on its graph of one node: no backup workers (it has no
+    in-neighbour). Its segments run the run's own configuration."""
+    if config.to_dict().get("backup_workers", 0):
+        return config.replace(backup_workers=0)
+    return config
+
+
 def open_control(context: WorkerContext, config: ProtocolConfig) -> tuple[ControlChannel, dict[int, str]]:
     """Bind this worker's control channel and register it with the run's rendezvous."""
     launched = context.launched
@@ -118,4 +126,4 @@ def _leave_on_sigterm(worker: Any, run: ElasticRun, stop_file: Path) -> None:
         pass
 
 
-__all__ = ["check_elastic", "lone_graph", "open_control", "start_elastic"]
+__all__ = ["check_elastic", "lone_config", "lone_graph", "open_control", "start_elastic"]
