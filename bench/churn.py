@@ -1,0 +1,224 @@
+"""Churn trials for bench/chaos.py: an elastic run that workers join and leave at random times.
+
+Each trial starts ``hopnet launch --nproc 4 --max-nproc 6 --min-nproc 2 --protocol P`` (the
+battery's ``--peer-timeout`` and ``--timeout``, its workload), waits until the ranks log
+iterations, then fires ``--churn-events`` events, each after a seeded random 0.5-3 s pause: a
+``hopnet join RUN_DIR --nproc 1``, or a SIGTERM (a preemption: a leave) to a random live worker
+that has trained (a first worker or a joiner). A join is drawn only while the run is below
+``--max-nproc``, a leave only while it stays above ``--min-nproc``. Then it waits for the
+launcher and every ``hopnet join`` to exit, at most ``--hang-after`` seconds after the last
+event; past that the trial is a HANG and everything is killed.
+
+Per trial: the launcher's and each ``hopnet join``'s exit status; each leaver's exit status
+(a first worker's from ``launch.json``, a joiner's from its ``hopnet join``'s
+``rank R exited ...`` line); ``orphans``: workers, joiners or members of the launcher's or a
+join's process group still alive 2 s after the end; ``ok``: no hang, no orphans, the launcher,
+every join and every leaver exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from faults import ROOT, LaunchRun, alive, clean_env, group_members, workload
+
+JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
+NPROC, MAX_NPROC, MIN_NPROC = 4, 6, 2
+CHURN_PROTOCOLS = ("hop", "allreduce", "eager-sgd", "pipe-sgd")
+"""The battery's protocols that can change membership (docs/guides/elastic.md)."""
+EXITED = re.compile(r"^hopnet join: rank (\d+) (exited (\d+)|killed by signal (\d+))", re.M)
+
+
+@dataclass
+class Joiner:
+    proc: subprocess.Popen[str]
+    out: Path
+    ranks: dict[int, int] = field(default_factory=dict)
+    """rank -> pid of the worker it started (read from /proc while it runs)."""
+
+    def codes(self) -> dict[int, int]:
+        """What its ``rank R exited ...`` lines say, by rank (a signal as -N)."""
+        text = self.out.read_text() if self.out.exists() else ""
+        return {int(m[1]): int(m[3]) if m[3] is not None else -int(m[4]) for m in EXITED.finditer(text)}
+
+
+@dataclass
+class ChurnTrial:
+    protocol: str
+    events: list[str] = field(default_factory=list)
+    """In order: ``join``, ``leave R``."""
+    exit: int | None = None
+    join_exits: list[int | None] = field(default_factory=list)
+    leave_exits: dict[int, int | None] = field(default_factory=dict)
+    orphans: int = 0
+    hang: bool = False
+    ok: bool = False
+    note: str = ""
+
+    @property
+    def joins(self) -> int:
+        return sum(e == "join" for e in self.events)
+
+    @property
+    def leaves(self) -> int:
+        return len(self.events) - self.joins
+
+
+def children(parent: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``parent``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"HOPNET_RANK="):
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
+def _trained(run_dir: Path, rank: int) -> bool:
+    try:
+        return '"iteration"' in (run_dir / f"rank{rank}.jsonl").read_text().replace(" ", "")
+    except OSError:
+        return False
+
+
+def _start_join(run_dir: Path, out: Path) -> Joiner:
+    with out.open("w") as sink:
+        proc = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, env=clean_env(),
+                                stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return Joiner(proc, out)
+
+
+def run_churn_trial(protocol: str, rng: random.Random, run_dir: Path, args: argparse.Namespace) -> ChurnTrial:
+    trial = ChurnTrial(protocol)
+    run = LaunchRun.start(["--nproc", str(NPROC), "--max-nproc", str(MAX_NPROC), "--min-nproc", str(MIN_NPROC),
+                           "--protocol", protocol, "--peer-timeout", str(args.peer_timeout),
+                           "--timeout", str(args.timeout), "--seed", str(rng.randrange(1 << 16)),
+                           *workload(protocol, args.churn_iterations, args.compute_ms)], run_dir)
+    pids: dict[int, int] = {}
+    joiners: list[Joiner] = []
+    left: set[int] = set()
+
+    def watch_joiners() -> None:
+        for joiner in joiners:
+            for pid in children(joiner.proc.pid):
+                rank = _rank_of(pid)
+                if rank is not None:
+                    joiner.ranks.setdefault(rank, pid)
+
+    try:
+        setup_deadline = time.monotonic() + args.start_timeout
+        pids = run.worker_pids(NPROC, setup_deadline)
+        if len(pids) < NPROC or not run.wait_training(setup_deadline):
+            trial.note = "never started training: " + " / ".join(ln.text for ln in run.lines()[-3:])
+            return trial
+        members = NPROC  # members and admitted-to-be, as the battery counts them
+        for n in range(args.churn_events):
+            time.sleep(rng.uniform(0.5, 3.0))
+            watch_joiners()
+            if run.proc.poll() is not None:
+                trial.note = f"finished after {n} of {args.churn_events} events (more --churn-iterations)"
+                break
+            live = {**pids, **{r: p for j in joiners for r, p in j.ranks.items()}}
+            trained = sorted(r for r in alive(live) if r not in left and _trained(run_dir, r))
+            can_join, can_leave = members < MAX_NPROC, members > MIN_NPROC + 1 and bool(trained)
+            if can_join and (not can_leave or rng.random() < 0.5):
+                joiners.append(_start_join(run_dir, run_dir.parent / f"{run_dir.name}-join{len(joiners)}.out"))
+                trial.events.append("join")
+                members += 1
+            elif can_leave:
+                victim = rng.choice(trained)
+                os.kill(live[victim], signal.SIGTERM)
+                left.add(victim)
+                trial.events.append(f"leave {victim}")
+                members -= 1
+        t_last = time.monotonic()
+        trial.exit = run.wait(t_last + args.hang_after - time.monotonic())
+        for joiner in joiners:
+            watch_joiners()
+            try:
+                trial.join_exits.append(joiner.proc.wait(timeout=max(0.0, t_last + args.hang_after - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                trial.join_exits.append(None)
+        trial.hang = trial.exit is None or None in trial.join_exits
+        if not trial.hang:
+            time.sleep(2.0)
+        everyone = {**pids, **{r: p for j in joiners for r, p in j.ranks.items()}}
+        stray = set(alive(everyone).values()) | set(group_members(run.proc.pid))
+        for joiner in joiners:
+            stray |= set(group_members(joiner.proc.pid)) | set(alive(joiner.ranks).values())
+        trial.orphans = len(stray)
+        codes = _launcher_codes(run_dir)
+        for joiner in joiners:
+            codes.update(joiner.codes())
+        trial.leave_exits = {rank: codes.get(rank) for rank in sorted(left)}
+        trial.ok = (not trial.hang and trial.orphans == 0 and trial.exit == 0
+                    and all(code == 0 for code in trial.join_exits)
+                    and all(code == 0 for code in trial.leave_exits.values()))
+        return trial
+    finally:
+        for joiner in joiners:
+            for pid in joiner.ranks.values():
+                _kill(pid)
+            try:
+                os.killpg(joiner.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            joiner.proc.wait(timeout=10)
+        run.end(pids)
+
+
+def _launcher_codes(run_dir: Path) -> dict[int, int]:
+    try:
+        result = json.loads((run_dir / "launch.json").read_text()).get("result") or {}
+    except (OSError, ValueError):
+        return {}
+    return {int(r): int(c) for r, c in (result.get("worker_returncodes") or {}).items() if c is not None}
+
+
+def _kill(pid: int) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def churn_summary(trials: list[ChurnTrial]) -> str:
+    ran = [t for t in trials if not t.note.startswith("never")]
+    leaves = [code for t in ran for code in t.leave_exits.values()]
+    joins = [code for t in ran for code in t.join_exits]
+    return (f"churn: {len(ran)} of {len(trials)} trials ran; {sum(t.joins for t in ran)} joins, "
+            f"{sum(t.leaves for t in ran)} leaves; {sum(t.hang for t in ran)} hangs; "
+            f"{sum(t.orphans for t in ran)} orphans; leaves exited 0 {sum(c == 0 for c in leaves)} of {len(leaves)}; "
+            f"joins exited 0 {sum(c == 0 for c in joins)} of {len(joins)}; launcher exited 0 "
+            f"{sum(t.exit == 0 for t in ran)} of {len(ran)}; trials ok {sum(t.ok for t in ran)} of {len(ran)}")
+
+
+__all__ = ["CHURN_PROTOCOLS", "ChurnTrial", "churn_summary", "run_churn_trial"]
