@@ -50,6 +50,7 @@ from hopnet.runtime.services import CoordinatorChannel
 from hopnet.elastic.changeover import Changeover
 from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
+from hopnet.elastic.stopped import raise_if_stopped
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
@@ -248,13 +249,8 @@ class Worker:
         try:
             self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
         except Exception as exc:
-            if self.changeover is not None and isinstance(exc, HopnetError):
-                # the membership may have stopped this worker: its line says why, not the segment's
-                explained = self._thread.run(self.changeover.run.verdict(exc), timeout_s=None)
-                if explained is not exc:
-                    self.failure = explained
-                    raise explained from None  # the line says it all: not the segment's failure too
             self.failure = exc
+            raise_if_stopped(self.changeover, exc)  # an elastic run's membership stopped it: its line says why
             raise
         self.steps += 1
         self._boundary = (finished, last)

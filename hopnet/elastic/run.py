@@ -209,15 +209,17 @@ class ElasticRun:
             except TimeoutError:
                 pass
 
-    async def verdict(self, failure: BaseException) -> BaseException:
+    async def verdict(self, failure: Exception, blamed: int | None = None) -> Exception:
         """A step failed with ``failure``. When the membership stops this worker (cut off from a
         majority, dropped, too few members), that is why: its line, not the segment's. A peer's
         silence fails the step at the segment's peer timeout, before the membership, which takes
         half a peer timeout more to say a member is cut off: so this waits until the membership
-        stops this worker or commits a view without that peer, 1.5 peer timeouts at most."""
-        if self.stopped_line is None and isinstance(failure, PeerFailure) and failure.peer is not None:
-            peer = failure.peer
-            deadline = time.monotonic() + 1.5 * self.membership.config.peer_timeout
+        stops this worker or commits a view without that peer, 2 peer timeouts at most (the cut
+        off comes 1.5 peer timeouts after the last message heard). ``blamed``: the rank of the
+        peer the failure names (a segment names its position)."""
+        if self.stopped_line is None and isinstance(failure, PeerFailure) and blamed is not None:
+            peer = blamed
+            deadline = time.monotonic() + 2 * self.membership.config.peer_timeout
             while (self.stopped_line is None and time.monotonic() < deadline
                    and not any(peer in commit.change.died for commit in self.membership.history)):
                 self._changed.clear()
