@@ -25,7 +25,7 @@ group, and the recorded worker pids, SIGCONT first). Per trial it records:
   in time and let the run finish with exit 0 needs no naming), and exit 0 where the
   configuration is expected to survive the loss (:data:`CONFIGS`).
 
-    python bench/chaos.py                          # 24 trials: 8 protocols x 3 faults (~10 min on 2 cores)
+    python bench/chaos.py                          # 24 trials: 8 protocols x 3 faults, then 4 churn trials
     python bench/chaos.py --trials 8 --seed 2 --json chaos.json
     python bench/chaos.py --protocols hop,partial-reduce --faults SIGSTOP --trials 4
     python bench/chaos.py --trials 0 --churn-trials 4 --seed 3     # churn trials only
@@ -171,8 +171,8 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=90.0, help="seconds the workers get to start training")
     parser.add_argument("--churn-trials", type=int, default=4, help="churn trials after the fault trials (default: 4)")
     parser.add_argument("--churn-events", type=int, default=4, help="joins and leaves per churn trial (default: 4)")
-    parser.add_argument("--churn-iterations", type=int, default=1500,
-                        help="a churn trial's --iterations (long enough for its events; default: 1500)")
+    parser.add_argument("--churn-iterations", type=int, default=1000,
+                        help="a churn trial's --iterations (long enough for its events; default: 1000)")
     parser.add_argument("--churn-protocols", default="hop,allreduce", help=f"of {', '.join(CHURN_PROTOCOLS)}")
     parser.add_argument("--json", type=Path, default=None, help="write every fault trial here (churn trials: NAME.churn.json)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this directory")
@@ -190,7 +190,8 @@ def main() -> None:
           f"seed {args.seed}", flush=True)
     header = ("protocol", "flags", "fault", "victim", "at iter", "exit", "fault->exit s", "named", "fault->named s",
               "orphans", "hang", "expect", "ok")
-    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+    if args.trials:
+        print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
     trials: list[Trial] = []
     base = args.keep or Path(tempfile.mkdtemp(prefix="hopnet-chaos-"))
     for i in range(args.trials):
@@ -218,7 +219,8 @@ def main() -> None:
 def run_churn_trials(args: argparse.Namespace, rng: random.Random, base: Path) -> list[ChurnTrial]:
     protocols = args.churn_protocols.split(",")
     if args.churn_trials:
-        print("\n| protocol | events | exit | join exits | leaver exits | orphans | hang | ok |\n|" + " --- |" * 8,
+        print("\n| protocol | events | exit | join exits | joiners entered | leaver exits | orphans | hang | ok |\n|"
+              + " --- |" * 9,
               flush=True)
     churns: list[ChurnTrial] = []
     for i in range(args.churn_trials):
@@ -227,7 +229,7 @@ def run_churn_trials(args: argparse.Namespace, rng: random.Random, base: Path) -
         churns.append(t)
         leavers = ", ".join(f"{r}: {c}" for r, c in t.leave_exits.items()) or "-"
         cells = (t.protocol, ", ".join(t.events) or "-", str(t.exit), ", ".join(map(str, t.join_exits)) or "-",
-                 leavers, str(t.orphans), "HANG" if t.hang else "-", "ok" if t.ok else "FAIL")
+                 str(t.entered), leavers, str(t.orphans), "HANG" if t.hang else "-", "ok" if t.ok else "FAIL")
         print("| " + " | ".join(cells) + " |" + (f"  ({t.note})" if t.note else ""), flush=True)
         if args.json:
             churn_json = args.json.with_suffix(".churn.json")

@@ -6,8 +6,8 @@ iterations, then fires ``--churn-events`` events, each after a seeded random 0.5
 ``hopnet join RUN_DIR --nproc 1``, or a SIGTERM (a preemption: a leave) to a random live worker
 that has trained (a first worker or a joiner). A join is drawn only while the run is below
 ``--max-nproc``, a leave only while it stays above ``--min-nproc``. Then it waits for the
-launcher and every ``hopnet join`` to exit, at most ``--hang-after`` seconds after the last
-event; past that the trial is a HANG and everything is killed.
+launcher and every ``hopnet join`` to exit; if no rank logs anything for ``--hang-after``
+seconds meanwhile, the trial is a HANG and everything is killed.
 
 Per trial: the launcher's and each ``hopnet join``'s exit status; each leaver's exit status
 (a first worker's from ``launch.json``, a joiner's from its ``hopnet join``'s
@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class ChurnTrial:
     exit: int | None = None
     join_exits: list[int | None] = field(default_factory=list)
     leave_exits: dict[int, int | None] = field(default_factory=dict)
+    entered: int = 0
+    """Joiners that entered a view (the others were told the run ended first, and exit 0)."""
     orphans: int = 0
     hang: bool = False
     ok: bool = False
@@ -100,11 +103,15 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _trained(run_dir: Path, rank: int) -> bool:
+def _logged(run_dir: Path, rank: int, event: str) -> bool:
     try:
-        return '"iteration"' in (run_dir / f"rank{rank}.jsonl").read_text().replace(" ", "")
+        return f'"event":"{event}"' in (run_dir / f"rank{rank}.jsonl").read_text().replace(" ", "")
     except OSError:
         return False
+
+
+def _trained(run_dir: Path, rank: int) -> bool:
+    return _logged(run_dir, rank, "iteration")
 
 
 def _start_join(run_dir: Path, out: Path) -> Joiner:
@@ -158,18 +165,15 @@ def run_churn_trial(protocol: str, rng: random.Random, run_dir: Path, args: argp
                 left.add(victim)
                 trial.events.append(f"leave {victim}")
                 members -= 1
-        t_last = time.monotonic()
-        trial.exit = run.wait(t_last + args.hang_after - time.monotonic())
-        for joiner in joiners:
-            watch_joiners()
-            try:
-                trial.join_exits.append(joiner.proc.wait(timeout=max(0.0, t_last + args.hang_after - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                trial.join_exits.append(None)
-        trial.hang = trial.exit is None or None in trial.join_exits
-        if not trial.hang:
-            time.sleep(2.0)
+        ended = _wait_while_training(run, joiners, watch_joiners, args.hang_after)
+        trial.exit = run.proc.poll()
+        trial.join_exits = [joiner.proc.poll() for joiner in joiners]
+        trial.hang = not ended
         everyone = {**pids, **{r: p for j in joiners for r, p in j.ranks.items()}}
+        if trial.hang:
+            _end_all(run, pids, joiners)
+        else:
+            time.sleep(2.0)
         stray = set(alive(everyone).values()) | set(group_members(run.proc.pid))
         for joiner in joiners:
             stray |= set(group_members(joiner.proc.pid)) | set(alive(joiner.ranks).values())
@@ -178,20 +182,49 @@ def run_churn_trial(protocol: str, rng: random.Random, run_dir: Path, args: argp
         for joiner in joiners:
             codes.update(joiner.codes())
         trial.leave_exits = {rank: codes.get(rank) for rank in sorted(left)}
+        joined = {rank for joiner in joiners for rank in (*joiner.ranks, *joiner.codes())}
+        trial.entered = sum(_logged(run_dir, rank, "joined") for rank in joined)
         trial.ok = (not trial.hang and trial.orphans == 0 and trial.exit == 0
                     and all(code == 0 for code in trial.join_exits)
                     and all(code == 0 for code in trial.leave_exits.values()))
         return trial
     finally:
-        for joiner in joiners:
-            for pid in joiner.ranks.values():
-                _kill(pid)
-            try:
-                os.killpg(joiner.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            joiner.proc.wait(timeout=10)
-        run.end(pids)
+        _end_all(run, pids, joiners)
+
+
+def _wait_while_training(run: LaunchRun, joiners: list[Joiner], watch: Callable[[], None], hang_after: float) -> bool:
+    """Until the launcher and every `hopnet join` exit (True), or no rank logged anything for
+    ``hang_after`` seconds while they run (False: a hang; a slow run on busy cores is not one)."""
+    logged, since = -1, time.monotonic()
+    while run.proc.poll() is None or any(joiner.proc.poll() is None for joiner in joiners):
+        watch()
+        size = sum(_size(path) for path in run.run_dir.glob("rank*.jsonl"))
+        if size != logged:
+            logged, since = size, time.monotonic()
+        elif time.monotonic() - since > hang_after:
+            return False
+        time.sleep(0.5)
+    run.wait(10)  # its output readers
+    return True
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _end_all(run: LaunchRun, pids: dict[int, int], joiners: list[Joiner]) -> None:
+    for joiner in joiners:
+        for pid in joiner.ranks.values():
+            _kill(pid)
+        try:
+            os.killpg(joiner.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        joiner.proc.wait(timeout=10)
+    run.end(pids)
 
 
 def _launcher_codes(run_dir: Path) -> dict[int, int]:
@@ -214,7 +247,8 @@ def churn_summary(trials: list[ChurnTrial]) -> str:
     ran = [t for t in trials if not t.note.startswith("never")]
     leaves = [code for t in ran for code in t.leave_exits.values()]
     joins = [code for t in ran for code in t.join_exits]
-    return (f"churn: {len(ran)} of {len(trials)} trials ran; {sum(t.joins for t in ran)} joins, "
+    return (f"churn: {len(ran)} of {len(trials)} trials ran; {sum(t.joins for t in ran)} joins "
+            f"({sum(t.entered for t in ran)} entered a view), "
             f"{sum(t.leaves for t in ran)} leaves; {sum(t.hang for t in ran)} hangs; "
             f"{sum(t.orphans for t in ran)} orphans; leaves exited 0 {sum(c == 0 for c in leaves)} of {len(leaves)}; "
             f"joins exited 0 {sum(c == 0 for c in joins)} of {len(joins)}; launcher exited 0 "
