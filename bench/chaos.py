@@ -219,6 +219,9 @@ def main() -> None:
 def run_churn_trials(args: argparse.Namespace, rng: random.Random, base: Path) -> list[ChurnTrial]:
     protocols = args.churn_protocols.split(",")
     if args.churn_trials:
+        print(f"\nchurn: --nproc 4 --max-nproc 6 --min-nproc 2, {args.churn_events} events a trial, "
+              f"--iterations {args.churn_iterations} (digits: {4 * args.churn_iterations}), hang: no rank logs "
+              f"for {args.hang_after:g} s", flush=True)
         print("\n| protocol | events | exit | join exits | joiners entered | leaver exits | orphans | hang | ok |\n|"
               + " --- |" * 9,
               flush=True)
