@@ -143,3 +143,19 @@ def test_a_joiner_starts_alone_without_backup_workers_and_keeps_the_runs_configu
     assert config.to_dict()["backup_workers"] == 1
     plain = ProtocolConfig(protocol="allreduce")
     assert lone_config(plain) is plain
+
+
+def test_a_joiner_sigtermed_before_its_admission_asks_to_leave_once_admitted() -> None:
+    async def scenario() -> tuple[tuple[int, ...], list[str]]:
+        recorded: list[str] = []
+        run = ElasticRun(3, _SilentChannel(), MembershipConfig(peer_timeout=5.0), first_view=None,  # type: ignore[arg-type]
+                         contacts=[0], record=lambda event, **k: recorded.append(event), iteration=lambda: 0,
+                         timeout_s=5.0)
+        run.leave()  # a SIGTERM while it waits to be admitted
+        assert run.membership.state == "joining" and run.leaving
+        admission = Commit(0, Ballot(1, 0), Change(View(1, (0, 1, 2, 3)), joined=(3,)), (0, 1, 2))
+        run._on_control(0, {"t": "m", "body": codec.encode(admission)}, None)
+        return run.membership.pending.leaves, recorded
+    leaves, recorded = asyncio.run(scenario())
+    assert leaves == (3,)  # it enters the view that admitted it and leaves with the next one
+    assert recorded == ["leave_requested", "view_committed"]

@@ -88,6 +88,7 @@ class ElasticRun:
         self.stopped_line: str | None = None
         """Why the membership stopped this worker (cut off, too few members, refused...)."""
         self.leaving = False
+        self._leave_asked = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -112,13 +113,19 @@ class ElasticRun:
             await asyncio.sleep(period)
 
     def leave(self) -> None:
-        """A SIGTERM: leave with the next view (on the loop)."""
-        if self.leaving or self.membership.state != "member":
+        """A SIGTERM: leave with the next view (on the loop); a joiner not yet admitted asks as
+        soon as it is (it enters the view that admits it, then leaves with the next one)."""
+        if self.leaving or self.membership.state not in ("member", "joining"):
             return
         self.leaving = True
         self.record("leave_requested", iter=self.iteration())
-        self._send(self.membership.leave(time.monotonic()))
-        self._after_event()
+        self._ask_to_leave()
+
+    def _ask_to_leave(self) -> None:
+        if self.leaving and not self._leave_asked and self.membership.state == "member":
+            self._leave_asked = True
+            self._send(self.membership.leave(time.monotonic()))
+            self._after_event()
 
     # ------------------------------------------------------------------ messages
     def _send(self, sends: list[Send]) -> None:
@@ -171,6 +178,9 @@ class ElasticRun:
             if n in self._pending_states:
                 entry.state = self._pending_states.pop(n)
         state = self.membership.state
+        if self.leaving and not self._leave_asked and state == "member":  # a joiner SIGTERMed, now admitted
+            self._ask_to_leave()
+            return
         if state == "stopped" and self.stopped_line is None:
             self.stopped_line = self.membership.line or f"rank {self.rank} was stopped by the membership"
             self.record("membership_stopped", line=self.stopped_line, iter=self.iteration())
