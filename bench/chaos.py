@@ -25,9 +25,14 @@ group, and the recorded worker pids, SIGCONT first). Per trial it records:
   in time and let the run finish with exit 0 needs no naming), and exit 0 where the
   configuration is expected to survive the loss (:data:`CONFIGS`).
 
-    python bench/chaos.py                          # 24 trials: 8 protocols x 3 faults (~10 min on 2 cores)
+    python bench/chaos.py                          # 24 trials: 8 protocols x 3 faults, then 4 churn trials
     python bench/chaos.py --trials 8 --seed 2 --json chaos.json
     python bench/chaos.py --protocols hop,partial-reduce --faults SIGSTOP --trials 4
+    python bench/chaos.py --trials 0 --churn-trials 4 --seed 3     # churn trials only
+
+After them, ``--churn-trials`` churn trials (bench/churn.py): an elastic run (``--max-nproc 6
+--min-nproc 2``) that ``hopnet join --nproc 1`` grows and SIGTERMs (leaves) shrink at random
+times; expected: no hang, no orphan, and the launcher, every join and every leaver exit 0.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from churn import CHURN_PROTOCOLS, ChurnTrial, churn_summary, run_churn_trial  # noqa: E402
 from faults import FAULTS, NEEDS_A_MODEL, LaunchRun, alive, first_naming, group_members, inject, max_iteration, workload  # noqa: E402
 
 NPROC = 4
@@ -163,12 +169,18 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--hang-after", type=float, default=90.0, help="seconds after the fault that make a HANG")
     parser.add_argument("--start-timeout", type=float, default=90.0, help="seconds the workers get to start training")
-    parser.add_argument("--json", type=Path, default=None, help="write every trial here")
+    parser.add_argument("--churn-trials", type=int, default=4, help="churn trials after the fault trials (default: 4)")
+    parser.add_argument("--churn-events", type=int, default=4, help="joins and leaves per churn trial (default: 4)")
+    parser.add_argument("--churn-iterations", type=int, default=1000,
+                        help="a churn trial's --iterations (long enough for its events; default: 1000)")
+    parser.add_argument("--churn-protocols", default="hop,allreduce", help=f"of {', '.join(CHURN_PROTOCOLS)}")
+    parser.add_argument("--json", type=Path, default=None, help="write every fault trial here (churn trials: NAME.churn.json)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this directory")
     args = parser.parse_args()
     protocols = args.protocols.split(",")
     faults = args.faults.split(",")
-    unknown = [p for p in protocols if p not in CONFIGS] + [f for f in faults if f not in FAULTS]
+    unknown = ([p for p in protocols if p not in CONFIGS] + [f for f in faults if f not in FAULTS]
+               + [p for p in args.churn_protocols.split(",") if p not in CHURN_PROTOCOLS])
     if unknown:
         parser.error(f"unknown protocol or fault: {', '.join(unknown)}")
     rng = random.Random(args.seed)
@@ -178,7 +190,8 @@ def main() -> None:
           f"seed {args.seed}", flush=True)
     header = ("protocol", "flags", "fault", "victim", "at iter", "exit", "fault->exit s", "named", "fault->named s",
               "orphans", "hang", "expect", "ok")
-    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+    if args.trials:
+        print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
     trials: list[Trial] = []
     base = args.keep or Path(tempfile.mkdtemp(prefix="hopnet-chaos-"))
     for i in range(args.trials):
@@ -193,10 +206,38 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |" + (f"  ({t.note})" if t.note else ""), flush=True)
         if args.json:
             args.json.write_text(json.dumps([asdict(x) for x in trials], indent=1))
-    print(summary(trials), flush=True)
+    if trials:
+        print(summary(trials), flush=True)
+    churns = run_churn_trials(args, rng, base)
+    if churns:
+        print(churn_summary(churns), flush=True)
     if not args.keep:
         import shutil
         shutil.rmtree(base, ignore_errors=True)
+
+
+def run_churn_trials(args: argparse.Namespace, rng: random.Random, base: Path) -> list[ChurnTrial]:
+    protocols = args.churn_protocols.split(",")
+    if args.churn_trials:
+        print(f"\nchurn: --nproc 4 --max-nproc 6 --min-nproc 2, {args.churn_events} events a trial, "
+              f"--iterations {args.churn_iterations} (digits: {4 * args.churn_iterations}), hang: no rank logs "
+              f"for {args.hang_after:g} s", flush=True)
+        print("\n| protocol | events | exit | join exits | joiners entered | leaver exits | orphans | hang | ok |\n|"
+              + " --- |" * 9,
+              flush=True)
+    churns: list[ChurnTrial] = []
+    for i in range(args.churn_trials):
+        protocol = protocols[i % len(protocols)]
+        t = run_churn_trial(protocol, rng, base / f"churn{i:03d}-{protocol}", args)
+        churns.append(t)
+        leavers = ", ".join(f"{r}: {c}" for r, c in t.leave_exits.items()) or "-"
+        cells = (t.protocol, ", ".join(t.events) or "-", str(t.exit), ", ".join(map(str, t.join_exits)) or "-",
+                 str(t.entered), leavers, str(t.orphans), "HANG" if t.hang else "-", "ok" if t.ok else "FAIL")
+        print("| " + " | ".join(cells) + " |" + (f"  ({t.note})" if t.note else ""), flush=True)
+        if args.json:
+            churn_json = args.json.with_suffix(".churn.json")
+            churn_json.write_text(json.dumps([asdict(x) for x in churns], indent=1))
+    return churns
 
 
 def summary(trials: list[Trial]) -> str:

@@ -51,6 +51,7 @@ from hopnet.runtime.services import CoordinatorChannel
 from hopnet.elastic.changeover import Changeover, close_elastic
 from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
+from hopnet.elastic.stopped import raise_if_stopped
 from hopnet.transports.base import Transport
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
@@ -272,8 +273,7 @@ class Worker:
             self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
         except Exception as exc:
             self.failure = exc
-            if self.changeover is not None:
-                self.changeover.step_failed(exc)  # a leaver whose run stopped around it leaves all the same
+            raise_if_stopped(self.changeover, exc)  # an elastic run's membership ended it: its line says why
             raise
         self.steps += 1
         self._boundary = (finished, last)

@@ -47,6 +47,12 @@ class WaitTimeout(HopnetError, TimeoutError):
         self.waited_s = waited_s
 
 
+class MembershipStopped(HopnetError):
+    """An elastic run's membership stopped this worker: cut off from a majority of its view,
+    dropped from it, too few members left, or its join refused. The message is the
+    membership's one line."""
+
+
 class ProtocolError(HopnetError):
     """A protocol invariant was violated (a bug, or peers configured inconsistently)."""
 

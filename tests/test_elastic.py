@@ -3,18 +3,22 @@ begins, who hands a joiner its state, the launcher's settings, the rendezvous's 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
 from hopnet.elastic import codec
+from hopnet.config import ProtocolConfig
+from hopnet.elastic.run import ElasticRun
 from hopnet.elastic.settings import ElasticSettings
+from hopnet.elastic.setup import lone_config
 from hopnet.elastic.switch import assign_donors, first_iteration
-from hopnet.errors import ConfigError, HopnetError
+from hopnet.errors import ConfigError, HopnetError, MembershipStopped, PeerFailure
 from hopnet.graph.members import MemberGraph
 from hopnet.membership import (
-    Accept, Accepted, Ballot, Beat, Change, ChangeRequest, Commit, JoinRequest, Nack, Prepare, Promise,
-    Requests, View,
+    Accept, Accepted, Ballot, Beat, Change, ChangeRequest, Commit, JoinRequest, MembershipConfig, Nack, Prepare,
+    Promise, Requests, View,
 )
 from hopnet.rendezvous.client import barrier, register_control, request_join
 from hopnet.rendezvous.server import RendezvousServer
@@ -92,3 +96,64 @@ def test_the_rendezvous_hands_out_fresh_ranks_and_the_control_table() -> None:
         barrier(server.endpoint, 5, "join-4", 10.0, count=2)
         other.join(10.0)
         assert not other.is_alive()
+
+
+class _SilentChannel:
+    """A control channel over which nothing arrives (the rest of the view is across a cut)."""
+
+    def serve(self, handler: object) -> None:
+        pass
+
+    def send(self, to: int, header: object, payload: object = None) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def _cut_off_verdict(failure: BaseException) -> BaseException:
+    async def scenario() -> BaseException:
+        run = ElasticRun(3, _SilentChannel(), MembershipConfig(peer_timeout=0.2), first_view=View(1, (0, 1, 2, 3)),  # type: ignore[arg-type]
+                         record=lambda *a, **k: None, iteration=lambda: 7, timeout_s=5.0)
+        run.start()
+        try:
+            return await run.verdict(failure, blamed=0)
+        finally:
+            await run.close()
+    return asyncio.run(scenario())
+
+
+def test_a_step_failed_by_silent_peers_ends_with_the_membership_line_once_it_cuts_the_worker_off() -> None:
+    # the segment's peer watch fails the step first; the membership says why half a peer timeout later
+    failure = PeerFailure("rank 3 cannot finish iteration 7: peer 0 went silent", peer=0, peer_state="dead")
+    explained = _cut_off_verdict(failure)
+    assert isinstance(explained, MembershipStopped)
+    assert str(explained) == ("rank 3 is cut off from ranks 0, 1, 2 of view 1 (a majority): it stops; "
+                              "the other side goes on")
+
+
+def test_a_failure_that_blames_no_peer_stays_itself_while_the_membership_goes_on() -> None:
+    failure = HopnetError("something else")
+    assert _cut_off_verdict(failure) is failure
+
+
+def test_a_joiner_starts_alone_on_a_protocol_that_needs_no_coordinator_and_no_backup_workers() -> None:
+    alone = lone_config()
+    assert alone.protocol == "allreduce" and not alone.spec.needs_coordinator(alone.options)
+    assert alone.to_dict().get("backup_workers", 0) == 0
+
+
+def test_a_joiner_sigtermed_before_its_admission_asks_to_leave_once_admitted() -> None:
+    async def scenario() -> tuple[tuple[int, ...], list[str]]:
+        recorded: list[str] = []
+        run = ElasticRun(3, _SilentChannel(), MembershipConfig(peer_timeout=5.0), first_view=None,  # type: ignore[arg-type]
+                         contacts=[0], record=lambda event, **k: recorded.append(event), iteration=lambda: 0,
+                         timeout_s=5.0)
+        run.leave()  # a SIGTERM while it waits to be admitted
+        assert run.membership.state == "joining" and run.leaving
+        admission = Commit(0, Ballot(1, 0), Change(View(1, (0, 1, 2, 3)), joined=(3,)), (0, 1, 2))
+        run._on_control(0, {"t": "m", "body": codec.encode(admission)}, None)
+        return run.membership.pending.leaves, recorded
+    leaves, recorded = asyncio.run(scenario())
+    assert leaves == (3,)  # it enters the view that admitted it and leaves with the next one
+    assert recorded == ["leave_requested", "view_committed"]

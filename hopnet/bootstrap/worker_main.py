@@ -59,7 +59,7 @@ def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
 
 def _report(exc: BaseException) -> None:
     """Print what ended the script, the way the interpreter would (or quieter)."""
-    from hopnet.errors import ConfigError
+    from hopnet.errors import ConfigError, MembershipStopped
     from hopnet.rendezvous.wire import RendezvousError
 
     if isinstance(exc, (shutdown.Terminated, KeyboardInterrupt)):
@@ -72,6 +72,9 @@ def _report(exc: BaseException) -> None:
         return  # `hopnet launch` prints it once for every rank, from this rank's error record
     if isinstance(exc, (ConfigError, RendezvousError)):
         print(f"hopnet: error: {exc}", file=sys.stderr)
+        return
+    if isinstance(exc, MembershipStopped):
+        print(f"hopnet: {exc}", file=sys.stderr)  # the membership's one line (an elastic run)
         return
     if _caused_by_a_peer(exc):
         # A consequence of another rank's failure: that rank prints its own traceback and the

@@ -29,7 +29,7 @@ from hopnet.coordinator.client import client_from_environ
 from hopnet.elastic.coordinator import ViewCoordinator
 from hopnet.elastic.run import ElasticRun, LeftRun, RunEnded, ViewEntry
 from hopnet.elastic.switch import assign_donors
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, MembershipStopped
 from hopnet.graph.members import MemberGraph
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
@@ -80,7 +80,7 @@ class Changeover:
         if run.left_line is not None:
             raise Left(run.left_line)
         if run.stopped_line is not None:
-            raise HopnetError(run.stopped_line)
+            raise MembershipStopped(run.stopped_line)
         entry = self._entry or worker._thread.run(self._head())
         if entry is None:
             return None

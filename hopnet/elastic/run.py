@@ -14,7 +14,7 @@ from typing import Any
 from hopnet.elastic import codec
 from hopnet.elastic.control import ControlChannel
 from hopnet.elastic.switch import first_iteration
-from hopnet.errors import HopnetError
+from hopnet.errors import HopnetError, MembershipStopped, PeerFailure
 from hopnet.membership import Commit, Membership, MembershipConfig, Send, View
 
 Recorder = Callable[..., None]
@@ -93,10 +93,11 @@ class ElasticRun:
         self.ended_line: str | None = None
         """A joiner's: the run ended before the view that admitted it began."""
         self.stopped_line: str | None = None
+        """Why the membership stopped this worker (cut off, too few members, refused...)."""
         self.left_line: str | None = None
         """Set when this worker asked to leave and the membership then stopped (the run went below --min-nproc)."""
-        """Why the membership stopped this worker (cut off, too few members, refused...)."""
         self.leaving = False
+        self._leave_asked = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -121,13 +122,19 @@ class ElasticRun:
             await asyncio.sleep(period)
 
     def leave(self) -> None:
-        """A SIGTERM: leave with the next view (on the loop)."""
-        if self.leaving or self.membership.state != "member":
+        """A SIGTERM: leave with the next view (on the loop); a joiner not yet admitted asks as
+        soon as it is (it enters the view that admits it, then leaves with the next one)."""
+        if self.leaving or self.membership.state not in ("member", "joining"):
             return
         self.leaving = True
         self.record("leave_requested", iter=self.iteration())
-        self._send(self.membership.leave(time.monotonic()))
-        self._after_event()
+        self._ask_to_leave()
+
+    def _ask_to_leave(self) -> None:
+        if self.leaving and not self._leave_asked and self.membership.state == "member":
+            self._leave_asked = True
+            self._send(self.membership.leave(time.monotonic()))
+            self._after_event()
 
     # ------------------------------------------------------------------ messages
     def _send(self, sends: list[Send]) -> None:
@@ -188,6 +195,9 @@ class ElasticRun:
             if n in self._pending_states:
                 entry.state = self._pending_states.pop(n)
         state = self.membership.state
+        if self.leaving and not self._leave_asked and state == "member":  # a joiner SIGTERMed, now admitted
+            self._ask_to_leave()
+            return
         if state == "stopped" and self.leaving and self.left_line is None:
             # it asked to leave, and the view without it stopped the run (too few members): it left all the same
             self.left_line = self.membership.line or f"rank {self.rank} left"
@@ -219,7 +229,7 @@ class ElasticRun:
             if self.left_line is not None:
                 raise LeftRun(self.left_line)
             if self.stopped_line is not None:
-                raise HopnetError(self.stopped_line)
+                raise MembershipStopped(self.stopped_line)
             if self.ended_line is not None:
                 raise RunEnded(self.ended_line)
             left = deadline - time.monotonic()
@@ -230,6 +240,28 @@ class ElasticRun:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def verdict(self, failure: Exception, blamed: int | None = None) -> Exception:
+        """A step failed with ``failure``. When the membership stops this worker (cut off from a
+        majority, dropped, too few members), that is why: its line, not the segment's. A peer's
+        silence fails the step at the segment's peer timeout, before the membership, which takes
+        half a peer timeout more to say a member is cut off: so this waits until the membership
+        stops this worker or commits a view without that peer, 2 peer timeouts at most (the cut
+        off comes 1.5 peer timeouts after the last message heard). ``blamed``: the rank of the
+        peer the failure names (a segment names its position)."""
+        if self.stopped_line is None and isinstance(failure, PeerFailure) and blamed is not None:
+            peer = blamed
+            deadline = time.monotonic() + 2 * self.membership.config.peer_timeout
+            while (self.stopped_line is None and time.monotonic() < deadline
+                   and not any(peer in commit.change.died for commit in self.membership.history)):
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    pass
+        if self.stopped_line is None:
+            return failure
+        return MembershipStopped(self.stopped_line)
 
     async def first_iteration(self, entry: ViewEntry, safe_point: Callable[[int], int]) -> int:
         """Wait for every report of ``entry`` and return its first iteration."""

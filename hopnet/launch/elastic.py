@@ -18,7 +18,8 @@ def join_info(plan: LaunchPlan, run_dir: Path, base_env: dict[str, str]) -> dict
     passed = {k: v for k, v in base_env.items() if k.startswith("HOPNET_") and k != "HOPNET_CURVE_KEY"}
     return {"command": list(plan.command), "run_dir": str(run_dir), "explicit": list(plan.explicit_options),
             "elastic": plan.elastic.to_json(), "bind": plan.bind, "env": passed,
-            "max_nproc": plan.elastic.max_nproc}
+            "max_nproc": plan.elastic.max_nproc, "graph": plan.graph.to_dict(),
+            "config": json.loads(plan.config.to_json())}
 
 
 def mark_stopping(run_dir: Path) -> None:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import FrameType
@@ -20,6 +21,7 @@ from typing import Any
 from hopnet.bootstrap.env import ELASTIC, JOIN, WorkerEnv
 from hopnet.bootstrap.parent_watch import LAUNCHER_PID, PARENT_FD
 from hopnet.errors import ConfigError
+from hopnet.graph import Graph
 from hopnet.rendezvous.client import request_join
 from hopnet.security import KEY_ENV, CurveKeys, load_key_file
 
@@ -56,6 +58,7 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     info = reply["info"]
     ranks = [int(r) for r in reply["ranks"]]
     directory.mkdir(parents=True, exist_ok=True)
+    graph_path, written = _first_graph(directory, info.get("graph"))
     procs: dict[int, subprocess.Popen[bytes]] = {}
     base = dict(os.environ)
     base.update({str(k): str(v) for k, v in info.get("env", {}).items()})
@@ -64,12 +67,14 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     base[PARENT_FD], base[LAUNCHER_PID] = str(watch_read), str(os.getpid())
     if keys is not None:
         base[KEY_ENV] = keys.to_text()
-    config_json = json.dumps(reply["config"]) if reply.get("config") else base.get("HOPNET_CONFIG", "{}")
+    # the configuration the first workers registered; before they have, the launcher's
+    agreed = reply.get("config") or info.get("config")
+    config_json = json.dumps(agreed) if agreed else base.get("HOPNET_CONFIG", "{}")
     print(f"hopnet join: starting rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
           f"for the run in {directory}", file=sys.stderr)
     for local, rank in enumerate(ranks):
         worker = WorkerEnv(rank=rank, world_size=rank + 1, local_rank=local,
-                           graph_path=str(directory / "graph.json"), rendezvous=endpoint, run_dir=str(directory),
+                           graph_path=graph_path, rendezvous=endpoint, run_dir=str(directory),
                            config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
                            explicit_options=tuple(info.get("explicit", ())))
         env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: ",".join(map(str, ranks))}
@@ -80,6 +85,22 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
         return _watch(procs)
     finally:
         os.close(watch_write)
+        if written:
+            os.unlink(graph_path)
+
+
+def _first_graph(directory: Path, graph: Any) -> tuple[str, bool]:
+    """The run's first graph, which a joiner's worker reads as the first workers did: the run
+    directory's ``graph.json``, or, in a directory on another machine, a file written here from
+    what the rendezvous served (True: remove it at the end), kept out of that directory, whose
+    logs are the joiners' alone."""
+    path = directory / "graph.json"
+    if path.exists() or not isinstance(graph, dict):
+        return str(path), False
+    fd, name = tempfile.mkstemp(prefix="hopnet-join-graph-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(Graph.from_dict(graph).to_json())
+    return name, True
 
 
 def _watch(procs: dict[int, subprocess.Popen[bytes]]) -> int:
