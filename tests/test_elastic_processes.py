@@ -128,7 +128,7 @@ def test_a_leave_below_min_nproc_stops_the_run_naming_who_left(tmp_path: Path) -
         kill(launcher)
     assert launcher.returncode == 1, out + err
     line = "view 1 has 3 members, fewer than the minimum 4 (rank 2 left): the run stops"
-    assert f"HopnetError: {line}" in err
+    assert f"MembershipStopped: {line}" in err  # the launcher's summary: one line, the membership's
     record = json.loads((run_dir / "launch.json").read_text())
     assert record["result"]["worker_returncodes"]["2"] == 0  # the leaver left; the others stopped
     assert {record["result"]["worker_returncodes"][str(r)] for r in (0, 1, 3)} == {1}
