@@ -60,6 +60,7 @@ from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
+from hopnet.launch.exit_bound import finished_its_loop, overdue_lines
 from hopnet.launch.elastic import join_info, left_the_run, mark_stopping, read_views
 from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
@@ -357,6 +358,8 @@ class Launch:
                                    if remote.get("rank") is not None else ""))
                     return
             self._kill_silent()
+            if self._exit_overdue():
+                return
             exited = self.workers.next_exit()
             if exited is None:
                 continue
@@ -364,8 +367,8 @@ class Launch:
             if self._restart(rank, code):
                 continue
             state.ended(rank, code)
-            if not (code == 0 and self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
-                self.shutdown_talk.finished(time.monotonic())  # a leaver's exit is no end of the run
+            if code == 0 and not (self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
+                self.shutdown_talk.finished(time.monotonic())  # a lost worker's or a leaver's exit is no end
             if code != 0:
                 total_lost = self.group.lose() if self.group is not None else len(state.lost)
                 if total_lost > spec.max_failures:
@@ -373,6 +376,22 @@ class Launch:
                 else:
                     self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{self._config_note(rank, code)});"
                                     f" the others go on ({len(state.lost)} of --max-failures {spec.max_failures})")
+
+    def _exit_overdue(self) -> bool:
+        """Once a worker finished, the others have ``--exit-timeout`` (default ``--timeout``) to exit
+        (:mod:`hopnet.launch.exit_bound`); True once it ran out and the rest must be stopped."""
+        first = self.shutdown_talk.first_end
+        bound = self.spec.exit_timeout if self.spec.exit_timeout is not None else self.plan.config.timeout_s
+        if first is None or time.monotonic() - first < bound or not self.state.pending:
+            return False
+        lines, unfinished = overdue_lines(self.run_dir, self.state.pending, bound)
+        for line in lines:
+            self.output.say(line)
+        if unfinished:
+            self.state.fail(unfinished[0], "did not finish", f"{ranks_text(unfinished)} did not finish within "
+                            f"{bound:g}s of the first worker that did (--exit-timeout); stopped")
+        self.state.exit_overdue = True
+        return True
 
     def _config_note(self, rank: int, code: int) -> str:
         """``: ConfigError: MESSAGE`` for a worker that exited 2 on a configuration error, which a
@@ -391,7 +410,8 @@ class Launch:
             line = self.startup_talk.poll(now, self.server.registered_ranks(), self.server.completed_at)
             if line is not None:
                 self.output.say(line)
-        line = self.shutdown_talk.poll(now, self.state.pending)
+        # only those that finished training: the others are still at it (--max-failures), not slow to exit
+        line = self.shutdown_talk.poll(now, [r for r in self.state.pending if finished_its_loop(self.run_dir, r)])
         if line is not None:
             self.output.say(line)
 

@@ -201,6 +201,10 @@ class LaunchSpec:
         0, group=LAUNCHER, metavar="K", number=int, minimum=0,
         help="replace a worker that dies (crash, kill, declared dead by its peers) with a new process that "
              "rejoins the running job, up to K times per launcher (default: 0, a dead worker is lost)")
+    exit_timeout: float | None = setting(
+        None, group=LAUNCHER, metavar="S", number=float, minimum=0,
+        help="once a worker has finished, how long the others may take to exit before they are stopped and named "
+             "(default: --timeout)")
     min_nproc: int | None = setting(
         None, group=LAUNCHER, metavar="N", number=int, minimum=1,
         help="make the run elastic: a worker that gets SIGTERM leaves and the run goes on, down to N workers "
@@ -264,6 +268,7 @@ class LaunchKeywords(TypedDict, total=False):
     resume: bool
     max_failures: int
     max_restarts: int
+    exit_timeout: float | None
     min_nproc: int | None
     max_nproc: int | None
     nnodes: int

@@ -52,6 +52,9 @@ class RunState:
     failed_rank: int | None = None
     reason: str | None = None
     summary: str | None = None
+    exit_overdue: bool = False
+    """Workers that finished their loop did not exit within ``--exit-timeout``: they are stopped,
+    and the run still counts as finished."""
     config_error: bool = False
     """The run ended on a configuration error before it trained (exit 2; no run directory kept)."""
 
@@ -115,7 +118,7 @@ class RunState:
     def ending(self) -> bool:
         """Something already decided that the run ends (a failure, a signal, a dead coordinator)."""
         return self.first_failure is not None or self.failed_rank is not None or self.signal is not None \
-            or self.summary is not None
+            or self.summary is not None or self.exit_overdue
 
     def fail(self, rank: int | None, reason: str, summary: str, returncode: int = 1) -> None:
         self.failed_rank, self.reason, self.summary, self.returncode = rank, reason, summary, returncode

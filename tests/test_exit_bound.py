@@ -1,0 +1,42 @@
+"""The end of a run never hangs: once a worker finished, the others get --exit-timeout to exit;
+one that finished its loop but blocks its exit is killed and named, and the run still counts
+as finished; one still training then fails the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hopnet.launch.exit_bound import finished_its_loop, overdue_lines
+from support.launch import run_launch
+from support.paths import ROOT
+
+SLOW_EXIT = str(ROOT / "tests" / "scripts" / "slow_exit.py")
+
+
+def test_a_worker_finished_its_loop_when_its_log_ends_with_stop(tmp_path: Path) -> None:
+    (tmp_path / "rank0.jsonl").write_text('{"event":"iteration","iter":9}\n{"event":"stop","iter":9}\n')
+    (tmp_path / "rank1.jsonl").write_text('{"event":"iteration","iter":9}\n')
+    assert finished_its_loop(tmp_path, 0) and not finished_its_loop(tmp_path, 1)
+    assert not finished_its_loop(tmp_path, 2)  # no log at all
+    lines, unfinished = overdue_lines(tmp_path, [0, 1], 30.0)
+    assert lines == ["rank 0 finished its loop but did not exit within 30s; killed"] and unfinished == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["thread", "atexit"])
+def test_a_worker_that_blocks_its_exit_is_killed_and_the_run_still_finished(tmp_path: Path, how: str) -> None:
+    done = run_launch(["--nproc", "2", "--exit-timeout", "2", "--grace", "2", "--run-dir", str(tmp_path / "run"),
+                       SLOW_EXIT, how], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 1 finished its loop but did not exit within 2s; killed" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_still_training_long_after_the_others_finished_fails_the_run(tmp_path: Path) -> None:
+    done = run_launch(["--nproc", "2", "--exit-timeout", "2", "--grace", "2", "--run-dir", str(tmp_path / "run"),
+                       SLOW_EXIT, "training"], timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("rank 1 did not finish within 2s of the first worker that did (--exit-timeout); stopped"
+            in done.stderr)
