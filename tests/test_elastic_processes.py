@@ -23,6 +23,13 @@ DIGITS = str(ROOT / "examples" / "train_digits.py")
 JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
 
 
+def _rendezvous_up(run_dir: Path) -> bool:
+    try:
+        return bool(json.loads((run_dir / "launch.json").read_text()).get("rendezvous"))
+    except (OSError, ValueError):
+        return False
+
+
 def _iteration(run_dir: Path, rank: int) -> int:
     done = records(run_dir, rank, "iteration")
     return done[-1]["iter"] if done else -1
@@ -37,7 +44,9 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
                              str(run_dir), DIGITS, "--iterations", "4000", "--eval-every", "100000"])
     joiner: subprocess.Popen[str] | None = None
     try:
-        wait_until(lambda: _iteration(run_dir, 0) >= 200, 120, what="rank 0 to train 200 iterations")
+        # The joiners start while the first workers do (a joiner asks at its first step), so that on a busy
+        # machine the run cannot end before they are in.
+        wait_until(lambda: _rendezvous_up(run_dir), 120, what="the run's rendezvous")
         joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         wait_until(lambda: all(records(run_dir, r, "joined") for r in (4, 5)), 120,
