@@ -149,11 +149,12 @@ class Forwarder:
         self.sequence = 0
         self.control_stamp: tuple[int, int] | None = None
         self.applied_version = -1
+        self.parent = os.getppid()
         self.running = True
 
     def run(self) -> None:
         self.reload_control()
-        while self.running:
+        while self.running and os.getppid() == self.parent:  # ends with whoever started it
             readable, _, _ = select.select([self.sock_a, self.sock_b], [], [], self.wait_s())
             for sock in readable:
                 self.drain(sock)
