@@ -58,6 +58,7 @@ ETHTOOL_STXCSUM = 0x17
 IFREQ_SIZE = 40
 MAX_FRAME = 65536
 CONTROL_POLL_S = 0.02
+STATUS_EVERY_S = 0.5
 FRAMES_PER_WAKEUP = 256
 DIRECTIONS = ("a_to_b", "b_to_a")
 Jitter = Literal["uniform", "normal"]
@@ -70,7 +71,7 @@ class Faults:
     ``loss``: probability a frame is dropped. ``delay_ms`` plus a jitter of ``jitter_ms`` drawn
     ``uniform`` in [-jitter, +jitter] or ``normal`` with that standard deviation (never below 0).
     ``reorder``: fraction of frames held back ``reorder_ms`` more, so later ones overtake them.
-    ``cut``: drop everything.
+    ``cut``: drop everything. A change acts on frames arriving after it; held ones keep their time.
     """
 
     loss: float = 0.0
@@ -149,6 +150,7 @@ class Forwarder:
         self.sequence = 0
         self.control_stamp: tuple[int, int] | None = None
         self.applied_version = -1
+        self.status_written = 0.0
         self.parent = os.getppid()
         self.running = True
 
@@ -160,6 +162,8 @@ class Forwarder:
                 self.drain(sock)
             self.release_due()
             self.reload_control()
+            if time.monotonic() - self.status_written > STATUS_EVERY_S:
+                self.write_status()
 
     def stop(self, *_: object) -> None:
         self.running = False
@@ -216,6 +220,7 @@ class Forwarder:
         report = {"applied": self.applied_version,
                   **{name: {"forwarded": d.forwarded, "dropped": d.dropped} for name, d in self.directions.items()}}
         write_atomically(self.status, json.dumps(report))
+        self.status_written = time.monotonic()
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -299,7 +304,7 @@ class ForwardedLink:
         self._wait_applied(self.version)
 
     def counters(self) -> dict[str, dict[str, int]]:
-        """Frames forwarded and dropped per direction, as of the last change of faults."""
+        """Frames forwarded and dropped per direction so far (reported twice a second)."""
         report = json.loads(self.status.read_text())
         return {name: report[name] for name in DIRECTIONS}
 
