@@ -1,0 +1,1 @@
+"""Network emulation for benchmarks and tests (see forwarder.py)."""
