@@ -157,3 +157,34 @@ def test_a_joiner_sigtermed_before_its_admission_asks_to_leave_once_admitted() -
     leaves, recorded = asyncio.run(scenario())
     assert leaves == (3,)  # it enters the view that admitted it and leaves with the next one
     assert recorded == ["leave_requested", "view_committed"]
+
+
+def test_a_joiner_whose_run_ends_before_it_is_admitted_is_told_so() -> None:
+    from hopnet.elastic.control import ControlChannel
+    from hopnet.elastic.run import RunEnded
+
+    async def scenario() -> str:
+        member_channel, joiner_channel = ControlChannel(0, "127.0.0.1"), ControlChannel(1, "127.0.0.1")
+        member_channel.open(), joiner_channel.open()
+        joiner_channel.learn({0: member_channel.address})
+        quiet = MembershipConfig(peer_timeout=5.0, gather_s=60.0)  # the join stays pending: no view takes it in
+        member = ElasticRun(0, member_channel, quiet, first_view=View(0, (0,)), record=lambda *a, **k: None,
+                            iteration=lambda: 41, timeout_s=10.0)
+        joiner = ElasticRun(1, joiner_channel, quiet, first_view=None, contacts=[0], record=lambda *a, **k: None,
+                            iteration=lambda: 0, timeout_s=10.0)
+        member.start(), joiner.start()
+        try:
+            for _ in range(200):
+                if member.membership.pending.joins:
+                    break
+                await asyncio.sleep(0.01)
+            assert member.membership.pending.joins == (1,)
+            member.tell_joiners_the_run_ended(41)  # the member finished training
+            with pytest.raises(RunEnded) as ended:
+                await joiner.admitted()
+            return str(ended.value)
+        finally:
+            await member.close()
+            await joiner.close()
+
+    assert asyncio.run(scenario()) == "rank 1: the run ended (at iteration 41) before it was admitted"

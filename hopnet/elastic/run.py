@@ -164,8 +164,10 @@ class ElasticRun:
             elif kind == "state" and payload is not None:
                 self._pending_states[view] = bytes(payload)
             elif kind == "ended" and self.segment_view < view and self.ended_line is None:
-                self.ended_line = (f"rank {self.rank}: the run ended (at iteration {header.get('iter')}) before "
-                                   f"view {view}, which admitted it, began")
+                when = f"the run ended (at iteration {header.get('iter')})"
+                self.ended_line = (f"rank {self.rank}: {when} before it was admitted"
+                                   if self.membership.state == "joining" else
+                                   f"rank {self.rank}: {when} before view {view}, which admitted it, began")
         self._after_event()
 
     def _after_event(self) -> None:
@@ -336,11 +338,18 @@ class ElasticRun:
         return self.queue[0]
 
     def tell_joiners_the_run_ended(self, iteration: int) -> None:
-        """This member finished training with views still to enter: their joiners will not get in."""
+        """This member finished training: the joiners of views it has not entered, and those whose
+        requests no view took in yet, will not get in."""
+        told: set[int] = set()
         for entry in self.queue:
             for joiner in entry.commit.change.joined:
-                if joiner != self.rank:
+                if joiner != self.rank and joiner not in told:
+                    told.add(joiner)
                     self.channel.send(joiner, {"t": "ended", "view": entry.number, "iter": iteration})
+        view = self.membership.view
+        for joiner in self.membership.pending.joins:
+            if joiner not in told and view is not None:
+                self.channel.send(joiner, {"t": "ended", "view": view.number + 1, "iter": iteration})
 
     def entered(self, entry: ViewEntry) -> None:
         """This worker now runs ``entry``'s view."""
