@@ -10,7 +10,7 @@ from pathlib import Path
 STOP_RECORD = (b'"event":"stop"', b'"event": "stop"')
 
 
-def finished_its_loop(run_dir: Path, rank: int, tail_bytes: int = 256 << 10) -> bool:
+def finished_its_loop(run_dir: Path, rank: int, tail_bytes: int = 64 << 10) -> bool:
     """Whether ``rank``'s worker closed (a ``stop`` record near the end of its log): it finished training."""
     try:
         with (run_dir / f"rank{rank}.jsonl").open("rb") as handle:

@@ -410,10 +410,11 @@ class Launch:
             line = self.startup_talk.poll(now, self.server.registered_ranks(), self.server.completed_at)
             if line is not None:
                 self.output.say(line)
-        # only those that finished training: the others are still at it (--max-failures), not slow to exit
-        line = self.shutdown_talk.poll(now, [r for r in self.state.pending if finished_its_loop(self.run_dir, r)])
-        if line is not None:
-            self.output.say(line)
+        if self.shutdown_talk.due(now):  # (the logs are read only when a line is due)
+            # only those that finished training: the others are still at it (--max-failures), not slow to exit
+            line = self.shutdown_talk.poll(now, [r for r in self.state.pending if finished_its_loop(self.run_dir, r)])
+            if line is not None:
+                self.output.say(line)
 
     def _say_views(self, *, now: bool = False) -> None:
         """Say each view of an elastic run once, as its members commit it (``view 1: ranks 4, 5 joined

@@ -66,11 +66,17 @@ class ShutdownTalk:
             self.first_end = now
             self._next = now + self.quiet_s
 
+    def due(self, now: float) -> bool:
+        """Whether a line may be said at ``now`` (the run is ending, and the last line is old enough)."""
+        return self.first_end is not None and self._next is not None and now >= self._next
+
     def poll(self, now: float, pending: Sequence[int]) -> str | None:
         """The line to say at ``now`` while ``pending`` ranks have not exited."""
-        if self.first_end is None or self._next is None or not pending or now < self._next:
+        if self.first_end is None or self._next is None or now < self._next:
             return None
         self._next = now + self.remind_s
+        if not pending:
+            return None
         return f"waiting for {ranks_text(pending)} to exit ({now - self.first_end:.0f}s after the first finished)"
 
 
