@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from faults import ROOT, LaunchRun, alive, clean_env, group_members, workload
+from faults import ROOT, LaunchRun, alive, clean_env, group_members, live_processes, workload
 
 JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
 NPROC, MAX_NPROC, MIN_NPROC = 4, 6, 2
@@ -79,17 +79,7 @@ class ChurnTrial:
 
 def children(parent: int) -> list[int]:
     """Live (not zombie) processes whose parent is ``parent``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
+    return live_processes(1, parent)
 
 
 def _rank_of(pid: int) -> int | None:

@@ -151,8 +151,9 @@ def max_iteration(run_dir: Path) -> int:
     return best
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes in process group ``pgid``."""
+def live_processes(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose ``/proc/PID/stat`` field ``field`` (counted after the
+    command: 1 the parent, 2 the process group) is ``value``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -161,9 +162,14 @@ def group_members(pgid: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[field]) == value and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group ``pgid``."""
+    return live_processes(2, pgid)
 
 
 def alive(pids: dict[int, int]) -> dict[int, int]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hopnet.elastic.settings import STOP_FILE
+from hopnet.launch.exit_bound import ends_with_event
 from hopnet.launch.spec import LaunchPlan
 
 
@@ -30,17 +31,10 @@ def mark_stopping(run_dir: Path) -> None:
         pass
 
 
-def left_the_run(run_dir: Path, rank: int, tail_bytes: int = 64 << 10) -> bool:
+def left_the_run(run_dir: Path, rank: int) -> bool:
     """Whether ``rank`` left an elastic run that goes on without it (a ``left`` record ends its log):
     its exit is not the run's end."""
-    try:
-        with (run_dir / f"rank{rank}.jsonl").open("rb") as handle:
-            handle.seek(0, 2)
-            handle.seek(max(0, handle.tell() - tail_bytes))
-            tail = handle.read()
-    except OSError:
-        return False
-    return any(b'"event":"left"' in line or b'"event": "left"' in line for line in tail.splitlines()[-8:])
+    return ends_with_event(run_dir, rank, (b'"event":"left"', b'"event": "left"'), lines=8)
 
 
 def read_views(run_dir: Path, first_members: int) -> list[dict[str, Any]]:

@@ -10,8 +10,10 @@ from pathlib import Path
 STOP_RECORD = (b'"event":"stop"', b'"event": "stop"')
 
 
-def finished_its_loop(run_dir: Path, rank: int, tail_bytes: int = 64 << 10) -> bool:
-    """Whether ``rank``'s worker closed (a ``stop`` record near the end of its log): it finished training."""
+def ends_with_event(run_dir: Path, rank: int, markers: tuple[bytes, ...], *, lines: int,
+                    tail_bytes: int = 64 << 10) -> bool:
+    """Whether one of the last ``lines`` lines of ``rank``'s event log holds one of ``markers``
+    (only the log's tail is read)."""
     try:
         with (run_dir / f"rank{rank}.jsonl").open("rb") as handle:
             handle.seek(0, 2)
@@ -19,7 +21,12 @@ def finished_its_loop(run_dir: Path, rank: int, tail_bytes: int = 64 << 10) -> b
             tail = handle.read()
     except OSError:
         return False
-    return any(marker in line for line in tail.splitlines()[-16:] for marker in STOP_RECORD)
+    return any(marker in line for line in tail.splitlines()[-lines:] for marker in markers)
+
+
+def finished_its_loop(run_dir: Path, rank: int) -> bool:
+    """Whether ``rank``'s worker closed (a ``stop`` record near the end of its log): it finished training."""
+    return ends_with_event(run_dir, rank, STOP_RECORD, lines=16)
 
 
 def overdue_lines(run_dir: Path, pending: list[int], bound_s: float) -> tuple[list[str], list[int]]:
@@ -34,4 +41,4 @@ def overdue_lines(run_dir: Path, pending: list[int], bound_s: float) -> tuple[li
     return lines, unfinished
 
 
-__all__ = ["finished_its_loop", "overdue_lines"]
+__all__ = ["ends_with_event", "finished_its_loop", "overdue_lines"]
