@@ -64,6 +64,7 @@ from hopnet.launch.exit_bound import finished_its_loop, overdue_lines
 from hopnet.launch.elastic import join_info, left_the_run, mark_stopping, read_views
 from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
+from hopnet.launch.partition import MachineLinks
 from hopnet.launch.options import describe
 from hopnet.launch.outcome import blame_run, conclude
 from hopnet.launch.prepare import (
@@ -214,6 +215,7 @@ class Launch:
         self.shutdown_talk = ShutdownTalk()
         self.view_watch = ViewWatch(run_dir) if plan.elastic is not None else None
         self._next_view_check = 0.0
+        self.links = MachineLinks(self.group, run_dir, plan, output.say) if self.group is not None else None
 
     @property
     def node_rank(self) -> int:
@@ -337,6 +339,8 @@ class Launch:
         coordinator, another machine's abort, a signal."""
         state, spec = self.state, self.spec
         next_abort_check = time.monotonic() + ABORT_POLL_S
+        if self.links is not None:
+            self.links.watch()
         while state.pending and not self._signalled() and not state.ending:
             if self.coordinator is not None and (code := self.coordinator.exited()) is not None:
                 state.coordinator_exit = code
@@ -347,10 +351,14 @@ class Launch:
             self._say_views()
             if not self._announced and self.server is not None and self.server.complete.is_set():
                 self._announced = True
+                if self.group is not None:
+                    self.group.expect_beats()
                 self._announce_options()
             if self.group is not None and time.monotonic() >= next_abort_check:
                 next_abort_check = time.monotonic() + ABORT_POLL_S
                 remote = self.group.aborted()
+                if self.links is not None and self.links.run_ends(state, remote):
+                    return
                 if remote is not None and remote.get("node") != self.node_rank:
                     state.fail(remote.get("rank"), "stopped by another machine",
                                f"stopping: {remote['summary']}" + (
@@ -370,7 +378,9 @@ class Launch:
             if code == 0 and not (self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
                 self.shutdown_talk.finished(time.monotonic())  # a lost worker's or a leaver's exit is no end
             if code != 0:
-                total_lost = self.group.lose() if self.group is not None else len(state.lost)
+                total_lost = self.group.lose() if self.group is not None else None
+                if total_lost is None:  # one machine, or node 0's store cut off: what this launcher knows
+                    total_lost = len(state.lost)
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
@@ -533,11 +543,16 @@ class Launch:
         error = read_log_facts(self.run_dir / f"rank{blame.rank}.jsonl").error
         blamed_peer = error.get("peer") if error else None
         held = None
-        if isinstance(blamed_peer, int) and blamed_peer not in self.plan.nodes.ranks:
-            # the root is on another machine: give its launcher a moment to say so
+        there = self.links.node_of(blamed_peer) if self.links is not None and isinstance(blamed_peer, int) \
+            and blamed_peer not in self.plan.nodes.ranks else None
+        if there is not None and self.links is not None:
+            # the root is on another machine: give its launcher a moment to say so, unless the
+            # link to it is down (then nothing will come)
             deadline = time.monotonic() + REMOTE_BLAME_WAIT_S
             while held is None and time.monotonic() < deadline:
                 held = group.aborted()
+                if self.links.blame_the_link(state, there, held, blame.rank):
+                    return
                 time.sleep(ABORT_POLL_S)
         held = held or group.abort({"rank": blame.rank, "host": host_name(self.plan.bind),
                                     "node": self.node_rank, "summary": blame.summary})

@@ -15,6 +15,15 @@ use (``HOPNET_STORE``). Through it:
   (:meth:`LaunchGroup.aborted`) while its workers run and stops them when it appears;
 * at the end each launcher says it is done, and node 0 keeps the store up until all did.
 
+The link between the machines (:meth:`LaunchGroup.watch_links`): once the run trains, every
+launcher beats in the store (a counter per node) each time it polls for an abort, and every store
+call is waited for at most ``--peer-timeout`` on a thread of its own (:class:`DeadlinedCalls`): a
+TCPStore client's call over a link that went dead blocks in the kernel far past the store's own
+timeout, which bounds waits for keys, not an unanswered request. So a partition is seen from both
+sides within about ``--peer-timeout``: node 0 sees a node's beats stop (:attr:`LaunchGroup.unreachable`),
+and a node that cannot reach node 0 gets a ``cut`` abort record of its own making. Node 0 is the
+arbiter: the side without it always stops, so at most one side of a partition goes on.
+
 Placement (:func:`place_ranks`): by the graph's ``machine`` labels where every node has one
 (the labels in order of first appearance are nodes 0, 1, ...), else contiguous blocks.
 """
@@ -22,8 +31,10 @@ Placement (:func:`place_ranks`): by the graph's ``machine`` labels where every n
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +47,47 @@ if TYPE_CHECKING:
 
 PREFIX = "hopnet-launch/"
 POLL_S = 0.05
+
+
+class StoreUnreachable(HopnetError):
+    """Node 0's store did not answer a call in time: the link to node 0 is down (or node 0 hangs)."""
+
+
+class DeadlinedCalls:
+    """Calls made on one thread of its own, each waited for at most a deadline. Once one is
+    late, every later call fails at once: the thread may be stuck in the kernel for minutes."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]] = \
+            queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.late: str | None = None
+        """What the late call was, once one was."""
+
+    def call(self, fn: Callable[[], Any], deadline_s: float, what: str) -> Any:
+        if self.late is not None:
+            raise StoreUnreachable(f"node 0's store stopped answering ({self.late})")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="hopnet-launch-store", daemon=True)
+            self._thread.start()
+        answer: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._requests.put((fn, answer))
+        try:
+            ok, value = answer.get(timeout=deadline_s)
+        except queue.Empty:
+            self.late = f"{what} not answered within {deadline_s:g}s"
+            raise StoreUnreachable(f"node 0's store stopped answering ({self.late})") from None
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self) -> None:
+        while True:
+            fn, answer = self._requests.get()
+            try:
+                answer.put((True, fn()))
+            except BaseException as exc:  # handed to the caller, raised there
+                answer.put((False, exc))
 
 
 def place_ranks(graph: Graph, nnodes: int, node_rank: int) -> list[int]:
@@ -81,6 +133,63 @@ class LaunchGroup:
             self.store = connect_store(self.endpoint, timeout_s, waiting)
         self.waiting = waiting
         self.store.set_timeout(timedelta(seconds=timeout_s))
+        self.calls = DeadlinedCalls()
+        self.call_deadline_s = timeout_s
+        self.ranks_by_node: dict[int, tuple[int, ...]] = {}
+        self.unreachable: dict[int, float] = {}
+        """Node 0: the other nodes whose launcher stopped beating, with the seconds they were silent."""
+        self.cut_off_s: float | None = None
+        """Node R > 0: how long node 0's store had not answered when this node gave it up."""
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._last_answer = time.monotonic()
+        self._done: set[int] = set()
+        self._expecting = False
+
+    # -- the link between the machines, while the run trains
+    def watch_links(self, peer_timeout_s: float, ranks_by_node: Mapping[int, Sequence[int]]) -> None:
+        """From now on every store call waits at most ``peer_timeout_s``, and :meth:`aborted` beats
+        and (node 0) watches the other nodes' beats (see the module docstring)."""
+        self.call_deadline_s = peer_timeout_s
+        self.ranks_by_node = {node: tuple(ranks) for node, ranks in ranks_by_node.items()}
+        self._last_answer = time.monotonic()
+
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        if self.node_rank == 0:
+            return fn()  # its own store, in this process: never cut off
+        try:
+            value = self.calls.call(fn, self.call_deadline_s, what)
+        except StoreUnreachable:
+            if self.cut_off_s is None:
+                self.cut_off_s = time.monotonic() - self._last_answer
+            raise
+        self._last_answer = time.monotonic()
+        return value
+
+    def _beat_and_watch(self) -> None:
+        self._call(lambda: self.store.add(f"{PREFIX}alive/{self.node_rank}", 1), "a beat")
+        if self.node_rank != 0 or not self.ranks_by_node:
+            return
+        now = time.monotonic()
+        for node in range(1, self.nnodes):
+            if node in self.unreachable or node in self._done:
+                continue
+            if self.store.check([f"{PREFIX}done/{node}"]):
+                self._done.add(node)
+                continue
+            count = int(self.store.add(f"{PREFIX}alive/{node}", 0))
+            seen = self._beats.get(node)
+            if seen is None or count != seen[0]:
+                self._beats[node] = (count, now)
+            elif (count > 0 or self._expecting) and now - seen[1] >= self.call_deadline_s:
+                self.unreachable[node] = now - seen[1]
+
+    def expect_beats(self) -> None:
+        """Node 0: every machine's workers have joined, so every launcher beats by now: one that never
+        did is held for unreachable too, counting from now."""
+        if not self._expecting:
+            self._expecting = True
+            now = time.monotonic()
+            self._beats = {node: (count, now) for node, (count, _) in self._beats.items()}
 
     # -- the run, from node 0
     def publish_run(self, info: dict[str, Any]) -> None:
@@ -91,21 +200,37 @@ class LaunchGroup:
         return json.loads(self.store.get(PREFIX + "run").decode("utf-8"))
 
     # -- failures
-    def lose(self) -> int:
-        """Count one lost worker; returns how many the run has lost on every machine."""
-        return int(self.store.add(PREFIX + "lost", 1))
+    def lose(self, count: int = 1) -> int | None:
+        """Count lost workers; returns how many the run has lost on every machine (``None``: node 0's
+        store is cut off, so the run's count is unknown)."""
+        try:
+            return int(self._call(lambda: self.store.add(PREFIX + "lost", count), "the count of lost workers"))
+        except StoreUnreachable:
+            return None
 
     def abort(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Ask every launcher to stop; returns the record that holds (an earlier one wins)."""
+        """Ask every launcher to stop; returns the record that holds (an earlier one wins; this one
+        when node 0's store is cut off)."""
         value = json.dumps(record)
-        held = self.store.compare_set(PREFIX + "abort", "", value)
+        try:
+            held = self._call(lambda: self.store.compare_set(PREFIX + "abort", "", value), "the abort record")
+        except StoreUnreachable:
+            return record
         return json.loads(held.decode("utf-8"))
 
     def aborted(self) -> dict[str, Any] | None:
+        """Another launcher's abort record, if one was written; also beats and watches the beats
+        (:meth:`watch_links`). A node cut off from node 0's store returns a ``cut`` record of its own."""
         try:
-            if not self.store.check([PREFIX + "abort"]):
+            if self.ranks_by_node:
+                self._beat_and_watch()
+            if not self._call(lambda: self.store.check([PREFIX + "abort"]), "the check for an abort"):
                 return None
-            return json.loads(self.store.get(PREFIX + "abort").decode("utf-8"))
+            return json.loads(self._call(lambda: self.store.get(PREFIX + "abort"), "the abort record").decode("utf-8"))
+        except StoreUnreachable:
+            return {"rank": None, "host": None, "node": 0, "cut": True,
+                    "summary": f"node 0's launcher at {self.endpoint} did not answer node {self.node_rank} "
+                               f"for {self.cut_off_s or self.call_deadline_s:.1f}s"}
         except Exception as exc:  # node 0's launcher (and its store) went away
             if self.node_rank == 0:
                 raise
@@ -115,18 +240,31 @@ class LaunchGroup:
 
     # -- the end
     def finish(self, timeout_s: float) -> None:
-        """Say this launcher is done; node 0 keeps the store up until every launcher said so."""
+        """Say this launcher is done; node 0 keeps the store up until every launcher it can still
+        reach said so."""
         try:
-            self.store.set(f"{PREFIX}done/{self.node_rank}", "1")
+            if self.cut_off_s is None:
+                self._call(lambda: self.store.set(f"{PREFIX}done/{self.node_rank}", "1"), "this launcher's end")
             if self.node_rank == 0:
-                keys = [f"{PREFIX}done/{n}" for n in range(self.nnodes)]
-                self._wait(keys, "the other launchers' end", timeout_s)
+                self._wait_for_ends(timeout_s)
         except (HopnetError, WaitTimeout, RuntimeError):
             pass
         finally:
             if self.hosted is not None:
                 self.hosted.close()
                 self.hosted = None
+
+    def _wait_for_ends(self, timeout_s: float) -> None:
+        """Node 0: wait until every other launcher said it is done, or stopped beating (it never will)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ranks_by_node:
+                self._beat_and_watch()
+            pending = [n for n in range(1, self.nnodes) if n not in self.unreachable and n not in self._done
+                       and not self.store.check([f"{PREFIX}done/{n}"])]
+            if not pending:
+                return
+            time.sleep(POLL_S)
 
     def _wait(self, keys: list[str], what: str, timeout_s: float) -> None:
         started = time.monotonic()
@@ -138,4 +276,4 @@ class LaunchGroup:
             time.sleep(POLL_S)
 
 
-__all__ = ["LaunchGroup", "place_ranks"]
+__all__ = ["DeadlinedCalls", "LaunchGroup", "StoreUnreachable", "place_ranks"]

@@ -288,7 +288,8 @@ class Node(Generic[P]):
         self.events.flush()  # this worker may well fail next: the record must not be lost
         self.transport.forget_peer(peer)
         self.protocol.on_peer_dead(peer)
-        self.mailbox.peer_departed(peer, f"went silent for {silent_s:.1f}s" if cause is None else f"was lost ({cause})",
+        self.mailbox.peer_departed(peer, f"went silent (rank {peer} unreachable from rank {self.rank} for {silent_s:.1f}s)"
+                                   if cause is None else f"was lost ({cause})",
                                    "dead")
         if self.survives_losses:
             self.mailbox.break_rounds_with(peer, "died")

@@ -329,7 +329,8 @@ class AdPsgdProtocol(Protocol):
         else:
             self._reply.set_exception(PeerFailure(
                 f"rank {self.rank}: passive partner {peer} went silent (dead) during the averaging of "
-                f"iteration {self.iteration}; its side may or may not have averaged",
+                f"iteration {self.iteration} (rank {peer} unreachable from rank {self.rank}); "
+                "its side may or may not have averaged",
                 peer=peer, peer_state="dead", iteration=self.iteration))
 
     def on_peer_rejoined(self, peer: int) -> None:

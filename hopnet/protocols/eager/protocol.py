@@ -266,7 +266,7 @@ class EagerProtocol(EagerRounds):
 
     def on_peer_dead(self, peer: int) -> None:
         self.left_early[peer] = self.iteration - 1
-        self._peer_gone(peer, "dead", "went silent")
+        self._peer_gone(peer, "dead", f"went silent (rank {peer} unreachable from rank {self.rank})")
 
     def _peer_gone(self, peer: int, state: str, why: str) -> None:
         """A round needs every rank: fail the ones this rank waits for, naming the peer."""

@@ -30,8 +30,8 @@ def peer_failure(hop: HopState, k: int, need: int) -> PeerFailure:
     elif state == "dead":
         silent = hop.node.dead.get(peer, 0.0)
         message = (f"rank {hop.rank} cannot finish {round_in_words(hop, k)}: peer {peer} went silent "
-                   f"(dead: nothing heard from it for {silent:.1f}s; its process died or hangs, "
-                   f"or its host is unreachable) and {need_text}{also}")
+                   f"(dead: rank {peer} unreachable from rank {hop.rank}, nothing heard from it for {silent:.1f}s; "
+                   f"its host or the link to it is down, or its process hangs) and {need_text}{also}")
     else:
         message = _departure_text(hop, peer, k, need_text) + also
     return PeerFailure(message, peer=peer, peer_state=state, iteration=k)
