@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +63,9 @@ class LaunchRun:
     _readers: list[threading.Thread] = field(default_factory=list)
 
     @classmethod
-    def start(cls, args: list[str], run_dir: Path) -> LaunchRun:
-        proc = subprocess.Popen([*LAUNCH, "--run-dir", str(run_dir), "--no-progress", *args], cwd=ROOT,
+    def start(cls, args: list[str], run_dir: Path, prefix: Sequence[str] = ()) -> LaunchRun:
+        """``prefix``: what runs the launcher (``ip netns exec NS`` for an emulated host)."""
+        proc = subprocess.Popen([*prefix, *LAUNCH, "--run-dir", str(run_dir), "--no-progress", *args], cwd=ROOT,
                                 env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         run = cls(proc, run_dir, time.monotonic())

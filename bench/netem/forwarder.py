@@ -304,6 +304,18 @@ class ForwardedLink:
             {"version": self.version, "a_to_b": a_to_b.to_json(), "b_to_a": b_to_a.to_json()}))
         self._wait_applied(self.version)
 
+    def cap(self, rate: str | None, burst: str = "64kb", latency: str = "200ms") -> None:
+        """Cap each host's sending at ``rate`` (``tc ... tbf`` on its end of the link), or remove
+        the cap (``None``)."""
+        for host in ("a", "b"):
+            args = ["tc", "-n", self.namespaces[host], "qdisc"]
+            end = self.host_ends[host]
+            if rate is None:
+                subprocess.run([*args, "del", "dev", end, "root"], capture_output=True, text=True, timeout=30)
+            else:
+                subprocess.run([*args, "replace", "dev", end, "root", "tbf", "rate", rate, "burst", burst,
+                                "latency", latency], check=True, capture_output=True, text=True, timeout=30)
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Frames forwarded and dropped per direction so far (reported twice a second)."""
         report = json.loads(self.status.read_text())
