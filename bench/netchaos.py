@@ -65,7 +65,7 @@ PROTOCOL_FLAGS = {"diloco": ["--local-steps", "10"], "pipe-sgd": ["--pipeline-k"
 TOLERANT_FLAGS = ["--graph", "complete:4", "--backup-workers", "2", "--max-failures", "2"]
 CONSENSUS = re.compile(r"consensus model held-out accuracy ([0-9.]+)")
 FINAL = re.compile(r"final held-out accuracy ([0-9.]+)")
-UNREACHABLE = re.compile(r"rank \d+ unreachable from rank \d+")
+UNREACHABLE = re.compile(r"ranks? [0-9, ]+ unreachable from ranks? \d+")
 CRASH_WORDS = ("died (", "killed by", "was lost (")
 
 

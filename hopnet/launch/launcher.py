@@ -543,8 +543,8 @@ class Launch:
         error = read_log_facts(self.run_dir / f"rank{blame.rank}.jsonl").error
         blamed_peer = error.get("peer") if error else None
         held = None
-        there = self.links.node_of(blamed_peer) if self.links is not None and isinstance(blamed_peer, int) \
-            and blamed_peer not in self.plan.nodes.ranks else None
+        there = self.links.suspect(blamed_peer if isinstance(blamed_peer, int) else None) \
+            if self.links is not None else None
         if there is not None and self.links is not None:
             # the root is on another machine: give its launcher a moment to say so, unless the
             # link to it is down (then nothing will come)

@@ -85,6 +85,21 @@ class MachineLinks:
     def node_of(self, rank: int) -> int | None:
         return next((node for node, ranks in self.ranks_by_node.items() if rank in ranks), None)
 
+    def suspect(self, blamed_peer: int | None) -> int | None:
+        """The other machine a failure here may come from, whose launcher's word (or silence) to wait
+        for: the blamed peer's, else one already cut off, else one whose ranks a local rank
+        declared dead (a collective that failed on a closed connection names no peer)."""
+        if blamed_peer is not None:
+            node = self.node_of(blamed_peer)
+            return node if node != self.node_rank else None
+        if self.group.unreachable:
+            return min(self.group.unreachable)
+        if self.group.cut_off_s is not None:
+            return 0
+        others = [r for node, ranks in self.ranks_by_node.items() if node != self.node_rank for r in ranks]
+        pairs = unreachable_pairs(self.run_dir, self.ranks_by_node[self.node_rank], others)
+        return self.node_of(pairs[0][0]) if pairs else None
+
     def line(self, there: int, silent_s: float) -> str:
         side = (f"node {there}'s launcher silent" if self.node_rank == 0
                 else f"node 0's launcher store at {self.group.endpoint} unanswered")

@@ -1,0 +1,66 @@
+"""A smaller run of bench/netchaos.py: two emulated hosts (ranks 0, 1 and 2, 3) joined through the
+user-space forwarder, one run per fault, judged by the battery's own rules (bench/netchaos.py).
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import netchaos  # noqa: E402
+from netem.forwarder import ForwardedLink, unavailable_reason  # noqa: E402
+
+WHY_NOT = unavailable_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated hosts: {WHY_NOT}")]
+
+
+@pytest.fixture(scope="module")
+def link() -> Iterator[ForwardedLink]:
+    with ForwardedLink(seed=3) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hopnet.security import CurveKeys, write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("key") / "run.key", CurveKeys.generate())
+
+
+def _trial(link: ForwardedLink, key: Path, tmp_path: Path, protocol: str, fault: str, port: int,
+           tolerant: bool = False) -> netchaos.Trial:
+    trial = netchaos.Trial(protocol, "zmq", fault, tolerant, at_s=0.3)
+    trial.outcome = netchaos.run_pair(link, key, tmp_path, protocol, "zmq", fault, tolerant, trial.at_s, port)
+    netchaos.judge(trial)
+    return trial
+
+
+def test_a_lossy_link_slows_hop_down_but_it_finishes_with_nobody_declared_dead(
+        link: ForwardedLink, key: Path, tmp_path: Path) -> None:
+    trial = _trial(link, key, tmp_path, "hop", "loss5", 29651)
+    assert not trial.problems, (trial.problems, trial.outcome)
+    assert trial.outcome is not None and trial.outcome.accuracy is not None and trial.outcome.accuracy >= 0.9
+
+
+def test_a_permanent_cut_is_named_as_the_link_on_both_sides_and_both_launchers_exit(
+        link: ForwardedLink, key: Path, tmp_path: Path) -> None:
+    trial = _trial(link, key, tmp_path, "hop", "permanent", 29652)
+    assert not trial.problems, (trial.problems, trial.outcome)
+    assert trial.outcome is not None
+    down = [line for line in trial.outcome.lines if "is down" in line]
+    assert len(down) >= 2, trial.outcome.lines  # each side's launcher names the link
+
+
+def test_with_failures_tolerated_only_the_side_of_node_0_goes_on(link: ForwardedLink, key: Path,
+                                                                  tmp_path: Path) -> None:
+    trial = _trial(link, key, tmp_path, "hop", "permanent", 29653, tolerant=True)
+    assert not trial.problems, (trial.problems, trial.outcome)
+    assert trial.outcome is not None and trial.outcome.codes == (0, 1)
+    assert trial.outcome.accuracy is not None and trial.outcome.accuracy >= 0.9  # node 0's side finished alone
