@@ -4,6 +4,8 @@ as finished; one still training then fails the run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,18 @@ def test_a_worker_finished_its_loop_when_its_log_ends_with_stop(tmp_path: Path) 
     assert not finished_its_loop(tmp_path, 2)  # no log at all
     lines, unfinished = overdue_lines(tmp_path, [0, 1], 30.0)
     assert lines == ["rank 0 finished its loop but did not exit within 30s; killed"] and unfinished == [1]
+
+
+def test_a_worker_exit_ends_an_idle_thread_pool_as_the_interpreter_does() -> None:
+    """torch.compile leaves an idle ThreadPoolExecutor behind; a worker's exit joined its non-daemon
+    threads without first telling the pool to end, and waited until the exit bound killed it."""
+    script = ("import concurrent.futures\n"
+              "from hopnet.bootstrap.quick_exit import exit_now\n"
+              "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+              "assert pool.submit(sum, [1, 2]).result() == 3\n"
+              "exit_now(7)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 7, done.stderr
 
 
 @pytest.mark.slow

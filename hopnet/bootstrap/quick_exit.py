@@ -26,15 +26,27 @@ def flush_stdio() -> None:
             pass
 
 
+def join_non_daemon_threads() -> None:
+    """Wait for the non-daemon threads as the interpreter's exit does: first the callbacks
+    registered with ``threading._register_atexit`` (``concurrent.futures`` uses one to tell its
+    idle pool threads to end: torch.compile leaves such a pool behind), then the joins. Joining
+    without those callbacks waits forever on an idle pool."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+
+
 def exit_now(code: int, *, join_threads: bool = True) -> NoReturn:
     """End the process with ``code`` as the interpreter would, minus the teardown of its modules.
     ``join_threads``: first wait for the non-daemon threads, as a normal exit does (off when the
     process was asked to stop and must not wait on a script's threads)."""
     if join_threads:
-        current = threading.current_thread()
-        for thread in threading.enumerate():
-            if thread is not current and not thread.daemon:
-                thread.join()
+        join_non_daemon_threads()
     atexit._run_exitfuncs()
     flush_stdio()
     os._exit(code)
