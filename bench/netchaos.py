@@ -27,6 +27,7 @@ What each must give (a trial that does not is printed with its problems):
   either host's namespace), no worker with an update counted lost or mixed twice.
 
     python bench/netchaos.py [--trials 32] [--seed 0] [--protocols hop,allreduce] [--faults loss5,permanent]
+    python bench/netchaos.py --compare jitter   # allreduce against the protocols built for slow links
 
 Needs root and iproute2 (network namespaces); prints a table, then the totals.
 """
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +64,13 @@ NAMED_WITHIN_S = PEER_TIMEOUT_S + 2.0
 ACCURACY_SLACK = 0.03
 ITERATIONS = 300
 PROTOCOL_FLAGS = {"diloco": ["--local-steps", "10"], "pipe-sgd": ["--pipeline-k", "2"]}
+SLOW_LINK_CONFIGS = {
+    "allreduce": ("allreduce", []),
+    "hop --backup-workers 1 --staleness 4": ("hop", ["--backup-workers", "1", "--staleness", "4"]),
+    "ad-psgd": ("ad-psgd", []),
+    "diloco --local-steps 10": ("diloco", ["--local-steps", "10"]),
+}
+"""``--compare FAULT``: the protocols built for slow links against allreduce."""
 TOLERANT_FLAGS = ["--graph", "complete:4", "--backup-workers", "2", "--max-failures", "2"]
 CONSENSUS = re.compile(r"consensus model held-out accuracy ([0-9.]+)")
 FINAL = re.compile(r"final held-out accuracy ([0-9.]+)")
@@ -166,11 +175,13 @@ def namespace_pids(link: ForwardedLink) -> int:
 
 
 def run_pair(link: ForwardedLink, key: Path, base: Path, protocol: str, plane: str, fault: str | None,
-             tolerant: bool, at_s: float, port: int) -> Outcome:
-    """Both hosts' launchers; ``fault`` (None: a clean run) injected ``at_s`` after training starts."""
+             tolerant: bool, at_s: float, port: int, extra: Sequence[str] | None = None) -> Outcome:
+    """Both hosts' launchers; ``fault`` (None: a clean run) injected ``at_s`` after training starts.
+    ``extra``: the protocol's flags (default: :data:`PROTOCOL_FLAGS`)."""
     flags = ["--nnodes", "2", "--rdzv-endpoint", f"{link.addresses['a']}:{port}", "--nproc", "4",
              "--key-file", str(key), "--protocol", protocol, "--bulk", plane, "--peer-timeout", str(PEER_TIMEOUT_S),
-             "--timeout", "30", "--grace", "3", *PROTOCOL_FLAGS.get(protocol, []), *(TOLERANT_FLAGS if tolerant else [])]
+             "--timeout", "30", "--grace", "3", *(PROTOCOL_FLAGS.get(protocol, []) if extra is None else extra),
+             *(TOLERANT_FLAGS if tolerant else [])]
     script = [str(ROOT / "examples" / "train_digits.py"), "--iterations", str(ITERATIONS), "--eval-every", "100000"]
     runs = [LaunchRun.start([*flags, "--node-rank", str(n), "--bind", link.addresses[host], *script],
                             base / f"node{n}", prefix=link.command(host, []))
@@ -260,6 +271,8 @@ def main() -> None:
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("--compare", metavar="FAULT", choices=SURVIVABLE,
+                        help="instead of trials: each of SLOW_LINK_CONFIGS clean and under FAULT, the slowdowns")
     args = parser.parse_args()
     why = unavailable_reason()
     if why is not None:
@@ -272,6 +285,11 @@ def main() -> None:
     key = write_key_file(base / "run.key", CurveKeys.generate())
     clean: dict[tuple[str, str], Outcome] = {}
     port = 29700 + rng.randrange(100)
+    if args.compare:
+        with ForwardedLink(seed=args.seed) as link:
+            compare(link, key, base, args.compare, port)
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+        return
     with ForwardedLink(seed=args.seed) as link:
         for i, trial in enumerate(trials):
             pair = (trial.protocol, trial.plane)
@@ -291,6 +309,18 @@ def main() -> None:
         print(f"run directories: {base}")
     else:
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def compare(link: ForwardedLink, key: Path, base: Path, fault: str, port: int) -> None:
+    """Each of :data:`SLOW_LINK_CONFIGS` on the ZeroMQ plane, clean and with ``fault`` from the start
+    of training: the training time of both and the slowdown."""
+    for i, (name, (protocol, flags)) in enumerate(SLOW_LINK_CONFIGS.items()):
+        clean = run_pair(link, key, base / f"c{i}", protocol, "zmq", None, False, 0.0, port + 2 * i, flags)
+        faulty = run_pair(link, key, base / f"f{i}", protocol, "zmq", fault, False, 0.0, port + 2 * i + 1, flags)
+        ratio = (faulty.training_s / clean.training_s) if faulty.training_s and clean.training_s else None
+        print(f"{name:40s} clean {clean.training_s or 0:6.2f}s (acc {clean.accuracy})  {fault} "
+              f"{faulty.training_s or 0:6.2f}s (acc {faulty.accuracy}, exits {faulty.codes})  "
+              f"slowdown {f'{ratio:.2f}x' if ratio else '-'}", flush=True)
 
 
 def row(i: int, t: Trial) -> str:
