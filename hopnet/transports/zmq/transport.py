@@ -13,7 +13,7 @@ import zmq.asyncio
 from hopnet.errors import HopnetError
 from hopnet.security import HandshakeWatch, is_loopback, make_curve_server
 from hopnet.transports import payload_stream as ps
-from hopnet.transports.base import Receiver
+from hopnet.transports.base import Receiver, event_hook
 from hopnet.transports.zmq import limits
 from hopnet.transports.zmq.addresses import check_address
 from hopnet.transports.zmq.malloc import tune_malloc
@@ -65,6 +65,7 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
             raise HopnetError(f"rank {self.rank} cannot bind {self.bind}: {exc}") from None
         self._router = sock
         self._receiver = receiver
+        self._record = event_hook(receiver)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.payload_stream and self.address.startswith("tcp://"):
             self._open_inbox()
@@ -133,6 +134,7 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
             self._router.close(0)
             self._router = None
         self._receiver = None
+        self._record = None
         if self._own_context and self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             # term() waits for the lingering sockets (at most LINGER_MS): keep the loop free.
