@@ -79,6 +79,8 @@ def test_a_partition_shorter_than_the_peer_timeout_loses_nothing(link: Forwarded
     assert cut_at is not None and cut_at < ITERATIONS - 10, f"the cut came after the training ({cut_at})"
     records = {int(log.stem[4:]): read_events(log) for d in run_dirs.values() for log in d.glob("rank*.jsonl")}
     assert sorted(records) == [0, 1, 2, 3]
+    steps = [r["mono"] for r in records[0] if r["event"] == "iteration"]
+    assert max(b - a for a, b in zip(steps, steps[1:])) >= CUT_S * 0.8, "the cut held nothing back"
     for rank, events in records.items():
         assert not [r for r in events if r["event"] in ("peer_dead", "link_gap")], (rank, events[-5:])
         stop = [r for r in events if r["event"] == "stop"][-1]

@@ -184,11 +184,12 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class _Job:
-    __slots__ = ("bufs", "future")
+    __slots__ = ("bufs", "future", "seq")
 
-    def __init__(self, bufs: list[memoryview], future: asyncio.Future[str | None]) -> None:
+    def __init__(self, bufs: list[memoryview], future: asyncio.Future[str | None], seq: int) -> None:
         self.bufs = bufs
         self.future = future
+        self.seq = seq
 
     def advance(self, n: int) -> bool:
         """Account for ``n`` bytes written; True when all are."""
@@ -219,6 +220,8 @@ class OutStream:
         self.closed = False
         self.seq = 0
         """Sequence number of the last message written (0: none yet)."""
+        self.written = 0
+        """Sequence number of the last message whose bytes are all in the kernel."""
         self._sock = sock
         self._fd = sock.fileno()
         self._jobs: deque[_Job] = deque()
@@ -254,7 +257,7 @@ class OutStream:
             fut.set_result("stream_closed")
             return fut
         head = PREFIX.pack(self.seq, z_before, nbytes, len(header)) + header
-        self._jobs.append(_Job([memoryview(head), *buffers], fut))
+        self._jobs.append(_Job([memoryview(head), *buffers], fut, self.seq))
         if len(self._jobs) == 1:
             self._pump()
         return fut
@@ -277,6 +280,7 @@ class OutStream:
                 self._watch(True)  # the kernel's buffer is full: wait until it has room
                 return
             jobs.popleft()
+            self.written = job.seq
             if not job.future.done():
                 job.future.set_result(None)
         self._watch(False)

@@ -60,7 +60,9 @@ class Peer:
         stream = self.stream
         if stream is None:
             return ps.lane_tag(self.epoch, self.zseq, 0, 0) + header
-        return ps.lane_tag(self.epoch, self.zseq, stream.token, stream.seq) + header
+        # After the stream was closed mid-way (send_timeout), its messages that never reached the kernel
+        # will never come: wait only for those that did.
+        return ps.lane_tag(self.epoch, self.zseq, stream.token, stream.written if stream.closed else stream.seq) + header
 
     def open_express(self, sock: zmq.asyncio.Socket) -> None:
         self.express = sock

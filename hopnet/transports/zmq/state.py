@@ -32,8 +32,9 @@ class ZmqState(Transport):
                  context: zmq.asyncio.Context | None = None, tune_malloc: bool = True,
                  curve: CurveKeys | None = None, handover: bool = False,
                  payload_stream: bool | None = None) -> None:
-        """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``): a
-        connection presenting a connected peer's routing id then takes over from the old one.
+        """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``).
+        Kept for callers: a connection presenting a connected peer's routing id now always takes
+        over from the old one (a sender's reset connection must get through too).
         ``payload_stream``: send the tensors of large messages over a TCP stream of their own
         (:mod:`hopnet.transports.payload_stream`); ``None`` (default) means on unless
         ``HOPNET_ZMQ_PAYLOAD_STREAM=0``. Always off with ``curve`` keys and ``ipc://`` addresses."""
@@ -58,7 +59,6 @@ class ZmqState(Transport):
         self._stage_pool = BufferPool(limits.STAGE_POOL_BYTES)
         self._closed = False
         self._curve = curve
-        self._handover = handover
         self._handshakes: HandshakeWatch | None = None
         self._handshakes_fd: int | None = None
         self.address: str | None = None
