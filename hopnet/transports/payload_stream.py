@@ -27,9 +27,11 @@ Wire (both ends must run this version, :data:`VERSION`):
   first frame with a lane tag (:data:`LANE`: 0xC1, a byte msgpack never uses, then the
   epoch, its ZeroMQ sequence number ``zseq`` counted from 1, the token of the sender's
   current stream to that peer (0: none) and ``s_last``, the sequence number of the last
-  message written on that stream before it). The epoch is a random 64-bit number per
-  sender-side connection (a DEALER and the streams opened with it); ``z_before`` is the
-  ``zseq`` of the last ZeroMQ message sent with that epoch before the streamed message.
+  message written on that stream before it; once that stream was closed mid-way, of the last
+  message whose bytes all reached the kernel: the rest never comes). The epoch is a random
+  64-bit number per sender-side connection (a DEALER and the streams opened with it), also
+  the epoch of the messages' numbers (:mod:`hopnet.transports.link_numbers`); ``z_before`` is
+  the ``zseq`` of the last ZeroMQ message sent with that epoch before the streamed message.
 
 Order (per sender, the order of its ``send`` calls, across both channels): a ZeroMQ
 message is handled once its stream has finished message ``s_last`` (delivered or
