@@ -46,7 +46,6 @@ MAX_TENSOR_BYTES = 1 << 46
 header far inside what torch and numpy can represent."""
 MAX_RANK = (1 << 31) - 1
 _INT64 = 1 << 63
-_UINT64 = 1 << 64
 
 
 class DecodeError(HopnetError):
@@ -166,7 +165,7 @@ def decode_header(data: bytes | memoryview) -> Header:
     if seq is None:
         return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])))
     epoch = head.get("e")
-    if not (type(seq) is int and type(epoch) is int and 0 < seq < _UINT64 and 0 <= epoch < _UINT64):
+    if not (type(seq) is int and type(epoch) is int and seq > 0 and epoch >= 0):  # msgpack: < 2**64
         raise DecodeError("bad_header", "epoch/number must be integers in range")
     return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])), epoch, seq)
 

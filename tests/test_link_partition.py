@@ -32,7 +32,7 @@ from netem.forwarder import Faults, ForwardedLink, unavailable_reason  # noqa: E
 DIGITS = str(REPO / "examples" / "train_digits.py")
 WHY_NOT = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated hosts: {WHY_NOT}")]
-ITERATIONS = 120
+ITERATIONS = 100
 CUT_S = 2.0
 PEER_TIMEOUT_S = 5
 
@@ -48,7 +48,7 @@ def _launch(link: ForwardedLink, host: str, node: int, port: int, run_dir: Path)
                                "--rdzv-endpoint", f"{link.addresses['a']}:{port}", "--bind", link.addresses[host],
                                "--no-progress", "--run-dir", str(run_dir), "--graph", "ring:4",
                                "--peer-timeout", str(PEER_TIMEOUT_S), "--timeout", "60",
-                               DIGITS, "--iterations", str(ITERATIONS), "--eval-every", "100000"])
+                               DIGITS, "--iterations", str(ITERATIONS), "--hidden", "256", "--eval-every", "100000"])
 
 
 def _iterations(log: Path) -> int:

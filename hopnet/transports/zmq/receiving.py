@@ -15,7 +15,6 @@ import zmq
 
 from hopnet.transports import payload_stream as ps
 from hopnet.transports.base import DISCARD, Receiver
-from hopnet.transports.link_numbers import link_key
 from hopnet.transports.zmq import limits
 from hopnet.transports.zmq.addresses import routing_id
 from hopnet.transports.zmq.frames import buffers_match, byte_view, first_frames, frame_count, new_tensor
@@ -267,8 +266,9 @@ class ZmqReceiving(ZmqState):
 
 
 def _key(header: Header, frames: list[zmq.Frame]) -> int:
-    """The link a ZeroMQ message came on: its sender's, or its sender's express one (routing id ``x``)."""
-    return link_key(header.src, frames[0].bytes[:1] == b"x")
+    """The link a ZeroMQ message came on: its sender's, or its sender's express one (routing id ``x``):
+    :func:`~hopnet.transports.link_numbers.link_key`, inlined (once per message)."""
+    return ~header.src if frames[0].bytes[:1] == b"x" else header.src
 
 
 def _stream_nbytes(specs: tuple[TensorSpec, ...]) -> int:
