@@ -8,7 +8,9 @@ bytes into a buffer it already owns.
 
 Header keys on the wire are single letters to keep control messages small:
 ``k`` kind, ``s`` src, ``d`` dst, ``i`` iter, ``t`` tag, ``m`` meta, ``x`` tensors
-(a list of ``[dtype_name, [dims...]]``).
+(a list of ``[dtype_name, [dims...]]``), and, on a numbered link (the ZeroMQ transport:
+:mod:`hopnet.transports.link_numbers`), ``e`` the sender's connection epoch and ``n`` the
+message's number in it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class Header:
     tag: Any = None
     meta: dict[str, Any] | None = None
     specs: tuple[TensorSpec, ...] = ()
+    epoch: int = 0
+    """The sender's connection epoch on a numbered link (0: the message is not numbered)."""
+    seq: int = 0
+    """The message's number within ``epoch``, from 1 (0: not numbered)."""
 
 
 @dataclass(slots=True)
@@ -106,8 +112,9 @@ class Message:
                       tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors))
 
 
-def encode_header(msg: Message) -> bytes:
-    """Serialise a message's header (everything but the tensor bytes)."""
+def encode_header(msg: Message, epoch: int = 0, seq: int = 0) -> bytes:
+    """Serialise a message's header (everything but the tensor bytes); with ``seq`` (from 1),
+    numbered ``seq`` in the sender's connection ``epoch``."""
     tensors = []
     for t in msg.tensors:
         try:
@@ -124,6 +131,9 @@ def encode_header(msg: Message) -> bytes:
         head["m"] = msg.meta
     if tensors:
         head["x"] = tensors
+    if seq:
+        head["e"] = epoch
+        head["n"] = seq
     return msgpack.packb(head, use_bin_type=True)
 
 
@@ -151,7 +161,13 @@ def decode_header(data: bytes | memoryview) -> Header:
     meta = head.get("m")
     if meta is not None and not isinstance(meta, dict):
         raise DecodeError("bad_header", "meta must be a map")
-    return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])))
+    seq = head.get("n")
+    if seq is None:
+        return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])))
+    epoch = head.get("e")
+    if not (type(seq) is int and type(epoch) is int and seq > 0 and epoch >= 0):  # msgpack: < 2**64
+        raise DecodeError("bad_header", "epoch/number must be integers in range")
+    return Header(kind, src, dst, it, tag, meta, decode_specs(head.get("x", [])), epoch, seq)
 
 
 def decode_specs(raw_specs: Any) -> tuple[TensorSpec, ...]:

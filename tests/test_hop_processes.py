@@ -159,8 +159,8 @@ def test_malformed_frames_are_dropped_and_counted_while_training(launch, tmp_pat
                              tolerate=(json.JSONDecodeError,))  # a line still being written
         ctx = zmq.Context()
         rogue = ctx.socket(zmq.DEALER)
-        # Rank 2 is not a neighbour of rank 0 on ring:4; a second connection claiming a
-        # connected neighbour's identity is refused by the ROUTER outright.
+        # Rank 2 is not a neighbour of rank 0 on ring:4 (a connection claiming a connected
+        # neighbour's identity would take that neighbour's connection over: ROUTER_HANDOVER).
         rogue.setsockopt(zmq.ROUTING_ID, routing_id(2))
         rogue.setsockopt(zmq.LINGER, 2000)  # deliver everything before closing
         rogue.connect(zmq_endpoint(address))

@@ -43,6 +43,18 @@ class Receiver(Protocol):
         that finds it raises ``failure`` instead. Called on the event loop, at most once per peer."""
 
 
+EventHook = Callable[..., None]
+"""``record(event, **fields)``: writes a record to the rank's event log."""
+
+
+def event_hook(receiver: object) -> EventHook | None:
+    """The receiver's ``record(event, **fields)``, if it has one: the Node's (its event log), or a
+    composed transport's that passes it on. Where a transport reports what it found on a link
+    (``link_gap``) without another method on :class:`Receiver`."""
+    record = getattr(receiver, "record", None)
+    return record if callable(record) else None
+
+
 class TransportStats:
     """Counters a transport keeps: messages and bytes each way, and drops by reason."""
 

@@ -27,9 +27,11 @@ Wire (both ends must run this version, :data:`VERSION`):
   first frame with a lane tag (:data:`LANE`: 0xC1, a byte msgpack never uses, then the
   epoch, its ZeroMQ sequence number ``zseq`` counted from 1, the token of the sender's
   current stream to that peer (0: none) and ``s_last``, the sequence number of the last
-  message written on that stream before it). The epoch is a random 64-bit number per
-  sender-side connection (a DEALER and the streams opened with it); ``z_before`` is the
-  ``zseq`` of the last ZeroMQ message sent with that epoch before the streamed message.
+  message written on that stream before it; once that stream was closed mid-way, of the last
+  message whose bytes all reached the kernel: the rest never comes). The epoch is a random
+  64-bit number per sender-side connection (a DEALER and the streams opened with it), also
+  the epoch of the messages' numbers (:mod:`hopnet.transports.link_numbers`); ``z_before`` is
+  the ``zseq`` of the last ZeroMQ message sent with that epoch before the streamed message.
 
 Order (per sender, the order of its ``send`` calls, across both channels): a ZeroMQ
 message is handled once its stream has finished message ``s_last`` (delivered or
@@ -184,11 +186,12 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class _Job:
-    __slots__ = ("bufs", "future")
+    __slots__ = ("bufs", "future", "seq")
 
-    def __init__(self, bufs: list[memoryview], future: asyncio.Future[str | None]) -> None:
+    def __init__(self, bufs: list[memoryview], future: asyncio.Future[str | None], seq: int) -> None:
         self.bufs = bufs
         self.future = future
+        self.seq = seq
 
     def advance(self, n: int) -> bool:
         """Account for ``n`` bytes written; True when all are."""
@@ -219,6 +222,8 @@ class OutStream:
         self.closed = False
         self.seq = 0
         """Sequence number of the last message written (0: none yet)."""
+        self.written = 0
+        """Sequence number of the last message whose bytes are all in the kernel."""
         self._sock = sock
         self._fd = sock.fileno()
         self._jobs: deque[_Job] = deque()
@@ -254,7 +259,7 @@ class OutStream:
             fut.set_result("stream_closed")
             return fut
         head = PREFIX.pack(self.seq, z_before, nbytes, len(header)) + header
-        self._jobs.append(_Job([memoryview(head), *buffers], fut))
+        self._jobs.append(_Job([memoryview(head), *buffers], fut, self.seq))
         if len(self._jobs) == 1:
             self._pump()
         return fut
@@ -277,6 +282,7 @@ class OutStream:
                 self._watch(True)  # the kernel's buffer is full: wait until it has room
                 return
             jobs.popleft()
+            self.written = job.seq
             if not job.future.done():
                 job.future.set_result(None)
         self._watch(False)

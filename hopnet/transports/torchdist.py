@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from hopnet.errors import ConfigError, HopnetError, PeerFailure
-from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport
+from hopnet.transports.base import DISCARD, Receiver, Rounds, Transport, event_hook
 from hopnet.transports.pair_watch import CLOSING, FORGOT, PairWatch, peer_gone
 from hopnet.transports.store_clones import StoreClones
 from hopnet.transports.zmq import ZmqTransport
@@ -548,6 +548,12 @@ class TorchBulkTransport(Transport):
         receiver = self._receiver
         if receiver is not None:
             receiver.peer_lost(failure)
+
+    def record(self, event: str, **fields: Any) -> None:
+        """The control plane's reports (``link_gap``) go to the receiver's event log."""
+        hook = event_hook(self._receiver)
+        if hook is not None:
+            hook(event, **fields)
 
     def deliver(self, msg: Message) -> None:
         receiver = self._receiver

@@ -16,7 +16,22 @@ many frames of which sizes to expect; anything else is dropped and counted.
 Identity: every DEALER's routing id is its rank (ASCII decimal), and the receiver drops
 a message whose header ``src`` differs from the connection's routing id
 (``spoofed_src``). The routing id is chosen by the connecting peer, so this catches
-confused or buggy peers among the run's members, not an attacker.
+confused or buggy peers among the run's members, not an attacker. A peer's new connection
+takes its routing id over from the old one (``ROUTER_HANDOVER``), which may linger half-open
+after a cut link or a dead process.
+
+Numbering (:mod:`hopnet.transports.link_numbers`): every message carries, in its header, the
+epoch of the sender's connection to that peer (random, 64-bit: the ``Peer``'s, which its lane
+tags and stream hellos carry too; new with every transport instance and every reset) and its
+number in it, from 1, in the order of the ``send`` calls across ZeroMQ and the payload stream.
+Express messages are counted on their own (they may overtake). The receiver checks each
+message when it is handled, in order (for a streamed one: before a byte lands in a buffer):
+a number already taken is dropped (``duplicate``), never delivered twice; a number past the
+next one means the messages between were sent but lost (``gap`` counts them, a warning and a
+``link_gap`` record in the receiver's event log name the link and the numbers once), and the
+message is delivered; a new epoch is a new count (what the old connection had queued was
+dropped and counted by the sender, ``send_timeout``). The torch plane's headers go over this
+transport, so its messages are checked too.
 
 Security: given the run's CURVE keys (``curve=``, see :mod:`hopnet.security`), the ROUTER
 is a CURVE server that admits only holders of the run key and every DEALER a CURVE
@@ -60,8 +75,10 @@ Peers that are not up yet: DEALERs connect with ``IMMEDIATE`` off, so messages q
 a send that cannot complete within ``send_timeout`` seconds (the peer has not taken the
 bytes, or the queue is full) is dropped, counted as ``send_timeout`` in
 ``stats.dropped``, the DEALER to that peer is recreated (its queued messages are
-dropped with it, releasing their memory) and :meth:`send` returns. So ``send`` never
-blocks forever; messages to a dead peer are lost, as on any network.
+dropped with it, releasing their memory; the new one is a new epoch) and :meth:`send`
+returns. So ``send`` never blocks forever; messages to a dead peer are lost, as on any
+network. A message cut off mid-way by a broken link is never delivered: a ZeroMQ message
+arrives whole or not at all, and a streamed one is delivered only once all its bytes are in.
 
 The package's modules:
 

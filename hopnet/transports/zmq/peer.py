@@ -1,6 +1,7 @@
 """One peer's connection and what is in flight to it: its DEALER (and express DEALER), its payload
 stream, the counts of messages libzmq still holds, the held ``send_latest`` message, and the lane
-numbers that order its ZeroMQ messages with its streamed ones."""
+numbers that order its ZeroMQ messages with its streamed ones, and the numbers of its messages
+(:mod:`hopnet.transports.link_numbers`)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from hopnet.wire import Message
 class Peer:
     """A connection to one peer, with the state of the sends to it."""
 
-    __slots__ = ("address", "busy", "data", "endpoint", "epoch", "express", "express_raw", "gate", "held", "rank",
-                 "raw", "sending_held", "sock", "stage_waiters", "staged", "stream", "stream_retry_at", "streaming",
-                 "zero_copy", "zseq")
+    __slots__ = ("address", "busy", "data", "endpoint", "epoch", "express", "express_raw", "gate", "held",
+                 "numbered", "rank", "raw", "sending_held", "sock", "stage_waiters", "staged", "stream",
+                 "stream_retry_at", "streaming", "xnumbered", "zero_copy", "zseq")
 
     def __init__(self, rank: int, address: str, sock: zmq.asyncio.Socket, streams: bool) -> None:
         self.rank = rank
@@ -46,6 +47,10 @@ class Peer:
         self.gate: asyncio.Future[None] | None = None  # set while the stream opens: sends wait behind it
         self.epoch = secrets.randbits(64) or 1  # names this connection in lane tags and stream hellos
         self.zseq = 0  # lane sequence number of the last ZeroMQ message sent to a peer with a stream
+        # The last message number given in this epoch, in the order of the sends (both channels:
+        # ZeroMQ and the stream), and that of the express connection, counted on its own.
+        self.numbered = 0
+        self.xnumbered = 0
 
     def tagged(self, header: bytes) -> bytes:
         """The first frame of a ZeroMQ message: with its lane tag if the peer has a stream."""
@@ -55,7 +60,9 @@ class Peer:
         stream = self.stream
         if stream is None:
             return ps.lane_tag(self.epoch, self.zseq, 0, 0) + header
-        return ps.lane_tag(self.epoch, self.zseq, stream.token, stream.seq) + header
+        # After the stream was closed mid-way (send_timeout), its messages that never reached the kernel
+        # will never come: wait only for those that did.
+        return ps.lane_tag(self.epoch, self.zseq, stream.token, stream.written if stream.closed else stream.seq) + header
 
     def open_express(self, sock: zmq.asyncio.Socket) -> None:
         self.express = sock

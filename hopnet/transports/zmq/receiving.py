@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from hopnet.transports import payload_stream as ps
-from hopnet.transports.base import DISCARD
+from hopnet.transports.base import DISCARD, Receiver
 from hopnet.transports.zmq import limits
 from hopnet.transports.zmq.addresses import routing_id
 from hopnet.transports.zmq.frames import buffers_match, byte_view, first_frames, frame_count, new_tensor
@@ -139,6 +139,9 @@ class ZmqReceiving(ZmqState):
                 return
             receiver = self._receiver
             if receiver is not None:
+                seq = header.seq
+                if seq and not self._numbers.take(_key(header, frames), header.epoch, seq):
+                    return
                 stats.received_messages += 1
                 receiver.deliver(Message(header.kind, header.src, header.dst, header.iter,
                                          header.tag, header.meta))
@@ -171,6 +174,8 @@ class ZmqReceiving(ZmqState):
 
         receiver = self._receiver
         if receiver is None:
+            return
+        if header.seq and not self._numbers.take(_key(header, frames), header.epoch, header.seq):
             return
         target = receiver.buffers_for(header)
         if target is DISCARD:
@@ -214,9 +219,22 @@ class ZmqReceiving(ZmqState):
         return rank in self.allowed_senders or (size is not None and 0 <= rank < size and rank != self.rank)
 
     def _stream_targets(self, header: Header) -> ps.Prepared:
+        """Where a streamed message's bytes go. Its number is checked here, before a byte lands in a
+        buffer, and taken once the bytes are all read (:meth:`_stream_received`; a message cut off
+        mid-way is a gap, not a message received), or now if the receiver will not have it (as on
+        ZeroMQ). Nothing else of its sender is handled in between (the inbox keeps the sender's order)."""
         receiver = self._receiver
         if receiver is None:
             return [], "closed"
+        seq = header.seq
+        if seq and not self._numbers.fresh(header.src, header.epoch, seq):
+            return [], "duplicate"
+        tensors, reason = self._receiver_targets(receiver, header)
+        if reason is not None and seq:
+            self._numbers.take(header.src, header.epoch, seq)
+        return tensors, reason
+
+    def _receiver_targets(self, receiver: Receiver, header: Header) -> ps.Prepared:
         try:
             target = receiver.buffers_for(header)
         except Exception:
@@ -235,6 +253,8 @@ class ZmqReceiving(ZmqState):
         receiver = self._receiver
         if receiver is None:
             return
+        if header.seq and not self._numbers.take(header.src, header.epoch, header.seq):
+            return
         self.stats.received_messages += 1
         self.stats.received_bytes += _stream_nbytes(header.specs)
         try:
@@ -243,6 +263,12 @@ class ZmqReceiving(ZmqState):
         except Exception:
             self.stats.drop("internal_error")
             log.debug("rank %d: error delivering a streamed message", self.rank, exc_info=True)
+
+
+def _key(header: Header, frames: list[zmq.Frame]) -> int:
+    """The link a ZeroMQ message came on: its sender's, or its sender's express one (routing id ``x``):
+    :func:`~hopnet.transports.link_numbers.link_key`, inlined (once per message)."""
+    return ~header.src if frames[0].bytes[:1] == b"x" else header.src
 
 
 def _stream_nbytes(specs: tuple[TensorSpec, ...]) -> int:

@@ -43,7 +43,9 @@ class ZmqSending(ZmqStreamSending):
                 raise HopnetError("transport is closed")
             raise HopnetError(f"rank {self.rank} has no connection to rank {msg.dst}; call connect() first")
         if not msg.tensors:
-            header = peer.tagged(encode_header(msg))
+            header = encode_header(msg, peer.epoch, peer.numbered + 1)  # numbered once it encodes
+            peer.numbered += 1
+            header = peer.tagged(header)
             # The hot path for control messages: one non-blocking send, no Futures.
             if not peer.busy:
                 try:
@@ -55,7 +57,7 @@ class ZmqSending(ZmqStreamSending):
                     return
             await self._send_queued(peer, [header], 0)
             return
-        await self._send_tensors(peer, encode_header(msg), msg.tensors)
+        await self._send_tensors(peer, msg)
 
     async def send_express(self, msg: Message) -> None:
         """See :meth:`Transport.send_express`: a control message on a connection of its own
@@ -68,7 +70,8 @@ class ZmqSending(ZmqStreamSending):
         if peer.express is None:
             peer.open_express(self._open_dealer(peer.endpoint, express_routing_id(self.rank)))
         assert peer.express is not None and peer.express_raw is not None
-        header = encode_header(msg)
+        header = encode_header(msg, peer.epoch, peer.xnumbered + 1)
+        peer.xnumbered += 1
         try:
             peer.express_raw.send(header, zmq.NOBLOCK)
         except zmq.Again:  # HWM messages already wait (a peer not up yet): queue behind them
@@ -80,13 +83,18 @@ class ZmqSending(ZmqStreamSending):
                 return
         self.stats.sent_messages += 1
 
-    async def _send_tensors(self, peer: Peer, header: bytes, tensors: list[torch.Tensor]) -> None:
+    async def _send_tensors(self, peer: Peer, msg: Message) -> None:
+        tensors = msg.tensors
         sizes = []
         for t in tensors:
             if t.device.type != "cpu":
                 raise HopnetError(f"ZmqTransport sends CPU tensors only, got one on {t.device}")
             sizes.append(t.numel() * t.element_size())
         total = sum(sizes)
+        # Numbered in the order of the sends: a stream being opened below holds back the sends to
+        # this peer behind it (its gate), and nothing else awaits before the message is queued.
+        header = encode_header(msg, peer.epoch, peer.numbered + 1)
+        peer.numbered += 1
         if total >= ps.MIN_BYTES and peer.data is not None and self.payload_stream:
             if await self._send_streamed(peer, header, tensors, sizes, total):
                 return

@@ -4,6 +4,7 @@ them that sending, receiving and the lifecycle all take."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import zmq
 import zmq.asyncio
@@ -11,11 +12,14 @@ import zmq.asyncio
 from hopnet.errors import ConfigError
 from hopnet.security import CurveKeys, HandshakeWatch, make_curve_client
 from hopnet.transports import payload_stream as ps
-from hopnet.transports.base import Receiver, Transport
+from hopnet.transports.base import EventHook, Receiver, Transport
+from hopnet.transports.link_numbers import LinkNumbers, key_source
 from hopnet.transports.zmq import limits
 from hopnet.transports.zmq.addresses import check_address, routing_id
 from hopnet.transports.zmq.peer import Peer
 from hopnet.transports.zmq.send_memory import BufferPool, SendDone
+
+log = logging.getLogger(__name__)
 
 WaitTimeout = asyncio.TimeoutError  # not the builtin TimeoutError before Python 3.11
 
@@ -28,8 +32,9 @@ class ZmqState(Transport):
                  context: zmq.asyncio.Context | None = None, tune_malloc: bool = True,
                  curve: CurveKeys | None = None, handover: bool = False,
                  payload_stream: bool | None = None) -> None:
-        """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``): a
-        connection presenting a connected peer's routing id then takes over from the old one.
+        """``handover``: a peer may come back as a new process (``hopnet launch --max-restarts``).
+        Kept for callers: a connection presenting a connected peer's routing id now always takes
+        over from the old one (a sender's reset connection must get through too).
         ``payload_stream``: send the tensors of large messages over a TCP stream of their own
         (:mod:`hopnet.transports.payload_stream`); ``None`` (default) means on unless
         ``HOPNET_ZMQ_PAYLOAD_STREAM=0``. Always off with ``curve`` keys and ``ipc://`` addresses."""
@@ -54,7 +59,6 @@ class ZmqState(Transport):
         self._stage_pool = BufferPool(limits.STAGE_POOL_BYTES)
         self._closed = False
         self._curve = curve
-        self._handover = handover
         self._handshakes: HandshakeWatch | None = None
         self._handshakes_fd: int | None = None
         self.address: str | None = None
@@ -63,6 +67,27 @@ class ZmqState(Transport):
         self.streamed_messages = 0
         """Messages sent with their tensors over a payload stream (also in ``stats.sent_messages``)."""
         self._inbox: ps.StreamInbox | None = None
+        self._numbers = LinkNumbers(self.stats, self._gap_found)
+        self._record: EventHook | None = None  # the receiver's event log, for link_gap records
+
+    def _gap_found(self, key: int, epoch: int, first: int, last: int) -> None:
+        """Messages ``first..last`` of a sender's link never came (:mod:`hopnet.transports.link_numbers`):
+        one warning, and a ``link_gap`` record in the receiver's event log."""
+        src, express = key_source(key)
+        missed = last - first + 1
+        numbers = str(first) if first == last else f"{first}-{last}"
+        log.warning("rank %d: %s %s from rank %d never arrived (link %d->%d%s, connection %016x): %d lost",
+                    self.rank, "message" if missed == 1 else "messages", numbers, src, src, self.rank,
+                    ", express" if express else "", epoch, missed)
+        record = self._record
+        if record is not None:
+            fields: dict[str, object] = {"peer": src, "first": first, "last": last, "missed": missed}
+            if express:
+                fields["express"] = True
+            try:
+                record("link_gap", **fields)
+            except Exception:  # a report must not break the receive path
+                log.debug("rank %d: link_gap record failed", self.rank, exc_info=True)
 
     def _open_peer(self, rank: int, address: str) -> Peer:
         return Peer(rank, address, self._open_dealer(ps.split_address(address)[0], routing_id(self.rank)),

@@ -13,7 +13,7 @@ import zmq.asyncio
 from hopnet.errors import HopnetError
 from hopnet.security import HandshakeWatch, is_loopback, make_curve_server
 from hopnet.transports import payload_stream as ps
-from hopnet.transports.base import Receiver
+from hopnet.transports.base import Receiver, event_hook
 from hopnet.transports.zmq import limits
 from hopnet.transports.zmq.addresses import check_address
 from hopnet.transports.zmq.malloc import tune_malloc
@@ -44,10 +44,13 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)  # type: ignore[arg-type, assignment]
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, limits.RCVHWM)
-        # ROUTER_HANDOVER stays off unless peers may be replaced: a second connection presenting
-        # a connected peer's routing id is ignored rather than allowed to cut off the real peer's
-        # pipe. A replacement must get through even while its dead predecessor's pipe lingers.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if self._handover else 0)
+        # ROUTER_HANDOVER: a peer's new connection takes over its routing id from the old one, which
+        # may linger half-open: its process died (a replacement, --max-restarts), or its DEALER was
+        # reset after send_timeout while the link was cut and the close never reached this host
+        # (without handover, every later message of that peer was ignored, seen in
+        # tests/test_large_transfer_cut.py). The cost: a confused member presenting another's
+        # routing id cuts off the real one's pipe (which reconnects), rather than being ignored.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_FRAME_BYTES)  # a peer sending more is disconnected
         if self._curve is not None:
             make_curve_server(sock, self._curve)
@@ -65,6 +68,7 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
             raise HopnetError(f"rank {self.rank} cannot bind {self.bind}: {exc}") from None
         self._router = sock
         self._receiver = receiver
+        self._record = event_hook(receiver)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.payload_stream and self.address.startswith("tcp://"):
             self._open_inbox()
@@ -133,6 +137,7 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
             self._router.close(0)
             self._router = None
         self._receiver = None
+        self._record = None
         if self._own_context and self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             # term() waits for the lingering sockets (at most LINGER_MS): keep the loop free.
