@@ -10,10 +10,12 @@ connections): what the survivors do, they do on their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +27,9 @@ from hopnet.analysis import load_run
 from hopnet.rendezvous.store import host_store
 
 from support.cluster import Cluster
-from support.launch import recorded_worker_pids, start_launch, worker_pids
-from support.paths import WORKERS
+from support.env import clean_env
+from support.launch import LAUNCH, recorded_worker_pids, start_launch, worker_pids
+from support.paths import ROOT as REPO, WORKERS
 from support.records import records
 from support.wait import wait_until
 
@@ -106,3 +109,58 @@ def test_a_stopped_worker_on_the_torch_plane_is_named_by_its_neighbours_and_the_
         assert dead["mono"] - stopped <= NAMED_WITHIN_S, dead
         (error,) = [r for r in load_run(run_dir)[rank] if r["event"] == "error"]
         assert "peer 1 went silent" in error["message"], error
+
+
+def test_a_link_cut_for_good_is_named_by_the_ranks_at_its_ends_within_the_peer_timeout(tmp_path: Path) -> None:
+    """Two emulated hosts joined by the user-space forwarder (bench/netem/forwarder.py), 2 workers
+    each on ring:4, Hop over `--bulk torch`; the link is then cut both ways for good. No packet
+    crosses, no reset comes: each rank whose neighbour is across the cut declares it dead from its
+    silence, within --peer-timeout + 2 s (gloo alone would wait --timeout). How the launchers end
+    after a partition is not this test's business: both are killed once the records are in."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from netem.forwarder import Faults, ForwardedLink, unavailable_reason
+
+    why_not = unavailable_reason()
+    if why_not is not None:
+        pytest.skip(f"no emulated hosts: {why_not}")
+    across = {0: 3, 1: 2, 2: 1, 3: 0}  # ring:4, ranks 0 and 1 on host a, 2 and 3 on host b
+    run_dirs = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    with ForwardedLink(seed=5) as link:
+        procs = []
+        try:
+            for node, host in enumerate(("a", "b")):
+                argv = [*LAUNCH, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                        f"{link.addresses['a']}:29831", "--bind", link.addresses[host], "--insecure", "--graph", "ring:4",
+                        "--bulk", "torch", "--peer-timeout", str(PEER_TIMEOUT_S), "--timeout", str(TIMEOUT_S),
+                        "--no-progress", "--run-dir", str(run_dirs[host]), str(WORKERS / "hop_worker.py"),
+                        "--dim", "1000", "--compute-ms", "5", "--iterations", "1000000"]
+                with open(tmp_path / f"launch-{host}.txt", "wb") as out:
+                    procs.append(subprocess.Popen(link.command(host, argv), env=clean_env(PYTHONUNBUFFERED="1"),
+                                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            home = {0: "a", 1: "a", 2: "b", 3: "b"}
+            wait_until(lambda: all(any(r.get("iter", -1) >= 5 for r in records(run_dirs[home[rank]], rank, "enter"))
+                                   for rank in range(4)),
+                       120, interval=0.2, what="ranks 0-3 to enter iteration 5", while_running=procs)
+            link.set_faults(a_to_b=Faults(cut=True), b_to_a=Faults(cut=True))
+            cut = time.monotonic()
+
+            def declared() -> dict[int, dict]:
+                found = {}
+                for rank, peer in across.items():
+                    dead = [r for r in records(run_dirs[home[rank]], rank, "peer_dead") if r["peer"] == peer]
+                    if dead:
+                        found[rank] = dead[0]
+                return found if len(found) == 4 else {}
+
+            found = wait_until(declared, NAMED_WITHIN_S + 10, interval=0.2,
+                               what="each rank at the cut to declare its neighbour across it dead")
+        finally:
+            workers = [pid for run_dir in run_dirs.values() for pid in recorded_worker_pids(run_dir).values()]
+            for pid in [proc.pid for proc in procs] + workers:  # each worker leads a process group of its own
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            for proc in procs:
+                proc.wait()
+    for rank, dead in found.items():
+        assert "cause" not in dead and dead["silent_s"] >= PEER_TIMEOUT_S, (rank, dead)
+        assert dead["mono"] - cut <= NAMED_WITHIN_S, (rank, dead)

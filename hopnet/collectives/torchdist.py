@@ -159,8 +159,7 @@ class TorchCollective(Collective):
         error = await done
         if error is not None:
             if isinstance(error, PeerFailure) and error.peer_state == "dead":
-                self._broken[key] = error
-                raise self._failure(error, members, tag)
+                raise self._broken_by(error, key, tag)
             if isinstance(error, HopnetError):
                 raise error
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
@@ -239,17 +238,22 @@ class TorchCollective(Collective):
         dead = {m: node.dead.get(m) for m in members if m != self.rank and m in node.dead}
         if not dead:
             return None
-        causes = getattr(node, "death_causes", {})
-        first = min(dead)
+        causes = node.death_causes
         said = [f"rank {m} " + (f"was lost ({causes[m]})" if m in causes else f"went silent for {s or 0.0:.1f}s")
                 for m, s in sorted(dead.items())]
-        return PeerFailure(" and ".join(said), peer=first, peer_state="dead")
+        return PeerFailure(" and ".join(said), peer=min(dead), peer_state="dead")
 
     def _gives_up(self, members: Sequence[int]) -> GiveUp:
         return functools.partial(self.silent_member, members)
 
     def _wait_reduce(self, members: tuple[int, ...], work: Any, device: torch.device, timeout_s: float) -> None:
         wait_collective(work, device, timeout_s, self._gives_up(members))
+
+    def _broken_by(self, silent: PeerFailure, key: tuple[str, tuple[int, ...]], tag: str) -> PeerFailure:
+        """A member of ``key``'s group went silent (``silent``) while all-reduce ``tag`` waited: the
+        op is left behind in the group, which is broken for good. The failure to raise."""
+        self._broken[key] = silent
+        return self._failure(silent, key[1], tag)
 
     def _failure(self, silent: PeerFailure, members: Sequence[int], tag: str) -> PeerFailure:
         """``silent`` (from :meth:`silent_member`) as the failure of all-reduce ``tag``."""
@@ -406,8 +410,7 @@ class _IssuedReduce:
         members = list(self.members)
         if isinstance(error, PeerFailure) and error.peer_state == "dead":
             key = (self.collective.backend or backend_for(self.tensor.device), self.members)
-            self.collective._broken[key] = error
-            raise self.collective._failure(error, self.members, self.tag) from None
+            raise self.collective._broken_by(error, key, self.tag) from None
         if isinstance(error, TimeoutError):
             raise WaitTimeout(f"all-reduce {self.tag!r} of group {members}", waited_s=self.collective.timeout_s,
                               peer_state="stalled") from None
