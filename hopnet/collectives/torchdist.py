@@ -34,9 +34,10 @@ timeout (``--timeout``) and fails naming the group.
 A member that goes silent. gloo's and NCCL's own timeouts stay at ``--timeout``: an op's timeout
 cannot tell a slow member (a straggler still computing, a large reduce on a slow link) from a
 dead one. The node's heartbeats can (``node``: its ``dead``, neighbours silent for
-``--peer-timeout`` and ranks the coordinator declared dead): the waits for a reduce and for the
-store go in slices of 0.25 s, and after each one a wait whose group has a member declared dead
-ends with a :class:`~hopnet.errors.PeerFailure` naming the group and that member. The op is left
+``--peer-timeout`` and ranks the coordinator declared dead): the waits for a reduce go in slices
+of 0.25 s (a call waiting for its thread, which may wait for the store, looks as often), and
+after each one a wait whose group has a member declared dead ends with a
+:class:`~hopnet.errors.PeerFailure` naming the group and that member. The op is left
 behind (neither backend can cancel one): the group is broken, later calls on it fail the same
 way, and its communicator is aborted (NCCL) or dropped (gloo) at close.
 """
@@ -46,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,7 +70,7 @@ in every protocol of this project and the most frequent of Prague's rotating one
 
 STORE_PREFIX = "hopnet/coll"
 WAIT_SLICE_S = 0.25
-"""How often a wait on a group asks whether a member was declared dead."""
+"""How often a call waiting for its thread asks whether a member was declared dead."""
 
 
 class TorchCollective(Collective):
@@ -125,8 +125,10 @@ class TorchCollective(Collective):
         if len(members) == 1:
             return tensor
         key = (self.backend or backend_for(tensor.device), members)
-        while key in self._deciding:  # the group's first call still meets the others, or reduces
-            await asyncio.shield(self._deciding[key])
+        # The group's first call still meets the others, or reduces. (Once it is done, its callback
+        # may not have run yet: a done future is awaited without yielding.)
+        while (deciding := self._deciding.get(key)) is not None and not deciding.done():
+            await asyncio.shield(deciding)
         if key in self._broken:
             raise self._failure(self._broken[key], members, tag)
         pg = self._cached.get(key) if self._decided.get(key) else None
@@ -154,9 +156,9 @@ class TorchCollective(Collective):
             # a call issued on the cached group while this one's thread still issues its own could go
             # first on one rank and second on another, and gloo would pair them wrongly.
             self._deciding[key] = done
-            done.add_done_callback(lambda _: self._deciding.pop(key, None))
+            done.add_done_callback(lambda ended: self._deciding.pop(key) if self._deciding.get(key) is ended else None)
         threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
-        error = await done
+        error = await self._settled(done, members)
         if error is not None:
             if isinstance(error, PeerFailure) and error.peer_state == "dead":
                 raise self._broken_by(error, key, tag)
@@ -185,7 +187,8 @@ class TorchCollective(Collective):
         members = tuple(group)
         key = (self.backend or backend_for(device), members)
         pg = self._cached.get(key) if self._decided.get(key) else None
-        if pg is None or self._closed or key in self._deciding or key in self._broken:
+        deciding = self._deciding.get(key)
+        if pg is None or self._closed or (deciding is not None and not deciding.done()) or key in self._broken:
             return None
 
         def issue(tensor: torch.Tensor, tag: str) -> PendingReduce:
@@ -243,6 +246,22 @@ class TorchCollective(Collective):
                 for m, s in sorted(dead.items())]
         return PeerFailure(" and ".join(said), peer=min(dead), peer_state="dead")
 
+    async def _settled(self, done: asyncio.Future[BaseException | None],
+                       members: tuple[int, ...]) -> BaseException | None:
+        """What a call's thread settled ``done`` with; or, should a member be declared dead first
+        (the thread may be waiting for the store, where the members meet), that failure: ``done``
+        is settled with it, so that calls of the group waiting behind this one go on, and the
+        thread is left to its timeout. (Not slices of the store's wait: each timed-out wait logs
+        two warnings of c10d's.)"""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), WAIT_SLICE_S)
+            except TimeoutError:
+                silent = self.silent_member(members)
+                if silent is not None:
+                    settle(done)(silent)
+                    return done.result()
+
     def _gives_up(self, members: Sequence[int]) -> GiveUp:
         return functools.partial(self.silent_member, members)
 
@@ -259,21 +278,6 @@ class TorchCollective(Collective):
         """``silent`` (from :meth:`silent_member`) as the failure of all-reduce ``tag``."""
         return PeerFailure(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)}: {silent}",
                            peer=silent.peer, peer_state="dead")
-
-    def _wait_store(self, store: dist.Store, keys: list[str], members: tuple[int, ...]) -> None:
-        """``store.wait(keys)`` within the timeout, in slices, giving up on a member declared dead."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                store.wait(keys, timedelta(seconds=max(min(left, WAIT_SLICE_S), 0.001)))
-                return
-            except Exception:
-                if left <= WAIT_SLICE_S:
-                    raise
-            silent = self.silent_member(members)
-            if silent is not None:
-                raise silent
 
     # ------------------------------------------------------------------ in the call's thread
     def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
@@ -306,7 +310,7 @@ class TorchCollective(Collective):
                 # A member may still be reading our last bytes: close only once all are done.
                 done_keys = [f"{prefix}/done{i}" for i in range(len(members))]
                 store.set(done_keys[index], "1")
-                self._wait_store(store, done_keys, members)
+                store.wait(done_keys, timedelta(seconds=self.timeout_s))
             finally:
                 release_group(pg, abandoned=abandoned)
             with self._lock:
@@ -325,13 +329,11 @@ class TorchCollective(Collective):
         try:
             store.set(vote_keys[index], "1" if room else "0")
             # multi_get alone would block for the store's own timeout, not this collective's
-            self._wait_store(store, vote_keys, members)
+            store.wait(vote_keys, timedelta(seconds=self.timeout_s))
             votes = store.multi_get(vote_keys)
         except Exception as exc:
             with self._lock:
                 self._reserved -= int(room)
-            if isinstance(exc, PeerFailure):
-                raise
             missing = [m for m, k in zip(members, vote_keys) if not self._has(k)]
             raise WaitTimeout(f"group {list(members)} to meet for all-reduce {tag!r} "
                               f"(missing ranks {missing}): {one_line(exc)}", waited_s=self.timeout_s,
