@@ -24,11 +24,11 @@ measures, for each of its two neighbours:
     python bench/dead_peers.py --mode launcher --trials 6        # 6 per protocol and signal, ~8 min on 2 cores
     python bench/dead_peers.py --mode peers --runs 5             # ~4 min on 2 cores
     python bench/dead_peers.py --mode peers --runs 2 --peer-timeout 2
-    python bench/dead_peers.py --mode peers --runs 3 --bulk torch --timeout 20   # the torch plane: no heartbeats
+    python bench/dead_peers.py --mode peers --runs 2 --bulk torch --peer-timeout 3 --timeout 20   # the torch plane
 
 With ``--bulk torch`` the workers move their updates over gloo (a store is hosted for them);
-that plane runs no heartbeats, so a stopped worker is found only when a wait or a send to it
-times out (``--timeout``): ``detect_s`` is blank for a neighbour that never declared it dead.
+their heartbeats go over ZeroMQ as on the other plane. ``detect_s`` is blank for a neighbour
+that never declared the victim dead (its wait timed out first, naming it stalled).
 """
 
 from __future__ import annotations

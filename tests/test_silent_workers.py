@@ -98,9 +98,9 @@ def test_a_stopped_worker_is_killed_and_a_tolerant_run_finishes(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_a_stopped_worker_on_the_torch_plane_is_lost_and_a_tolerant_run_finishes(tmp_path: Path) -> None:
-    """The same on --bulk torch, whose workers run no heartbeats: the launcher kills the stopped
-    worker, and its neighbours learn of it from its pair connections closing, also one that only
-    waited for it (blocked on its tokens, receiving nothing), which used to wait out --timeout."""
+    """The same on --bulk torch: the launcher kills the stopped worker, and its neighbours declare it
+    dead (by their heartbeats, or from its pair connections closing), also one that only waited
+    for it (blocked on its tokens, receiving nothing), which used to wait out --timeout."""
     run_dir = tmp_path / "run"
     victim = 2
     proc, _, err = _stop_in_a_tolerant_hop_run(run_dir, victim, "--bulk", "torch", "--timeout", "60")

@@ -162,6 +162,73 @@ async def test_what_a_forgotten_peer_sent_is_not_held_for_ever(store_endpoint) -
         await b.close()
 
 
+async def test_a_beat_is_delivered_at_once_even_behind_a_payload_not_taken_in(store_endpoint) -> None:
+    """Beats go over ZeroMQ's express connection and are signs of life, not messages to keep in
+    order: one sent after an update the receiver holds arrives at once (a token waits behind the
+    update), so a peer whose large payload is still on its way is not taken for silent."""
+    (a, b), (_ra, rb) = await _pair(store_endpoint)
+    try:
+        rb.holding = lambda header: True
+        send = asyncio.ensure_future(a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1000)])))
+        await asyncio.sleep(0.3)  # its header is out
+        await a.send(Message("token", 0, 1, 99, meta={"c": 1}))
+        await a.send_express(Message("beat", 0, 1, 0))
+        got = await rb.get()
+        assert got.kind == "beat" and rb.queue.empty()  # the token still waits behind the held update
+        rb.holding = lambda header: False
+        b.take_in_held()
+        assert [(await rb.get()).iter for _ in range(2)] == [0, 99]
+        await send
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_send_to_a_peer_declared_dead_ends_at_once_and_close_does_not_wait_for_it(store_endpoint) -> None:
+    """The receiver never takes the payload in (as a stopped process would not): the sender's send
+    waits inside gloo. Once the sender writes the peer off (its heartbeats declared it dead: no
+    bye), the send ends at once, dropped as to a peer that left, and close does not wait for the
+    thread still inside gloo's wait (--timeout is 30 s here)."""
+    (a, b), (_ra, rb) = await _pair(store_endpoint)
+    try:
+        rb.holding = lambda header: True
+        send = asyncio.ensure_future(a.send(Message("update", 0, 1, 0, tensors=[torch.ones(1000)])))
+        await asyncio.sleep(0.3)
+        assert not send.done()
+        started = time.monotonic()
+        a.forget_peer(1)
+        await asyncio.wait_for(send, 2.0)
+        assert a.stats.dropped["peer_left"] == 1
+        await asyncio.wait_for(a.close(), 2.0)
+        assert time.monotonic() - started < TIMEOUT / 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_peer_that_beats_but_owes_an_update_is_stalled_not_dead_on_the_torch_plane(store_endpoint) -> None:
+    """The torch plane runs heartbeats too: rank 1 never steps, for longer than the peer timeout, yet
+    its node still beats, so rank 0's wait runs into --timeout and names rank 1 stalled, not dead."""
+    from hopnet import Graph, ProtocolConfig, WaitTimeout
+
+    from support.cluster import start_workers, train
+
+    def torch_plane(rank: int, graph: Graph) -> TorchBulkTransport:
+        control = ZmqTransport(rank, frozenset(graph.peers(rank)))
+        return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
+
+    config = ProtocolConfig(timeout_s=2.0, peer_timeout_s=0.5)
+    workers = await start_workers(Graph.ring(2), config, transport_for=torch_plane)
+    workers[1].plan(5)  # it starts its loop (its update of iteration 0 goes out), then never steps
+    try:
+        with pytest.raises(WaitTimeout) as info:
+            await train(workers[0], 5)
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+    assert (info.value.peer, info.value.peer_state) == (1, "stalled")
+    assert workers[0].node.dead == {}
+
+
 async def test_small_messages_stay_on_zeromq_below_min_bytes(store_endpoint) -> None:
     (a, b), (_ra, rb) = await _pair(store_endpoint, min_bytes=4096)
     try:
@@ -293,7 +360,9 @@ async def test_a_peer_that_vanishes_is_declared_dead_on_the_torch_plane_too(stor
         control = ZmqTransport(rank, frozenset(graph.peers(rank)))
         return TorchBulkTransport(control, connect_store(store_endpoint, 10), timeout_s=TIMEOUT)
 
-    config = ProtocolConfig(timeout_s=TIMEOUT, peer_timeout_s=0.3)
+    # The heartbeats (the torch plane runs them too) would declare it silent after --peer-timeout:
+    # longer than the transport's 2 s grace for a bye here, so it is the transport that finds it gone.
+    config = ProtocolConfig(timeout_s=TIMEOUT, peer_timeout_s=10.0)
     workers = await start_workers(Graph.ring(2), config, transport_for=torch_plane)
     error, took = await failure_after_a_peer_vanishes(workers)
     assert took < TIMEOUT / 2

@@ -150,3 +150,69 @@ def test_blocking_calls_reduce_in_the_callers_thread_once_the_group_is_cached() 
         for coll in colls:
             asyncio.run(coll.close())
         hosted.close()
+
+
+class _Peers:
+    """What a collective reads of its node: the peers declared dead (and what the transport said)."""
+
+    def __init__(self) -> None:
+        self.dead: dict[int, float] = {}
+        self.death_causes: dict[int, str] = {}
+
+
+async def test_a_call_waiting_for_a_member_declared_dead_fails_naming_the_group_and_it() -> None:
+    """Rank 2 never comes to the group's first call (the members meet through the store): once the
+    node declares it dead (its heartbeats, --peer-timeout), the call fails at once naming the group and
+    rank 2, not after the collective's 60 s timeout; a later call on the group fails the same way."""
+    import asyncio
+    import time
+
+    from hopnet.errors import PeerFailure
+
+    hosted = host_store("127.0.0.1")
+    peers = _Peers()
+    try:
+        coll = TorchCollective(0, 3, connect_store(hosted.endpoint, 10), timeout_s=60.0, node=peers)  # type: ignore[arg-type]
+        asyncio.get_running_loop().call_later(0.3, peers.dead.__setitem__, 2, 3.1)
+        started = time.monotonic()
+        with pytest.raises(PeerFailure, match=r"all-reduce 'lonely' of group \[0, 2\]: rank 2 went silent for 3.1s") as info:
+            await coll.allreduce([0, 2], torch.ones(8), tag="lonely")
+        assert time.monotonic() - started < 10.0
+        assert (info.value.peer, info.value.peer_state) == (2, "dead")
+        with pytest.raises(PeerFailure, match=r"all-reduce 'again' of group \[0, 2\]: rank 2 went silent"):
+            await coll.allreduce([0, 2], torch.ones(8), tag="again")
+        await coll.close()
+    finally:
+        hosted.close()
+
+
+def test_a_blocking_reduce_whose_member_is_declared_dead_ends_inside_gloo() -> None:
+    """The group is cached; rank 1 stops calling. Rank 0's blocking call waits inside gloo, in slices,
+    and fails naming rank 1 as soon as its node declares rank 1 dead (the timeout is 60 s). Then the
+    process is still free to close the collective (the group's op is left behind, its group kept)."""
+    import asyncio
+    import threading
+    import time
+
+    from hopnet.errors import PeerFailure
+
+    hosted = host_store("127.0.0.1")
+    peers = [_Peers(), _Peers()]
+    colls = [TorchCollective(r, 2, connect_store(hosted.endpoint, 10), timeout_s=60.0, node=peers[r])  # type: ignore[arg-type]
+             for r in range(2)]
+    try:
+        threads = [threading.Thread(target=lambda r=r: asyncio.run(colls[r].allreduce([0, 1], torch.ones(4), tag="c")))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        threading.Timer(0.3, peers[0].dead.__setitem__, (1, 2.5)).start()
+        started = time.monotonic()
+        with pytest.raises(PeerFailure, match=r"all-reduce 'alone' of group \[0, 1\]: rank 1 went silent for 2.5s"):
+            colls[0].allreduce_blocking([0, 1], torch.ones(4), tag="alone")
+        assert time.monotonic() - started < 10.0
+    finally:
+        for coll in colls:
+            asyncio.run(coll.close())
+        hosted.close()

@@ -94,7 +94,7 @@ def collective_factory(*, rank: int, world_size: int, bulk: str, device: torch.d
         from hopnet.rendezvous.store import connect_store
 
         return TorchCollective(rank, world_size, connect_store(store_endpoint, timeout_s),
-                               timeout_s=timeout_s, host=bind_host)
+                               timeout_s=timeout_s, host=bind_host, node=node)
 
     return build
 

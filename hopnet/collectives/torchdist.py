@@ -29,12 +29,23 @@ blocks anyway (:meth:`TorchCollective.allreduce_blocking`, used by
 hooks of :mod:`hopnet.protocols.overlap`) issues and waits in its own thread instead; any other call (the first of a
 group, or an uncached one, which talk to the store and construct process groups) runs
 in a thread of its own. Every wait (store, construction, reduce) has the collective's
-timeout and fails naming the group.
+timeout (``--timeout``) and fails naming the group.
+
+A member that goes silent. gloo's and NCCL's own timeouts stay at ``--timeout``: an op's timeout
+cannot tell a slow member (a straggler still computing, a large reduce on a slow link) from a
+dead one. The node's heartbeats can (``node``: its ``dead``, neighbours silent for
+``--peer-timeout`` and ranks the coordinator declared dead): the waits for a reduce go in slices
+of 0.25 s (a call waiting for its thread, which may wait for the store, looks as often), and
+after each one a wait whose group has a member declared dead ends with a
+:class:`~hopnet.errors.PeerFailure` naming the group and that member. The op is left
+behind (neither backend can cancel one): the group is broken, later calls on it fail the same
+way, and its communicator is aborted (NCCL) or dropped (gloo) at close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -46,10 +57,11 @@ import torch
 import torch.distributed as dist
 
 from hopnet.collectives.base import REDUCE_OPS, Collective, IssueFn, PendingReduce, ReduceOp, check_group
-from hopnet.errors import ConfigError, HopnetError, WaitTimeout
+from hopnet.errors import ConfigError, HopnetError, PeerFailure, WaitTimeout
+from hopnet.runtime.services import NodeServices
 from hopnet.transports.store_clones import StoreClones
-from hopnet.transports.torchdist import (OpWaiter, backend_for, build_group, one_line, release_group, settle,
-                                         wait_collective, wait_work)
+from hopnet.transports.torchdist import (GiveUp, OpWaiter, backend_for, build_group, one_line, release_group,
+                                         settle, wait_collective)
 
 DEFAULT_MAX_CACHED = 16
 """Communicators kept per process. NCCL's cost per communicator (device buffers, a
@@ -57,6 +69,8 @@ proxy thread) makes a few dozen the practical ceiling; 16 covers a rank's fixed 
 in every protocol of this project and the most frequent of Prague's rotating ones."""
 
 STORE_PREFIX = "hopnet/coll"
+WAIT_SLICE_S = 0.25
+"""How often a call waiting for its thread asks whether a member was declared dead."""
 
 
 class TorchCollective(Collective):
@@ -64,7 +78,9 @@ class TorchCollective(Collective):
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, *, timeout_s: float = 120.0,
                  max_cached: int = DEFAULT_MAX_CACHED, host: str = "127.0.0.1",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, node: NodeServices | None = None) -> None:
+        """``node``: whose ``dead`` peers end the waits on a group they are members of (None: only
+        ``timeout_s`` does)."""
         if max_cached < 1:
             raise ConfigError(f"max_cached must be >= 1 (got {max_cached})")
         if timeout_s <= 0:
@@ -77,6 +93,8 @@ class TorchCollective(Collective):
         self.max_cached = max_cached
         self.host = host
         self.backend = backend  # None: by each tensor's device
+        self.node = node
+        self._broken: dict[tuple[str, tuple[int, ...]], PeerFailure] = {}  # groups a silent member left an op in
         self.built = 0  # communicators constructed so far
         self.uncached_calls = 0  # calls that formed a communicator for themselves alone
         self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -107,8 +125,12 @@ class TorchCollective(Collective):
         if len(members) == 1:
             return tensor
         key = (self.backend or backend_for(tensor.device), members)
-        while key in self._deciding:  # the group's first call still meets the others, or reduces
-            await asyncio.shield(self._deciding[key])
+        # The group's first call still meets the others, or reduces. (Once it is done, its callback
+        # may not have run yet: a done future is awaited without yielding.)
+        while (deciding := self._deciding.get(key)) is not None and not deciding.done():
+            await asyncio.shield(deciding)
+        if key in self._broken:
+            raise self._failure(self._broken[key], members, tag)
         pg = self._cached.get(key) if self._decided.get(key) else None
         if pg is not None:
             return await self._reduce_cached(key, pg, tensor, op, tag)
@@ -134,10 +156,12 @@ class TorchCollective(Collective):
             # a call issued on the cached group while this one's thread still issues its own could go
             # first on one rank and second on another, and gloo would pair them wrongly.
             self._deciding[key] = done
-            done.add_done_callback(lambda _: self._deciding.pop(key, None))
+            done.add_done_callback(lambda ended: self._deciding.pop(key) if self._deciding.get(key) is ended else None)
         threading.Thread(target=run, name=f"hopnet-allreduce-{self.rank}", daemon=True).start()
-        error = await done
+        error = await self._settled(done, members)
         if error is not None:
+            if isinstance(error, PeerFailure) and error.peer_state == "dead":
+                raise self._broken_by(error, key, tag)
             if isinstance(error, HopnetError):
                 raise error
             raise HopnetError(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)} failed: "
@@ -163,7 +187,8 @@ class TorchCollective(Collective):
         members = tuple(group)
         key = (self.backend or backend_for(device), members)
         pg = self._cached.get(key) if self._decided.get(key) else None
-        if pg is None or self._closed or key in self._deciding:
+        deciding = self._deciding.get(key)
+        if pg is None or self._closed or (deciding is not None and not deciding.done()) or key in self._broken:
             return None
 
         def issue(tensor: torch.Tensor, tag: str) -> PendingReduce:
@@ -202,9 +227,57 @@ class TorchCollective(Collective):
         waiter = self._waiters.get(key)
         if waiter is None:
             waiter = self._waiters[key] = OpWaiter(f"hopnet-allreduce-{self.rank}-{'-'.join(map(str, members))}",
-                                                  loop, self.timeout_s)
+                                                  loop, self.timeout_s, functools.partial(self._wait_reduce, members))
         waiter.add([issued.work], tensor.device, settle(done))
         return issued.finish(await done)
+
+    # ------------------------------------------------------------------ members gone silent
+    def silent_member(self, members: Sequence[int]) -> PeerFailure | None:
+        """A failure naming the members of ``members`` the node declared dead, or None. Asked
+        between slices of a wait, from any thread (it only reads the node's ``dead``)."""
+        node = self.node
+        if node is None:
+            return None
+        dead = {m: node.dead.get(m) for m in members if m != self.rank and m in node.dead}
+        if not dead:
+            return None
+        causes = node.death_causes
+        said = [f"rank {m} " + (f"was lost ({causes[m]})" if m in causes else f"went silent for {s or 0.0:.1f}s")
+                for m, s in sorted(dead.items())]
+        return PeerFailure(" and ".join(said), peer=min(dead), peer_state="dead")
+
+    async def _settled(self, done: asyncio.Future[BaseException | None],
+                       members: tuple[int, ...]) -> BaseException | None:
+        """What a call's thread settled ``done`` with; or, should a member be declared dead first
+        (the thread may be waiting for the store, where the members meet), that failure: ``done``
+        is settled with it, so that calls of the group waiting behind this one go on, and the
+        thread is left to its timeout. (Not slices of the store's wait: each timed-out wait logs
+        two warnings of c10d's.)"""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), WAIT_SLICE_S)
+            except TimeoutError:
+                silent = self.silent_member(members)
+                if silent is not None:
+                    settle(done)(silent)
+                    return done.result()
+
+    def _gives_up(self, members: Sequence[int]) -> GiveUp:
+        return functools.partial(self.silent_member, members)
+
+    def _wait_reduce(self, members: tuple[int, ...], work: Any, device: torch.device, timeout_s: float) -> None:
+        wait_collective(work, device, timeout_s, self._gives_up(members))
+
+    def _broken_by(self, silent: PeerFailure, key: tuple[str, tuple[int, ...]], tag: str) -> PeerFailure:
+        """A member of ``key``'s group went silent (``silent``) while all-reduce ``tag`` waited: the
+        op is left behind in the group, which is broken for good. The failure to raise."""
+        self._broken[key] = silent
+        return self._failure(silent, key[1], tag)
+
+    def _failure(self, silent: PeerFailure, members: Sequence[int], tag: str) -> PeerFailure:
+        """``silent`` (from :meth:`silent_member`) as the failure of all-reduce ``tag``."""
+        return PeerFailure(f"rank {self.rank}: all-reduce {tag!r} of group {list(members)}: {silent}",
+                           peer=silent.peer, peer_state="dead")
 
     # ------------------------------------------------------------------ in the call's thread
     def _reduce(self, members: tuple[int, ...], tensor: torch.Tensor, op: str, tag: str, call: int) -> None:
@@ -230,14 +303,16 @@ class TorchCollective(Collective):
         else:
             prefix = f"{base}/once/{tag}/{call}"
             pg = self._form(store, key[0], prefix, index, members, tag)
+            abandoned = True  # unless the reduce ends: a member went silent, or the wait timed out
             try:
                 self._run(pg, tensor, members, tag)
+                abandoned = False
                 # A member may still be reading our last bytes: close only once all are done.
                 done_keys = [f"{prefix}/done{i}" for i in range(len(members))]
                 store.set(done_keys[index], "1")
                 store.wait(done_keys, timedelta(seconds=self.timeout_s))
             finally:
-                release_group(pg)
+                release_group(pg, abandoned=abandoned)
             with self._lock:
                 self.uncached_calls += 1
         if op == "mean":
@@ -284,7 +359,7 @@ class TorchCollective(Collective):
 
     def _run(self, pg: Any, tensor: torch.Tensor, members: tuple[int, ...], tag: str) -> None:
         try:
-            wait_work(pg.allreduce([tensor]), tensor.device, self.timeout_s)
+            wait_collective(pg.allreduce([tensor]), tensor.device, self.timeout_s, self._gives_up(members))
         except TimeoutError:
             raise WaitTimeout(f"all-reduce {tag!r} of group {list(members)}", waited_s=self.timeout_s,
                               peer_state="stalled") from None
@@ -305,9 +380,9 @@ class TorchCollective(Collective):
             await loop.run_in_executor(None, waiter.join, 5.0)
         self._waiters.clear()
         with self._lock:
-            for pg in self._cached.values():
+            for key, pg in self._cached.items():
                 if pg is not None:
-                    release_group(pg)
+                    release_group(pg, abandoned=key in self._broken)
             self._cached.clear()
 
 
@@ -325,7 +400,8 @@ class _IssuedReduce:
 
     def wait(self) -> torch.Tensor:
         try:
-            wait_collective(self.work, self.tensor.device, self.collective.timeout_s)
+            wait_collective(self.work, self.tensor.device, self.collective.timeout_s,
+                            self.collective._gives_up(self.members))
         except Exception as exc:
             return self.finish(exc)
         return self.finish(None)
@@ -334,6 +410,9 @@ class _IssuedReduce:
         """The op ended (``error``: how it failed, or its wait timed out): raise that, else divide
         for ``mean`` and give the result."""
         members = list(self.members)
+        if isinstance(error, PeerFailure) and error.peer_state == "dead":
+            key = (self.collective.backend or backend_for(self.tensor.device), self.members)
+            raise self.collective._broken_by(error, key, self.tag) from None
         if isinstance(error, TimeoutError):
             raise WaitTimeout(f"all-reduce {self.tag!r} of group {members}", waited_s=self.collective.timeout_s,
                               peer_state="stalled") from None

@@ -37,9 +37,20 @@ arrives), started for every neighbour at ``connect``, and on demand for other ra
 Waiting. gloo's ``Work`` has no future for send/recv, so a thread per peer and
 direction waits for each op in order (``wait(timeout)``; CUDA ops are polled with
 ``is_completed`` until the deadline) and wakes the event loop. Every wait has the
-transport's timeout; a failed or timed out op raises :class:`~hopnet.errors.PeerFailure`
+transport's timeout (``--timeout``); a failed or timed out op raises :class:`~hopnet.errors.PeerFailure`
 naming the peer (sends), or is logged and counted as ``bulk_failed`` and makes later
 sends to that peer fail the same way (receives).
+
+Silent peers. A gloo op's own timeout cannot tell a slow transfer from a dead link, so it stays
+at ``--timeout``; the Node's heartbeats tell them apart (``heartbeats`` is true: beats go over
+ZeroMQ's express connection, never behind a payload or a channel still forming, and are delivered
+at once, never behind a sender's payload still on its way). A neighbour silent for
+``--peer-timeout`` is declared dead by the Node, whose ``forget_peer`` then writes it off here:
+the sends waiting on it end at once (dropped, as to a peer that left), as does a send waiting for
+its channel. gloo cannot cancel a posted op: the waiting threads are abandoned (``close`` does not
+wait for them, and they are daemons), and a payload still posted to the peer is read from the
+sender's buffer if that peer ever resumes; its neighbours discard whatever it sends then, and
+``hopnet launch`` kills a rank declared dead.
 
 Dead peers. Each gloo pair is watched (:mod:`hopnet.transports.pair_watch`): a receive
 always posted, which fails when the peer's process ends. That failure, a payload's receive
@@ -51,6 +62,7 @@ receiver :meth:`~hopnet.transports.base.Receiver.peer_lost` (once per peer, afte
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import logging
 import queue
@@ -137,14 +149,30 @@ def build_group(store: dist.Store, backend: str, group_rank: int, group_size: in
     raise ConfigError(f"unknown torch backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
-def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
-    """Block until ``work`` completes; raise TimeoutError after ``timeout_s``."""
+GiveUp = Callable[[], "BaseException | None"]
+"""Asked between slices of a wait: an error to end the wait with (a member declared dead), or None."""
+
+_WAIT_SLICE_S = 0.25
+
+
+def wait_work(work: Any, device: torch.device, timeout_s: float, give_up: GiveUp | None = None) -> None:
+    """Block until ``work`` completes; raise TimeoutError after ``timeout_s``. ``give_up`` is asked
+    every :data:`_WAIT_SLICE_S` while a CUDA op is polled; a CPU (gloo) op is waited for whole, as
+    a timed-out slice would end a point-to-point op (:func:`wait_collective` slices collectives)."""
     if device.type == "cuda":
         # NCCL's wait() only orders the current stream after the op; poll for real completion.
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_ask = started + _WAIT_SLICE_S
         while not work.is_completed():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"not completed within {timeout_s:g}s")
+            if give_up is not None and now >= next_ask:
+                next_ask = now + _WAIT_SLICE_S
+                error = give_up()
+                if error is not None:
+                    raise error
             time.sleep(_CUDA_POLL_S)
         work.wait()
         return
@@ -152,17 +180,16 @@ def wait_work(work: Any, device: torch.device, timeout_s: float) -> None:
         raise TimeoutError(f"not completed within {timeout_s:g}s")
 
 
-_WAIT_SLICE_S = 0.25
-
-
-def wait_collective(work: Any, device: torch.device, timeout_s: float) -> None:
+def wait_collective(work: Any, device: torch.device, timeout_s: float, give_up: GiveUp | None = None) -> None:
     """:func:`wait_work` for a collective's op (an all-reduce), in slices on the CPU: a thread
     blocked inside gloo's wait runs no Python signal handler, and a trainer's thread waiting for
     its gradient must still see SIGTERM and Ctrl-C. A slice that ends first raises gloo's
     "Operation timed out!" and leaves a collective's op as it was. (Not for point-to-point ops:
-    a timed-out wait of gloo's send or receive ends the op with the error.)"""
+    a timed-out wait of gloo's send or receive ends the op with the error.) Between slices
+    ``give_up`` is asked whether to stop waiting (a member declared dead: its error is raised,
+    the op is left behind)."""
     if device.type == "cuda":
-        wait_work(work, device, timeout_s)
+        wait_work(work, device, timeout_s, give_up)
         return
     deadline = time.monotonic() + timeout_s
     while True:
@@ -176,6 +203,10 @@ def wait_collective(work: Any, device: torch.device, timeout_s: float) -> None:
                 return
         if left <= _WAIT_SLICE_S:
             raise TimeoutError(f"not completed within {timeout_s:g}s")
+        if give_up is not None:
+            error = give_up()
+            if error is not None:
+                raise error
 
 
 def encode_bulk(backend: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
@@ -208,9 +239,12 @@ def decode_bulk(value: Any) -> tuple[str, tuple[TensorSpec, ...]] | None:
 class OpWaiter:
     """A thread that waits for one peer's ops of one direction, in order, and reports back."""
 
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, timeout_s: float,
+                 wait: Callable[[Any, torch.device, float], None] = wait_work) -> None:
+        """``wait``: how to wait for one op (:func:`wait_work`, or a collective's sliced wait)."""
         self.loop = loop
         self.timeout_s = timeout_s
+        self._wait = wait
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -233,7 +267,7 @@ class OpWaiter:
             error: BaseException | None = None
             try:
                 for work in works:
-                    wait_work(work, device, self.timeout_s)
+                    self._wait(work, device, self.timeout_s)
             except BaseException as exc:  # torch raises RuntimeError / DistError
                 error = exc
             try:
@@ -264,6 +298,7 @@ class TorchBulkTransport(Transport):
 
     carries_cuda = True
     holds_back = True
+    heartbeats = True  # over the control plane: see "Silent peers" above
 
     def __init__(self, control: ZmqTransport, store: dist.Store, *, min_bytes: int = 0,
                  timeout_s: float = 120.0, host: str = "127.0.0.1",
@@ -296,6 +331,9 @@ class TorchBulkTransport(Transport):
         self._take_in_rounds = Rounds()
         self._failed: dict[int, str] = {}
         self._departed: set[int] = set()
+        self._said_bye: set[int] = set()  # forgotten after a bye: their ops end as they close
+        self._written_off: set[int] = set()  # forgotten without a bye (declared dead): their ops are abandoned
+        self._sending: dict[int, set[asyncio.Future[BaseException | None]]] = {}  # by peer: sends on the wire
         self._watches: dict[int, PairWatch] = {}
         self._lost: set[int] = set()  # peers found gone, reported (or being reported) to the receiver
         self._reports: dict[int, asyncio.Task[None]] = {}  # by peer: a loss reported once the bye grace is over
@@ -325,6 +363,8 @@ class TorchBulkTransport(Transport):
         self._departed.add(rank)
         self._tell(rank, FORGOT)
         self.control.forget_peer(rank)
+        if rank not in self._said_bye:
+            self._write_off(rank)
         held = self._held.pop(rank, None)
         if held:  # written off with the peer, unread; what came between them is delivered (and dropped)
             for entry in held:
@@ -345,17 +385,20 @@ class TorchBulkTransport(Transport):
         # A thread still inside a torch call when the interpreter exits is killed mid-C++
         # (std::terminate): let the waiters finish while the process is healthy.
         loop = asyncio.get_running_loop()
-        for waiter in self._waiters.values():
-            await loop.run_in_executor(None, waiter.join, CLOSE_JOIN_S)
+        for (peer, _), waiter in self._waiters.items():
+            if peer not in self._written_off:  # an abandoned one may wait out --timeout
+                await loop.run_in_executor(None, waiter.join, CLOSE_JOIN_S)
         self._waiters.clear()
         deadline = loop.time() + CLOSE_JOIN_S
         for watch in self._watches.values():
+            if watch.peer in self._written_off:
+                continue  # a silent peer answers no notice
             if not await loop.run_in_executor(None, watch.join, max(0.0, deadline - loop.time())):
                 log.debug("rank %d: the watch on rank %d did not end by close", self.rank, watch.peer)
         self._watches.clear()
-        for fut in self._channels.values():
+        for (peer, _), fut in self._channels.items():
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                release_group(fut.result())
+                release_group(fut.result(), abandoned=peer in self._written_off)
         self._channels.clear()
         self._inbox.clear()
         self._unposted.clear()
@@ -466,7 +509,12 @@ class TorchBulkTransport(Transport):
                 raise self._peer_error(peer, "send", exc) from None
             self._waiter(peer, "send").add(works, device, settle(done))
             await self.control.send(header)
-        error = await done
+        sending = self._sending.setdefault(peer, set())
+        sending.add(done)
+        try:
+            error = await done
+        finally:
+            sending.discard(done)
         if error is not None:
             if await self._departed_meanwhile(peer):
                 self.stats.drop("peer_left")  # it left while the payload was on its way: not an error
@@ -474,6 +522,14 @@ class TorchBulkTransport(Transport):
             raise self._peer_error(peer, "send", error)
         self.bulk_sent += 1
         self.stats.sent_bytes += sum(t.numel() * t.element_size() for t in msg.tensors)
+
+    async def send_express(self, msg: Message) -> None:
+        """A control message (a beat) over ZeroMQ's express connection: behind no payload, no
+        header waiting for its channel, no per-peer lock."""
+        if msg.tensors:
+            await self.send(msg)
+            return
+        await self.control.send_express(msg)
 
     async def _await_channel(self, peer: int, backend: str) -> Any:
         fut = self._channel(peer, backend)
@@ -495,6 +551,21 @@ class TorchBulkTransport(Transport):
         return peer in self._departed
 
     # ---------------------------------------------------------------- dead peers
+    def _write_off(self, peer: int) -> None:
+        """``peer`` was declared dead (gone silent): nothing here waits on it any longer. Its sends
+        end now (dropped, as to a peer that left), and so does a wait for its channel; the
+        threads inside gloo's waits are left to their timeout (gloo cannot cancel an op)."""
+        self._written_off.add(peer)
+        gone = PeerFailure(f"rank {self.rank}: rank {peer} was declared dead", peer=peer, peer_state="dead")
+        for done in self._sending.pop(peer, set()):
+            if not done.done():
+                done.set_result(gone)
+        for backend in BACKENDS:
+            fut = self._channels.get((peer, backend))
+            if fut is not None and not fut.done():
+                fut.set_exception(gone)
+                fut.exception()  # retrieved: no one may be waiting
+
     def _tell(self, peer: int, notice: float) -> None:
         watch = self._watches.get(peer)
         if watch is not None:
@@ -561,7 +632,9 @@ class TorchBulkTransport(Transport):
             return
         inbox = self._inbox.setdefault(msg.src, deque())
         if msg.meta is None or BULK_KEY not in msg.meta:
-            if inbox:
+            if msg.kind == "bye":
+                self._said_bye.add(msg.src)
+            if inbox and msg.kind != "beat":  # a beat is a sign of life, not a message to keep in order
                 inbox.append(_Inbound(msg, [], None, False, done=True))
             else:
                 receiver.deliver(msg)
@@ -722,18 +795,36 @@ def settle(future: asyncio.Future[T]) -> Callable[[T], None]:
     return set_once
 
 
-def release_group(pg: Any) -> None:
+def release_group(pg: Any, *, abandoned: bool = False) -> None:
     """Release a process group we are done with.
 
-    NCCL communicators are shut down explicitly (they hold device memory). A gloo group is
-    left to its destructor when the last reference goes: ``abort()`` on a gloo group whose
-    peer still talks to it killed a worker at exit now and then (std::terminate)."""
+    NCCL communicators are shut down explicitly (they hold device memory); one with an op left
+    behind (``abandoned``: a member went silent) is aborted instead, as a shutdown would wait for
+    that op. A gloo group is left to its destructor when the last reference goes: ``abort()`` on a
+    gloo group whose peer still talks to it killed a worker at exit now and then (std::terminate).
+    An abandoned gloo group is never destroyed (:func:`leave_behind`)."""
     if getattr(pg, "name", lambda: "")() != "nccl":
+        if abandoned:
+            leave_behind(pg)
         return
     try:
+        if abandoned:
+            pg.abort()
+            return
         pg.shutdown()
     except Exception:  # already broken: nothing left to release
         log.debug("NCCL process group shutdown failed", exc_info=True)
+
+
+def leave_behind(pg: Any) -> None:
+    """Keep a gloo group with an op still pending (a silent peer's) alive for the rest of the process.
+
+    gloo cannot cancel an op, and a group's destructor waits for its worker threads, whose op ends
+    only at its own timeout (``--timeout``): at the interpreter's exit that was a hang of up to
+    --timeout, after the run had already failed. ``abort()`` does not end the op either. One
+    reference is taken that nothing gives back, so the destructor never runs; the process's exit
+    ends the threads."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")  # gloo's "[/.../pair.cc:553] "
@@ -746,5 +837,5 @@ def one_line(error: BaseException) -> str:
     return first.split(" This is typically caused by")[0][:300]
 
 
-__all__ = ["BULK_KEY", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
-           "one_line", "release_group", "settle", "wait_work"]
+__all__ = ["BULK_KEY", "GiveUp", "OpWaiter", "TorchBulkTransport", "backend_for", "build_group", "build_pair_group",
+           "leave_behind", "one_line", "release_group", "settle", "wait_work"]

@@ -51,7 +51,9 @@ GIVE_UP_S = 60.0
 class Cluster:
     """Worker processes (tests/workers/peer_worker.py) started without a launcher."""
 
-    def __init__(self, graph: Graph, config: ProtocolConfig, run_dir: Path, worker_args: list[str]) -> None:
+    def __init__(self, graph: Graph, config: ProtocolConfig, run_dir: Path, worker_args: list[str],
+                 *, store: str = "") -> None:
+        """``store``: the run's c10d store (``host:port``), for the torch plane (``--bulk torch``)."""
         self.graph = graph
         self.run_dir = run_dir
         run_dir.mkdir(parents=True)
@@ -63,7 +65,7 @@ class Cluster:
         for rank in range(graph.n):
             env = WorkerEnv(rank=rank, world_size=graph.n, local_rank=rank, graph_path=str(graph_path),
                             rendezvous=self.server.endpoint, run_dir=str(run_dir),
-                            config_json=config.to_json())
+                            config_json=config.to_json(), store=store)
             with open(run_dir / f"out{rank}.txt", "wb") as out, open(run_dir / f"err{rank}.txt", "wb") as err:
                 self.procs.append(subprocess.Popen([sys.executable, PEER_WORKER, *worker_args],
                                                    env={**base, **env.to_environ()}, stdout=out, stderr=err,
