@@ -40,8 +40,9 @@ def unreachable_pairs(run_dir: Path, local_ranks: Iterable[int], remote_ranks: I
     for rank in local_ranks:
         facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
         pairs.update((peer, rank) for peer in facts.declared_dead if peer in remote)
-        peer = facts.error.get("peer") if facts.error else None
-        if isinstance(peer, int) and peer in remote and facts.error.get("peer_state") == "dead":
+        error = facts.error or {}
+        peer = error.get("peer")
+        if isinstance(peer, int) and peer in remote and error.get("peer_state") == "dead":
             pairs.add((peer, rank))
     return sorted(pairs, key=lambda pair: (pair[1], pair[0]))
 
