@@ -62,11 +62,12 @@ TRANSIENT_S = 1.5
 to about twice the cut (a segment lost at the cut is retried 0.2, 0.6, 1.4, 3.0 s after it)."""
 NAMED_WITHIN_S = PEER_TIMEOUT_S + 2.0
 ACCURACY_SLACK = 0.03
-ITERATIONS = 300
+ITERATIONS = 800
 PROTOCOL_FLAGS = {"diloco": ["--local-steps", "10"], "pipe-sgd": ["--pipeline-k", "2"]}
 SLOW_LINK_CONFIGS = {
     "allreduce": ("allreduce", []),
-    "hop --backup-workers 1 --staleness 4": ("hop", ["--backup-workers", "1", "--staleness", "4"]),
+    "hop --backup-workers 1 --staleness 4 --max-ig 16": ("hop", ["--backup-workers", "1", "--staleness", "4",
+                                                                  "--max-ig", "16"]),
     "ad-psgd": ("ad-psgd", []),
     "diloco --local-steps 10": ("diloco", ["--local-steps", "10"]),
 }
@@ -175,14 +176,15 @@ def namespace_pids(link: ForwardedLink) -> int:
 
 
 def run_pair(link: ForwardedLink, key: Path, base: Path, protocol: str, plane: str, fault: str | None,
-             tolerant: bool, at_s: float, port: int, extra: Sequence[str] | None = None) -> Outcome:
+             tolerant: bool, at_s: float, port: int, extra: Sequence[str] | None = None,
+             iterations: int = ITERATIONS) -> Outcome:
     """Both hosts' launchers; ``fault`` (None: a clean run) injected ``at_s`` after training starts.
     ``extra``: the protocol's flags (default: :data:`PROTOCOL_FLAGS`)."""
     flags = ["--nnodes", "2", "--rdzv-endpoint", f"{link.addresses['a']}:{port}", "--nproc", "4",
              "--key-file", str(key), "--protocol", protocol, "--bulk", plane, "--peer-timeout", str(PEER_TIMEOUT_S),
              "--timeout", "30", "--grace", "3", *(PROTOCOL_FLAGS.get(protocol, []) if extra is None else extra),
              *(TOLERANT_FLAGS if tolerant else [])]
-    script = [str(ROOT / "examples" / "train_digits.py"), "--iterations", str(ITERATIONS), "--eval-every", "100000"]
+    script = [str(ROOT / "examples" / "train_digits.py"), "--iterations", str(iterations), "--eval-every", "100000"]
     runs = [LaunchRun.start([*flags, "--node-rank", str(n), "--bind", link.addresses[host], *script],
                             base / f"node{n}", prefix=link.command(host, []))
             for n, host in enumerate(("a", "b"))]
@@ -260,7 +262,7 @@ def plan_trials(n: int, rng: random.Random, protocols: list[str], faults: list[s
     for i in range(n):
         protocol, plane, fault = combos[i % len(combos)]
         tolerant = fault in PARTITIONS and protocol == "hop" and rng.random() < 0.5
-        trials.append(Trial(protocol, plane, fault, tolerant, at_s=round(rng.uniform(0.0, 1.5), 2)))
+        trials.append(Trial(protocol, plane, fault, tolerant, at_s=round(rng.uniform(0.0, 1.0), 2)))
     return trials
 
 
@@ -271,6 +273,7 @@ def main() -> None:
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("--iterations", type=int, default=ITERATIONS, help="digits iterations per run")
     parser.add_argument("--compare", metavar="FAULT", choices=SURVIVABLE,
                         help="instead of trials: each of SLOW_LINK_CONFIGS clean and under FAULT, the slowdowns")
     args = parser.parse_args()
@@ -287,7 +290,7 @@ def main() -> None:
     port = 29700 + rng.randrange(100)
     if args.compare:
         with ForwardedLink(seed=args.seed) as link:
-            compare(link, key, base, args.compare, port)
+            compare(link, key, base, args.compare, port, args.iterations)
         subprocess.run(["rm", "-rf", str(base)], check=False)
         return
     with ForwardedLink(seed=args.seed) as link:
@@ -296,12 +299,12 @@ def main() -> None:
             if trial.fault in SURVIVABLE and pair not in clean:
                 port += 1
                 clean[pair] = run_pair(link, key, base / f"clean-{trial.protocol}-{trial.plane}", trial.protocol,
-                                       trial.plane, None, False, 0.0, port)
+                                       trial.plane, None, False, 0.0, port, iterations=args.iterations)
             if pair in clean:
                 trial.clean_s, trial.clean_accuracy = clean[pair].training_s, clean[pair].accuracy
             port += 1
             trial.outcome = run_pair(link, key, base / f"t{i}", trial.protocol, trial.plane, trial.fault,
-                                     trial.tolerant, trial.at_s, port)
+                                     trial.tolerant, trial.at_s, port, iterations=args.iterations)
             judge(trial)
             print(row(i, trial), flush=True)
     print(summary(trials))
@@ -311,12 +314,14 @@ def main() -> None:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
 
-def compare(link: ForwardedLink, key: Path, base: Path, fault: str, port: int) -> None:
+def compare(link: ForwardedLink, key: Path, base: Path, fault: str, port: int, iterations: int) -> None:
     """Each of :data:`SLOW_LINK_CONFIGS` on the ZeroMQ plane, clean and with ``fault`` from the start
     of training: the training time of both and the slowdown."""
     for i, (name, (protocol, flags)) in enumerate(SLOW_LINK_CONFIGS.items()):
-        clean = run_pair(link, key, base / f"c{i}", protocol, "zmq", None, False, 0.0, port + 2 * i, flags)
-        faulty = run_pair(link, key, base / f"f{i}", protocol, "zmq", fault, False, 0.0, port + 2 * i + 1, flags)
+        clean = run_pair(link, key, base / f"c{i}", protocol, "zmq", None, False, 0.0, port + 2 * i, flags,
+                         iterations)
+        faulty = run_pair(link, key, base / f"f{i}", protocol, "zmq", fault, False, 0.0, port + 2 * i + 1, flags,
+                          iterations)
         ratio = (faulty.training_s / clean.training_s) if faulty.training_s and clean.training_s else None
         print(f"{name:40s} clean {clean.training_s or 0:6.2f}s (acc {clean.accuracy})  {fault} "
               f"{faulty.training_s or 0:6.2f}s (acc {faulty.accuracy}, exits {faulty.codes})  "

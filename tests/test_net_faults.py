@@ -39,7 +39,8 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _trial(link: ForwardedLink, key: Path, tmp_path: Path, protocol: str, fault: str, port: int,
            tolerant: bool = False) -> netchaos.Trial:
     trial = netchaos.Trial(protocol, "zmq", fault, tolerant, at_s=0.3)
-    trial.outcome = netchaos.run_pair(link, key, tmp_path, protocol, "zmq", fault, tolerant, trial.at_s, port)
+    trial.outcome = netchaos.run_pair(link, key, tmp_path, protocol, "zmq", fault, tolerant, trial.at_s, port,
+                                      iterations=400)
     netchaos.judge(trial)
     return trial
 

@@ -598,6 +598,8 @@ class Launch:
             self.store.close()
         if self.group is not None:
             self.group.finish(FINISH_WAIT_S)
+        if self.links is not None:
+            self.links.say_late_cuts()
         self.output.close_progress()
         for fd in (self.watch_read, self.watch_write):
             if fd >= 0:

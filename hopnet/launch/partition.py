@@ -112,7 +112,9 @@ class MachineLinks:
         stopped beating as lost: past ``--max-failures`` the run stops naming the link, else the
         others go on."""
         if remote is not None and remote.get("cut"):
-            state.fail(None, "cut off", "stopping: " + self.line(0, self.group.cut_off_s or 0.0))
+            line = self.line(0, self.group.cut_off_s or 0.0)
+            self.say(line)  # now: the workers' stop may take --grace, and the summary comes after it
+            state.fail(None, "cut off", "stopping: " + line)
             return True
         if self.node_rank != 0:
             return False
@@ -124,11 +126,20 @@ class MachineLinks:
             line = self.line(node, silent_s)
             total = self.group.lose(len(self.ranks_by_node[node])) or 0
             if total > max_failures:
+                self.say(line)
                 state.fail(None, "link down", line)
                 self.group.abort({"rank": None, "host": host_name(self.plan.bind), "node": 0, "summary": line})
                 return True
             self.say(f"{line}; its ranks are lost, the others go on ({total} of --max-failures {max_failures})")
         return False
+
+    def say_late_cuts(self) -> None:
+        """Node 0, at the end: the machines found cut off only while it waited for their launchers'
+        end (its own workers had finished, with backup workers, without them)."""
+        for node, silent_s in sorted(self.group.unreachable.items()):
+            if node not in self._cut_nodes:
+                self._cut_nodes.add(node)
+                self.say(f"{self.line(node, silent_s)}; its ranks were lost")
 
     def blame_the_link(self, state: RunState, there: int, held: dict[str, Any] | None, rank: int) -> bool:
         """While a launcher whose rank failed on a peer of machine ``there`` waits for that machine's
@@ -138,6 +149,7 @@ class MachineLinks:
             return False
         silent_s = self.group.unreachable.get(there, self.group.cut_off_s or 0.0)
         state.first_failure = None
+        self._cut_nodes.add(there)
         state.fail(rank, "link down", self.line(there, silent_s))
         self.group.abort({"rank": rank, "host": host_name(self.plan.bind), "node": self.node_rank,
                           "summary": state.summary})
