@@ -35,7 +35,6 @@ Needs root and iproute2 (network namespaces); prints a table, then the totals.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import subprocess
@@ -49,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import ROOT, LaunchRun, max_iteration  # noqa: E402
+from hopnet.runtime.events import read_events  # noqa: E402
 from netem.forwarder import Faults, ForwardedLink, unavailable_reason  # noqa: E402
 
 PROTOCOLS = ("hop", "notify-ack", "ad-psgd", "allreduce", "eager-sgd", "pipe-sgd", "partial-reduce", "prague", "diloco")
@@ -134,37 +134,14 @@ def heal(link: ForwardedLink) -> None:
     link.cap(None)
 
 
+def _records(run_dir: Path, event: str) -> list[dict]:
+    return [r for log in sorted(run_dir.glob("rank*.jsonl")) for r in read_events(log) if r.get("event") == event]
+
+
 def training_seconds(run_dir: Path) -> float | None:
     """From the first iteration record to the last one, over the ranks of one host."""
-    first, last = [], []
-    for log in run_dir.glob("rank*.jsonl"):
-        monos = []
-        for line in log.read_text(errors="replace").splitlines():
-            if '"iteration"' in line:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("event") == "iteration" and isinstance(record.get("mono"), (int, float)):
-                    monos.append(float(record["mono"]))
-        if monos:
-            first.append(min(monos))
-            last.append(max(monos))
-    return max(last) - min(first) if first else None
-
-
-def _records(run_dir: Path, event: str) -> list[dict]:
-    found = []
-    for log in run_dir.glob("rank*.jsonl"):
-        for line in log.read_text(errors="replace").splitlines():
-            if f'"{event}"' in line:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("event") == event:
-                    found.append(record)
-    return found
+    monos = [float(r["mono"]) for r in _records(run_dir, "iteration") if isinstance(r.get("mono"), (int, float))]
+    return max(monos) - min(monos) if monos else None
 
 
 def namespace_pids(link: ForwardedLink) -> int:
