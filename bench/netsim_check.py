@@ -10,10 +10,13 @@ of frames, then delayed 50 ms with 20 ms of jitter. The measured slowdown of a f
 training time (first iteration record of any rank to the last one of any rank, all four logs)
 over the clean run's.
 
-The prediction: ``hopnet simulate`` on the same graph, ranks 0-1 on machine ``a`` and 2-3 on
-``b``, each rank computing its median step of the clean run, the links inside a host and across
-taking the clean run's measured per-update transfer times; the cross link then gets the fault
-(its loss, or its delay and jitter) and the predicted slowdown is the two simulated times' ratio.
+The prediction: the simulator on the same graph, ranks 0-1 on machine ``a`` and 2-3 on ``b``,
+each rank computing its mean step of the clean Hop run (the trainer's compute; Hop's logs time it
+apart from the waits) plus the protocol's own mixing, the links inside a host and across taking
+the clean Hop run's median per-update transfer times, scaled by one factor that makes the
+simulated clean run last as long as the measured one (:func:`fit_latency`). The cross link then
+gets the fault (its loss, or its delay and jitter, on top) and the predicted slowdown is the
+simulated faulty time over the simulated clean time.
 Prints one line per protocol and fault: measured, predicted, and the prediction's error.
 """
 
@@ -143,11 +146,10 @@ def _run_data(run_dirs: list[Path]):  # type: ignore[no-untyped-def]
     return run
 
 
-def busy_seconds(records: list[dict[str, object]]) -> float:
-    """A rank's mean time per step not spent waiting (compute and mixing; the simulated protocol mixes
-    nothing), the first step (start-up) left out."""
+def mean_of(records: list[dict[str, object]], key: str) -> float:
+    """A rank's mean ``key`` per step, the first step (start-up) left out."""
     steps = [r for r in records if r.get("event") == "iteration"][1:]
-    return statistics.fmean(float(r.get("compute_s") or 0.0) + float(r.get("mix_s") or 0.0) for r in steps)
+    return statistics.fmean(float(r.get(key) or 0.0) for r in steps)  # type: ignore[arg-type]
 
 
 def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float) -> dict[str, float]:
@@ -158,14 +160,18 @@ def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float) ->
     from hopnet.transports.inproc import LinkFaults, LinkModel
 
     run = _run_data([keep / _slug(protocol, CLEAN) / f"node{n}" for n in (0, 1)])
+    # Hop's logs time the trainer's compute apart from the waits, and each link's transfers; an
+    # all-reduce's compute_s holds its collective too. So every protocol takes both from Hop's clean run.
+    hop = _run_data([keep / _slug("hop", CLEAN) / f"node{n}" for n in (0, 1)])
     assert run.graph is not None and run.config is not None
     machines = ["a", "a", "b", "b"]
     graph = Graph(run.graph.n, [(i, j) for i in range(run.graph.n) for j in run.graph.out_peers(i)],
                   name=run.graph.name, machines=machines)
     compute = ComputeModel("const", 0.0)
     for rank in range(graph.n):
-        compute = compute.with_rank(rank, ComputeModel("const", busy_seconds(run.events[rank])))
-    measured_links = link_times(run)
+        busy = mean_of(hop.events[rank], "compute_s") + mean_of(run.events[rank], "mix_s")
+        compute = compute.with_rank(rank, ComputeModel("const", busy))
+    measured_links = link_times(hop)
     within = [t for (s, d), t in measured_links.items() if machines[s] == machines[d]]
     across = [t for (s, d), t in measured_links.items() if machines[s] != machines[d]]
     inside_s = statistics.median(within) if within else 0.0

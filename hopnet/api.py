@@ -53,6 +53,7 @@ from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
 from hopnet.elastic.stopped import raise_if_stopped
 from hopnet.transports.base import Transport
+from hopnet.transports.tcp_diag import link_counters
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
     InitSpec,
@@ -180,6 +181,7 @@ class Worker:
         self.consensus_calls = 0
         self.changeover: Changeover | None = None  # an elastic run's view changes, set by init()
         self._left = False  # an elastic worker that left: its node is closed
+        self._links_recorded = False  # the kernel's counters per peer, once (at the consensus, else at close)
         self.checkpointer: checkpoint.Checkpointer | None = None
         """Saves this worker's state every N iterations (:func:`init` sets it from ``HOPNET_CHECKPOINT_EVERY``)."""
         self._states: dict[str, Any] = {}
@@ -512,6 +514,7 @@ class Worker:
         if self._closed:
             raise HopnetError("consensus() on a closed worker")
         self._answer_late_handovers()
+        self._record_links()  # training is over and every peer still connected
         call = self.consensus_calls
         self.consensus_calls += 1
         try:
@@ -565,11 +568,23 @@ class Worker:
                 self.checkpointer.wait()
             self._answer_late_handovers()
             if not self._left:
+                self._record_links()
                 self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
             close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
             self._run_after_close(aborted=False)
+
+    def _record_links(self) -> None:
+        """The kernel's round trip and retransmissions on this worker's connections to each peer
+        (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`."""
+        node = self.node
+        if self._links_recorded or not node.transport.heartbeats or not node.addresses:  # in-process: no sockets
+            return
+        self._links_recorded = True
+        peers = link_counters({r: a for r, a in node.addresses.items() if r != node.rank})
+        if peers:
+            self.record("links", peers={str(r): c for r, c in sorted(peers.items())})
 
     def _run_after_close(self, aborted: bool) -> None:
         for hook in self.after_close:
