@@ -121,6 +121,19 @@ def load_handover(worker: Worker, handover: rejoin.Handover) -> None:
             checkpoint.load_state_into(worker._states[name], state)
 
 
+def _record_links(worker: Worker) -> bool:
+    """The kernel's round trip and retransmissions on the worker's connections to each peer
+    (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`; whether it
+    asked (in-process transports have no sockets)."""
+    node = worker.node
+    if not node.transport.heartbeats or not node.addresses:
+        return False
+    peers = link_counters({r: a for r, a in node.addresses.items() if r != node.rank})
+    if peers:
+        worker.record("links", peers={str(r): c for r, c in sorted(peers.items())})
+    return True
+
+
 class Worker:
     """One training process's handle on its node, driven from the trainer's thread."""
 
@@ -514,7 +527,7 @@ class Worker:
         if self._closed:
             raise HopnetError("consensus() on a closed worker")
         self._answer_late_handovers()
-        self._record_links()  # training is over and every peer still connected
+        self._links_recorded = self._links_recorded or _record_links(self)  # training over, peers still connected
         call = self.consensus_calls
         self.consensus_calls += 1
         try:
@@ -568,23 +581,12 @@ class Worker:
                 self.checkpointer.wait()
             self._answer_late_handovers()
             if not self._left:
-                self._record_links()
+                self._links_recorded = self._links_recorded or _record_links(self)
                 self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
             close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:
             self._thread.stop()
             self._run_after_close(aborted=False)
-
-    def _record_links(self) -> None:
-        """The kernel's round trip and retransmissions on this worker's connections to each peer
-        (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`."""
-        node = self.node
-        if self._links_recorded or not node.transport.heartbeats or not node.addresses:  # in-process: no sockets
-            return
-        self._links_recorded = True
-        peers = link_counters({r: a for r, a in node.addresses.items() if r != node.rank})
-        if peers:
-            self.record("links", peers={str(r): c for r, c in sorted(peers.items())})
 
     def _run_after_close(self, aborted: bool) -> None:
         for hook in self.after_close:

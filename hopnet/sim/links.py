@@ -87,7 +87,7 @@ def _rule(item: Any, k: int, labels: set[str], where: str) -> LinkRule:
     if not isinstance(between, list) or len(between) != 2:
         raise ConfigError(f'{at}: "between" must be a list of two sides (a machine, a list of machines or "*")')
     if not any(key in item for key in _SETTINGS):
-        raise ConfigError(f"{at}: sets none of {', '.join(_SETTINGS)}")
+        raise ConfigError(f"{at}: sets neither latency_ms nor gbps, loss or jitter_ms")
     a, b = (_side(side, labels, at) for side in between)
     loss = _number(item, "loss", at)
     if loss is not None and loss >= 1:

@@ -10,7 +10,8 @@ message's latency and transfer time. The model, per message of ``nbytes``:
 - **loss**: each transmission of a segment is lost with probability ``loss``. A lost segment
   followed by others of the message is fast-retransmitted: it costs a round trip. A lost last
   segment is found by a tail-loss probe: 2 round trips + :data:`PROBE_MIN_S`, or + :data:`RTO_MIN_S`
-  when it was alone (Linux waits for a delayed acknowledgement then). A lost retransmission waits
+  when it was alone, or the segments before it were all acknowledged by then (Linux waits for a
+  delayed acknowledgement then; :data:`TAIL_ALONE_SHARE` of the time). A lost retransmission waits
   for the retransmission timeout (Linux: the round trip + :data:`RTO_MIN_S`, doubling for each
   further loss of the same segment). Losses in one message overlap: the message waits for its
   costliest one. A loss that waits for a timer is also found when the next message on the link
@@ -39,6 +40,11 @@ RTO_MIN_S = 0.2
 """Linux's minimum retransmission timeout, added to the smoothed round trip."""
 PROBE_MIN_S = 0.004
 """What a tail-loss probe waits beyond two round trips (Linux: 2 jiffies)."""
+TAIL_ALONE_SHARE = 0.5
+"""How often a lost last segment of several is the only one unacknowledged when its probe is due,
+so that Linux adds :data:`RTO_MIN_S` to the probe's wait (for a delayed acknowledgement): about
+half the time in a ping-pong of 4.8 kB messages over the forwarder at 1% loss (20 waits over
+100 ms in 4,000 messages)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,9 @@ class LinkFaults:
         if lost_before_tail:  # fast retransmit, a round trip; lost again: found by the timer
             again = rng.random() < 1 - (1 - loss) ** lost_before_tail
             worst, waiting = (rtt_s + rto_s + self._backoff(rng, 2 * rto_s), True) if again else (rtt_s, False)
-        if rng.random() < loss:  # the last segment: a tail-loss probe, or the timer when it was alone
-            probe = (2 * rtt_s + PROBE_MIN_S) if segments > 1 else (2 * rtt_s + RTO_MIN_S)
+        if rng.random() < loss:  # the last segment: a tail-loss probe, later when it was left alone
+            alone = segments == 1 or rng.random() < TAIL_ALONE_SHARE
+            probe = 2 * rtt_s + (RTO_MIN_S if alone else PROBE_MIN_S)
             tail = probe + self._backoff(rng, rto_s)
             if tail > worst:
                 worst, waiting = tail, True
@@ -102,4 +109,4 @@ def _binomial(rng: random.Random, n: int, p: float) -> int:
     return max(0, min(n, round(rng.gauss(n * p, math.sqrt(n * p * (1 - p))))))
 
 
-__all__ = ["MSS", "PROBE_MIN_S", "RTO_MIN_S", "LinkFaults"]
+__all__ = ["MSS", "PROBE_MIN_S", "RTO_MIN_S", "TAIL_ALONE_SHARE", "LinkFaults"]

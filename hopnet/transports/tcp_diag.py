@@ -32,7 +32,7 @@ _BYTES_SENT, _BYTES_RETRANS = 200, 208
 
 
 def _own_socket_inodes() -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -49,7 +49,7 @@ def _own_socket_inodes() -> set[int]:
 
 def _peer_endpoints(addresses: Mapping[int, str]) -> dict[tuple[str, int], int]:
     """``(ip, port) -> rank`` for each peer's ``tcp://`` address and its data port."""
-    endpoints = {}
+    endpoints: dict[tuple[str, int], int] = {}
     for rank, address in addresses.items():
         if not isinstance(address, str) or not address.startswith("tcp://"):
             continue
@@ -69,7 +69,7 @@ def _dump(family: int) -> list[tuple[str, int, int, bytes]]:
     """Every TCP socket of ``family`` in this network namespace: (remote ip, remote port, inode, tcp_info)."""
     request = _REQUEST.pack(family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 0, ALL_STATES, bytes(48))
     message = _HEADER.pack(_HEADER.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST_DUMP, 1, 0) + request
-    found = []
+    found: list[tuple[str, int, int, bytes]] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(1.0)
         sock.send(message)
