@@ -1,14 +1,14 @@
 """The simulator's lossy and jittery links against real ones: measured slowdown beside predicted.
 
-    sudo python bench/netsim_check.py [--iterations 1500] [--protocols hop,allreduce] [--keep DIR]
+    sudo python bench/netsim_check.py [--iterations 1500] [--protocols hop,allreduce] [--repeat 3] [--keep DIR]
     python bench/netsim_check.py --from DIR      # predict again from the runs a --keep kept
 
 Two emulated hosts joined by the user-space forwarder (bench/netem/forwarder.py), ranks 0-1 on
 host a and 2-3 on host b (``hopnet launch --nnodes 2 --nproc 4``), train the digits MLP
 (examples/train_digits.py) under each protocol: clean, then with both directions losing 1% and 5%
-of frames, then delayed 50 ms with 20 ms of jitter. The measured slowdown of a fault is its run's
-training time (first iteration record of any rank to the last one of any rank, all four logs)
-over the clean run's.
+of frames (``--repeat`` runs each), then delayed 50 ms with 20 ms of jitter, then clean again. The
+measured slowdown of a fault is its runs' mean training time (first iteration record of any rank
+to the last one of any rank, all four logs) over the mean of the two clean runs'.
 
 The prediction: the simulator on the same graph, ranks 0-1 on machine ``a`` and 2-3 on ``b``,
 each rank computing its mean step of the clean Hop run (the trainer's compute; Hop's logs time it
@@ -16,7 +16,7 @@ apart from the waits) plus the protocol's own mixing, the links inside a host an
 the clean Hop run's median per-update transfer times, scaled by one factor that makes the
 simulated clean run last as long as the measured one (:func:`fit_latency`). The cross link then
 gets the fault (its loss, or its delay and jitter, on top) and the predicted slowdown is the
-simulated faulty time over the simulated clean time.
+simulated faulty time (the mean over ``--repeat`` seeds for a loss) over the simulated clean time.
 Prints one line per protocol and fault: measured, predicted, and the prediction's error.
 """
 
@@ -59,12 +59,14 @@ class Fault:
 
 
 CLEAN = Fault("clean")
+CLEAN_AGAIN = Fault("clean, again")
+"""The clean run once more after the faulty ones: their mean is the slowdowns' base (the load may change)."""
 FAULTS = (Fault("loss 1%", loss=0.01), Fault("loss 5%", loss=0.05),
           Fault("delay 50 ms, jitter 20 ms", delay_ms=50, jitter_ms=20))
 
 
-def _slug(protocol: str, fault: Fault) -> str:
-    return f"{protocol}-" + re.sub(r"[^a-z0-9]+", "-", fault.name.lower()).strip("-")
+def _slug(protocol: str, fault: Fault, trial: int = 0) -> str:
+    return f"{protocol}-" + re.sub(r"[^a-z0-9]+", "-", fault.name.lower()).strip("-") + (f"-{trial}" if trial else "")
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -117,20 +119,22 @@ def measure(args: argparse.Namespace, keep: Path) -> dict[str, dict[str, float]]
     with ForwardedLink(seed=args.seed) as link:
         for protocol in args.protocols:
             measured[protocol] = {}
-            for fault in (CLEAN, *FAULTS):
+            for fault in (CLEAN, *FAULTS, CLEAN_AGAIN):
                 link.set_faults(a_to_b=fault.forwarder(), b_to_a=fault.forwarder())
-                run_dirs = [keep / _slug(protocol, fault) / f"node{n}" for n in (0, 1)]
-                for d in run_dirs:
-                    shutil.rmtree(d, ignore_errors=True)
-                started = time.monotonic()
-                outs = launch_two_hosts(link, key, port, run_dirs, protocol, args.iterations)
-                port += 1
-                seconds = training_seconds(run_dirs)
-                measured[protocol][fault.name] = seconds
-                accuracy = [float(a) for out in outs for a in ACCURACY.findall(out)]
-                print(f"  ran {protocol:<10} {fault.name:<26} training {seconds:7.2f} s "
-                      f"(launch {time.monotonic() - started:.0f} s, accuracy {min(accuracy, default=float('nan')):.3f})",
-                      flush=True)
+                trials = []
+                for trial in range(args.repeat if fault.loss else 1):
+                    run_dirs = [keep / _slug(protocol, fault, trial) / f"node{n}" for n in (0, 1)]
+                    for d in run_dirs:
+                        shutil.rmtree(d, ignore_errors=True)
+                    started = time.monotonic()
+                    outs = launch_two_hosts(link, key, port, run_dirs, protocol, args.iterations)
+                    port += 1
+                    trials.append(training_seconds(run_dirs))
+                    accuracy = [float(a) for out in outs for a in ACCURACY.findall(out)]
+                    print(f"  ran {protocol:<10} {fault.name:<26} training {trials[-1]:7.2f} s (launch "
+                          f"{time.monotonic() - started:.0f} s, accuracy {min(accuracy, default=float('nan')):.3f})",
+                          flush=True)
+                measured[protocol][fault.name] = statistics.fmean(trials)
                 (keep / "measured.json").write_text(json.dumps(measured, indent=1))
     return measured
 
@@ -152,7 +156,7 @@ def mean_of(records: list[dict[str, object]], key: str) -> float:
     return statistics.fmean(float(r.get(key) or 0.0) for r in steps)  # type: ignore[arg-type]
 
 
-def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float) -> dict[str, float]:
+def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float, repeat: int) -> dict[str, float]:
     """Per fault, the simulator's slowdown for this protocol's clean run with the fault on the cross link."""
     from hopnet.graph import Graph
     from hopnet.report.diagnosis import link_times
@@ -177,20 +181,21 @@ def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float) ->
     inside_s = statistics.median(within) if within else 0.0
     across_s = statistics.median(across) if across else inside_s
 
-    def simulated(fault: Fault, scale: float = 1.0) -> float:
+    def simulated(fault: Fault, scale: float = 1.0, seed: int = 0) -> float:
         cross = LinkFaults(loss=fault.loss, jitter_s=fault.jitter_ms / 1000)
         pairs = {(m1, m2): ((scale * inside_s, 0.0) if m1 == m2 else (scale * across_s + fault.delay_ms / 1000, 0.0))
                  for m1 in "ab" for m2 in "ab"}
         link = LinkModel(latency_s=scale * inside_s, machines=tuple(machines), between_machines=pairs,
                          machine_faults={("a", "b"): cross, ("b", "a"): cross})
-        config = run.config.replace(timeout_s=1e5)
+        config = run.config.replace(timeout_s=1e5, seed=seed)
         spec = SimSpec(graph=graph, config=config, iterations=iterations, compute=compute, link=link,
                        model_bytes=MODEL_BYTES, gap_matrix=False)
         return simulate(spec).virtual_time
 
     scale = fit_latency(lambda f: simulated(CLEAN, f), clean_seconds)
     clean = simulated(CLEAN, scale)
-    return {fault.name: simulated(fault, scale) / clean for fault in FAULTS}
+    return {fault.name: statistics.fmean(simulated(fault, scale, seed) for seed in range(repeat if fault.loss else 1))
+            / clean for fault in FAULTS}
 
 
 def fit_latency(simulated: Callable[[float], float], measured_s: float) -> float:
@@ -210,6 +215,9 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=1500)
     parser.add_argument("--protocols", type=lambda s: s.split(","), default=["hop", "allreduce"])
     parser.add_argument("--seed", type=int, default=1, help="the forwarder's seed (which frames it drops)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each loss fault, and simulator seeds, averaged (a few ~200 ms stalls "
+                             "more or less move one run's time by a second; default: 3)")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the run directories here")
     parser.add_argument("--from", dest="source", default=None, metavar="DIR",
                         help="no runs: predict from the runs kept in DIR by --keep")
@@ -228,12 +236,13 @@ def main() -> int:
     worst = 0.0
     print(f"{'protocol':<10} {'fault':<26} {'clean s':>8} {'fault s':>8} {'measured':>9} {'predicted':>9} {'error':>7}")
     for protocol, times in measured.items():
-        predicted = predict(keep, protocol, args.iterations, times[CLEAN.name])
+        clean = statistics.fmean(times[name] for name in (CLEAN.name, CLEAN_AGAIN.name) if name in times)
+        predicted = predict(keep, protocol, args.iterations, clean, args.repeat)
         for fault in FAULTS:
-            slowdown = times[fault.name] / times[CLEAN.name]
+            slowdown = times[fault.name] / clean
             error = predicted[fault.name] / slowdown - 1
             worst = max(worst, abs(error))
-            print(f"{protocol:<10} {fault.name:<26} {times[CLEAN.name]:8.2f} {times[fault.name]:8.2f} "
+            print(f"{protocol:<10} {fault.name:<26} {clean:8.2f} {times[fault.name]:8.2f} "
                   f"{slowdown:8.2f}x {predicted[fault.name]:8.2f}x {100 * error:+6.0f}%")
     print(f"largest error {100 * worst:.0f}% (bound {100 * TOLERANCE:.0f}%); runs in {keep}")
     return 0 if worst <= TOLERANCE else 1

@@ -154,23 +154,26 @@ class InprocNetwork:
         extra, tail_lost = 0.0, False
         faults = model.faults_of(*link)
         if faults:
-            rng = self._link_rngs.get(link)
-            if rng is None:
-                rng = self._link_rngs[link] = random.Random(f"{self._seed}:{link[0]}:{link[1]}")
-            extra, tail_lost = faults.extra_delay(rng, nbytes, latency)
+            extra, tail_lost = faults.extra_delay(self._link_rng(link), nbytes, latency)
         queue = self._due.setdefault(link, deque())
         if queue and queue[-1].tail_lost:
             # this message's first segment shows the receiver the hole: the lost tail ahead of it
             # is retransmitted once that news is back, a round trip after the segment arrives
             ahead = queue[-1]
             ahead.tail_lost = False
-            revealed = now + 3 * latency
+            revealed = now + 3 * latency + faults.resent_delay(self._link_rng(link), latency)
             if revealed < ahead.due:
                 ahead.due = revealed
                 loop.call_at(revealed, self._deliver_due, loop, queue, context=self._context)
         entry = _Due(done + latency + extra, target, msg, nbytes, tail_lost)
         queue.append(entry)
         loop.call_at(entry.due, self._deliver_due, loop, queue, context=self._context)
+
+    def _link_rng(self, link: tuple[int, int]) -> random.Random:
+        rng = self._link_rngs.get(link)
+        if rng is None:
+            rng = self._link_rngs[link] = random.Random(f"{self._seed}:{link[0]}:{link[1]}")
+        return rng
 
     @staticmethod
     def _deliver_due(loop: asyncio.AbstractEventLoop, queue: deque[_Due]) -> None:

@@ -16,7 +16,8 @@ message's latency and transfer time. The model, per message of ``nbytes``:
   further loss of the same segment). Losses in one message overlap: the message waits for its
   costliest one. A loss that waits for a timer is also found when the next message on the link
   arrives (its acknowledgement shows the hole): then the segment arrives a round trip after that
-  message's first segment, if that is sooner. So on a busy link a loss costs about a round trip,
+  message's first segment, if that is sooner (unless this retransmission is lost too: then a
+  timeout more). So on a busy link a loss costs about a round trip,
   and on a quiet one a timer.
 
 The round trip is twice the link's latency. Messages on a link stay in order (one TCP stream):
@@ -91,6 +92,10 @@ class LinkFaults:
             if tail > worst:
                 worst, waiting = tail, True
         return worst, waiting
+
+    def resent_delay(self, rng: random.Random, latency_s: float) -> float:
+        """What a retransmission sent now adds when it is lost too: a timeout each time, doubling."""
+        return self._backoff(rng, 2 * latency_s + RTO_MIN_S)
 
     def _backoff(self, rng: random.Random, timeout_s: float) -> float:
         """The timeouts of further losses of one retransmitted segment (each timeout doubles)."""
