@@ -14,7 +14,8 @@ The prediction: the simulator on the same graph, ranks 0-1 on machine ``a`` and 
 each rank computing its mean step of the clean Hop run (the trainer's compute; Hop's logs time it
 apart from the waits) plus the protocol's own mixing, the links inside a host and across taking
 the clean Hop run's median per-update transfer times, scaled by one factor that makes the
-simulated clean run last as long as the measured one (:func:`fit_latency`). The cross link then
+simulated clean run last as long as the measured one (:func:`fit_latency`); TCP's round trip on the
+cross link is the kernel's (the clean Hop run's ``links`` records). The cross link then
 gets the fault (its loss, or its delay and jitter, on top) and the predicted slowdown is the
 simulated faulty time (the mean over ``--repeat`` seeds for a loss) over the simulated clean time.
 Prints one line per protocol and fault: measured, predicted, and the prediction's error.
@@ -180,9 +181,13 @@ def predict(keep: Path, protocol: str, iterations: int, clean_seconds: float, re
     across = [t for (s, d), t in measured_links.items() if machines[s] != machines[d]]
     inside_s = statistics.median(within) if within else 0.0
     across_s = statistics.median(across) if across else inside_s
+    rtts = [c["rtt_ms"] / 1000 for src, records in hop.events.items() for rec in records if rec.get("event") == "links"
+            for dst, c in rec["peers"].items() if machines[src] != machines[int(dst)]]
+    rtt_s = statistics.median(rtts) if rtts else None  # the kernel's, on the clean cross link
 
     def simulated(fault: Fault, scale: float = 1.0, seed: int = 0) -> float:
-        cross = LinkFaults(loss=fault.loss, jitter_s=fault.jitter_ms / 1000)
+        cross = LinkFaults(loss=fault.loss, jitter_s=fault.jitter_ms / 1000,
+                           rtt_s=None if rtt_s is None else rtt_s + 2 * fault.delay_ms / 1000)
         pairs = {(m1, m2): ((scale * inside_s, 0.0) if m1 == m2 else (scale * across_s + fault.delay_ms / 1000, 0.0))
                  for m1 in "ab" for m2 in "ab"}
         link = LinkModel(latency_s=scale * inside_s, machines=tuple(machines), between_machines=pairs,

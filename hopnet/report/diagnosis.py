@@ -84,8 +84,9 @@ class Scenario:
     """Measured transfer time of the links that were waited on (src, dst)."""
     default_link_s: float
     """Transfer time of every other link: the fastest measured one (0 when none was)."""
-    link_faults: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
-    """Measured loss (the retransmitted share) and jitter (seconds) of the lossy or high-latency links."""
+    link_faults: dict[tuple[int, int], tuple[float, float, float | None]] = field(default_factory=dict)
+    """Measured loss (the retransmitted share), jitter and round trip (seconds; None: unknown) of the
+    lossy or high-latency links."""
     message_bytes: int = 0
     """Bytes a link carried per iteration (the kernel's count; 0: unknown): what a lost segment is out of."""
 
@@ -175,7 +176,9 @@ class Diagnosis:
             lines.append(f"without them the simulator predicts {_times(self.simulated_s / self.unlimited_s)} "
                          "faster (every rank at the median compute, every link at the fastest one's time)")
         if self.links and self.predictions:
-            tried = [f"`{p.option.flags}` {_times(p.speedup)} faster" for p in self.predictions if p.speedup is not None]
+            tried = [f"`{p.option.flags}` " + (f"{_times(p.speedup)} faster" if p.speedup >= 1.05 else
+                                                 f"no gain ({p.speedup:.2f}x)")
+                     for p in self.predictions if p.speedup is not None]
             if tried:
                 lines.append("options that tolerate the link, simulated with its measured latency, loss and jitter: "
                              + ", ".join(tried))
@@ -416,7 +419,7 @@ def _scenario(run: RunData, stats: RunStats, links: dict[tuple[int, int], float]
     for h in health:  # a link without update arrivals (an all-reduce's) takes the kernel's latency
         if h.latency_s is not None and (h.src, h.dst) not in slow:
             slow[(h.src, h.dst)] = h.latency_s
-    faults = {(h.src, h.dst): (min(h.retransmitted or 0.0, 0.5), h.jitter_s or 0.0) for h in health}
+    faults = {(h.src, h.dst): (min(h.retransmitted or 0.0, 0.5), h.jitter_s or 0.0, h.rtt_s) for h in health}
     steps = max((s.iterations for s in stats.ranks.values()), default=0)
     return Scenario(run.graph, config, iterations, {r: (fill if c is None else c) for r, c in base.items()},
                     slow, fastest, faults, bytes_per_step(run, steps))

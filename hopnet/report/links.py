@@ -46,6 +46,8 @@ class LinkHealth:
     """Share of ``dst``'s step time spent waiting on ``src`` (None where the logs do not say)."""
     counted: bool = False
     """Whether the kernel's counters (a ``links`` record) measured it."""
+    rtt_s: float | None = None
+    """The kernel's smoothed round trip, when it measured one."""
 
     @property
     def lossy(self) -> bool:
@@ -104,7 +106,8 @@ def link_health(run: RunData, arrivals: list[tuple[int, int, int, float, float]]
             latency = statistics.median(samples)
             jitter = 2 * statistics.median(abs(x - latency) for x in samples)
         share = waits.get(link[1], {}).get(link[0])
-        links[link] = LinkHealth(link[0], link[1], latency, jitter, _retransmitted(counters), share, bool(counters))
+        links[link] = LinkHealth(link[0], link[1], latency, jitter, _retransmitted(counters), share, bool(counters),
+                                 2 * latency if isinstance(rtt_ms, (int, float)) and rtt_ms > 0 and latency else None)
     return links
 
 

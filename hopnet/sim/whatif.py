@@ -31,7 +31,7 @@ def _compute_model(scenario: Scenario) -> ComputeModel:
 def _link_model(scenario: Scenario) -> LinkModel:
     return LinkModel(latency_s=scenario.default_link_s,
                      overrides={link: (seconds, 0.0) for link, seconds in scenario.link_s.items()},
-                     link_faults={link: LinkFaults(loss, jitter) for link, (loss, jitter) in scenario.link_faults.items()})
+                     link_faults={link: LinkFaults(*faults) for link, faults in scenario.link_faults.items()})
 
 
 def simulated_seconds(scenario: Scenario, config: ProtocolConfig) -> float | None:

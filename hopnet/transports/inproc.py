@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from hopnet.errors import HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
-from hopnet.transports.link_faults import LinkFaults
+from hopnet.transports.link_faults import RTO_MIN_S, LinkFaults
 from hopnet.wire import Message, is_known_kind
 
 
@@ -85,6 +85,8 @@ class _Due:
     msg: Message
     nbytes: int
     tail_lost: bool
+    stalled: bool = False
+    """It waits for a retransmission timeout."""
 
 
 class InprocNetwork:
@@ -161,11 +163,18 @@ class InprocNetwork:
             # is retransmitted once that news is back, a round trip after the segment arrives
             ahead = queue[-1]
             ahead.tail_lost = False
-            revealed = now + 3 * latency + faults.resent_delay(self._link_rng(link), latency)
+            resent = faults.resent_delay(self._link_rng(link), latency)
+            revealed = now + latency + faults.round_trip(latency) + resent
             if revealed < ahead.due:
-                ahead.due = revealed
+                ahead.due, ahead.stalled = revealed, resent > 0
                 loop.call_at(revealed, self._deliver_due, loop, queue, context=self._context)
-        entry = _Due(done + latency + extra, target, msg, nbytes, tail_lost)
+        due = done + latency + extra
+        stalled = extra >= RTO_MIN_S
+        if queue and queue[0].stalled and faults.lost_any(self._link_rng(link), nbytes):
+            # behind a timeout: a loss waits for the next one, doubled (see link_faults)
+            due = max(due, queue[0].due + 2 * (faults.round_trip(latency) + RTO_MIN_S))
+            stalled, tail_lost = True, False
+        entry = _Due(due, target, msg, nbytes, tail_lost, stalled)
         queue.append(entry)
         loop.call_at(entry.due, self._deliver_due, loop, queue, context=self._context)
 

@@ -17,10 +17,13 @@ message's latency and transfer time. The model, per message of ``nbytes``:
   costliest one. A loss that waits for a timer is also found when the next message on the link
   arrives (its acknowledgement shows the hole): then the segment arrives a round trip after that
   message's first segment, if that is sooner (unless this retransmission is lost too: then a
-  timeout more). So on a busy link a loss costs about a round trip,
+  timeout more). While a link waits for a timeout, a message sent behind it that loses a segment
+  waits for a timeout too, doubled (after a timeout Linux sends one segment a round trip and
+  retransmits no more by acknowledgements until what was outstanding is through): at 5% loss
+  the stalls chain. So on a busy link a loss costs about a round trip,
   and on a quiet one a timer.
 
-The round trip is twice the link's latency. Messages on a link stay in order (one TCP stream):
+The round trip is twice the link's latency, or ``rtt_s`` when given. Messages on a link stay in order (one TCP stream):
 the network holds a message behind a retransmitted one before it.
 
 Limits: no congestion window (a loss does not slow the messages after it beyond the head-of-line
@@ -54,10 +57,16 @@ class LinkFaults:
 
     loss: float = 0.0
     jitter_s: float = 0.0
+    rtt_s: float | None = None
+    """The round trip TCP's recovery waits (None: twice the link's latency). A measured transfer
+    time holds the endpoints' processing too, which the kernel's round trip does not."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.loss < 1.0) or not math.isfinite(self.jitter_s) or self.jitter_s < 0:
             raise ValueError(f"link faults: loss must be in [0, 1) and jitter >= 0 (got {self.loss}, {self.jitter_s})")
+
+    def round_trip(self, latency_s: float) -> float:
+        return 2 * latency_s if self.rtt_s is None else self.rtt_s
 
     def __bool__(self) -> bool:
         return self.loss > 0 or self.jitter_s > 0
@@ -73,7 +82,7 @@ class LinkFaults:
             extra = max(latest, -latency_s)
         if self.loss <= 0:
             return extra, False
-        delay, tail_lost = self._loss_delay(rng, segments, 2 * latency_s)
+        delay, tail_lost = self._loss_delay(rng, segments, self.round_trip(latency_s))
         return extra + delay, tail_lost
 
     def _loss_delay(self, rng: random.Random, segments: int, rtt_s: float) -> tuple[float, bool]:
@@ -93,9 +102,13 @@ class LinkFaults:
                 worst, waiting = tail, True
         return worst, waiting
 
+    def lost_any(self, rng: random.Random, nbytes: int) -> bool:
+        """Whether some segment of a message of ``nbytes`` is lost."""
+        return self.loss > 0 and rng.random() < 1 - (1 - self.loss) ** max(1, -(-nbytes // MSS))
+
     def resent_delay(self, rng: random.Random, latency_s: float) -> float:
         """What a retransmission sent now adds when it is lost too: a timeout each time, doubling."""
-        return self._backoff(rng, 2 * latency_s + RTO_MIN_S)
+        return self._backoff(rng, self.round_trip(latency_s) + RTO_MIN_S)
 
     def _backoff(self, rng: random.Random, timeout_s: float) -> float:
         """The timeouts of further losses of one retransmitted segment (each timeout doubles)."""
