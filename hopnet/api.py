@@ -53,6 +53,7 @@ from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
 from hopnet.elastic.stopped import raise_if_stopped
 from hopnet.transports.base import Transport
+from hopnet.transports.tcp_diag import link_counters
 from hopnet.wire import Message
 from hopnet.bootstrap.init import (
     InitSpec,
@@ -120,6 +121,19 @@ def load_handover(worker: Worker, handover: rejoin.Handover) -> None:
             checkpoint.load_state_into(worker._states[name], state)
 
 
+def _record_links(worker: Worker) -> bool:
+    """The kernel's round trip and retransmissions on the worker's connections to each peer
+    (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`; whether it
+    asked (in-process transports have no sockets)."""
+    node = worker.node
+    if not node.transport.heartbeats or not node.addresses:
+        return False
+    peers = link_counters({r: a for r, a in node.addresses.items() if r != node.rank})
+    if peers:
+        worker.record("links", peers={str(r): c for r, c in sorted(peers.items())})
+    return True
+
+
 class Worker:
     """One training process's handle on its node, driven from the trainer's thread."""
 
@@ -180,6 +194,7 @@ class Worker:
         self.consensus_calls = 0
         self.changeover: Changeover | None = None  # an elastic run's view changes, set by init()
         self._left = False  # an elastic worker that left: its node is closed
+        self._links_recorded = False  # the kernel's counters per peer, once (at the consensus, else at close)
         self.checkpointer: checkpoint.Checkpointer | None = None
         """Saves this worker's state every N iterations (:func:`init` sets it from ``HOPNET_CHECKPOINT_EVERY``)."""
         self._states: dict[str, Any] = {}
@@ -512,6 +527,7 @@ class Worker:
         if self._closed:
             raise HopnetError("consensus() on a closed worker")
         self._answer_late_handovers()
+        self._links_recorded = self._links_recorded or _record_links(self)  # training over, peers still connected
         call = self.consensus_calls
         self.consensus_calls += 1
         try:
@@ -565,6 +581,7 @@ class Worker:
                 self.checkpointer.wait()
             self._answer_late_handovers()
             if not self._left:
+                self._links_recorded = self._links_recorded or _record_links(self)
                 self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
             close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:

@@ -2,7 +2,8 @@
 
     hopnet simulate [--graph G] [--nproc N] [protocol flags, as for `hopnet launch`]
                     [--iterations N] [--compute-ms SPEC] [--compute-ms-rank R:SPEC ...]
-                    [--link-latency-ms MS] [--link-gbps G] [--link-model FILE]
+                    [--link-latency-ms MS] [--link-gbps G] [--link-loss P] [--link-jitter-ms MS]
+                    [--link-model FILE]
                     [--model-mb MB] [--stop R:K ...] [--gap-matrix WHEN] [--json FILE|-]
                     [--churn EVENTS] [--churn-rate RATES] [--plot FILE.png]
 
@@ -44,7 +45,7 @@ DESCRIPTION = """\
 Run N workers of a protocol on a communication graph in one process, in virtual
 time: compute phases are virtual sleeps drawn from --compute-ms (stretched by
 --slowdown), messages arrive after the link model's latency plus size over
-bandwidth. Reports each worker's iteration rate and what matters for the protocol: for
+bandwidth, plus what lost segments and jitter cost over TCP. Reports each worker's iteration rate and what matters for the protocol: for
 Hop the largest iteration gap, skips, queue and token high-water marks; for group
 protocols their groups and coordinator; for eager-SGD who started the rounds. The same
 inputs and seed give byte-identical --json output.
@@ -88,10 +89,17 @@ def register(subparsers: Any) -> None:
                      help="one-way latency of every link in ms (default: 0)")
     sim.add_argument("--link-gbps", default="0", metavar="G",
                      help="bandwidth of every link in Gbit/s; 0 = unlimited (default: 0)")
+    sim.add_argument("--link-loss", default="0", metavar="P",
+                     help="share of TCP segments every link loses, 0 to <1 (0.01 or 1%%); a lost segment costs a "
+                          "round trip, or a retransmission timeout (200 ms + RTT) when it ends a message (default: 0)")
+    sim.add_argument("--link-jitter-ms", default="0", metavar="MS",
+                     help="each segment's extra delay on every link, uniform within +-MS; a message is whole "
+                          "when its last segment is (default: 0)")
     sim.add_argument("--link-model", default=None, metavar="FILE",
-                     help="latency and bandwidth per pair of machines (the graph's machine labels), as JSON: "
-                          '{"links": [{"between": [A, B], "latency_ms": MS, "gbps": G}, ...]}; a side is a '
-                          'machine, a list of machines or "*"; other links keep --link-latency-ms/--link-gbps')
+                     help="latency, bandwidth, loss and jitter per pair of machines (the graph's machine labels), "
+                          'as JSON: {"links": [{"between": [A, B], "latency_ms": MS, "gbps": G, "loss": P, '
+                          '"jitter_ms": MS}, ...]}; a side is a machine, a list of machines or "*"; other links '
+                          "keep the --link-* flags")
     sim.add_argument("--model-mb", default="0", metavar="MB",
                      help="bytes charged to the link per update, in MB of 10^6 bytes (default: 0)")
     sim.add_argument("--stop", action="append", default=[], metavar="R:K",
@@ -136,6 +144,16 @@ def _number(flag: str, text: str) -> float:
         raise ConfigError(f"{flag}: expected a finite number, got {text!r}")
     if value < 0:
         raise ConfigError(f"{flag} must be >= 0 (got {text})")
+    return value
+
+
+def _share(flag: str, text: str) -> float:
+    """A share from 0 to below 1, as a fraction (0.01) or a percentage (1%)."""
+    stripped = str(text).strip()
+    percent = stripped.endswith("%")
+    value = _number(flag, stripped[:-1] if percent else stripped) / (100 if percent else 1)
+    if value >= 1:
+        raise ConfigError(f"{flag} must be below 1 (100%) (got {text})")
     return value
 
 
@@ -220,6 +238,8 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
         raise ConfigError(f"--iterations must be >= 1 (got {iterations})")
     latency_ms = _number("--link-latency-ms", args.link_latency_ms)
     gbps = _number("--link-gbps", args.link_gbps)
+    loss = _share("--link-loss", args.link_loss)
+    jitter_ms = _number("--link-jitter-ms", args.link_jitter_ms)
     model_mb = _number("--model-mb", args.model_mb)
     stops = parse_stops(list(args.stop), n)
     # a joiner's rank counts up from the first world size: --compute-ms-rank may name the scheduled ones
@@ -227,10 +247,14 @@ def build_spec(args: argparse.Namespace) -> tuple[SimSpec, dict[str, Any]]:
     from hopnet.sim.engine import SimSpec
     from hopnet.sim.links import load_link_model
     from hopnet.transports.inproc import LinkModel
+    from hopnet.transports.link_faults import LinkFaults
 
-    link = LinkModel(latency_s=latency_ms / 1000.0, bytes_per_s=gbps * 1e9 / 8)
+    link = LinkModel(latency_s=latency_ms / 1000.0, bytes_per_s=gbps * 1e9 / 8,
+                     faults=LinkFaults(loss, jitter_ms / 1000.0))
     link_inputs: dict[str, Any] = {"latency_ms": latency_ms, "gbps": gbps, "latency_s": link.latency_s,
                                    "bytes_per_s": link.bytes_per_s}
+    if link.faults:  # (absent when clean: the JSON of a run without them stays as it was)
+        link_inputs.update(loss=loss, jitter_ms=jitter_ms)
     if args.link_model is not None:
         link, rules = load_link_model(args.link_model, graph, link)
         link_inputs["rules"] = [rule.to_dict() for rule in rules]

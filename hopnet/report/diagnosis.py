@@ -6,7 +6,9 @@ From the event records alone (docs/reference/events.md) this finds
 - **slow links**: directed links whose measured transfer time (an update's send on one
   rank to the end of the wait for it on the other) is large beside the compute;
 - **who waited on whom**: the share of each rank's step time spent waiting on each peer
-  (the ``wait_updates_from`` / ``wait_tokens_from`` fields of its iteration records).
+  (the ``wait_updates_from`` / ``wait_tokens_from`` fields of its iteration records);
+- **lossy and high-latency links**: from the kernel's round trips and retransmissions per
+  connection (the ``links`` records) and the update arrivals (:mod:`hopnet.report.links`).
 
 It then builds a :class:`Scenario` of this run (its graph and options, each rank's measured
 compute per step, each link's measured transfer time) and a few :class:`Option` s to try.
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from hopnet.config import ProtocolConfig, option_text
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
+from hopnet.report.links import LinkHealth, bytes_per_step, link_health, unhealthy
 from hopnet.report.rundir import Record, RunData
 from hopnet.report.stats import RunStats, run_stats
 
@@ -81,12 +84,17 @@ class Scenario:
     """Measured transfer time of the links that were waited on (src, dst)."""
     default_link_s: float
     """Transfer time of every other link: the fastest measured one (0 when none was)."""
+    link_faults: dict[tuple[int, int], tuple[float, float, float | None]] = field(default_factory=dict)
+    """Measured loss (the retransmitted share), jitter and round trip (seconds; None: unknown) of the
+    lossy or high-latency links."""
+    message_bytes: int = 0
+    """Bytes a link carried per iteration (the kernel's count; 0: unknown): what a lost segment is out of."""
 
     def without_limits(self) -> Scenario:
-        """Every rank at the median compute, every link at the default, no slowdowns."""
+        """Every rank at the median compute, every link at the default, no slowdowns or link faults."""
         median = statistics.median(self.compute_s.values())
         return Scenario(self.graph, self.config.replace(slowdown=[]), self.iterations,
-                        dict.fromkeys(self.compute_s, median), {}, self.default_link_s)
+                        dict.fromkeys(self.compute_s, median), {}, self.default_link_s, {}, self.message_bytes)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,8 @@ class Diagnosis:
     """``waits[i][j]``: share of rank i's step time spent waiting on peer j (updates and tokens)."""
     wait_shares: dict[int, float]
     """Share of each rank's step time spent waiting at all (updates and tokens)."""
+    links: list[LinkHealth] = field(default_factory=list)
+    """The lossy and high-latency links (:mod:`hopnet.report.links`), the worst first."""
     scenario: Scenario | None = None
     simulated_s: float | None = None
     """The simulator's run time for this run as measured (how well the scenario fits)."""
@@ -150,17 +160,28 @@ class Diagnosis:
                 text += (f"; {_ranks(s.waiters)} wait {share} of their time for it" if len(s.waiters) > 1
                          else f"; {_ranks(s.waiters)} waits {share} of its time for it")
             lines.append(text)
+        named = {(h.src, h.dst) for h in self.links}
+        lines += [health.words() for health in self.links]
         for link in self.slow_links:
+            if (link.src, link.dst) in named:
+                continue
             lines.append(f"link {link.src}→{link.dst} takes {_ms(link.transfer_s)} per update, "
                          f"{_times(link.transfer_s / self.median_compute_s)} the median compute step "
                          f"({_ms(self.median_compute_s)}); rank {link.dst} waits {_pct(link.share)} of its time on it")
-        if not self.stragglers and not self.slow_links:
+        if not self.stragglers and not self.slow_links and not self.links:
             top = max(self.wait_shares.values(), default=0.0)
             lines.append(f"no straggler or slow link: ranks compute within {_times(STRAGGLER_FACTOR)} of the "
                          f"median ({_ms(self.median_compute_s)} per step) and wait at most {_pct(top)} of their time")
-        if (self.stragglers or self.slow_links) and self.simulated_s and self.unlimited_s:
+        if (self.stragglers or self.slow_links or self.links) and self.simulated_s and self.unlimited_s:
             lines.append(f"without them the simulator predicts {_times(self.simulated_s / self.unlimited_s)} "
                          "faster (every rank at the median compute, every link at the fastest one's time)")
+        if self.links and self.predictions:
+            tried = [f"`{p.option.flags}` " + (f"{_times(p.speedup)} faster" if p.speedup >= 1.05 else
+                                                 f"no gain ({p.speedup:.2f}x)")
+                     for p in self.predictions if p.speedup is not None]
+            if tried:
+                lines.append("options that tolerate the link, simulated with its measured latency, loss and jitter: "
+                             + ", ".join(tried))
         best = self.best
         if best is not None and best.speedup is not None:
             verdict = (f"simulator predicts {best.speedup:.1f}x faster" if best.speedup >= 1.05 else
@@ -259,10 +280,12 @@ def update_arrivals(run: RunData) -> list[tuple[int, int, int, float, float]]:
     return arrivals
 
 
-def link_times(run: RunData) -> dict[tuple[int, int], float]:
-    """Median measured transfer time per directed link, over the waits that named its sender."""
+def link_times(run: RunData, arrivals: list[tuple[int, int, int, float, float]] | None = None
+               ) -> dict[tuple[int, int], float]:
+    """Median measured transfer time per directed link, over the waits that named its sender
+    (``arrivals``: :func:`update_arrivals`, when the caller has them)."""
     samples: dict[tuple[int, int], list[float]] = {}
-    for src, dst, k, sent, arrived in update_arrivals(run):
+    for src, dst, k, sent, arrived in update_arrivals(run) if arrivals is None else arrivals:
         if k > 0:  # iteration 0's updates also wait for the connections to open
             samples.setdefault((src, dst), []).append(arrived - sent)
     return {link: _median(values) for link, values in sorted(samples.items())}
@@ -290,6 +313,9 @@ def candidate_options(config: ProtocolConfig, graph: Graph, stragglers: bool, sl
     elif stragglers or slow_links:
         changes += [({"protocol": "hop", "backup_workers": 1, "skip_threshold": 2, "max_jump": 8, "max_ig": 4},
                      "Hop with a backup worker: no worker waits for the slowest neighbour")]
+    if slow_links and config.protocol != "diloco":
+        changes += [({"protocol": "diloco", "local_steps": 10},
+                     "DiLoCo: one all-reduce every 10 local steps, a tenth of the messages on the link")]
     options: list[Option] = []
     for change, why in changes:
         try:
@@ -324,7 +350,8 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
             if c >= STRAGGLER_FACTOR * median:
                 waiters = {r: w[rank] for r, w in waits.items() if w.get(rank, 0.0) >= NOTABLE_WAIT}
                 stragglers.append(Straggler(rank, c, c / median, waiters))
-    links = link_times(run)
+    arrivals = update_arrivals(run)
+    links = link_times(run, arrivals)
     fastest = min(links.values(), default=0.0)
     straggling = {s.rank for s in stragglers}
     slow_links = []
@@ -334,7 +361,8 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
                 and transfer >= SLOW_LINK_FACTOR * max(fastest, 1e-6) and share >= NOTABLE_WAIT):
             slow_links.append(SlowLink(src, dst, transfer, share))
     slow_links.sort(key=lambda link: -link.transfer_s)
-    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, failure=_failure(run))
+    health = unhealthy(link_health(run, arrivals, waits))
+    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, health, failure=_failure(run))
     if not any(waits.values()) and any(wait_shares.values()):
         diagnosis.notes.append("the logs do not say which peer each wait was for (a protocol or hopnet "
                                "version that does not record wait_updates_from)")
@@ -342,7 +370,7 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
         diagnosis.notes.append(f"no prediction: the run went through {len(stats.views)} views (elastic) and the "
                                "simulator models one graph")
         return diagnosis
-    scenario = _scenario(run, stats, links, fastest)
+    scenario = _scenario(run, stats, links, fastest, health)
     diagnosis.scenario = scenario
     if scenario is None:
         diagnosis.notes.append("no prediction: the run directory lacks graph.json or the run's options")
@@ -370,7 +398,7 @@ def _failure(run: RunData) -> str | None:
 
 
 def _scenario(run: RunData, stats: RunStats, links: dict[tuple[int, int], float],
-              fastest: float) -> Scenario | None:
+              fastest: float, health: list[LinkHealth]) -> Scenario | None:
     if run.graph is None or run.config is None:
         return None
     base = {rank: base_compute(run.events.get(rank, [])) for rank in range(run.graph.n)}
@@ -388,13 +416,18 @@ def _scenario(run: RunData, stats: RunStats, links: dict[tuple[int, int], float]
         # slowdowns already, so they must not stretch them again.
         config = config.replace(slowdown=[])
     slow = {link: t for link, t in links.items() if t > fastest}
+    for h in health:  # a link without update arrivals (an all-reduce's) takes the kernel's latency
+        if h.latency_s is not None and (h.src, h.dst) not in slow:
+            slow[(h.src, h.dst)] = h.latency_s
+    faults = {(h.src, h.dst): (min(h.retransmitted or 0.0, 0.5), h.jitter_s or 0.0, h.rtt_s) for h in health}
+    steps = max((s.iterations for s in stats.ranks.values()), default=0)
     return Scenario(run.graph, config, iterations, {r: (fill if c is None else c) for r, c in base.items()},
-                    slow, fastest)
+                    slow, fastest, faults, bytes_per_step(run, steps))
 
 
 def _predict(diagnosis: Diagnosis, scenario: Scenario, predictor: Predictor) -> None:
     options = candidate_options(scenario.config, scenario.graph, bool(diagnosis.stragglers),
-                                bool(diagnosis.slow_links))
+                                bool(diagnosis.slow_links or diagnosis.links))
     try:
         simulated = predictor(scenario, [scenario.config, *(o.config for o in options)])
         unlimited = predictor(scenario.without_limits(), [scenario.without_limits().config])

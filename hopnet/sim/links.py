@@ -2,15 +2,18 @@
 
     {"links": [
         {"between": ["*", "*"], "latency_ms": 0.05, "gbps": 100},
-        {"between": [["m0", "m1"], ["m2", "m3"]], "latency_ms": 30, "gbps": 1}
+        {"between": [["m0", "m1"], ["m2", "m3"]], "latency_ms": 30, "gbps": 1, "loss": 0.01, "jitter_ms": 5}
     ]}
 
-Each rule sets the latency and bandwidth of every worker-to-worker link whose ends are on
-machines of its two sides (in either direction), by the graph's ``machine`` labels. A side
+Each rule sets the latency, bandwidth, loss and jitter of every worker-to-worker link whose ends
+are on machines of its two sides (in either direction), by the graph's ``machine`` labels. A side
 is a label, a list of labels, or ``"*"`` (any machine, an unlabelled node included). A rule
-may leave out ``latency_ms`` or ``gbps``. When several rules name a link, each sets what
-it gives, in order (the last one wins); what none sets comes from the links' defaults
-(``--link-latency-ms``, ``--link-gbps``), as does all of a link that no rule names.
+may leave out any of ``latency_ms``, ``gbps``, ``loss`` (the share of TCP segments lost, 0 to
+1) and ``jitter_ms`` (each segment's extra delay, uniform within +-jitter; see
+:mod:`hopnet.transports.link_faults` for what they cost a message). When several rules name a
+link, each sets what it gives, in order (the last one wins); what none sets comes from the links'
+defaults (``--link-latency-ms``, ``--link-gbps``, ``--link-loss``, ``--link-jitter-ms``), as does
+all of a link that no rule names.
 Bandwidth is per directed worker-to-worker link, as for ``--link-gbps``: links between the
 same two machines do not share it.
 """
@@ -26,9 +29,11 @@ from typing import Any
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.transports.inproc import LinkModel
+from hopnet.transports.link_faults import LinkFaults
 
 ANY = "*"
-_RULE_KEYS = ("between", "latency_ms", "gbps")
+_RULE_KEYS = ("between", "latency_ms", "gbps", "loss", "jitter_ms")
+_SETTINGS = _RULE_KEYS[1:]
 
 
 @dataclass(frozen=True)
@@ -39,16 +44,17 @@ class LinkRule:
     b: frozenset[str] | None
     latency_ms: float | None
     gbps: float | None
+    loss: float | None = None
+    jitter_ms: float | None = None
 
     def matches(self, src: str | None, dst: str | None) -> bool:
         return (_on(self.a, src) and _on(self.b, dst)) or (_on(self.a, dst) and _on(self.b, src))
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"between": [_side_json(self.a), _side_json(self.b)]}
-        if self.latency_ms is not None:
-            data["latency_ms"] = self.latency_ms
-        if self.gbps is not None:
-            data["gbps"] = self.gbps
+        for key in _SETTINGS:
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         return data
 
 
@@ -73,17 +79,21 @@ def parse_rules(data: Any, graph: Graph, where: str = "link model") -> list[Link
 def _rule(item: Any, k: int, labels: set[str], where: str) -> LinkRule:
     at = f"{where}: links[{k}]"
     if not isinstance(item, dict):
-        raise ConfigError(f"{at}: expected an object with between, latency_ms, gbps")
+        raise ConfigError(f"{at}: expected an object with between and any of {', '.join(_SETTINGS)}")
     unknown = sorted(set(item) - set(_RULE_KEYS))
     if unknown:
         raise ConfigError(f"{at}: unknown key {unknown[0]!r} (allowed: {', '.join(_RULE_KEYS)})")
     between = item.get("between")
     if not isinstance(between, list) or len(between) != 2:
         raise ConfigError(f'{at}: "between" must be a list of two sides (a machine, a list of machines or "*")')
-    if "latency_ms" not in item and "gbps" not in item:
-        raise ConfigError(f"{at}: sets neither latency_ms nor gbps")
+    if not any(key in item for key in _SETTINGS):
+        raise ConfigError(f"{at}: sets neither latency_ms nor gbps, loss or jitter_ms")
     a, b = (_side(side, labels, at) for side in between)
-    return LinkRule(a, b, _number(item, "latency_ms", at), _number(item, "gbps", at))
+    loss = _number(item, "loss", at)
+    if loss is not None and loss >= 1:
+        raise ConfigError(f"{at}: loss is a share of segments, from 0 to below 1, got {loss!r}")
+    return LinkRule(a, b, _number(item, "latency_ms", at), _number(item, "gbps", at), loss,
+                    _number(item, "jitter_ms", at))
 
 
 def _side(side: Any, labels: set[str], at: str) -> frozenset[str] | None:
@@ -113,9 +123,11 @@ def apply_rules(base: LinkModel, rules: list[LinkRule], graph: Graph) -> LinkMod
     machines = tuple(graph.machines)
     present = sorted(set(machines), key=lambda m: (m is not None, m or ""))
     pairs: dict[tuple[str | None, str | None], tuple[float, float]] = {}
+    faults: dict[tuple[str | None, str | None], LinkFaults] = {}
     for src in present:
         for dst in present:
             latency, bandwidth, named = base.latency_s, base.bytes_per_s, False
+            loss, jitter_s = base.faults.loss, base.faults.jitter_s
             for rule in rules:
                 if rule.matches(src, dst):
                     named = True
@@ -123,9 +135,16 @@ def apply_rules(base: LinkModel, rules: list[LinkRule], graph: Graph) -> LinkMod
                         latency = rule.latency_ms / 1000.0
                     if rule.gbps is not None:
                         bandwidth = rule.gbps * 1e9 / 8
+                    if rule.loss is not None:
+                        loss = rule.loss
+                    if rule.jitter_ms is not None:
+                        jitter_s = rule.jitter_ms / 1000.0
             if named:
                 pairs[(src, dst)] = (latency, bandwidth)
-    return replace(base, machines=machines if pairs else (), between_machines=pairs)
+                faults[(src, dst)] = LinkFaults(loss, jitter_s)
+    if not any(faults.values()) and not base.faults:
+        faults = {}
+    return replace(base, machines=machines if pairs else (), between_machines=pairs, machine_faults=faults)
 
 
 def load_link_model(path: str, graph: Graph, base: LinkModel) -> tuple[LinkModel, list[LinkRule]]:

@@ -52,4 +52,5 @@ def network(spec: SimSpec, scale: float) -> InprocNetwork:
     bytes, the stand-ins' messages charged at ``scale``."""
     stand_in_kinds = (COLLECTIVE_KIND, AVERAGING_REQUEST, AVERAGING_REPLY)
     return InprocNetwork(spec.link, virtual_bytes={"update": spec.model_bytes} if spec.model_bytes else None,
-                         byte_scale=None if spec.param_dim else {kind: scale for kind in stand_in_kinds})
+                         byte_scale=None if spec.param_dim else {kind: scale for kind in stand_in_kinds},
+                         seed=spec.config.seed)

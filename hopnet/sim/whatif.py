@@ -2,7 +2,8 @@
 
 Each rank computes its measured median step (``--slowdown`` stretches it as in the run), each
 link that was waited on takes its measured transfer time as latency, every other link the
-fastest one's. The predicted time of a config is the virtual time until every worker finished
+fastest one's; a lossy or jittery link also loses and jitters as measured
+(:mod:`hopnet.transports.link_faults`). The predicted time of a config is the virtual time until every worker finished
 the scenario's iterations, so options compare as ratios on the same model of this run.
 """
 
@@ -15,6 +16,7 @@ from hopnet.errors import HopnetError
 from hopnet.report.diagnosis import Scenario
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 from hopnet.transports.inproc import LinkModel
+from hopnet.transports.link_faults import LinkFaults
 
 VIRTUAL_TIMEOUT_S = 1e5
 
@@ -28,7 +30,8 @@ def _compute_model(scenario: Scenario) -> ComputeModel:
 
 def _link_model(scenario: Scenario) -> LinkModel:
     return LinkModel(latency_s=scenario.default_link_s,
-                     overrides={link: (seconds, 0.0) for link, seconds in scenario.link_s.items()})
+                     overrides={link: (seconds, 0.0) for link, seconds in scenario.link_s.items()},
+                     link_faults={link: LinkFaults(*faults) for link, faults in scenario.link_faults.items()})
 
 
 def simulated_seconds(scenario: Scenario, config: ProtocolConfig) -> float | None:
@@ -37,7 +40,8 @@ def simulated_seconds(scenario: Scenario, config: ProtocolConfig) -> float | Non
     # In virtual time a long wait costs nothing real: let a wait last as long as the slowest step needs.
     timeout = max(config.timeout_s, VIRTUAL_TIMEOUT_S)
     spec = SimSpec(graph=scenario.graph, config=config.replace(timeout_s=timeout), iterations=scenario.iterations,
-                   compute=_compute_model(scenario), link=_link_model(scenario), gap_matrix=False)
+                   compute=_compute_model(scenario), link=_link_model(scenario), gap_matrix=False,
+                   model_bytes=scenario.message_bytes)
     try:
         result = simulate(spec)
     except HopnetError:

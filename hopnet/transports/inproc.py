@@ -5,13 +5,15 @@ loop) or each have their own loop thread (multi-node tests). Tensors are copied 
 send time, as a network would, so a sender may modify its buffer once ``send`` returns.
 
 An optional :class:`LinkModel` delays each delivery by latency plus size over
-bandwidth, with a FIFO per directed link so messages on one link keep their order.
+bandwidth, plus what a lossy or jittery link costs over TCP (:mod:`hopnet.transports.link_faults`,
+drawn from the network's seed), with a FIFO per directed link so messages on one link keep their order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 from hopnet.errors import HopnetError
 from hopnet.transports.base import DISCARD, Receiver, Transport
+from hopnet.transports.link_faults import RTO_MIN_S, LinkFaults
 from hopnet.wire import Message, is_known_kind
 
 
@@ -31,6 +34,9 @@ class LinkModel:
     ``between_machines`` maps a pair of machine labels (``machines[rank]``, None for a rank
     without one) to the parameters of every link from a rank on the first to a rank on the
     second (:mod:`hopnet.sim.links` builds it from a file). The first that names a link wins.
+    ``faults`` (loss and jitter, :class:`~hopnet.transports.link_faults.LinkFaults`) applies to
+    every link but those ``link_faults`` (per directed link) or ``machine_faults`` (per pair of
+    machine labels) name, in that order.
     """
 
     latency_s: float = 0.0
@@ -38,6 +44,24 @@ class LinkModel:
     overrides: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     machines: tuple[str | None, ...] = ()
     between_machines: dict[tuple[str | None, str | None], tuple[float, float]] = field(default_factory=dict)
+    faults: LinkFaults = field(default_factory=LinkFaults)
+    link_faults: dict[tuple[int, int], LinkFaults] = field(default_factory=dict)
+    machine_faults: dict[tuple[str | None, str | None], LinkFaults] = field(default_factory=dict)
+
+    @property
+    def has_faults(self) -> bool:
+        return bool(self.faults) or any(self.link_faults.values()) or any(self.machine_faults.values())
+
+    def faults_of(self, src: int, dst: int) -> LinkFaults:
+        found = self.link_faults.get((src, dst))
+        if found is not None:
+            return found
+        machines = self.machines
+        if self.machine_faults and 0 <= src < len(machines) and 0 <= dst < len(machines):
+            found = self.machine_faults.get((machines[src], machines[dst]))
+            if found is not None:
+                return found
+        return self.faults
 
     def params(self, src: int, dst: int) -> tuple[float, float]:
         found = self.overrides.get((src, dst))
@@ -52,13 +76,27 @@ class LinkModel:
         return self.latency_s, self.bytes_per_s
 
 
+@dataclass
+class _Due:
+    """A message in flight on a lossy or jittery link, and when it is whole at its receiver."""
+
+    due: float
+    target: InprocTransport
+    msg: Message
+    nbytes: int
+    tail_lost: bool
+    stalled: bool = False
+    """It waits for a retransmission timeout."""
+
+
 class InprocNetwork:
     """The shared medium the in-process transports of one run attach to."""
 
     def __init__(self, link_model: LinkModel | None = None,
                  virtual_bytes: dict[str, int] | None = None,
-                 byte_scale: dict[str, float] | None = None) -> None:
-        """``virtual_bytes`` charges the link model a size for tensor-less messages of a kind
+                 byte_scale: dict[str, float] | None = None, seed: int = 0) -> None:
+        """``seed``: what a lossy or jittery link draws from (one generator per directed link).
+        ``virtual_bytes`` charges the link model a size for tensor-less messages of a kind
         (the simulator runs Hop without real parameters but still models their transfer);
         ``byte_scale`` multiplies the size charged for messages of a kind (the simulator
         all-reduces a small stand-in for a large model's gradients)."""
@@ -68,6 +106,10 @@ class InprocNetwork:
         self._endpoints: dict[int, InprocTransport] = {}
         self._link_free_at: dict[tuple[int, int], float] = {}
         self._in_flight: dict[tuple[int, int], deque[tuple[InprocTransport, Message, int]]] = {}
+        self._seed = seed
+        self._faulty = link_model is not None and link_model.has_faults
+        self._link_rngs: dict[tuple[int, int], random.Random] = {}
+        self._due: dict[tuple[int, int], deque[_Due]] = {}
         # Deliveries run in one context of their own: asyncio would copy the sender's for each.
         self._context = contextvars.Context()
 
@@ -97,6 +139,58 @@ class InprocNetwork:
         self._link_free_at[(src, dst)] = done
         return done + latency - now
 
+    def _route_faulty(self, loop: asyncio.AbstractEventLoop, msg: Message, nbytes: int,
+                      target: InprocTransport) -> None:
+        """A message on a link with a model: latency, transfer, and what loss and jitter add; it is
+        delivered once due and every message ahead of it on its link was (one TCP stream delivers in
+        order, so a retransmission holds back what follows it)."""
+        model = self.link_model
+        assert model is not None
+        link = (msg.src, msg.dst)
+        latency, bandwidth = model.params(*link)
+        now = loop.time()
+        done = now
+        if bandwidth > 0:
+            done = max(now, self._link_free_at.get(link, now)) + nbytes / bandwidth
+            self._link_free_at[link] = done
+        extra, tail_lost = 0.0, False
+        faults = model.faults_of(*link)
+        if faults:
+            extra, tail_lost = faults.extra_delay(self._link_rng(link), nbytes, latency)
+        queue = self._due.setdefault(link, deque())
+        if queue and queue[-1].tail_lost:
+            # this message's first segment shows the receiver the hole: the lost tail ahead of it
+            # is retransmitted once that news is back, a round trip after the segment arrives
+            ahead = queue[-1]
+            ahead.tail_lost = False
+            resent = faults.resent_delay(self._link_rng(link), latency)
+            revealed = now + latency + faults.round_trip(latency) + resent
+            if revealed < ahead.due:
+                ahead.due, ahead.stalled = revealed, resent > 0
+                loop.call_at(revealed, self._deliver_due, loop, queue, context=self._context)
+        due = done + latency + extra
+        stalled = extra >= RTO_MIN_S
+        if queue and queue[0].stalled and faults.lost_any(self._link_rng(link), nbytes):
+            # behind a timeout: a loss waits for the next one, doubled (see link_faults)
+            due = max(due, queue[0].due + 2 * (faults.round_trip(latency) + RTO_MIN_S))
+            stalled, tail_lost = True, False
+        entry = _Due(due, target, msg, nbytes, tail_lost, stalled)
+        queue.append(entry)
+        loop.call_at(entry.due, self._deliver_due, loop, queue, context=self._context)
+
+    def _link_rng(self, link: tuple[int, int]) -> random.Random:
+        rng = self._link_rngs.get(link)
+        if rng is None:
+            rng = self._link_rngs[link] = random.Random(f"{self._seed}:{link[0]}:{link[1]}")
+        return rng
+
+    @staticmethod
+    def _deliver_due(loop: asyncio.AbstractEventLoop, queue: deque[_Due]) -> None:
+        now = loop.time() + 1e-9  # a timer may run a rounding error before the time it was set for
+        while queue and queue[0].due <= now:
+            entry = queue.popleft()
+            entry.target._on_message(entry.msg, entry.nbytes)
+
     @staticmethod
     def _deliver_oldest(in_flight: deque[tuple[InprocTransport, Message, int]]) -> None:
         target, msg, nbytes = in_flight.popleft()
@@ -110,6 +204,9 @@ class InprocNetwork:
         sender_loop, call_soon = sender.loop, sender._call_soon
         if sender_loop is None or call_soon is None:
             raise HopnetError(f"rank {sender.rank}: an in-process transport sends only once started")
+        if target.loop is sender_loop and self._faulty:
+            self._route_faulty(sender_loop, msg, nbytes, target)
+            return
         delay = self._arrival_delay(sender_loop, msg.src, msg.dst, nbytes)
         if target.loop is sender_loop:
             # Arrival times never decrease along a link, but timers due at the same instant may
