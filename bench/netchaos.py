@@ -61,6 +61,9 @@ TRANSIENT_S = 1.5
 """Shorter than half --peer-timeout: TCP's retransmission backoff may keep a healed link silent up
 to about twice the cut (a segment lost at the cut is retried 0.2, 0.6, 1.4, 3.0 s after it)."""
 NAMED_WITHIN_S = PEER_TIMEOUT_S + 2.0
+FAULT_ITERATIONS = {"jitter": 200}
+"""Fewer iterations where each costs a round trip of 100 ms or more (slowdowns are per iteration;
+against a clean run of as many)."""
 STALL_S = 60.0
 """A run whose launchers are still up but whose ranks logged no new iteration for this long hangs
 (the workers' own --timeout is 30 s, and a launcher stops within seconds of a failure)."""
@@ -96,6 +99,11 @@ class Outcome:
     lines: list[str]
     peer_dead: int
     lost_or_twice: int
+    iterations: int = ITERATIONS
+
+    @property
+    def per_iteration_s(self) -> float | None:
+        return self.training_s / self.iterations if self.training_s else None
 
 
 @dataclass
@@ -112,9 +120,9 @@ class Trial:
 
     @property
     def slowdown(self) -> float | None:
-        if self.outcome is None or self.outcome.training_s is None or not self.clean_s:
-            return None
-        return self.outcome.training_s / self.clean_s
+        """Time per iteration against the clean run's (a jittery link's runs are shorter)."""
+        mine = self.outcome.per_iteration_s if self.outcome is not None else None
+        return mine / self.clean_s if mine and self.clean_s else None
 
 
 def apply_fault(link: ForwardedLink, fault: str) -> None:
@@ -217,7 +225,7 @@ def run_pair(link: ForwardedLink, key: Path, base: Path, protocol: str, plane: s
                    named_s=(min(named) - cut_at) if named and cut_at is not None else None,
                    lines=[t for t in texts if t.startswith("hopnet launch: ")],
                    peer_dead=len(_records(base / "node0", "peer_dead") + _records(base / "node1", "peer_dead")),
-                   lost_or_twice=lost_or_twice)
+                   lost_or_twice=lost_or_twice, iterations=iterations)
 
 
 def judge(trial: Trial) -> None:
@@ -282,7 +290,7 @@ def main() -> None:
     trials = plan_trials(args.trials, rng, args.protocols.split(","), args.faults.split(","))
     base = Path(tempfile.mkdtemp(prefix="netchaos"))
     key = write_key_file(base / "run.key", CurveKeys.generate())
-    clean: dict[tuple[str, str], Outcome] = {}
+    clean: dict[tuple[str, str, int], Outcome] = {}
     port = 29700 + rng.randrange(100)
     if args.compare:
         with ForwardedLink(seed=args.seed) as link:
@@ -291,16 +299,17 @@ def main() -> None:
         return
     with ForwardedLink(seed=args.seed) as link:
         for i, trial in enumerate(trials):
-            pair = (trial.protocol, trial.plane)
+            iterations = FAULT_ITERATIONS.get(trial.fault, args.iterations)
+            pair = (trial.protocol, trial.plane, iterations)
             if trial.fault in SURVIVABLE and pair not in clean:
                 port += 1
-                clean[pair] = run_pair(link, key, base / f"clean-{trial.protocol}-{trial.plane}", trial.protocol,
-                                       trial.plane, None, False, 0.0, port, iterations=args.iterations)
+                clean[pair] = run_pair(link, key, base / f"clean-{trial.protocol}-{trial.plane}-{iterations}",
+                                       trial.protocol, trial.plane, None, False, 0.0, port, iterations=iterations)
             if pair in clean:
-                trial.clean_s, trial.clean_accuracy = clean[pair].training_s, clean[pair].accuracy
+                trial.clean_s, trial.clean_accuracy = clean[pair].per_iteration_s, clean[pair].accuracy
             port += 1
             trial.outcome = run_pair(link, key, base / f"t{i}", trial.protocol, trial.plane, trial.fault,
-                                     trial.tolerant, trial.at_s, port, iterations=args.iterations)
+                                     trial.tolerant, trial.at_s, port, iterations=iterations)
             judge(trial)
             print(row(i, trial), flush=True)
     print(summary(trials))
