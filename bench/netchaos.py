@@ -73,8 +73,7 @@ ITERATIONS = 800
 PROTOCOL_FLAGS = {"diloco": ["--local-steps", "10"], "pipe-sgd": ["--pipeline-k", "2"]}
 SLOW_LINK_CONFIGS = {
     "allreduce": ("allreduce", []),
-    "hop --backup-workers 1 --staleness 4 --max-ig 16": ("hop", ["--backup-workers", "1", "--staleness", "4",
-                                                                  "--max-ig", "16"]),
+    "hop --backup-workers 1 --staleness 4": ("hop", ["--backup-workers", "1", "--staleness", "4"]),
     "ad-psgd": ("ad-psgd", []),
     "diloco --local-steps 10": ("diloco", ["--local-steps", "10"]),
 }
