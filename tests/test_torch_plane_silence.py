@@ -115,8 +115,8 @@ def test_a_link_cut_for_good_is_named_by_the_ranks_at_its_ends_within_the_peer_t
     """Two emulated hosts joined by the user-space forwarder (bench/netem/forwarder.py), 2 workers
     each on ring:4, Hop over `--bulk torch`; the link is then cut both ways for good. No packet
     crosses, no reset comes: each rank whose neighbour is across the cut declares it dead from its
-    silence, within --peer-timeout + 2 s (gloo alone would wait --timeout). How the launchers end
-    after a partition is not this test's business: both are killed once the records are in."""
+    silence, within --peer-timeout + 2 s (gloo alone would wait --timeout). Both launchers then
+    name the link, not a crash, and exit 1 by themselves (a non-tolerant run stops)."""
     sys.path.insert(0, str(REPO / "bench"))
     from netem.forwarder import Faults, ForwardedLink, unavailable_reason
 
@@ -154,6 +154,7 @@ def test_a_link_cut_for_good_is_named_by_the_ranks_at_its_ends_within_the_peer_t
 
             found = wait_until(declared, NAMED_WITHIN_S + 10, interval=0.2,
                                what="each rank at the cut to declare its neighbour across it dead")
+            codes = [proc.wait(timeout=60) for proc in procs]
         finally:
             workers = [pid for run_dir in run_dirs.values() for pid in recorded_worker_pids(run_dir).values()]
             for pid in [proc.pid for proc in procs] + workers:  # each worker leads a process group of its own
@@ -164,3 +165,8 @@ def test_a_link_cut_for_good_is_named_by_the_ranks_at_its_ends_within_the_peer_t
     for rank, dead in found.items():
         assert "cause" not in dead and dead["silent_s"] >= PEER_TIMEOUT_S, (rank, dead)
         assert dead["mono"] - cut <= NAMED_WITHIN_S, (rank, dead)
+    outputs = [(tmp_path / f"launch-{host}.txt").read_text(errors="replace") for host in ("a", "b")]
+    assert codes == [1, 1], outputs
+    for output in outputs:
+        assert "the link between node 0 (ranks 0, 1) and node 1 (ranks 2, 3) is down" in output, output[-3000:]
+        assert "died (" not in output and "killed by" not in output, output[-3000:]
