@@ -41,7 +41,7 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
                                                                    flags: list[str]) -> None:
     run_dir = tmp_path / "run"
     launcher = start_launch(["--nproc", "4", "--max-nproc", "6", "--protocol", protocol, *flags, "--run-dir",
-                             str(run_dir), DIGITS, "--iterations", "3000", "--eval-every", "100000"])
+                             str(run_dir), DIGITS, "--iterations", "4000", "--eval-every", "100000"])
     joiner: subprocess.Popen[str] | None = None
     try:
         # The joiners start while the first workers do (a joiner asks at its first step), so that on a busy

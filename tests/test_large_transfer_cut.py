@@ -154,11 +154,14 @@ def test_a_cut_in_the_middle_of_a_large_transfer_heals_or_ends_the_send_and_deli
     receiver.expect(lambda line: line.get("kind") == "token" and line["iter"] == 2)
     assert deliveries(receiver.seen, "update") == {1: [(1, True)], 3: [(1, True)]}
 
-    # A cut for good: each send ends within send_timeout (a margin for the loop's rounds), dropped and counted.
+    # A cut for good: each send ends within send_timeout (a margin for the loop's rounds), dropped and
+    # counted; or, on a busy machine where the cut came late, with every byte already in the sender's
+    # kernel, which then delivers the rest once the link heals: whole, or not at all.
     cut_mid_transfer(link, sender, receiver, 3)
     sent = sender.expect(lambda line: "sent" in line, timeout=SEND_TIMEOUT_S + WAIT_S)["sent"]
-    assert all(s["dropped"] == {"send_timeout": 1} for s in sent), sent
+    assert all(s["dropped"] in ({"send_timeout": 1}, {}) for s in sent), sent
     assert all(s["seconds"] <= SEND_TIMEOUT_S + 2.0 for s in sent), sent
+    dropped = {{0: 1, 2: 3}[s["rank"]]: bool(s["dropped"]) for s in sent}  # by receiving rank
     # The receivers keep nothing of it: no partial tensor is delivered, also once the link heals, and
     # the next message gets through (the stream's: it waits for no message of the stream cut short).
     link.set_faults()
@@ -166,7 +169,8 @@ def test_a_cut_in_the_middle_of_a_large_transfer_heals_or_ends_the_send_and_deli
     for _ in range(2):
         receiver.expect(lambda line: line.get("kind") == "token" and line["iter"] == 4)
     receiver.drain(quiet_s=1.0)
-    assert deliveries(receiver.seen, "update") == {1: [(1, True)], 3: [(1, True)]}
+    assert deliveries(receiver.seen, "update") == {
+        rank: [(1, True)] + ([] if dropped[rank] else [(3, True)]) for rank in (1, 3)}
     assert deliveries(receiver.seen, "token") == {1: [(0, None), (2, None), (4, None)],
                                                   3: [(0, None), (2, None), (4, None)]}
     receiver.tell("stats")
@@ -174,4 +178,4 @@ def test_a_cut_in_the_middle_of_a_large_transfer_heals_or_ends_the_send_and_deli
     assert all(not s["dropped"].get("duplicate") for s in stats.values()), stats
     # The stream's link kept its connection: the message cut short is a gap there. The ZeroMQ link was
     # reset (a new epoch): what it had queued was dropped and counted by the sender, not a gap.
-    assert stats["3"]["dropped"].get("gap") == 1 and not stats["1"]["dropped"].get("gap"), stats
+    assert stats["3"]["dropped"].get("gap", 0) == int(dropped[3]) and not stats["1"]["dropped"].get("gap"), stats
