@@ -55,9 +55,10 @@ from hopnet.elastic.stopped import raise_if_stopped
 from hopnet.transports.base import Transport
 from hopnet.transports.tcp_diag import link_counters
 from hopnet.wire import Message
+from hopnet.bootstrap.lanes import event_log_path, place_in_replica
+from hopnet.replica.base import NO_REPLICA, ReplicaSync
 from hopnet.bootstrap.init import (
     InitSpec,
-    ModelTensors,
     check_inputs,
     check_restarts,
     connect,
@@ -92,6 +93,30 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     partial = path.with_name(path.name + ".tmp")
     torch.save(state, partial)
     os.replace(partial, path)
+
+
+def model_state_of(worker: Worker) -> dict[str, torch.Tensor]:
+    """The model as checkpoints and handovers carry it (under fsdp, this process's shards)."""
+    if worker.module is not None:
+        return dict(worker.replica.model_state(worker.module))
+    return {f"params{i}": t for i, t in enumerate(worker.node.protocol.model_tensors())}
+
+
+def load_model_into(worker: Worker, state: Mapping[str, torch.Tensor]) -> None:
+    if worker.module is not None:
+        worker.replica.load_model_state(worker.module, dict(state))
+    else:
+        for i, tensor in enumerate(worker.node.protocol.model_tensors()):
+            tensor.copy_(state[f"params{i}"])
+
+
+def consensus_state(worker: Worker) -> dict[str, torch.Tensor] | None:
+    """What ``--save-model`` writes: the module's state_dict (under fsdp gathered over the replica, by
+    every member; ``None`` on those that do not write it), or the flat parameters of ``params=``."""
+    if worker.module is not None:
+        return worker.replica.full_model_state(worker.module)
+    flats = worker.node.protocol.model_tensors()
+    return {"params": flats[0]} if len(flats) == 1 else {f"params{i}": t for i, t in enumerate(flats)}
 
 
 def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
@@ -144,7 +169,8 @@ class Worker:
                  collective_factory: CollectiveFactory | None = None,
                  coordinator: CoordinatorClient | None = None, start_iteration: int = 0,
                  max_restarts: int = 0, restart: int = 0, max_failures: int = 0,
-                 module: torch.nn.Module | None = None, members: tuple[int, ...] | None = None) -> None:
+                 module: torch.nn.Module | None = None, members: tuple[int, ...] | None = None,
+                 replica: ReplicaSync = NO_REPLICA, process_rank: int | None = None) -> None:
         """``start_iteration``: resume there (after a checkpoint of the iteration before it).
         ``params``: the model's flat tensors (:meth:`ModelState.of`, what ``hopnet.init`` passes) or
         one bare flat parameter tensor. ``coordinator``: the client of the run's coordinator
@@ -153,12 +179,15 @@ class Worker:
         wait for them to come back); ``restart``: this process replaces its rank's dead worker (the
         ``restart``-th time) and takes a neighbour's state (:mod:`hopnet.runtime.rejoin`).
         ``max_failures``: workers the run may lose; a group a dead member broke is then rolled back.
-        ``members``: the rank on each node of ``graph`` if not ``0..n-1`` (an elastic joiner's: ``(rank,)``)."""
+        ``members``: the rank on each node of ``graph`` if not ``0..n-1`` (an elastic joiner's: ``(rank,)``).
+        ``replica``: this process's replica group (:mod:`hopnet.replica`), whose lane the node runs as
+        ``rank``; :attr:`rank` is then ``process_rank``, this process's rank in the run."""
         model = ModelState.wrap(params)
         if model is not None and model.device.type != "cpu" and not transport.carries_cuda:
             raise ConfigError(f"the model is on {model.device}: its tensors need the torch bulk plane "
                               "(--bulk torch or auto), not ZeroMQ")
-        self.rank = rank
+        self.rank = rank if process_rank is None else process_rank
+        self.replica = replica
         self.graph = graph
         self.config = config
         self.params = params
@@ -247,6 +276,7 @@ class Worker:
         self.node.protocol.final_iteration = total - 1
         if self.model is not None:
             self.model.check_bound()  # before the protocol sends the model (Node.plan begins it)
+        self.replica.refresh()
         self._thread.loop.call_soon_threadsafe(self.node.plan, total)
         if self.steps == 0:
             self._compute_started = time.monotonic()  # setup before the loop is not iteration 0's compute
@@ -275,7 +305,7 @@ class Worker:
             raise HopnetError(f"rank {self.rank}: step() after consensus(): training is over, close the worker")
         if self.model is not None:
             self.model.check_bound()
-        factor = self.slowdown.factor(self.rank, self.iteration)
+        factor = self.slowdown.factor(self.node.rank, self.iteration)
         if factor > 1.0:
             time.sleep((factor - 1.0) * (time.monotonic() - self._compute_started))
             self.report(slowdown=factor)
@@ -285,7 +315,9 @@ class Worker:
         compute_s = time.monotonic() - self._compute_started
         finished = self.iteration
         try:
-            self._thread.run(self.node.run_step(apply, last=ends, compute_s=compute_s))
+            self.replica.before_step()
+            self._thread.run(self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s))
+            self.replica.after_step()
         except Exception as exc:
             self.failure = exc
             raise_if_stopped(self.changeover, exc)  # an elastic run's membership ended it: its line says why
@@ -414,7 +446,9 @@ class Worker:
     @property
     def members(self) -> tuple[int, ...]:
         """The ranks of the view this worker trains in (what :class:`hopnet.data.ElasticSampler` divides)."""
-        return self.changeover.members if self.changeover is not None else tuple(range(self.graph.n))
+        if self.changeover is not None:
+            return self.changeover.members
+        return tuple(range(self.graph.n * self.replica.size))  # a replica's members read data apart, as under DDP
 
     @property
     def view(self) -> int:
@@ -444,18 +478,10 @@ class Worker:
         return path
 
     def _model_state(self) -> dict[str, torch.Tensor]:
-        if self.module is not None:
-            state = self.module.state_dict()
-        else:
-            state = {f"params{i}": t for i, t in enumerate(self.node.protocol.model_tensors())}
-        return dict(state)
+        return model_state_of(self)
 
     def _load_model(self, state: Mapping[str, torch.Tensor]) -> None:
-        if self.module is not None:
-            self.module.load_state_dict(state)
-        else:
-            for i, tensor in enumerate(self.node.protocol.model_tensors()):
-                tensor.copy_(state[f"params{i}"])
+        load_model_into(self, state)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
@@ -480,10 +506,12 @@ class Worker:
         same average for more messages."""
         protocol = self.node.protocol
         protocol.defer_gradient_sync(True)
+        self.replica.deferring(True)
         try:
             yield
         finally:
             protocol.defer_gradient_sync(False)
+            self.replica.deferring(False)
 
     def synchronize(self) -> None:
         """Average this iteration's gradient now, into each ``.grad``, under the protocols that
@@ -493,7 +521,9 @@ class Worker:
         if self._closed:
             raise HopnetError("synchronize() on a closed worker")
         try:
+            self.replica.before_synchronize()
             self._thread.run(self.node.protocol.synchronize())
+            self.replica.after_synchronize()
         except Exception as exc:
             self.failure = exc
             raise
@@ -532,18 +562,16 @@ class Worker:
         self.consensus_calls += 1
         try:
             result = self._thread.run(run_consensus(self.node, call))
+            self.replica.after_step()  # every member of a replica holds what its lanes averaged
         except Exception as exc:
             self.failure = exc
             raise
-        if self.save_model_to is not None and self.rank == result.members[0]:
-            if self.module is not None:
-                save_state_dict(self.module.state_dict(), self.save_model_to)
-            else:  # hopnet.init(params=...): the flat parameters are the model
-                flats = self.node.protocol.model_tensors()
-                save_state_dict({"params": flats[0]} if len(flats) == 1
-                                else {f"params{i}": t for i, t in enumerate(flats)}, self.save_model_to)
-            self.saved_model = self.save_model_to
-            self.record("model_saved", path=str(self.save_model_to), members=list(result.members))
+        if self.save_model_to is not None and self.node.rank == result.members[0]:
+            state = consensus_state(self)
+            if state is not None:
+                save_state_dict(state, self.save_model_to)
+                self.saved_model = self.save_model_to
+                self.record("model_saved", path=str(self.save_model_to), members=list(result.members))
         return result
 
     @property
@@ -731,7 +759,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     cfg = resolve_options(spec, context)
     check_inputs(spec, context, cfg)
     run = open_run(context, cfg)
-    tensors = ModelTensors.of(spec.model, spec.params)
+    process, (context, tensors, replica) = context, place_in_replica(spec, context, cfg)
     restarts = check_restarts(Restarts.from_environ(os.environ), cfg, context, tensors)
     elastic = ElasticSettings.from_environ(os.environ)
     channel = None
@@ -744,16 +772,17 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     transport, factory = connect(alone, cfg, tensors, replaceable=restarts.allowed > 0)
     try:
         settings = checkpoint.CheckpointSettings.from_environ(os.environ, run.run_dir)
-        resume_after = settings.resume_iteration(context.graph.n)
-        saved = (checkpoint.load(settings.directory, context.rank, resume_after)
+        resume_after = settings.resume_iteration(process.world_size)
+        saved = (checkpoint.load(settings.directory, process.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
         worker = Worker(rank=context.rank, graph=alone.graph, config=cfg, params=tensors.params,
                         transport=transport, exchange=None if joining else context.exchange(cfg, restarts.this),
-                        events=JsonlEventLog(Path(run.run_dir) / f"rank{context.rank}.jsonl"), grads=tensors.grads,
+                        events=JsonlEventLog(event_log_path(run.run_dir, context)), grads=tensors.grads,
                         collective_factory=factory, coordinator=client_from_environ(context.rank, cfg.peer_timeout_s),
                         start_iteration=0 if resume_after is None or restarts.this else resume_after + 1,
                         max_restarts=restarts.allowed, restart=restarts.this, max_failures=restarts.losses,
-                        module=spec.model, members=(context.rank,) if joining else None)
+                        module=spec.model, members=(context.rank,) if joining else None,
+                        replica=replica, process_rank=process.rank)
     except BaseException:
         run.finish(aborted=True)
         raise
@@ -765,7 +794,7 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
             raise
     worker.after_close.append(run.finish)
     if settings.every and settings.directory is not None:
-        worker.checkpointer = checkpoint.Checkpointer(settings.directory, context.rank, settings.every)
+        worker.checkpointer = checkpoint.Checkpointer(settings.directory, process.rank, settings.every)
     if saved is not None and not restarts.this:  # a replacement takes a neighbour's state instead
         worker.load_checkpoint(saved)
     if save_model_requested(os.environ):

@@ -72,11 +72,12 @@ class ModelState:
         return cls.of_tensor(params)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, *, buffers: bool = True) -> ModelState:
+    def of(cls, model: torch.nn.Module, *, buffers: bool = True, params: bool = True) -> ModelState:
         """Move ``model``'s trainable parameters and floating buffers into one flat storage per dtype.
-        ``buffers=False`` leaves every buffer out (each worker keeps its own, as integer ones are)."""
-        with_buffers = buffers
-        params: dict[int, torch.Tensor] = {}
+        ``buffers=False`` leaves every buffer out (each worker keeps its own, as integer ones are);
+        ``params=False`` the parameters (a model whose parameters FSDP holds: :mod:`hopnet.replica.fsdp`)."""
+        with_buffers, with_params = buffers, params
+        trainable: dict[int, torch.Tensor] = {}
         floating: dict[int, torch.Tensor] = {}
         owners: dict[int, list[tuple[dict[str, torch.Tensor | None], str, str]]] = {}
         local: list[str] = []
@@ -87,9 +88,9 @@ class ModelState:
                         continue
                     name = f"{prefix}.{key}" if prefix else key
                     if kind == "param":
-                        if not tensor.requires_grad:
+                        if not tensor.requires_grad or not with_params:
                             continue  # frozen: the same on every rank, nothing to mix
-                        params.setdefault(id(tensor), tensor)
+                        trainable.setdefault(id(tensor), tensor)
                     elif with_buffers and tensor.is_floating_point():
                         floating.setdefault(id(tensor), tensor)
                     else:
@@ -97,14 +98,16 @@ class ModelState:
                             local.append(name)
                         continue
                     owners.setdefault(id(tensor), []).append((table, key, name))  # type: ignore[arg-type]
-        if not params:
+        if not trainable and with_params:
             raise ConfigError("the model has no trainable parameters")
-        devices = {t.device for t in (*params.values(), *floating.values())}
+        if not trainable and not floating:
+            return cls([], [], [], local_buffers=local)
+        devices = {t.device for t in (*trainable.values(), *floating.values())}
         if len(devices) > 1:
             raise ConfigError(f"hopnet needs all parameters and buffers on one device; found "
                               f"{sorted(map(str, devices))}")
         dtypes: list[torch.dtype] = []
-        for t in (*params.values(), *floating.values()):
+        for t in (*trainable.values(), *floating.values()):
             if t.dtype not in dtypes:
                 dtypes.append(t.dtype)
         device = next(iter(devices))
@@ -113,7 +116,7 @@ class ModelState:
         buffer_parts: list[torch.Tensor] = []
         bound: list[_Bound] = []
         for dtype in dtypes:
-            ps = [t for t in params.values() if t.dtype == dtype]
+            ps = [t for t in trainable.values() if t.dtype == dtype]
             bs = [t for t in floating.values() if t.dtype == dtype]
             n_params, n_buffers = sum(t.numel() for t in ps), sum(t.numel() for t in bs)
             flat = torch.empty(n_params + n_buffers, dtype=dtype, device=device)

@@ -138,7 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _apply(self, k: int, source: int) -> None:
         """The protocol's apply: the wrapped step, unless the gradient to apply is not finite."""
-        if not all_finite_in(self._gradients()):
+        if not self.worker.replica.agree(all_finite_in(self._gradients())):  # a replica's members skip together
             self.skipped.append(k)
             self.worker.record("non_finite_gradient", iter=k, gradient_of=source,
                                averaged=not self._models_averaged)
@@ -149,7 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._step_with(self._settings.pop(source, None))
             for old in [i for i in self._settings if i < source]:
                 del self._settings[old]
-        if self._models_averaged and not self._model_finite():
+        if self._models_averaged and not self.worker.replica.agree(self._model_finite()):
             raise NonFiniteError(f"rank {self.worker.rank}: the optimizer step of iteration {k} left the model "
                                  "with inf or NaN; it is not sent to any neighbour", rank=self.worker.rank,
                                  iteration=k)
@@ -167,6 +167,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _restore(self.param_groups, current)
 
     def _gradients(self) -> list[torch.Tensor]:
+        sharded = self.worker.replica.gradients()  # fsdp: this member's shards of the gradient
+        if sharded is not None:
+            return sharded
         grads = self.worker.grads
         if isinstance(grads, FlatGradients):
             return grads.buffers  # one per dtype: written in place when unscaling

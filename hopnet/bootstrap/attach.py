@@ -30,6 +30,7 @@ from hopnet.bootstrap.external import ExternalEnv, route_address
 from hopnet.bootstrap.run_name import graph_label, make_run_dir
 from hopnet.rendezvous.store import HostedStore, connect_store, host_store
 from hopnet.rendezvous.via_store import StoreRendezvous
+from hopnet.replica.layout import ReplicaLayout
 
 STORE_CONNECT_S = 120.0
 """How long a rank waits for the run's store to answer (rank 0 may start last)."""
@@ -110,7 +111,8 @@ class AttachedRun:
 
 def attach(external: ExternalEnv, graph: Graph | str | os.PathLike[str] | None,
            environ: Mapping[str, str]) -> AttachedRun:
-    g = resolve_graph_argument(graph, environ, external.world_size)
+    replicas = ReplicaLayout.from_environ(environ, external.world_size).replicas  # the graph's nodes
+    g = resolve_graph_argument(graph, environ, replicas)
     flags, explicit = config_from_variables(environ)
     bind = environ.get(BIND, "").strip() or route_address(external.master_addr, external.master_port)
     hosted: HostedStore | None = None

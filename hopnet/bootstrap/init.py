@@ -36,6 +36,7 @@ from hopnet.bootstrap.external import detect
 from hopnet.bootstrap.options import check_coordinator_options, check_explicit
 from hopnet.rendezvous.client import exchange_addresses_async
 from hopnet.model_state import ModelState
+from hopnet.replica.layout import ReplicaLayout
 from hopnet.params import FlatGradients
 from hopnet.runtime.node import AddressExchange, CollectiveFactory
 from hopnet.security import CurveKeys, keys_from_environ
@@ -145,9 +146,11 @@ def find_launcher(graph: Graph | str | os.PathLike[str] | None, environ: Mapping
             check_same_graph(g, graph)
         context = WorkerContext(launched.rank, launched.world_size, g, launched.config(), launched.explicit_options,
                                 launched.bind_host, launched.store, keys_from_environ(environ), launched=launched)
-    if context.graph.n != context.world_size and not environ.get(JOIN, "").strip():
+    size = ReplicaLayout.from_environ(environ, context.world_size).size
+    if context.graph.n * size != context.world_size and not environ.get(JOIN, "").strip():
+        per = f" in replicas of {size}" if size > 1 else ""
         raise ConfigError(f"the graph has {context.graph.n} nodes but the launcher started "
-                          f"{context.world_size} workers")
+                          f"{context.world_size} workers{per}")
     return context
 
 
@@ -241,7 +244,8 @@ class ModelTensors:
     gradients in others (views keep ``.grad``)."""
 
     params: ModelState | None
-    grads: FlatGradients | None
+    grads: FlatGradients | torch.Tensor | None
+    """Hopnet's flat gradients; a member of a replica group its lane's slice of them (a tensor)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module | None, params: torch.Tensor | None) -> ModelTensors:
@@ -271,6 +275,10 @@ def check_restarts(restarts: Restarts, config: ProtocolConfig, context: WorkerCo
     return restarts
 
 
+def _nbytes(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.numel() * tensor.element_size()
+
+
 def connect(context: WorkerContext, config: ProtocolConfig,
             tensors: ModelTensors, *, replaceable: bool = False) -> tuple[Transport, CollectiveFactory | None]:
     """The transport to the graph's neighbours and the factory of the node's collectives,
@@ -286,8 +294,7 @@ def connect(context: WorkerContext, config: ProtocolConfig,
     factory = collective_factory(rank=context.rank, world_size=context.world_size, bulk=bulk,
                                  device=tensors.device, store_endpoint=context.store_endpoint,
                                  timeout_s=config.timeout_s, bind_host=context.bind_host,
-                                 tensor_bytes=grads.buffer.numel() * grads.buffer.element_size()
-                                 if grads is not None else None)
+                                 tensor_bytes=_nbytes(grads.buffer if isinstance(grads, FlatGradients) else grads))
     return transport, factory
 
 

@@ -122,11 +122,17 @@ def _exit_code(exc: BaseException | None) -> int:
 
 def _record_without_worker(exc: BaseException | None, code: int) -> None:
     """The failure came before hopnet.init finished (or after close): log it all the same."""
-    from hopnet.bootstrap.env import RANK, RUN_DIR
+    from hopnet.bootstrap.env import RANK, RUN_DIR, WORLD_SIZE
+    from hopnet.replica.layout import ReplicaLayout
 
     run_dir, rank = os.environ.get(RUN_DIR), os.environ.get(RANK)
     if run_dir and rank and rank.strip().isdigit() and os.path.isdir(run_dir):
-        shutdown.write_error_record(run_dir, int(rank), exc, code)
+        try:
+            layout = ReplicaLayout.from_environ(os.environ, int(os.environ.get(WORLD_SIZE, "0") or 0) or int(rank) + 1)
+        except Exception:  # noqa: BLE001 - a bad variable: the record goes where a rank's would
+            layout = ReplicaLayout()
+        log_name = layout.log_name(int(rank)) if layout.grouped else None
+        shutdown.write_error_record(run_dir, int(rank), exc, code, log_name=log_name)
 
 
 SIGNAL_GRACE_S = 0.5

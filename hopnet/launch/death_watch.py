@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hopnet.report.rundir import LogTail
+from hopnet.launch.worker_logs import peer_process, worker_log
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class DeathWatch:
 
     def __init__(self, run_dir: Path, ranks: Iterable[int], stopped_limit_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.tails = {rank: LogTail(run_dir / f"rank{rank}.jsonl", containing=b"peer_dead") for rank in ranks}
+        self.run_dir = run_dir
+        self.tails = {rank: LogTail(worker_log(run_dir, rank), containing=b"peer_dead") for rank in ranks}
         self.stopped_limit_s = stopped_limit_s
         self.clock = clock
         self.found: dict[int, Declaration] = {}
@@ -97,6 +99,7 @@ class DeathWatch:
                 if record.get("event") != "peer_dead":
                     continue
                 peer = record.get("peer")
+                peer = peer_process(self.run_dir, declarer, peer) if isinstance(peer, int) else peer
                 if not isinstance(peer, int) or peer in self.found or peer not in running \
                         or self._about_replaced(peer, record):
                     continue

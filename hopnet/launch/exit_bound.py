@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hopnet.launch.worker_logs import worker_log
+
 STOP_RECORD = (b'"event":"stop"', b'"event": "stop"')
 
 
@@ -15,7 +17,7 @@ def ends_with_event(run_dir: Path, rank: int, markers: tuple[bytes, ...], *, lin
     """Whether one of the last ``lines`` lines of ``rank``'s event log holds one of ``markers``
     (only the log's tail is read)."""
     try:
-        with (run_dir / f"rank{rank}.jsonl").open("rb") as handle:
+        with worker_log(run_dir, rank).open("rb") as handle:
             handle.seek(0, 2)
             handle.seek(max(0, handle.tell() - tail_bytes))
             tail = handle.read()

@@ -100,6 +100,8 @@ from hopnet.report.live import LaunchProgress
 from hopnet.report.view_watch import ViewWatch
 from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
+from hopnet.launch.replicas import lost_replicas, replicas_note, stop_replica_of
+from hopnet.launch.worker_logs import worker_log
 
 ABORT_POLL_S = 0.25
 DEATH_POLL_S = 0.2
@@ -248,7 +250,7 @@ class Launch:
         self.record.data["rendezvous"] = self.rendezvous_endpoint
         self.record.data["store"] = self.store_endpoint
         self.record.write()
-        self.output.say(f"{plan.world_size} workers, graph {plan.graph.name or self.run_dir / 'graph.json'}, "
+        self.output.say(f"{plan.world_size} workers{replicas_note(plan.replicas)}, graph {plan.graph.name or self.run_dir / 'graph.json'}, "
                         f"protocol {plan.config.protocol}, run dir {self.run_dir}")
         if self.threads_note:
             self.output.say(self.threads_note)
@@ -321,6 +323,8 @@ class Launch:
                                            explicit_options=plan.explicit_options)
         env = dict(self.base_env)
         env.update(worker_env.to_environ())
+        if plan.replicas.grouped:
+            env.update(plan.replicas.to_environ())
         env[STORE] = self.store_endpoint
         return env
 
@@ -378,14 +382,16 @@ class Launch:
             if code == 0 and not (self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
                 self.shutdown_talk.finished(time.monotonic())  # a lost worker's or a leaver's exit is no end
             if code != 0:
+                running = {r: p.pid for r, p in self.workers.procs.items() if p.returncode is None}
+                stop_replica_of(self.plan.replicas, rank, state.pending, running, kill_group, self.output.say)
                 total_lost = self.group.lose() if self.group is not None else None
                 if total_lost is None:  # one machine, or node 0's store cut off: what this launcher knows
-                    total_lost = len(state.lost)
+                    total_lost = lost_replicas(self.plan.replicas, state.lost)
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
                     self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{self._config_note(rank, code)});"
-                                    f" the others go on ({len(state.lost)} of --max-failures {spec.max_failures})")
+                                    f" the others go on ({total_lost} of --max-failures {spec.max_failures})")
 
     def _exit_overdue(self) -> bool:
         """Once a worker finished, the others have ``--exit-timeout`` (default ``--timeout``) to exit
@@ -408,7 +414,7 @@ class Launch:
         worker under the launcher does not print itself; else nothing."""
         if code != 2:
             return ""
-        error = read_log_facts(self.run_dir / f"rank{rank}.jsonl").error
+        error = read_log_facts(worker_log(self.run_dir, rank)).error
         if error is None or error.get("error") in (None, "SystemExit"):
             return ""
         return f": {error.get('error')}: {error.get('message')}"
@@ -540,7 +546,7 @@ class Launch:
         """Every machine stops on one abort record; the first launcher to write one is believed."""
         state = self.state
         blame = blame_run(self.run_dir, state)
-        error = read_log_facts(self.run_dir / f"rank{blame.rank}.jsonl").error
+        error = read_log_facts(worker_log(self.run_dir, blame.rank)).error
         blamed_peer = error.get("peer") if error else None
         held = None
         there = self.links.suspect(blamed_peer if isinstance(blamed_peer, int) else None) \
@@ -617,7 +623,7 @@ class Launch:
         wall_s = phases.total_s
         machine = f"{host_name(plan.bind)}, node {self.node_rank}" if self.group is not None else None
         conclude(state, self.run_dir, max_failures=self.spec.max_failures, world_size=plan.world_size,
-                 machine=machine)
+                 machine=machine, replica_size=plan.replicas.size)
         self._say_views(now=True)  # the views committed since the last look
         if state.summary is not None:
             self.output.say(state.summary)

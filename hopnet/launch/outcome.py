@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hopnet.launch.blame import Blame, RankEnd, explain, read_log_facts
 from hopnet.launch.state import RunState
+from hopnet.launch.worker_logs import peer_process, worker_log
 
 
 def plural_ranks(ranks: Sequence[int]) -> str:
@@ -31,11 +32,11 @@ def blame_run(run_dir: Path, state: RunState) -> Blame:
     stopped = state.stopped
     ends = []
     for rank, code in state.returncodes.items():
-        facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
+        facts = read_log_facts(worker_log(run_dir, rank))
         ends.append(RankEnd(rank=rank, exit_code=code, stopped=rank in stopped,
                             order=position.get(rank, len(position)), error=facts.error, last_iter=facts.last_iter,
                             silent=state.silent.get(rank),
-                            declared_dead=facts.declared_dead))
+                            declared_dead={peer_process(run_dir, rank, p): it for p, it in facts.declared_dead.items()}))
     blame = explain(ends)
     if blame is not None:
         return blame
@@ -57,7 +58,7 @@ def config_error(run_dir: Path, state: RunState) -> str | None:
         return None
     messages: dict[int, str] = {}
     for rank in state.returncodes:
-        facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
+        facts = read_log_facts(worker_log(run_dir, rank))
         if facts.last_iter is not None:
             return None
         if rank in lost:
@@ -68,11 +69,12 @@ def config_error(run_dir: Path, state: RunState) -> str | None:
 
 
 def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: int,
-             machine: str | None = None) -> None:
+             machine: str | None = None, replica_size: int = 1) -> None:
     """Settle ``state``'s exit status, failed rank, reason and closing line once every worker ended.
 
     ``machine`` names this launcher in a multi-machine run (``"HOST, node N"``): the closing
     line then says where the blamed rank runs. A launcher that was signalled says nothing more.
+    ``replica_size``: processes per replica; ``max_failures`` counts replicas.
     """
     if state.signal is not None:
         return
@@ -83,7 +85,8 @@ def conclude(state: RunState, run_dir: Path, *, max_failures: int, world_size: i
         return
     if state.failed_rank is not None or state.summary is not None:
         return  # a phase already named the failure (a worker that did not start, another machine)
-    if len(lost) > max_failures or (state.first_failure is not None and machine is not None):
+    failures = len({rank // replica_size for rank in lost})  # replicas fail as units (hopnet.launch.replicas)
+    if failures > max_failures or (state.first_failure is not None and machine is not None):
         message = config_error(run_dir, state)
         if message is not None:
             state.fail(min(lost), "config error", f"error: {message}", returncode=2)

@@ -18,6 +18,7 @@ from hopnet.launch.blame import read_log_facts
 from hopnet.launch.nodes import LaunchGroup, place_ranks
 from hopnet.launch.state import RunState
 from hopnet.launch.prepare import host_name
+from hopnet.launch.worker_logs import peer_process, worker_log
 
 if TYPE_CHECKING:
     from hopnet.launch.spec import LaunchPlan
@@ -38,10 +39,12 @@ def unreachable_pairs(run_dir: Path, local_ranks: Iterable[int], remote_ranks: I
     remote = set(remote_ranks)
     pairs: set[tuple[int, int]] = set()
     for rank in local_ranks:
-        facts = read_log_facts(run_dir / f"rank{rank}.jsonl")
-        pairs.update((peer, rank) for peer in facts.declared_dead if peer in remote)
+        facts = read_log_facts(worker_log(run_dir, rank))
+        declared = (peer_process(run_dir, rank, peer) for peer in facts.declared_dead)
+        pairs.update((peer, rank) for peer in declared if peer in remote)
         error = facts.error or {}
         peer = error.get("peer")
+        peer = peer_process(run_dir, rank, peer) if isinstance(peer, int) else peer
         if isinstance(peer, int) and peer in remote and error.get("peer_state") == "dead":
             pairs.add((peer, rank))
     return sorted(pairs, key=lambda pair: (pair[1], pair[0]))

@@ -184,6 +184,7 @@ def launch_record(plan: LaunchPlan, security: RunSecurity, run_dir: Path) -> Lau
         "graph": graph.name if isinstance(graph, Graph) else (os.fspath(graph) if graph is not None else None),
         "graph_name": plan.graph.name,
         "world_size": plan.world_size,
+        "replicas": {"size": plan.replicas.size, "mode": plan.replicas.mode} if plan.replicas.grouped else None,
         "nproc": nodes.nproc,
         "node_rank": nodes.node_rank,
         "nnodes": spec.nnodes,

@@ -153,6 +153,15 @@ class LaunchSpec:
     nproc: int | None = setting(
         None, group=LAUNCHER, metavar="N", number=int, minimum=1,
         help="number of workers (default: the graph's size, or 4 without --graph)")
+    replica_size: int | None = setting(
+        None, group=LAUNCHER, metavar="R", number=int, minimum=1,
+        help="group the workers into replicas of R processes: DDP or FSDP inside a replica (--replica-mode), the "
+             "protocol between replicas, whose graph has --nproc/R nodes (default: 1; with --replica-mode under "
+             "--nnodes, one replica per machine)")
+    replica_mode: str | None = setting(
+        None, group=LAUNCHER, choices=("ddp", "fsdp"),
+        help="inside a replica: ddp (each process holds the model, gradients averaged in the backward pass) or "
+             "fsdp (parameters, gradients and optimizer state sharded; default: ddp)")
     run_dir: str | os.PathLike[str] | None = setting(
         None, group=LAUNCHER, metavar="DIR",
         help="directory for graph.json, launch.json and the workers' logs (default: runs/<time>-<protocol>-<graph>)")
@@ -254,6 +263,8 @@ class LaunchKeywords(TypedDict, total=False):
 
     graph: GraphArgument
     nproc: int | None
+    replica_size: int | None
+    replica_mode: str | None
     run_dir: str | os.PathLike[str] | None
     overwrite: bool
     bind: str

@@ -36,6 +36,8 @@ from hopnet.launch.settings import (
     check_settings,
 )
 from hopnet.registry import lookup, specs
+from hopnet.replica.layout import ReplicaLayout
+from hopnet.replica.support import replica_refusal
 
 WORKER_ENTRY = (sys.executable, "-m", "hopnet.bootstrap.worker_main")
 """Every worker runs its script through :mod:`hopnet.bootstrap.worker_main`."""
@@ -87,6 +89,9 @@ class LaunchPlan:
     """What :func:`check_config_for_graph` noted about the options on this graph."""
     elastic: ElasticSettings | None = None
     """Set when the run is elastic (``--min-nproc``/``--max-nproc``)."""
+    replicas: ReplicaLayout = ReplicaLayout()
+    """The replica groups (one process each unless ``--replica-size``): ranks are processes, the graph's
+    nodes replicas."""
 
     @property
     def world_size(self) -> int:
@@ -133,13 +138,15 @@ def worker_command(script: str | os.PathLike[str], script_args: Sequence[str], m
     return [*WORKER_ENTRY, script_text, *script_args]
 
 
-def _node_plan(spec: LaunchSpec, graph: Graph, world_size: int) -> NodePlan:
+def _node_plan(spec: LaunchSpec, graph: Graph, layout: ReplicaLayout) -> NodePlan:
+    world_size = layout.processes
     if spec.single_machine:
         return NodePlan(world_size=world_size, nproc=world_size)
     if spec.rdzv_endpoint is None:
         raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (node 0's address, "
                           "reachable from every machine)")
-    placed = tuple(place_ranks(graph, spec.nnodes, spec.node_rank))
+    # the graph's nodes are placed on the machines; a replica's processes go where its node goes
+    placed = tuple(p for replica in place_ranks(graph, spec.nnodes, spec.node_rank) for p in layout.members(replica))
     return NodePlan(world_size=world_size, nproc=len(placed), node_rank=spec.node_rank, placed=placed)
 
 
@@ -168,17 +175,57 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     if unknown:
         raise ConfigError(f"explicit_options: {unknown[0]!r} is not a protocol option")
 
-    graph, world_size = resolve_graph(spec.graph, spec.nproc)
+    size = replica_size(spec)
+    nproc = spec.nproc if spec.nproc is not None or spec.graph is not None or size == 1 else DEFAULT_NPROC
+    if size > 1 and nproc is not None and nproc % size:
+        raise ConfigError(f"--replica-size {size} does not divide --nproc {nproc}")
+    if size > 1 and spec.graph is not None and nproc is not None:
+        graph, replicas = resolve_graph(spec.graph, None)
+        if replicas * size != nproc:
+            raise ConfigError(f"--nproc {nproc} makes {nproc // size} replicas of {size} processes, but the graph "
+                              f"has {replicas} nodes (one per replica)")
+    else:
+        graph, replicas = resolve_graph(spec.graph, None if nproc is None else nproc // size)
+    layout = ReplicaLayout(size=size, mode=spec.replica_mode or "ddp", processes=replicas * size)
+    if layout.grouped:
+        check_replica_run(spec, config)
     notes = check_config_for_graph(config, graph)
     machine = make_coordinator(config, graph)  # the protocol's coordinator, if it needs one (refusals first too)
     max_failures = spec.max_failures
-    if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < world_size:
-        raise ConfigError(f"--max-failures must be an integer from 0 to {world_size - 1} "
-                          f"(there are {world_size} workers; got {max_failures!r})")
+    if not isinstance(max_failures, int) or isinstance(max_failures, bool) or not 0 <= max_failures < replicas:
+        noun = "replicas" if layout.grouped else "workers"
+        raise ConfigError(f"--max-failures must be an integer from 0 to {replicas - 1} "
+                          f"(there are {replicas} {noun}; got {max_failures!r})")
     return LaunchPlan(spec=spec, config=config, command=command, graph=graph,
-                      nodes=_node_plan(spec, graph, world_size), bind=spec.bind.strip(),
+                      nodes=_node_plan(spec, graph, layout), bind=spec.bind.strip(),
                       coordinator_name=machine.name if machine is not None else None, notes=notes,
-                      elastic=elastic_settings(spec, config, world_size))
+                      elastic=elastic_settings(spec, config, replicas), replicas=layout)
+
+
+def replica_size(spec: LaunchSpec) -> int:
+    """``--replica-size``; with ``--replica-mode`` alone under ``--nnodes``, one replica per machine."""
+    if spec.replica_size is not None:
+        return spec.replica_size
+    if spec.replica_mode is None:
+        return 1
+    if spec.single_machine:
+        raise ConfigError("--replica-mode needs --replica-size R on one machine (under --nnodes the default "
+                          "replica is one machine)")
+    if spec.nproc is None or spec.nproc % spec.nnodes:
+        raise ConfigError(f"--replica-mode under --nnodes {spec.nnodes}: give --replica-size, or an --nproc that "
+                          "the machines divide evenly (one replica per machine)")
+    return spec.nproc // spec.nnodes
+
+
+def check_replica_run(spec: LaunchSpec, config: ProtocolConfig) -> None:
+    """What replica groups of several processes do not take yet, refused in one line each."""
+    refusal = replica_refusal(config)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if spec.max_restarts:
+        raise ConfigError("--max-restarts does not bring back a replica group yet; --max-failures counts replicas")
+    if spec.min_nproc is not None or spec.max_nproc is not None:
+        raise ConfigError("--min-nproc/--max-nproc: an elastic run of replica groups is not supported yet")
 
 
 def elastic_settings(spec: LaunchSpec, config: ProtocolConfig, world_size: int) -> ElasticSettings | None:

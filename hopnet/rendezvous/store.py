@@ -26,9 +26,19 @@ if TYPE_CHECKING:  # torch is imported where a store is made: `hopnet launch`'s 
 STORE_CONNECT_RETRY_S = 0.1
 
 
+NAMESPACE_SEPARATOR = "/"
+"""``HOST:PORT/NAME``: the run's store seen through the prefix ``NAME`` (each lane of a run of
+replica groups keeps its process groups apart this way: :mod:`hopnet.replica`)."""
+
+
+def in_namespace(endpoint: str, name: str) -> str:
+    """``endpoint`` with every key prefixed by ``name`` (after any namespace it already has)."""
+    return f"{endpoint}{NAMESPACE_SEPARATOR}{name}"
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as a (host, port) pair."""
-    text = endpoint.strip()
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as a (host, port) pair; a ``/NAME`` namespace is ignored."""
+    text = endpoint.strip().split(NAMESPACE_SEPARATOR, 1)[0]
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ConfigError(f"store endpoint {endpoint!r}: expected HOST:PORT")
@@ -111,10 +121,13 @@ def connect_store(endpoint: str, timeout_s: float = 60.0,
     host, port = parse_endpoint(endpoint)
     _wait_until_reachable(host, port, timeout_s, waiting)  # a clear message instead of torch's retry log
     try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+        store: dist.Store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                          timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
         raise HopnetError(f"cannot open the run's c10d store at {endpoint}: {exc}") from None
+    for name in endpoint.strip().split(NAMESPACE_SEPARATOR)[1:]:
+        store = dist.PrefixStore(name, store)
+    return store  # type: ignore[return-value]
 
 
-__all__ = ["HostedStore", "connect_store", "format_endpoint", "host_store", "parse_endpoint"]
+__all__ = ["HostedStore", "connect_store", "format_endpoint", "host_store", "in_namespace", "parse_endpoint"]

@@ -113,14 +113,16 @@ def iteration_of(exc: BaseException | None) -> int | None:
 
 
 def write_error_record(run_dir: str | os.PathLike[str], rank: int, exc: BaseException | None, exit_code: int,
-                       iteration: int | None = None) -> None:
-    """Append an ``error`` record to ``run_dir/rank{R}.jsonl`` when no worker is open to write it
-    (the failure came before ``hopnet.init`` finished). ``t`` counts from the process start."""
+                       iteration: int | None = None, log_name: str | None = None) -> None:
+    """Append an ``error`` record to ``run_dir/rank{R}.jsonl`` (or ``log_name`` in it: a replica's lane)
+    when no worker is open to write it (the failure came before ``hopnet.init`` finished). ``t``
+    counts from the process start."""
     record = {"event": "error", "rank": rank, "t": round(time.monotonic() - _PROCESS_START, 6),
               "mono": time.monotonic(), "iter": iteration if iteration is not None else iteration_of(exc),
               **error_fields(exc, exit_code)}
     try:
-        path = Path(run_dir) / f"rank{rank}.jsonl"
+        path = Path(run_dir) / (log_name or f"rank{rank}.jsonl")
+        path.parent.mkdir(exist_ok=True)
         with path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, separators=(",", ":")) + "\n")
     except OSError:

@@ -1,0 +1,43 @@
+"""A replica group fails as a unit: the launcher's side of ``--replica-size``.
+
+When one process of a replica exits non-zero (or is killed as silent), the launcher kills the
+rest of its replica at once: they would otherwise wait in the replica's collectives until
+``--timeout``, and their lanes would go on with a replica that lost a shard. ``--max-failures``
+counts the replicas lost, not the processes.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Collection, Iterable
+
+from hopnet.replica.layout import ReplicaLayout
+
+
+def lost_replicas(layout: ReplicaLayout, lost_ranks: Iterable[int]) -> int:
+    """How many replicas the lost processes belong to."""
+    return len({layout.replica_of(rank) for rank in lost_ranks})
+
+
+def stop_replica_of(layout: ReplicaLayout, rank: int, pending: Collection[int], pids: dict[int, int],
+                    kill: Callable[[int, int], None], say: Callable[[str], None]) -> list[int]:
+    """SIGKILL the still-running processes of ``rank``'s replica; returns their ranks."""
+    if not layout.grouped:
+        return []
+    replica = layout.replica_of(rank)
+    siblings = [r for r in layout.members(replica) if r != rank and r in pending and r in pids]
+    for sibling in siblings:
+        kill(pids[sibling], signal.SIGKILL)
+    if siblings:
+        say(f"rank {rank} ended {layout.describe(replica)}: stopping "
+            f"{'rank' if len(siblings) == 1 else 'ranks'} {', '.join(map(str, siblings))} with it")
+    return siblings
+
+
+
+
+
+def replicas_note(layout: ReplicaLayout) -> str:
+    """`` in 2 replicas of 2 (ddp)`` for the launcher's first line; nothing without groups."""
+    return f" in {layout.replicas} replicas of {layout.size} ({layout.mode})" if layout.grouped else ""
+__all__ = ["lost_replicas", "replicas_note", "stop_replica_of"]

@@ -1,0 +1,85 @@
+"""What the worker asks of its replica group, around each step (:class:`ReplicaSync`).
+
+A worker without a group gets :data:`NO_REPLICA`, whose hooks do nothing. With one, the node
+runs its lane on :attr:`ReplicaSync.lane_model` (and, under gradient protocols,
+:attr:`ReplicaSync.lane_grads`): this process's shard. The hooks keep the shards and the
+whole in step:
+
+* :meth:`before_step`: the gradient is the replica's average (DDP or FSDP did it in the backward
+  pass; a step after ``no_sync()`` does it now), the buffers are the first member's (DDP's rule),
+  and the lane's tensors hold what the trainer's step changed;
+* :meth:`wrap_apply`: the optimizer step (the protocol's apply) runs on the whole model with what
+  the lanes mixed or averaged so far;
+* :meth:`after_step`: what the lanes mixed after the apply reaches every member;
+* :meth:`before_synchronize`/:meth:`after_synchronize`: the same around a gradient average the
+  trainer asks for before clipping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hopnet.model_state import ModelState
+
+
+class ReplicaSync:
+    """No replica group: every hook does nothing (each process is a replica of its own)."""
+
+    size = 1
+    member = 0
+    replica_index: int | None = None
+    mode = "none"
+    lane_model: ModelState | None = None
+    lane_grads: torch.Tensor | None = None
+
+    def before_step(self) -> None:
+        pass
+
+    def wrap_apply(self, apply: Callable[[], None] | None) -> Callable[[], None] | None:
+        return apply
+
+    def after_step(self) -> None:
+        pass
+
+    def before_synchronize(self) -> None:
+        pass
+
+    def after_synchronize(self) -> None:
+        pass
+
+    def refresh(self) -> None:
+        """The lane's tensors from the model, before the protocol first sends them."""
+
+    def deferring(self, deferred: bool) -> None:
+        """Inside ``no_sync()``: backward passes only accumulate, inside the replica too."""
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every member says ``ok`` (a step skipped for a non-finite gradient is skipped by all)."""
+        return ok
+
+    def gradients(self) -> list[torch.Tensor] | None:
+        """The gradient tensors the optimizer steps with, when not hopnet's flat ones."""
+        return None
+
+    def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        """What a checkpoint saves of the model: this process's part."""
+        return dict(module.state_dict())
+
+    def load_model_state(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        module.load_state_dict(state)
+
+    def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, on the member that saves it (a collective over the replica
+        under fsdp: every member calls it); ``None`` on the others."""
+        return dict(module.state_dict())
+
+    def close(self) -> None:
+        pass
+
+
+NO_REPLICA = ReplicaSync()
+
+__all__ = ["NO_REPLICA", "ReplicaSync"]

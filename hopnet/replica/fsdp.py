@@ -1,0 +1,213 @@
+"""``--replica-mode fsdp``: parameters, gradients and optimizer state sharded over the replica
+with torch's FSDP2 (``fully_shard``), the protocol's state sharded with them.
+
+:func:`shard_model` applies ``fully_shard`` to every module that owns trainable parameters,
+then to the root (one all-gather per such module in the forward pass; the optimizer, made
+after ``hopnet.init``, sees the sharded parameters). Each member's lane runs on a flat tensor
+per dtype of its own (the shadow): ``[this member's shard of every trainable parameter | its
+slice of the floating buffers]``. FSDP keeps its shards in storage of its own, so the shadow is
+copied from them after every optimizer step and into them after every mix; both are 1/size
+of the model. Buffers are not sharded by FSDP: as under ddp mode they live in flat tensors,
+the first member's are broadcast before each step, and each member's lane mixes one slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hopnet.errors import ConfigError
+from hopnet.model_state import ModelState
+from hopnet.replica.base import ReplicaSync
+from hopnet.replica.shards import bounds, share_slices
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def shard_model(module: torch.nn.Module, group: Any, device: torch.device) -> None:
+    """``fully_shard`` every module owning trainable parameters, innermost first, then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    owners = [m for m in module.modules() if m is not module
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    for owner in reversed(owners):
+        fully_shard(owner, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def _broadcast_module(module: torch.nn.Module, group: Any) -> None:
+    first = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        works = [dist.broadcast(t.data, src=first, group=group, async_op=True)
+                 for t in (*module.parameters(), *module.buffers()) if t.numel()]
+    for work in works:
+        work.wait()
+
+
+class FsdpReplica(ReplicaSync):
+    mode = "fsdp"
+
+    def __init__(self, *, size: int, member: int, replica_index: int, group: Any, module: torch.nn.Module,
+                 buffers: ModelState | None, averages_models: bool) -> None:
+        self.size, self.member, self.replica_index = size, member, replica_index
+        self.group = group
+        self.module = module
+        self.averages_models = averages_models
+        self._first = dist.get_global_rank(group, 0)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = buffers
+        dtypes: list[torch.dtype] = []
+        for t in (*self.params, *(buffers.flats if buffers is not None else ())):
+            if t.dtype not in dtypes:
+                dtypes.append(t.dtype)
+        device = self.params[0].device
+        self._param_views: list[torch.Tensor] = []
+        self._buffer_views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shadow part, buffer slice)
+        flats, param_parts, buffer_parts = [], [], []
+        for dtype in dtypes:
+            mine = [p for p in self.params if p.dtype == dtype]
+            n_params = sum(_local(p).numel() for p in mine)
+            slices = []
+            for flat in (buffers.flats if buffers is not None else ()):
+                if flat.dtype == dtype:
+                    start, stop = bounds(flat.numel(), size, member)
+                    slices.append(flat[start:stop])
+            shadow = torch.zeros(n_params + sum(s.numel() for s in slices), dtype=dtype, device=device)
+            offset = 0
+            for p in mine:
+                n = _local(p).numel()
+                self._param_views.append(shadow[offset:offset + n])
+                offset += n
+            for piece in slices:
+                self._buffer_views.append((shadow[offset:offset + piece.numel()], piece))
+                offset += piece.numel()
+            flats.append(shadow)
+            if n_params:
+                param_parts.append(shadow[:n_params])
+            if offset > n_params:
+                buffer_parts.append(shadow[n_params:])
+        self.lane_model = ModelState(flats, param_parts, buffer_parts)
+        self.lane_grads = None
+        if not averages_models:
+            if len({p.dtype for p in self.params}) > 1:
+                raise ConfigError("--replica-mode fsdp under a gradient protocol needs trainable parameters "
+                                  "of one dtype")
+            self.lane_grads = torch.zeros(sum(_local(p).numel() for p in self.params), dtype=self.params[0].dtype,
+                                          device=device)
+        self.refresh()
+
+    # ------------------------------------------------------------------ shadow <-> shards
+    def _pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for p, view in zip(self.params, self._param_views):
+            yield _local(p.detach()), view
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for local, view in self._pairs():
+                view.copy_(local.reshape(-1))
+            for view, piece in self._buffer_views:
+                view.copy_(piece)
+
+    def _to_shards(self) -> None:
+        with torch.no_grad():
+            for local, view in self._pairs():
+                local.copy_(view.view_as(local))
+            for view, piece in self._buffer_views:
+                piece.copy_(view)
+        if self.buffers is not None:
+            share_slices(self.buffers.flats, self.size, self.member, self.group)
+
+    def _grads_to_lane(self) -> None:
+        if self.lane_grads is None:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                local = _local(p.detach())
+                n = local.numel()
+                if p.grad is None:
+                    self.lane_grads[offset:offset + n].zero_()
+                else:
+                    self.lane_grads[offset:offset + n].copy_(_local(p.grad).reshape(-1))
+                offset += n
+
+    def _lane_to_grads(self) -> None:
+        if self.lane_grads is None:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = _local(p.detach()).numel()
+                if p.grad is not None:
+                    grad = _local(p.grad)
+                    grad.copy_(self.lane_grads[offset:offset + n].view_as(grad))
+                offset += n
+
+    # ------------------------------------------------------------------ the step
+    def before_step(self) -> None:
+        if self.buffers is not None:
+            works = [dist.broadcast(t, src=self._first, group=self.group, async_op=True) for t in self.buffers.flats]
+            for work in works:
+                work.wait()
+        self.refresh()
+        self._grads_to_lane()
+
+    def before_synchronize(self) -> None:
+        self._grads_to_lane()
+
+    def after_synchronize(self) -> None:
+        self._lane_to_grads()
+
+    def wrap_apply(self, apply: Callable[[], None] | None) -> Callable[[], None] | None:
+        if apply is None:
+            return None
+
+        def shards_then_apply() -> None:
+            if self.averages_models:
+                self._to_shards()
+            else:
+                self._lane_to_grads()
+            apply()
+            self.refresh()
+        return shards_then_apply
+
+    def after_step(self) -> None:
+        if self.averages_models or self._buffer_views:
+            self._to_shards()
+
+    def deferring(self, deferred: bool) -> None:
+        self.module.set_requires_gradient_sync(not deferred)  # type: ignore[operator]
+
+    def agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.lane_model.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def gradients(self) -> list[torch.Tensor] | None:
+        return [_local(p.grad) for p in self.params if p.grad is not None]
+
+    def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        return {name: _local(t).detach().clone() for name, t in module.state_dict().items()}
+
+    def load_model_state(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, tensor in module.state_dict().items():
+                _local(tensor).copy_(state[name])
+        self.refresh()
+
+    def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if self.member == 0 else None
+
+
+__all__ = ["FsdpReplica", "shard_model"]

@@ -1,0 +1,50 @@
+"""The process group of one replica: gloo on CPU, NCCL on GPU, made from the run's store.
+
+It becomes torch.distributed's default group when the trainer has made none (then DDP's and
+FSDP's defaults are the replica, and ``dist.get_world_size()`` is the replica's size). When the
+trainer has already initialised torch.distributed over every process (torchrun users often
+do), every process makes every replica's group with ``new_group``, in the same order, and keeps
+its own.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hopnet.replica.layout import ReplicaLayout
+from hopnet.rendezvous.store import connect_store, in_namespace
+
+STORE_PREFIX = "hopnet/replica"
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str, device: torch.device,
+                       timeout_s: float) -> Any:
+    """This process's replica group (blocks until every member has made it, or ``timeout_s``)."""
+    backend = backend_for(device)
+    timeout = timedelta(seconds=timeout_s)
+    replica = layout.replica_of(process)
+    if dist.is_initialized():
+        if dist.get_world_size() != layout.processes:
+            raise RuntimeError(f"torch.distributed is initialised over {dist.get_world_size()} processes, but the "
+                               f"run has {layout.processes}: initialise it over all of them, or not at all")
+        mine = None
+        for r in range(layout.replicas):
+            group = dist.new_group(list(layout.members(r)), timeout=timeout, backend=backend)
+            if r == replica:
+                mine = group
+        return mine
+    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{replica}"), timeout_s)
+    dist.init_process_group(backend, store=store, rank=layout.member_of(process), world_size=layout.size,
+                            timeout=timeout)
+    return dist.group.WORLD
+
+
+__all__ = ["STORE_PREFIX", "backend_for", "open_replica_group"]
