@@ -47,7 +47,7 @@ from hopnet.runtime.events import EventLog, JsonlEventLog
 from hopnet.runtime import rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
-from hopnet.runtime.services import CoordinatorChannel
+from hopnet.runtime.services import CoordinatorChannel, ReplicaLanes
 from hopnet.elastic.changeover import Changeover, close_elastic
 from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import check_elastic, lone_config, lone_graph, open_control, start_elastic
@@ -121,7 +121,8 @@ def consensus_state(worker: Worker) -> dict[str, torch.Tensor] | None:
 
 def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: ModelState | torch.Tensor | None,
                   grads: FlatGradients | torch.Tensor | None, transport: Transport, events: EventLog | None,
-                  collective_factory: CollectiveFactory | None, coordinator: CoordinatorClient | None) -> Node:
+                  collective_factory: CollectiveFactory | None, coordinator: CoordinatorClient | None,
+                  lanes: ReplicaLanes | None = None) -> Node:
     """The node of one worker: ``config``'s protocol over ``params`` (the model's flat tensors, or one
     bare flat parameter tensor) and ``grads``, on ``transport``,
     with the clock and peer timeout ``config`` sets. :class:`Worker` and :class:`AsyncWorker`
@@ -129,7 +130,7 @@ def assemble_node(*, rank: int, graph: Graph, config: ProtocolConfig, params: Mo
     protocol = make_protocol(config, params, grads)
     return Node(rank, graph, transport, protocol, clock=Clock(config.timeout_s), events=events,
                 peer_timeout_s=config.peer_timeout_s, collective_factory=collective_factory,
-                coordinator=coordinator)
+                coordinator=coordinator, lanes=lanes)
 
 
 async def rejoin_coordinator(coordinator: CoordinatorChannel) -> None:
@@ -199,7 +200,7 @@ class Worker:
         self.node = assemble_node(rank=rank if members is None else members.index(rank), graph=graph,
                                   config=config if members is None else lone_config(), params=params, grads=grads,
                                   transport=transport, events=events, collective_factory=collective_factory,
-                                  coordinator=coordinator)
+                                  coordinator=coordinator, lanes=replica.lanes)
         self.node.members = members
         self._final_iteration: int | None = None
         self._closed = False

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hopnet.model_state import ModelState
+from hopnet.replica.agreement import LaneAgreement
 
 
 class ReplicaSync:
@@ -34,6 +35,8 @@ class ReplicaSync:
     mode = "none"
     lane_model: ModelState | None = None
     lane_grads: torch.Tensor | None = None
+    lanes: LaneAgreement | None = None
+    """How this member's lane agrees with the replica's other lanes (:mod:`hopnet.replica.agreement`)."""
 
     def before_step(self) -> None:
         pass

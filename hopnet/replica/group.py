@@ -47,4 +47,14 @@ def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str,
     return dist.group.WORLD
 
 
-__all__ = ["STORE_PREFIX", "backend_for", "open_replica_group"]
+def open_agreement_group(layout: ReplicaLayout, process: int, store_endpoint: str, timeout_s: float,
+                         bind_host: str) -> Any:
+    """A gloo group of the replica's members for their lanes' agreements (:mod:`.agreement`), apart from
+    the group DDP or FSDP use on the trainer's thread."""
+    from hopnet.transports.torchdist import build_group
+
+    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{layout.replica_of(process)}/agree"), timeout_s)
+    return build_group(store, "gloo", layout.member_of(process), layout.size, timeout_s=timeout_s, host=bind_host)
+
+
+__all__ = ["STORE_PREFIX", "backend_for", "open_agreement_group", "open_replica_group"]

@@ -11,13 +11,23 @@ from hopnet.params import FlatGradients
 from hopnet.replica.base import ReplicaSync
 from hopnet.replica.ddp import DdpReplica
 from hopnet.replica.fsdp import FsdpReplica, _broadcast_module, shard_model
-from hopnet.replica.group import open_replica_group
+from hopnet.replica.agreement import LaneAgreement
+from hopnet.replica.group import open_agreement_group, open_replica_group
 from hopnet.replica.layout import ReplicaLayout
 
 
 def build_replica(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
-                  timeout_s: float, averages_models: bool) -> ReplicaSync:
+                  timeout_s: float, averages_models: bool, bind_host: str = "127.0.0.1") -> ReplicaSync:
     """This process's side of its replica group (blocks until every member has joined it)."""
+    sync = _build(layout, process, module, store_endpoint=store_endpoint, timeout_s=timeout_s,
+                  averages_models=averages_models)
+    group = open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host)
+    sync.lanes = LaneAgreement(group, layout.replicas)
+    return sync
+
+
+def _build(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
+           timeout_s: float, averages_models: bool) -> ReplicaSync:
     if module is None:
         raise ConfigError("replica groups need hopnet.init(model): a bare params= tensor cannot be sharded")
     if not store_endpoint:

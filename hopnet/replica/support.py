@@ -1,12 +1,12 @@
 """What runs between replica groups today, and the one-line refusal of what does not (no torch).
 
 A replica decides once what its lanes do. A protocol whose choices depend only on iteration
-numbers and the graph (allreduce, Hop without backup workers, staleness or skipping,
-notify-ack, DiLoCo without a quorum) makes the same choice on every lane, because the
-lanes of a replica step together; those run. A protocol that chooses by what arrives first
-(backup workers, staleness, skipping, AD-PSGD's pairings, eager-SGD's rounds, the
-coordinators of Prague and Partial Reduce, DiLoCo's quorum) would let the lanes of one
-replica choose differently, so it is refused until its choice is made once per replica.
+numbers and the graph (allreduce, Hop, notify-ack, DiLoCo without a quorum) makes the same
+choice on every lane, because the lanes of a replica step together. Hop's backup workers
+choose by what arrived: there the lanes agree first (:mod:`hopnet.replica.agreement`). What
+else chooses by what arrives first (staleness, skipping, AD-PSGD's pairings, eager-SGD's
+rounds, the coordinators of Prague and Partial Reduce, DiLoCo's quorum) would let the lanes
+of one replica choose differently, so it is refused until its choice is made once per replica.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco")
 """The protocols whose lanes make the same choices without talking to each other."""
 
 _CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
-    "hop": (("backup_workers", 0, "--backup-workers"), ("staleness", None, "--staleness"),
-            ("skip_threshold", None, "--skip-threshold")),
+    "hop": (("staleness", None, "--staleness"), ("skip_threshold", None, "--skip-threshold")),
     "diloco": (("outer_quorum", None, "--outer-quorum"),),
 }
 

@@ -37,8 +37,8 @@ from hopnet.runtime.outbox import Outbox
 from hopnet.runtime.peer_watch import PeerWatch, ignore_result
 from hopnet.runtime.rejoin import REJOIN_KINDS, Handover
 from hopnet.runtime.replacement import Replacements
-from hopnet.runtime.services import (AddressExchange, AllReduce, CollectiveFactory, CoordinatorChannel, Timer,
-                                     TrainingProtocol)
+from hopnet.runtime.services import (AddressExchange, AllReduce, CollectiveFactory, CoordinatorChannel, ReplicaLanes,
+                                     Timer, TrainingProtocol)
 from hopnet.runtime.step_timing import StepTimes, StepTiming
 from hopnet.transports.base import DISCARD, Transport
 from hopnet.wire import BYE_FINAL_ITER, Header, Message
@@ -57,11 +57,13 @@ class Node(Generic[P]):
                  clock: Clock, events: EventLog | None = None,
                  on_enter: EnterObserver | None = None, peer_timeout_s: float | None = None,
                  collective_factory: CollectiveFactory | None = None,
-                 timer: Timer = time.monotonic, coordinator: CoordinatorChannel | None = None) -> None:
+                 timer: Timer = time.monotonic, coordinator: CoordinatorChannel | None = None,
+                 lanes: ReplicaLanes | None = None) -> None:
         """``peer_timeout_s``: declare a neighbour dead after this long without a message from
         it. Only used on transports whose peers can die unannounced (``transport.heartbeats``);
         ``None`` turns the watch off. ``coordinator``: the client of the run's coordinator
-        (group protocols), started with the node and closed with it. ``collective_factory``:
+        (group protocols), started with the node and closed with it. ``lanes``: the other lanes of
+        this worker's replica group (:mod:`hopnet.replica`), if any. ``collective_factory``:
         how to build :attr:`collective`; by default the protocol's
         (:meth:`~hopnet.runtime.services.TrainingProtocol.make_collective`)."""
         if not 0 <= rank < graph.n:
@@ -135,6 +137,7 @@ class Node(Generic[P]):
         self.members: tuple[int, ...] | None = None
         """The run's rank on each position of ``graph``, in an elastic run's view (records name ranks, not
         positions); None when positions are ranks."""
+        self.lanes = lanes
         if coordinator is not None:
             coordinator.bind(self)
         protocol.bind(self)

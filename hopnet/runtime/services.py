@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -57,6 +57,17 @@ class CoordinatorChannel(Protocol):
 CollectiveFactory = Callable[["NodeServices"], AllReduce]
 
 
+class ReplicaLanes(Protocol):
+    """The other lanes of this worker's replica group (:mod:`hopnet.replica`), as a protocol sees them:
+    what a protocol chooses by what reached it, every lane of a replica must choose alike.
+    (Implemented by :class:`hopnet.replica.agreement.LaneAgreement`.)"""
+
+    async def common(self, have: Collection[int], need: int) -> tuple[frozenset[int], bool]:
+        """Every lane's ``have`` intersected, and whether it holds at least every lane's ``need``.
+        Every lane calls it the same number of times, in the same order."""
+        ...
+
+
 class NodeServices(Protocol):
     """What a protocol may use of the node it is bound to.
 
@@ -73,6 +84,8 @@ class NodeServices(Protocol):
     events: EventLog
     mailbox: Mailbox
     coordinator: CoordinatorChannel | None
+    lanes: ReplicaLanes | None
+    """The other lanes of this worker's replica group, when it is a member of one of several processes."""
     departed: dict[int, int]
     """Peers that said ``bye``, with the last iteration they sent for."""
     dead: dict[int, float]
@@ -224,5 +237,5 @@ class TrainingProtocol(Protocol):
 
 AddressExchange = Callable[[str], Awaitable[Mapping[int, str]]]
 
-__all__ = ["AddressExchange", "AllReduce", "ApplyFn", "CollectiveFactory", "CoordinatorChannel", "NodeServices",
+__all__ = ["AddressExchange", "AllReduce", "ApplyFn", "CollectiveFactory", "CoordinatorChannel", "NodeServices", "ReplicaLanes",
            "ReduceOp", "Stateful", "Timer", "TrainingProtocol"]

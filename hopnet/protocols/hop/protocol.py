@@ -37,6 +37,7 @@ the iteration flow: entering a round, sending, waiting for updates and tokens, a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ from hopnet.protocols.hop.rejoin import HopRejoin
 from hopnet.protocols.hop.state import CREDIT, PART, STREAM_WINDOW
 from hopnet.protocols.local_steps import round_of, rounds_sent_by
 from hopnet.wire import Message
+
+AGREE_POLL_S = 0.002
+"""How often the lanes of a replica meet again while the updates they all have are too few."""
 
 
 class HopProtocol(HopReceiving, HopRejoin):
@@ -274,8 +278,35 @@ class HopProtocol(HopReceiving, HopRejoin):
             if not (self._short_of_peers(k, need) and self.queue.size(iter=k) < need):
                 break
             await self._await_replacements(k, need)
+        if self.agreeing:
+            return await self._recv_agreed(k, need)
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
+
+    async def _recv_agreed(self, k: int, need: int) -> tuple[list[Update], list[int]]:
+        """A lane of a replica group (:mod:`hopnet.replica`) mixes the updates of iteration ``k`` that every
+        lane of its replica has, once they are as many as every lane needs, so all its lanes mix the same
+        senders; one that reached this lane alone is dropped as late."""
+        lanes = self.node.lanes
+        assert lanes is not None
+        began = self.node.clock.now()
+        while True:
+            have = [j for j in self.in_peers if self.queue.size(iter=k, w_id=j)]
+            common, enough = await lanes.common(have, min(need, len(self.expected_senders(k))))
+            if enough:
+                break
+            if self.node.clock.now() - began > self.config.timeout_s:
+                missing = self._missing_updates(k)
+                raise WaitTimeout(f"updates every lane of the replica has (rank {self.rank})",
+                                  peer=missing[0] if missing else None, iteration=k,
+                                  waited_s=self.node.clock.now() - began)
+            await asyncio.sleep(AGREE_POLL_S)
+        taken = self.queue.take(iter=k)
+        chosen = [u for u in taken if u.src in common]
+        apart = [u for u in taken if u.src not in common]
+        self.late_updates_dropped += len(apart)
+        self._release_updates(apart)
+        return chosen, [u.iter for u in chosen]
 
     def _short_of_peers(self, k: int, need: int) -> bool:
         return len(self.expected_senders(k)) < need

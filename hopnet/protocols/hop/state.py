@@ -86,10 +86,14 @@ class HopState(Protocol):
             factory = lambda: [torch.empty_like(f) for f in flats]  # noqa: E731
         self.num_slots = self._slots_needed(graph)
         self.queue = UpdateQueue(self.num_slots)
-        self.summing = self.staleness is None and bool(self.flats)
+        self.agreeing = node.lanes is not None and self.n_buw > 0
+        """A lane of a replica group with backup workers: it mixes the updates every lane of its replica
+        has (:meth:`~hopnet.protocols.hop.protocol.HopProtocol._recv`), so it keeps them whole until then."""
+        self.summing = self.staleness is None and bool(self.flats) and not self.agreeing
         """Mix by accumulation (:mod:`hopnet.protocols.hop.mix_sums`): the queue then only records which
         updates came. With staleness the newest update of a sender replaces its older one, which
-        a sum could not take back, so the queue keeps the newest update's tensors until the reduce."""
+        a sum could not take back, so the queue keeps the newest update's tensors until the reduce
+        (and so does a lane that agrees with the other lanes of its replica on which updates to mix)."""
         # With staleness: one pool for every sender: a buffer is held only while it is received or
         # the newest update of its sender, so no sender needs buffers of its own.
         self.pool = BufferPool(factory if not self.summing else None, (ANY_SENDER,), per_sender=1)

@@ -1,0 +1,50 @@
+"""The lanes of a replica choose alike: :class:`LaneAgreement`.
+
+A protocol that chooses by what has reached it (Hop's backup workers: mix the updates that came)
+would let the lanes of one replica choose differently, each by its own arrivals. Before such a
+choice every lane offers what it has; the choice is made from what they all have (the
+intersection), and only once that meets what every lane needs. One all-reduce (MIN) of a small
+integer vector over the replica does both: a 0/1 entry per candidate (MIN is AND) and the
+negated need (MIN is the largest need). It runs on a gloo group of its own, apart from the
+trainer's DDP or FSDP traffic, in a thread, so the lane's event loop goes on receiving while
+the members meet. A member that dies ends the wait with an error; its replica fails as a unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+
+class LaneAgreement:
+    """Agreement among the ``size`` lanes of one replica on subsets of ``0 .. candidates - 1``."""
+
+    def __init__(self, group: Any, candidates: int) -> None:
+        self.group = group
+        self.candidates = candidates
+        self.rounds = 0
+        """How many agreements this lane took part in (each one all-reduce)."""
+
+    def _all_reduce_min(self, vector: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([vector], opts).wait()
+        return vector
+
+    async def common(self, have: Collection[int], need: int) -> tuple[frozenset[int], bool]:
+        vector = torch.zeros(self.candidates + 1, dtype=torch.int64)
+        for j in have:
+            vector[j] = 1
+        vector[-1] = -need
+        self.rounds += 1
+        reduced = await asyncio.to_thread(self._all_reduce_min, vector)
+        common = frozenset(int(j) for j in torch.nonzero(reduced[:-1]).flatten().tolist())
+        return common, len(common) >= -int(reduced[-1])
+
+
+__all__ = ["LaneAgreement"]
