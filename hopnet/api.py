@@ -469,11 +469,11 @@ class Worker:
             raise HopnetError("save_checkpoint() needs a checkpoint directory (--checkpoint-every)")
         self.checkpointer.wait()  # the previous write: the copy below must not wait on the disk twice
         with self.model_lock:  # ad-psgd averages on the event loop
-            payload = checkpoint.copied({
+            payload = checkpoint.copied(self.replica.localized({  # (under fsdp: this member's shards)
                 "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
-                "model": self._model_state(),
+                "model": self._model_state(), "replica_size": self.replica.size,
                 "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
-                "rng": checkpoint.rng_states()})
+                "rng": checkpoint.rng_states()}))
         path = self.checkpointer.submit(iteration, payload)  # written in the background
         self.record("checkpoint", iter=iteration, path=path.name)
         return path
@@ -487,6 +487,7 @@ class Worker:
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
         state now or when it registers."""
+        self.replica.check_resharding(state.get("replica_size", 1))
         self._load_model(state["model"])
         checkpoint.restore_rng_states(state["rng"])
         self._resumed = dict(state["states"])

@@ -203,6 +203,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+        self.worker.replica.restore_optimizer(self.optimizer)  # fsdp: the shards back into DTensors
         self._share()  # torch's load_state_dict replaces the groups and the state
 
     def __repr__(self) -> str:

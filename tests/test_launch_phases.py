@@ -73,7 +73,7 @@ def test_the_command_line_has_a_flag_per_setting_and_translates_back_to_the_spec
         (3, 2.0, False, "exec", True, "k", True)
     assert (spec.min_nproc, spec.max_nproc) == (2, 6)
     assert (spec.script, list(spec.script_args)) == ("pkg.train", ["--lr", "1"])
-    assert len({s.flag for s in flagged}) == len(flagged) == 25
+    assert len({s.flag for s in flagged}) == len(flagged) == 27
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
 from hopnet.replica.agreement import LaneAgreement
 
@@ -78,6 +79,20 @@ class ReplicaSync:
         """The whole model's state_dict, on the member that saves it (a collective over the replica
         under fsdp: every member calls it); ``None`` on the others."""
         return dict(module.state_dict())
+
+    def localized(self, state: Any) -> Any:
+        """``state`` as a checkpoint holds it: what FSDP shards, this member's shard of it."""
+        return state
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a checkpoint's optimizer state was loaded: back into FSDP's sharded tensors."""
+
+    def check_resharding(self, saved_size: int) -> None:
+        """Refuse a checkpoint written by replicas of another size (resharding is not supported)."""
+        if saved_size != self.size:
+            raise ConfigError(f"the checkpoint was written by replica groups of {saved_size} process(es) and this "
+                              f"run has {self.size}: resume with the same --replica-size (resharding a checkpoint "
+                              "is not supported)")
 
     def close(self) -> None:
         pass

@@ -203,6 +203,27 @@ class FsdpReplica(ReplicaSync):
                 _local(tensor).copy_(state[name])
         self.refresh()
 
+    def localized(self, state: Any) -> Any:
+        if isinstance(state, dict):
+            return {key: self.localized(value) for key, value in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self.localized(value) for value in state)
+        return _local(state).detach() if isinstance(state, torch.Tensor) else state
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, DTensor):
+                    continue
+                entries = optimizer.state.get(param, {})
+                for key, value in list(entries.items()):
+                    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                            and value.shape == param.to_local().shape:
+                        entries[key] = DTensor.from_local(value, param.device_mesh, param.placements,
+                                                          run_check=False, shape=param.shape, stride=param.stride())
+
     def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
