@@ -1,0 +1,107 @@
+"""Replica groups with real processes (`hopnet launch --replica-size 2`): examples/train_cnn.py on
+2 replicas of 2 processes, DDP or FSDP inside a replica (gloo), the protocol between replicas.
+
+A ddp replica's members hold bit-identical parameters after every step; under allreduce the
+replicas end where 4 single workers do (the gradient is the same global mean); under hop and
+diloco they reach the accuracy 4 single workers reach; a replica whose process is SIGKILLed
+fails as a unit and, within --max-failures 1, the other replica finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.launch import kill, recorded_worker_pids, start_launch, worker_pids
+from support.paths import EXAMPLES, ROOT
+from support.processes import alive
+from support.wait import wait_until
+
+CNN = str(EXAMPLES / "train_cnn.py")
+FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
+CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
+ITERATIONS = "80"
+
+pytestmark = pytest.mark.slow
+
+
+def _log(run_dir: Path, replica: int, member: int) -> list[dict]:
+    """A member's event log (member 0's is the replica's ``rank{R}.jsonl``); a line still being written
+    is left out, and a log not written yet is empty."""
+    path = run_dir / (f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl")
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _fingerprints(run_dir: Path, replica: int, member: int) -> dict[int, str]:
+    return {r["iter"]: r["digest"] for r in _log(run_dir, replica, member) if r["event"] == "fingerprint"}
+
+
+def _accuracy(stdout: str) -> float:
+    (found,) = CONSENSUS.findall(stdout)
+    return float(found)
+
+
+@pytest.mark.parametrize("protocol", ["hop", "diloco", "allreduce"])
+def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical_at_every_step(
+        launch, tmp_path: Path, protocol: str) -> None:
+    """Three runs of the CNN trainer: 4 single workers, 2 ddp replicas of 2 (a digest of each member's
+    parameters after every step), 2 fsdp replicas of 2."""
+    runs = {}
+    for name, flags, script in (("single", [], CNN), ("ddp", ["--replica-size", "2"], FINGERPRINTED),
+                                ("fsdp", ["--replica-size", "2", "--replica-mode", "fsdp"], CNN)):
+        result = launch(["--nproc", "4", *flags, "--protocol", protocol, "--save-model",
+                         "--run-dir", str(tmp_path / name), script, "--iterations", ITERATIONS, "--amp", "none"])
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        runs[name] = result
+    assert "4 workers in 2 replicas of 2 (ddp)" in runs["ddp"].stderr
+    for replica in range(2):
+        first, second = (_fingerprints(tmp_path / "ddp", replica, member) for member in range(2))
+        assert len(first) == int(ITERATIONS) and first == second, f"replica {replica}'s members parted"
+    single = _accuracy(runs["single"].stdout)
+    for name in ("ddp", "fsdp"):
+        assert _accuracy(runs[name].stdout) >= single - 0.03, (name, runs[name].stdout, single)
+    models = {name: torch.load(tmp_path / name / "model.pt") for name in runs}
+    assert all(not hasattr(t, "to_local") for t in models["fsdp"].values())  # whole, gathered from the shards
+    assert set(models["fsdp"]) == set(models["single"])
+    if protocol == "allreduce":  # the same global mean gradient: the same model, to summation order
+        for name in ("ddp", "fsdp"):
+            for key, value in models["single"].items():
+                if value.is_floating_point():
+                    assert torch.allclose(models[name][key], value, atol=2e-4), (name, key)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path, mode: str) -> None:
+    """Hop with a backup worker between 2 replicas: the lanes of the surviving replica agree on the
+    updates they mix; rank 3 SIGKILLed mid-run takes rank 2 (its replica) with it."""
+    run_dir = tmp_path / "run"
+    proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", mode, "--backup-workers", "1",
+                         "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
+                         CNN, "--iterations", "200"], new_session=True)
+    try:
+        pids = worker_pids(run_dir, 4)
+        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 30 for r in _log(run_dir, 1, 1)),
+                   120, interval=0.1, what="replica 1's iteration 30", while_running=proc)
+        os.kill(pids[3], signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 3 ended replica 1 (ranks 2, 3): stopping rank 2 with it" in err, err
+    assert "lost ranks 2, 3" in err, err
+    assert _accuracy(out) >= 0.9, out
+    for member in range(2):
+        stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
+        assert stop and stop[-1]["iter"] == 199, (member, stop)
+    assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
