@@ -95,6 +95,14 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(partial, path)
 
 
+async def send_handovers(node: Node, messages: list[Message]) -> None:
+    for msg in messages:
+        await node.connect_to([msg.dst])
+        node.post(msg)
+        node.record("handed_over", peer=msg.dst, iter=msg.iter, fingerprint=(msg.meta or {}).get("fingerprint"))
+    await node.flush()
+
+
 def model_state_of(worker: Worker) -> dict[str, torch.Tensor]:
     """The model as checkpoints and handovers carry it (under fsdp, this process's shards)."""
     if worker.module is not None:
@@ -202,6 +210,7 @@ class Worker:
                                   transport=transport, events=events, collective_factory=collective_factory,
                                   coordinator=coordinator, lanes=replica.lanes)
         self.node.members = members
+        replica.attach(self.node, self.report)  # its start fields; its time in each iteration's record
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -389,7 +398,7 @@ class Worker:
             return
         with self.model_lock:
             messages = self._handover_messages(requests, iteration, finished)
-        self._thread.run(self._send_handovers(messages))
+        self._thread.run(send_handovers(self.node, messages))
 
     def _hand_over_on_loop(self, requests: list[int]) -> None:
         """The same on the event loop, while the protocol waits with the trainer blocked in its step
@@ -398,7 +407,7 @@ class Worker:
         done = self.node.quiesced and final is not None  # training is over here: after the last iteration
         messages = self._handover_messages(requests, final + 1 if done and final is not None
                                            else self.node.protocol.iteration, finished=done)
-        task = self._thread.loop.create_task(self._send_handovers(messages))
+        task = self._thread.loop.create_task(send_handovers(self.node, messages))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _handover_messages(self, requests: list[int], iteration: int, finished: bool = False) -> list[Message]:
@@ -416,14 +425,6 @@ class Worker:
 
     async def _take_requests(self) -> list[int]:
         return self.node.take_handover_requests()
-
-    async def _send_handovers(self, messages: list[Message]) -> None:
-        for msg in messages:
-            await self.node.connect_to([msg.dst])
-            self.node.post(msg)
-            self.node.record("handed_over", peer=msg.dst, iter=msg.iter,
-                             fingerprint=(msg.meta or {}).get("fingerprint"))
-        await self.node.flush()
 
     def _answer_late_handovers(self) -> None:
         """Training is over here: a replacement that asked now starts after the last iteration."""

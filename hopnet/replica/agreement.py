@@ -32,7 +32,7 @@ class LaneAgreement:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # (torch's stubs name the enum apart)
         self.group.allreduce([vector], opts).wait()
         return vector
 

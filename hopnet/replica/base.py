@@ -17,7 +17,9 @@ whole in step:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,32 @@ class ReplicaSync:
     lane_grads: torch.Tensor | None = None
     lanes: LaneAgreement | None = None
     """How this member's lane agrees with the replica's other lanes (:mod:`hopnet.replica.agreement`)."""
+
+    spent_s = 0.0
+    """Seconds spent in the replica's own collectives since the last report."""
+    _report: Callable[..., None] | None = None
+
+    def attach(self, node: Any, report: Callable[..., None]) -> None:
+        """``node`` (its ``start`` record names the replica) and the worker's ``report``: each iteration's
+        record gets ``replica_s``, the time spent inside the replica (:meth:`report_time`)."""
+        if self.replica_index is None:
+            return
+        node.start_fields.update(replica=self.replica_index, member=self.member, replica_size=self.size,
+                                 replica_mode=self.mode)
+        self._report = report
+
+    def report_time(self) -> None:
+        if self._report is not None:
+            self._report(replica_s=round(self.spent_s, 6))
+        self.spent_s = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spent_s += time.monotonic() - began
 
     def before_step(self) -> None:
         pass

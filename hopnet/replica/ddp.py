@@ -60,9 +60,10 @@ class DdpReplica(ReplicaSync):
         self._queued = False
         if self._deferred:
             return
-        buffer = self.grads.gather()
-        dist.all_reduce(buffer, group=self.group)
-        buffer.div_(self.size)
+        with self.timed():
+            buffer = self.grads.gather()
+            dist.all_reduce(buffer, group=self.group)
+            buffer.div_(self.size)
         self._accumulated = False
 
     def deferring(self, deferred: bool) -> None:
@@ -70,11 +71,17 @@ class DdpReplica(ReplicaSync):
 
     # ------------------------------------------------------------------ the step
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        works = [dist.broadcast(t, src=self._first, group=self.group, async_op=True) for t in tensors if t.numel()]
-        for work in works:
-            work.wait()
+        with self.timed():
+            works = [dist.broadcast(t, src=self._first, group=self.group, async_op=True) for t in tensors if t.numel()]
+            for work in works:
+                work.wait()
+
+    def _share(self, tensors: list[torch.Tensor]) -> None:
+        with self.timed():
+            share_slices(tensors, self.size, self.member, self.group)
 
     def before_step(self) -> None:
+        self.report_time()
         if self._accumulated:  # a step after no_sync(): the sum is averaged now
             self._average()
         self._broadcast(self.state.buffers)
@@ -84,23 +91,20 @@ class DdpReplica(ReplicaSync):
             self._average()
 
     def after_synchronize(self) -> None:
-        share_slices([self.grads.buffer], self.size, self.member, self.group)
+        self._share([self.grads.buffer])
 
     def wrap_apply(self, apply: Callable[[], None] | None) -> Callable[[], None] | None:
         if apply is None:
             return None
 
         def whole_then_apply() -> None:
-            if self.averages_models:
-                share_slices(self.state.flats, self.size, self.member, self.group)
-            else:
-                share_slices([self.grads.buffer], self.size, self.member, self.group)
+            self._share(self.state.flats if self.averages_models else [self.grads.buffer])
             apply()
         return whole_then_apply
 
     def after_step(self) -> None:
         if self.averages_models or self.state.buffers:
-            share_slices(self.state.flats, self.size, self.member, self.group)
+            self._share(self.state.flats)
 
     def agree(self, ok: bool) -> bool:
         return ok  # every member applies the same averaged gradient: they agree already

@@ -117,13 +117,13 @@ class FsdpReplica(ReplicaSync):
                 view.copy_(piece)
 
     def _to_shards(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self.timed():
             for local, view in self._pairs():
                 local.copy_(view.view_as(local))
             for view, piece in self._buffer_views:
                 piece.copy_(view)
-        if self.buffers is not None:
-            share_slices(self.buffers.flats, self.size, self.member, self.group)
+            if self.buffers is not None:
+                share_slices(self.buffers.flats, self.size, self.member, self.group)
 
     def _grads_to_lane(self) -> None:
         if self.lane_grads is None:
@@ -153,10 +153,13 @@ class FsdpReplica(ReplicaSync):
 
     # ------------------------------------------------------------------ the step
     def before_step(self) -> None:
+        self.report_time()
         if self.buffers is not None:
-            works = [dist.broadcast(t, src=self._first, group=self.group, async_op=True) for t in self.buffers.flats]
-            for work in works:
-                work.wait()
+            with self.timed():
+                works = [dist.broadcast(t, src=self._first, group=self.group, async_op=True)
+                         for t in self.buffers.flats]
+                for work in works:
+                    work.wait()
         self.refresh()
         self._grads_to_lane()
 
@@ -187,7 +190,7 @@ class FsdpReplica(ReplicaSync):
         self.module.set_requires_gradient_sync(not deferred)  # type: ignore[operator]
 
     def agree(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.lane_model.device)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.params[0].device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
@@ -228,7 +231,7 @@ class FsdpReplica(ReplicaSync):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return full if self.member == 0 else None
+        return {name: t for name, t in full.items() if isinstance(t, torch.Tensor)} if self.member == 0 else None
 
 
 __all__ = ["FsdpReplica", "shard_model"]

@@ -61,6 +61,10 @@ class RankStats:
     ended: str | None = None
     """How an elastic run's member ended other than at the run's end: ``left`` (its ``left`` record),
     or why it never trained or stopped (``run_ended``, ``membership_stopped``)."""
+    replica_size: int = 1
+    """Processes in this rank's replica group (``--replica-size``: a rank of the log is then a replica)."""
+    replica_s: float = 0.0
+    """Seconds spent in the replica group's own collectives (``replica_s`` of the iteration records)."""
     progress: list[tuple[float, int]] = field(default_factory=list)
     """(``mono``, ``iter``) at the end of each computed iteration."""
     losses: list[tuple[float, float]] = field(default_factory=list)
@@ -83,6 +87,12 @@ class RankStats:
     @property
     def busy_s(self) -> float:
         return sum(self.time_s.values())
+
+    @property
+    def replica_share(self) -> float:
+        """Fraction of the step time spent inside the replica group (its own collectives)."""
+        busy = self.busy_s
+        return min(1.0, self.replica_s / busy) if busy > 0 else 0.0
 
     def share(self, part: str) -> float:
         """Fraction of the step time spent in ``part`` (one of :data:`TIME_PARTS`)."""
@@ -135,6 +145,7 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                     stats.began = mono - sum(float(rec[p]) for p in TIME_PARTS)
                 stats.last = mono if stats.last is None else max(stats.last, mono)
                 stats.progress.append((mono, iteration))
+            stats.replica_s += _number(rec.get("replica_s")) or 0.0
             loss = _number(rec.get("loss"))
             if loss is not None:
                 stats.last_loss = loss
@@ -145,6 +156,8 @@ def rank_stats(rank: int, records: list[Record]) -> RankStats:
                 entered_mono = mono
         elif event == "start":
             start_mono = mono if start_mono is None else start_mono
+            size = rec.get("replica_size")
+            stats.replica_size = size if isinstance(size, int) and not isinstance(size, bool) else 1
             restart = rec.get("restart")
             if isinstance(restart, int) and not isinstance(restart, bool) and restart >= 1:
                 # a replacement: what the dead process logged last is not how the rank ends
@@ -193,6 +206,11 @@ class RunStats:
     """The coordinator's ``stop`` record (``coordinator.jsonl``), for runs that had one."""
     views: list[View] = field(default_factory=list)
     """An elastic run's views (:mod:`hopnet.report.views`); view 0 only for a run without changes."""
+
+    @property
+    def replica_size(self) -> int:
+        """Processes per replica group (1 when every rank was a process of its own)."""
+        return max((s.replica_size for s in self.ranks.values()), default=1)
 
     def view_marks(self) -> list[tuple[float, str]]:
         """Each view change as (seconds since :attr:`t0`, ``"view N"``), for the plots' time axes."""

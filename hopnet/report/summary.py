@@ -15,16 +15,22 @@ from hopnet.output_spec import format_value
 from hopnet.report.stats import RunStats
 
 TITLE = "per-rank summary (from the event logs; hopnet report RUN_DIR draws more)"
+"""(A run of replica groups has a row per replica: the log of its first process.)"""
 
 
 def summary_headers(stats: RunStats) -> tuple[str, ...]:
-    return ("rank", "iterations", "it/s", *(w.column for w in stats.shown_waits()),
-            *(c.label for c in stats.shown_counts(summary=True)), "dropped", "status")
+    grouped = stats.replica_size > 1  # a row per replica group, and its time inside the group
+    return ("replica" if grouped else "rank", "iterations", "it/s", *(("in replica",) if grouped else ()),
+            *(w.column for w in stats.shown_waits()), *(c.label for c in stats.shown_counts(summary=True)),
+            "dropped", "status")
 
 
 def summary_rows(stats: RunStats) -> list[tuple[str, ...]]:
     waits, counts = stats.shown_waits(), stats.shown_counts(summary=True)
-    return [(str(rank), str(s.iterations), f"{s.rate:.2f}", *(f"{100 * s.share(w.part):.1f}%" for w in waits),
+    grouped = stats.replica_size > 1
+    return [(str(rank), str(s.iterations), f"{s.rate:.2f}",
+             *((f"{100 * s.replica_share:.1f}%",) if grouped else ()),
+             *(f"{100 * s.share(w.part):.1f}%" for w in waits),
              *(format_value(s.counts.get(c.field)) for c in counts), str(s.dropped), s.status)
             for rank, s in stats.ranks.items()]
 

@@ -1,0 +1,153 @@
+"""Replica groups without processes: which process is which, the shards, the refusals, the
+launcher's arithmetic, and the lanes' agreement (two gloo members in one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hopnet.config import ProtocolConfig
+from hopnet.errors import ConfigError
+from hopnet.launch.outcome import conclude
+from hopnet.launch.settings import LaunchSpec
+from hopnet.launch.spec import validate
+from hopnet.launch.state import RunState
+from hopnet.launch.worker_logs import peer_process, worker_log
+from hopnet.model_state import ModelState
+from hopnet.replica.agreement import LaneAgreement
+from hopnet.replica.layout import ReplicaLayout
+from hopnet.replica.shards import bounds, lane_state
+from hopnet.replica.support import replica_refusal
+
+from support.paths import EXAMPLES
+
+CNN = str(EXAMPLES / "train_cnn.py")
+
+
+def test_processes_are_numbered_replica_by_replica_and_log_where_their_lane_does(tmp_path: Path) -> None:
+    layout = ReplicaLayout(size=4, mode="fsdp", processes=8)
+    assert (layout.replicas, layout.replica_of(6), layout.member_of(6), layout.process(1, 2)) == (2, 1, 2, 6)
+    assert list(layout.members(1)) == [4, 5, 6, 7]
+    assert [layout.log_name(p) for p in (0, 3, 4)] == ["rank0.jsonl", "lane3/rank0.jsonl", "rank1.jsonl"]
+    assert layout.describe(1) == "replica 1 (ranks 4, 5, 6, 7)"
+    (tmp_path / "launch.json").write_text(json.dumps({"replicas": {"size": 4, "mode": "fsdp"}}))
+    assert worker_log(tmp_path, 6) == tmp_path / "lane2" / "rank1.jsonl"
+    assert peer_process(tmp_path, 6, 0) == 2  # member 2's peer "replica 0" is replica 0's member 2
+
+
+@pytest.mark.parametrize("environ, size", [({}, 1), ({"HOPNET_REPLICA_SIZE": "2"}, 2),
+                                           ({"HOPNET_REPLICA_MODE": "fsdp", "LOCAL_WORLD_SIZE": "4"}, 4)])
+def test_the_variables_name_the_size_and_mode_alone_makes_a_machine_one_replica(environ: dict, size: int) -> None:
+    assert ReplicaLayout.from_environ(environ, 8).size == size
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(size=3, processes=8), "--replica-size 3 does not divide the 8 processes"),
+    (dict(size=2, mode="zero", processes=8), "--replica-mode 'zero': expected one of ddp, fsdp"),
+])
+def test_a_bad_layout_is_refused_in_one_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ReplicaLayout(**kwargs)
+
+
+@pytest.mark.parametrize("numel, parts", [(10, 3), (2, 4), (7, 1), (0, 2)])
+def test_the_shards_cover_every_element_once(numel: int, parts: int) -> None:
+    covered = [i for m in range(parts) for i in range(*bounds(numel, parts, m))]
+    assert covered == list(range(numel))
+
+
+def test_a_lane_state_is_views_of_its_slice_split_into_parameters_and_buffers() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))  # 8 + 4 params, 4 buffers
+    state = ModelState.of(model)
+    (flat,) = state.flats
+    lanes = [lane_state(state, 2, m) for m in range(2)]
+    assert [lane.flats[0].numel() for lane in lanes] == [8, 8]
+    assert sum(p.numel() for lane in lanes for p in lane.params) == 12
+    assert sum(b.numel() for lane in lanes for b in lane.buffers) == 4
+    lanes[1].flats[0].fill_(3.0)  # a view: written into the model
+    assert torch.equal(flat[8:], torch.full((8,), 3.0)) and model[1].running_var.eq(3.0).all()
+
+
+@pytest.mark.parametrize("options, refused", [
+    (dict(protocol="hop", backup_workers=1), None),
+    (dict(protocol="diloco"), None),
+    (dict(protocol="hop", staleness=2), "--staleness"),
+    (dict(protocol="diloco", outer_quorum=1), "--outer-quorum"),
+    (dict(protocol="prague"), "--protocol prague does not run between replica groups"),
+    (dict(protocol="ad-psgd"), "--protocol ad-psgd does not run between replica groups"),
+])
+def test_what_would_let_the_lanes_of_a_replica_choose_apart_is_refused(options: dict, refused: str | None) -> None:
+    refusal = replica_refusal(ProtocolConfig(**options))
+    assert refusal is None if refused is None else refused in refusal
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nproc=4, replica_size=2, max_failures=2), "--max-failures must be an integer from 0 to 1 (there are 2 "
+                                                    "replicas"),
+    (dict(nproc=6, replica_size=4), "--replica-size 4 does not divide --nproc 6"),
+    (dict(graph="ring:3", nproc=4, replica_size=2), "--nproc 4 makes 2 replicas of 2 processes, but the graph has 3"),
+    (dict(nproc=4, replica_mode="fsdp"), "--replica-mode needs --replica-size R on one machine"),
+    (dict(nproc=4, replica_size=2, max_restarts=1), "--max-restarts does not bring back a replica group yet"),
+    (dict(nproc=4, replica_size=2, config=ProtocolConfig(protocol="eager-sgd")), "--protocol eager-sgd"),
+])
+def test_the_launcher_refuses_what_replica_groups_cannot_run_before_anything_starts(kwargs: dict,
+                                                                                   message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(LaunchSpec(script=CNN, **kwargs))
+
+
+def test_the_graph_has_a_node_per_replica_and_a_replica_goes_where_its_node_goes() -> None:
+    plan = validate(LaunchSpec(script=CNN, nproc=8, replica_size=4))
+    assert (plan.graph.n, plan.world_size, plan.replicas.mode) == (2, 8, "ddp")
+    machine = validate(LaunchSpec(script=CNN, nproc=8, replica_mode="fsdp", nnodes=2, node_rank=1,
+                                  rdzv_endpoint="127.0.0.1:29999"))
+    assert (machine.replicas.size, list(machine.nodes.ranks)) == (4, [4, 5, 6, 7])
+
+
+def test_max_failures_counts_replicas_not_processes(tmp_path: Path) -> None:
+    state = RunState()
+    for rank in range(4):
+        state.started(rank)
+    state.ended(2, -9)
+    state.ended(3, -9)
+    state.ended(0, 0)
+    state.ended(1, 0)
+    conclude(state, tmp_path, max_failures=1, world_size=4, replica_size=2)
+    assert state.failed_rank is None and state.summary is not None and "lost ranks 2, 3" in state.summary
+
+
+def _members(size: int) -> list[LaneAgreement]:
+    store = dist.HashStore()
+    groups: list = [None] * size
+
+    def make(member: int) -> None:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timedelta(seconds=20)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        groups[member] = dist.ProcessGroupGloo(store, member, size, opts)
+
+    threads = [threading.Thread(target=make, args=(m,)) for m in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [LaneAgreement(group, candidates=4) for group in groups]
+
+
+def test_the_lanes_agree_on_what_they_all_have_and_on_the_largest_need() -> None:
+    lanes = _members(2)
+
+    async def both(haves: list[set[int]], needs: list[int]) -> list[tuple[frozenset[int], bool]]:
+        return list(await asyncio.gather(*(lane.common(have, need) for lane, have, need in zip(lanes, haves, needs))))
+
+    first = asyncio.run(both([{0, 2, 3}, {2, 3}], [2, 1]))
+    assert first == [(frozenset({2, 3}), True)] * 2
+    short = asyncio.run(both([{0, 2}, {2}], [1, 2]))  # one lane still waits for a second sender
+    assert short == [(frozenset({2}), False)] * 2
