@@ -106,7 +106,7 @@ class ReplicaSync:
     def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict, on the member that saves it (a collective over the replica
         under fsdp: every member calls it); ``None`` on the others."""
-        return dict(module.state_dict())
+        return dict(module.state_dict()) if self.member == 0 else None  # (a ddp replica's members hold the same)
 
     def localized(self, state: Any) -> Any:
         """``state`` as a checkpoint holds it: what FSDP shards, this member's shard of it."""
