@@ -41,7 +41,8 @@ def run(setting: str, size: int, args: argparse.Namespace, where: Path) -> dict:
     replicas = 2
     flags = ["--nproc", str(replicas)] if setting == "leader" else \
         ["--nproc", str(replicas * size), "--replica-size", str(size), "--replica-mode", setting]
-    command = [sys.executable, "-m", "hopnet.cli.main", "launch", *flags, "--run-dir", str(run_dir), "--no-progress",
+    command = [sys.executable, "-m", "hopnet.cli.main", "launch", *flags, "--bulk", "zmq", "--run-dir", str(run_dir),
+               "--no-progress",
                str(WORKER), "--model-mb", str(args.model_mb), "--iterations", str(args.iterations)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:

@@ -24,6 +24,7 @@ from support.wait import wait_until
 
 CNN = str(EXAMPLES / "train_cnn.py")
 FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
+CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
 ITERATIONS = "80"
 
@@ -105,3 +106,18 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
         stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
         assert stop and stop[-1]["iter"] == 199, (member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
+
+
+def test_a_model_too_big_for_a_process_budget_trains_sharded_and_fails_in_one_line_without_it(launch,
+                                                                                            tmp_path: Path) -> None:
+    """An MLP of 200 MB with AdamW, each process's address space capped at 2650 MB (RLIMIT_AS, as
+    `ulimit -v`): measured, a ddp member peaks at about 2950 MB and an fsdp member at about 2320 MB."""
+    args = [CAPPED, "--cap-mb", "2650", "--model-mb", "200", "--iterations", "3"]
+    sharded = launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp",
+                      "--run-dir", str(tmp_path / "fsdp"), *args])
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    whole = launch(["--nproc", "4", "--replica-size", "2", "--run-dir", str(tmp_path / "ddp"), *args])
+    assert whole.returncode == 1, whole.stderr[-3000:]
+    assert "can't allocate memory" in whole.stderr
+    assert re.search(r"^hopnet launch: worker \d failed", whole.stderr, re.MULTILINE), whole.stderr[-3000:]
+    assert not [pid for pid in recorded_worker_pids(tmp_path / "ddp").values() if alive(pid)]

@@ -9,6 +9,7 @@ its own.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -42,8 +43,10 @@ def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str,
                 mine = group
         return mine
     store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{replica}"), timeout_s)
+    hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=layout.member_of(process), world_size=layout.size,
                             timeout=timeout)
+    sys.excepthook = hook  # torch's would prefix a traceback with the member's index ("[rank0]"), not the rank
     return dist.group.WORLD
 
 

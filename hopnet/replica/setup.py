@@ -14,6 +14,7 @@ from hopnet.replica.fsdp import FsdpReplica, _broadcast_module, shard_model
 from hopnet.replica.agreement import LaneAgreement
 from hopnet.replica.group import open_agreement_group, open_replica_group
 from hopnet.replica.layout import ReplicaLayout
+from hopnet.transports.zmq.malloc import prefer_low_memory
 
 
 def build_replica(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
@@ -41,6 +42,7 @@ def _build(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, 
     if layout.mode == "ddp":
         return DdpReplica(size=layout.size, member=member, replica_index=replica, group=group,
                           state=ModelState.of(module), grads=FlatGradients(module), averages_models=averages_models)
+    prefer_low_memory()  # FSDP's per-module buffers handed back when freed, not kept in the heap
     _broadcast_module(module, group)  # one starting model per replica, then each member keeps its shards
     shard_model(module, group, device)
     buffers = ModelState.of(module, params=False)

@@ -110,7 +110,7 @@ from hopnet.transports.zmq.limits import (
     STAGE_MAX_INFLIGHT,
     STAGE_POOL_BYTES,
 )
-from hopnet.transports.zmq.malloc import tune_malloc
+from hopnet.transports.zmq.malloc import prefer_low_memory, tune_malloc
 from hopnet.transports.zmq.transport import ZmqTransport
 
 __all__ = [
@@ -128,6 +128,7 @@ __all__ = [
     "ZmqTransport",
     "express_routing_id",
     "routing_id",
+    "prefer_low_memory",
     "tune_malloc",
     "zmq_endpoint",
 ]

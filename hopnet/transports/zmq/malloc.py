@@ -44,3 +44,27 @@ def tune_malloc() -> bool:
     _malloc_tuned = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 512 << 20))
     log.debug("glibc malloc tuned for message buffers: %s", _malloc_tuned)
     return _malloc_tuned
+
+
+LOW_MEMORY_MMAP_THRESHOLD = 1 << 20
+
+
+def prefer_low_memory() -> bool:
+    """The opposite trade, for a process whose memory is the budget (a member of an FSDP replica
+    group): every buffer of 1 MiB or more is ``mmap``-ed and handed back to the kernel when freed.
+    FSDP all-gathers each module's parameters and frees them again every step; with
+    :func:`tune_malloc`'s thresholds (or glibc's own, which rise to the largest buffer freed) those
+    buffers stay in the heap, and peak RSS grows past what the sharding saved (measured on the
+    performance page, "Replica groups"). Later calls of :func:`tune_malloc` do nothing. Returns
+    whether it is in effect."""
+    global _malloc_tuned
+    _malloc_tuned = False
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, LOW_MEMORY_MMAP_THRESHOLD)) and \
+        bool(mallopt(m_trim_threshold, LOW_MEMORY_MMAP_THRESHOLD))
