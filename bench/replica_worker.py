@@ -1,7 +1,8 @@
 """The worker bench/replicas.py launches: an MLP of about ``--model-mb`` MB of float32 parameters on
 random data, AdamW, under whatever `hopnet launch` set (replica groups or not).
 
-At the end it records a ``replica_bench`` event: its peak RSS (``VmHWM``, KiB), its RSS after the
+At the end it records a ``replica_bench`` event: its peak RSS (``VmHWM``, KiB), its peak address space
+(``VmPeak``, what ``ulimit -v`` caps), its RSS after the
 model was built and before ``hopnet.init`` (``baseline_kb``), the bytes it sent to each lane peer
 (the kernel's counters of the ``links`` record are read by the bench from the log), and its rate.
 """
@@ -47,7 +48,8 @@ def main() -> None:
         optimizer.step()
     rate = args.iterations / (time.monotonic() - began)
     worker.consensus()
-    worker.record("replica_bench", peak_kb=status_kb("VmHWM"), baseline_kb=baseline, rate=round(rate, 3),
+    worker.record("replica_bench", peak_kb=status_kb("VmHWM"), address_peak_kb=status_kb("VmPeak"),
+                  baseline_kb=baseline, rate=round(rate, 3),
                   params=sum(p.numel() for p in model.parameters()))
     worker.close()
 

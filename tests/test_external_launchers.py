@@ -176,3 +176,30 @@ def test_digits_under_simulated_srun(tmp_path: Path) -> None:
     coordinator = coordinator_records(run_dirs[0])
     stop = coordinator[-1]
     assert stop["event"] == "stop" and stop["groups_formed"] > 0 and stop["workers_left"] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_digits_under_torchrun_in_replica_groups(tmp_path: Path) -> None:
+    """torchrun with 4 processes and HOPNET_REPLICA_SIZE=2: 2 replicas (a ring of 2), DDP inside each, so
+    a replica's processes end with one model; each replica's first process logs for it."""
+    run_dir = tmp_path / "run"
+    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1",
+           "HOPNET_REPLICA_SIZE": "2"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           DIGITS, "--iterations", "70", "--eval-every", "1000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert min(float(a) for a in ACCURACY.findall(out)) >= 0.9, out[-3000:]
+    models = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(4)]  # each process's own, before the consensus
+    assert torch.equal(models[0], models[1]) and torch.equal(models[2], models[3])  # a replica's members: one model
+    assert _consensus_error(run_dir, 4) < 1e-3
+    assert sorted(p.name for p in run_dir.glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
+    assert sorted(p.name for p in (run_dir / "lane1").glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
+    start = records(run_dir, 1)[0]
+    assert (start["replica"], start["member"], start["replica_size"]) == (1, 0, 2)

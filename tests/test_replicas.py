@@ -26,7 +26,11 @@ CNN = str(EXAMPLES / "train_cnn.py")
 FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
 CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
-ITERATIONS = "80"
+ITERATIONS = "60"
+SINGLE_BASELINE = ("hop", "allreduce")
+"""The protocols whose runs here include 4 single workers to compare with (allreduce: to the parameter)."""
+SINGLE_BASELINE_ACCURACY = {"diloco": 0.9667}
+"""What 4 single workers reach on this trainer in these iterations (measured: the same in 3 of 3 runs)."""
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +63,11 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
     """Three runs of the CNN trainer: 4 single workers, 2 ddp replicas of 2 (a digest of each member's
     parameters after every step), 2 fsdp replicas of 2."""
     runs = {}
-    for name, flags, script in (("single", [], CNN), ("ddp", ["--replica-size", "2"], FINGERPRINTED),
-                                ("fsdp", ["--replica-size", "2", "--replica-mode", "fsdp"], CNN)):
+    settings = [("ddp", ["--replica-size", "2"], FINGERPRINTED),
+                ("fsdp", ["--replica-size", "2", "--replica-mode", "fsdp"], CNN)]
+    if protocol in SINGLE_BASELINE:
+        settings.insert(0, ("single", [], CNN))
+    for name, flags, script in settings:
         result = launch(["--nproc", "4", *flags, "--protocol", protocol, "--save-model",
                          "--run-dir", str(tmp_path / name), script, "--iterations", ITERATIONS, "--amp", "none"])
         assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -69,17 +76,22 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
     for replica in range(2):
         first, second = (_fingerprints(tmp_path / "ddp", replica, member) for member in range(2))
         assert len(first) == int(ITERATIONS) and first == second, f"replica {replica}'s members parted"
-    single = _accuracy(runs["single"].stdout)
+    single = _accuracy(runs["single"].stdout) if "single" in runs else SINGLE_BASELINE_ACCURACY[protocol]
     for name in ("ddp", "fsdp"):
         assert _accuracy(runs[name].stdout) >= single - 0.03, (name, runs[name].stdout, single)
     models = {name: torch.load(tmp_path / name / "model.pt") for name in runs}
     assert all(not hasattr(t, "to_local") for t in models["fsdp"].values())  # whole, gathered from the shards
-    assert set(models["fsdp"]) == set(models["single"])
+    assert set(models["fsdp"]) == set(models["ddp"])
     if protocol == "allreduce":  # the same global mean gradient: the same model, to summation order
-        for name in ("ddp", "fsdp"):
-            for key, value in models["single"].items():
-                if value.is_floating_point():
-                    assert torch.allclose(models[name][key], value, atol=2e-4), (name, key)
+        for key, value in models["single"].items():
+            if value.is_floating_point():
+                assert torch.allclose(models["ddp"][key], value, atol=2e-4), key  # measured: 1e-6 apart
+        # FSDP's reduce-scatter sums in an order of its own, and AdamW turns that noise into full steps where
+        # a gradient is near zero, and the BatchNorm statistics follow: measured, the median element 6e-6
+        # apart, the furthest 3e-3. A gradient averaged over 2 workers' data instead of 4 ends 6e-3 and 0.15.
+        apart = torch.cat([(models["fsdp"][key] - value).abs().flatten()
+                           for key, value in models["single"].items() if value.is_floating_point()])
+        assert apart.median() < 1e-4 and apart.max() < 2e-2, (apart.median(), apart.max())
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -89,11 +101,11 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     run_dir = tmp_path / "run"
     proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", mode, "--backup-workers", "1",
                          "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
-                         CNN, "--iterations", "200"], new_session=True)
+                         CNN, "--iterations", "120"], new_session=True)
     try:
         pids = worker_pids(run_dir, 4)
-        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 30 for r in _log(run_dir, 1, 1)),
-                   120, interval=0.1, what="replica 1's iteration 30", while_running=proc)
+        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 20 for r in _log(run_dir, 1, 1)),
+                   120, interval=0.1, what="replica 1's iteration 20", while_running=proc)
         os.kill(pids[3], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:
@@ -104,19 +116,21 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     assert _accuracy(out) >= 0.9, out
     for member in range(2):
         stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
-        assert stop and stop[-1]["iter"] == 199, (member, stop)
+        assert stop and stop[-1]["iter"] == 119, (member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
 
 
 def test_a_model_too_big_for_a_process_budget_trains_sharded_and_fails_in_one_line_without_it(launch,
                                                                                             tmp_path: Path) -> None:
-    """An MLP of 200 MB with AdamW, each process's address space capped at 2650 MB (RLIMIT_AS, as
-    `ulimit -v`): measured, a ddp member peaks at about 2950 MB and an fsdp member at about 2320 MB."""
-    args = [CAPPED, "--cap-mb", "2650", "--model-mb", "200", "--iterations", "3"]
-    sharded = launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp",
+    """An MLP of 250 MB with AdamW, each process's address space capped at 3050 MB (RLIMIT_AS, as
+    `ulimit -v`): measured without the cap, a ddp member peaks at 3482-3546 MB of address space and an
+    fsdp member at 2879-2942 MB, the consensus included."""
+    args = [CAPPED, "--cap-mb", "3050", "--model-mb", "250", "--iterations", "3"]
+    sharded = launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp", "--timeout", "30",
                       "--run-dir", str(tmp_path / "fsdp"), *args])
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    whole = launch(["--nproc", "4", "--replica-size", "2", "--run-dir", str(tmp_path / "ddp"), *args])
+    whole = launch(["--nproc", "4", "--replica-size", "2", "--timeout", "30", "--run-dir", str(tmp_path / "ddp"),
+                    *args])
     assert whole.returncode == 1, whole.stderr[-3000:]
     assert "can't allocate memory" in whole.stderr
     assert re.search(r"^hopnet launch: worker \d failed", whole.stderr, re.MULTILINE), whole.stderr[-3000:]
