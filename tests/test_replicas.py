@@ -101,11 +101,11 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     run_dir = tmp_path / "run"
     proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", mode, "--backup-workers", "1",
                          "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
-                         CNN, "--iterations", "120"], new_session=True)
+                         CNN, "--iterations", "80"], new_session=True)
     try:
         pids = worker_pids(run_dir, 4)
-        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 20 for r in _log(run_dir, 1, 1)),
-                   120, interval=0.1, what="replica 1's iteration 20", while_running=proc)
+        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 15 for r in _log(run_dir, 1, 1)),
+                   120, interval=0.1, what="replica 1's iteration 15", while_running=proc)
         os.kill(pids[3], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:
@@ -116,7 +116,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     assert _accuracy(out) >= 0.9, out
     for member in range(2):
         stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
-        assert stop and stop[-1]["iter"] == 119, (member, stop)
+        assert stop and stop[-1]["iter"] == 79, (member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
 
 
