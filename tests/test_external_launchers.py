@@ -120,10 +120,9 @@ def _consensus_error(run_dir: Path, n: int) -> float:
     return ((params - mean).norm(dim=1) / mean.norm()).max().item()
 
 
-@pytest.mark.slow
-def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+def _digits_under_torchrun(tmp_path: Path, run_dir: Path, **variables: str) -> str:
+    """train_digits.py on 4 processes under torchrun's c10d rendezvous, to its end: its output."""
+    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", **variables}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            DIGITS, "--iterations", "70", "--eval-every", "1000"]
@@ -134,6 +133,13 @@ def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
     finally:
         _kill(proc)
     assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_digits_under_torchrun_c10d_learns_and_agrees(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = _digits_under_torchrun(tmp_path, run_dir)
     accuracies = [float(a) for a in ACCURACY.findall(out)]
     assert len(accuracies) == 4, out[-3000:]
     assert min(accuracies) >= 0.9, accuracies
@@ -183,18 +189,7 @@ def test_digits_under_torchrun_in_replica_groups(tmp_path: Path) -> None:
     """torchrun with 4 processes and HOPNET_REPLICA_SIZE=2: 2 replicas (a ring of 2), DDP inside each, so
     a replica's processes end with one model; each replica's first process logs for it."""
     run_dir = tmp_path / "run"
-    env = {**clean_env(PYTHONUNBUFFERED="1"), "HOPNET_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1",
-           "HOPNET_REPLICA_SIZE": "2"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           DIGITS, "--iterations", "70", "--eval-every", "1000"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        _kill(proc)
-    assert proc.returncode == 0, out[-3000:]
+    out = _digits_under_torchrun(tmp_path, run_dir, HOPNET_REPLICA_SIZE="2")
     assert min(float(a) for a in ACCURACY.findall(out)) >= 0.9, out[-3000:]
     models = [torch.load(run_dir / f"final_rank{r}.pt") for r in range(4)]  # each process's own, before the consensus
     assert torch.equal(models[0], models[1]) and torch.equal(models[2], models[3])  # a replica's members: one model

@@ -383,7 +383,8 @@ class Launch:
                 self.shutdown_talk.finished(time.monotonic())  # a lost worker's or a leaver's exit is no end
             if code != 0:
                 running = {r: p.pid for r, p in self.workers.procs.items() if p.returncode is None}
-                stop_replica_of(self.plan.replicas, rank, state.pending, running, kill_group, self.output.say)
+                state.with_replica.update(dict.fromkeys(stop_replica_of(
+                    self.plan.replicas, rank, state.pending, running, kill_group, self.output.say), rank))
                 total_lost = self.group.lose() if self.group is not None else None
                 if total_lost is None:  # one machine, or node 0's store cut off: what this launcher knows
                     total_lost = lost_replicas(self.plan.replicas, state.lost)

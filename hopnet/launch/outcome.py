@@ -29,7 +29,7 @@ def _exits(state: RunState, lost: dict[int, int]) -> str:
 def blame_run(run_dir: Path, state: RunState) -> Blame:
     """Read every rank's event log and name the rank that caused the failure."""
     position = {rank: i for i, rank in enumerate(state.exit_order)}
-    stopped = state.stopped
+    stopped = state.stopped | set(state.with_replica)  # killed by the launcher: never the cause
     ends = []
     for rank, code in state.returncodes.items():
         facts = read_log_facts(worker_log(run_dir, rank))

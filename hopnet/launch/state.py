@@ -48,6 +48,9 @@ class RunState:
     silent: dict[int, str] = field(default_factory=dict)
     """Ranks the launcher killed because they went silent (:mod:`hopnet.launch.death_watch`),
     with why it held them for dead."""
+    with_replica: dict[int, int] = field(default_factory=dict)
+    """Ranks the launcher killed because another process of their replica group ended (rank -> that
+    process): the replica fails as a unit (:mod:`hopnet.launch.replicas`); none of them is a cause."""
     returncode: int = 0
     failed_rank: int | None = None
     reason: str | None = None
@@ -111,6 +114,8 @@ class RunState:
         """How a lost worker ended, for the launcher's lines: its exit, or why it was killed."""
         if rank in self.silent:
             return f"went silent: {self.silent[rank]}; killed"
+        if rank in self.with_replica:
+            return f"stopped with its replica when rank {self.with_replica[rank]} ended"
         return describe_exit(code)
 
     # -- the outcome

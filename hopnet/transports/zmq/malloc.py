@@ -34,14 +34,7 @@ def tune_malloc() -> bool:
     _malloc_tuned = False
     if sys.platform != "linux" or os.environ.get("HOPNET_TUNE_MALLOC", "1") == "0":
         return False
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    _malloc_tuned = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 512 << 20))
+    _malloc_tuned = _set_thresholds(mmap=32 << 20, trim=512 << 20)
     log.debug("glibc malloc tuned for message buffers: %s", _malloc_tuned)
     return _malloc_tuned
 
@@ -59,12 +52,19 @@ def prefer_low_memory() -> bool:
     whether it is in effect."""
     global _malloc_tuned
     _malloc_tuned = False
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+    if sys.platform != "linux":
+        return False
+    return _set_thresholds(mmap=LOW_MEMORY_MMAP_THRESHOLD, trim=LOW_MEMORY_MMAP_THRESHOLD)
+
+
+def _set_thresholds(*, mmap: int, trim: int) -> bool:
+    """glibc's ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` (fixed: no longer adjusted as buffers are
+    freed); False where the C library is not glibc."""
+    if platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, LOW_MEMORY_MMAP_THRESHOLD)) and \
-        bool(mallopt(m_trim_threshold, LOW_MEMORY_MMAP_THRESHOLD))
+    return bool(mallopt(m_mmap_threshold, mmap)) and bool(mallopt(m_trim_threshold, trim))
