@@ -27,9 +27,9 @@ FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
 CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
 ITERATIONS = "60"
-SINGLE_BASELINE = ("hop", "allreduce")
-"""The protocols whose runs here include 4 single workers to compare with (allreduce: to the parameter)."""
-SINGLE_BASELINE_ACCURACY = {"diloco": 0.9667}
+SINGLE_BASELINE = ("allreduce",)
+"""The protocols whose runs here include 4 single workers to compare with, to the parameter."""
+SINGLE_BASELINE_ACCURACY = {"hop": 0.9778, "diloco": 0.9667}
 """What 4 single workers reach on this trainer in these iterations (measured: the same in 3 of 3 runs)."""
 
 pytestmark = pytest.mark.slow
@@ -94,12 +94,12 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
         assert apart.median() < 1e-4 and apart.max() < 2e-2, (apart.median(), apart.max())
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path, mode: str) -> None:
-    """Hop with a backup worker between 2 replicas: the lanes of the surviving replica agree on the
-    updates they mix; rank 3 SIGKILLed mid-run takes rank 2 (its replica) with it."""
+def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path) -> None:
+    """Hop with a backup worker between 2 fsdp replicas: the lanes of the surviving replica agree on the
+    updates they mix; rank 3 SIGKILLed mid-run takes rank 2 (its replica) with it. (The launcher's side
+    is the same under ddp; FSDP's collectives are the ones a dead member could leave waiting.)"""
     run_dir = tmp_path / "run"
-    proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", mode, "--backup-workers", "1",
+    proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp", "--backup-workers", "1",
                          "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
                          CNN, "--iterations", "80"], new_session=True)
     try:
@@ -125,7 +125,7 @@ def test_a_model_too_big_for_a_process_budget_trains_sharded_and_fails_in_one_li
     """An MLP of 200 MB with AdamW, each process's address space capped at 2020 MB (RLIMIT_AS, as
     `ulimit -v`; glibc kept to 2 arenas): measured without the cap, a ddp member peaks at 2178-2293 MB of
     address space and an fsdp member at 1713-1872 MB, the consensus included."""
-    args = [CAPPED, "--cap-mb", "2020", "--model-mb", "200", "--iterations", "3"]
+    args = [CAPPED, "--cap-mb", "2020", "--model-mb", "200", "--iterations", "2"]
     sharded = launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp", "--timeout", "30",
                       "--run-dir", str(tmp_path / "fsdp"), *args])
     assert sharded.returncode == 0, sharded.stderr[-3000:]
@@ -133,7 +133,7 @@ def test_a_model_too_big_for_a_process_budget_trains_sharded_and_fails_in_one_li
                     *args])
     assert whole.returncode == 1, whole.stderr[-3000:]
     assert "can't allocate memory" in whole.stderr
-    named = re.search(r"^hopnet launch: (worker|rank) (\d) (failed|died)", whole.stderr, re.MULTILINE)
-    assert named, whole.stderr[-3000:]  # one line names the process that failed, not one stopped with it
-    assert f"ended replica {int(named.group(2)) // 2} (" in whole.stderr, whole.stderr[-3000:]
+    named = re.search(r"^hopnet launch: (worker|rank) \d (failed|died).*$", whole.stderr, re.MULTILINE)
+    assert named, whole.stderr[-3000:]  # one line names a process that failed, not one stopped with its replica
+    assert "stopped with its replica" not in named.group(0) and "SIGKILL" not in named.group(0), named.group(0)
     assert not [pid for pid in recorded_worker_pids(tmp_path / "ddp").values() if alive(pid)]
