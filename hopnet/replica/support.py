@@ -1,7 +1,7 @@
 """What runs between replica groups today, and the one-line refusal of what does not (no torch).
 
 A replica decides once what its lanes do. A protocol whose choices depend only on iteration
-numbers and the graph (allreduce, Hop, notify-ack, DiLoCo without a quorum) makes the same
+numbers and the graph (allreduce, Pipe-SGD, Hop, notify-ack, DiLoCo without a quorum) makes the same
 choice on every lane, because the lanes of a replica step together. Hop's backup workers
 choose by what arrived: there the lanes agree first (:mod:`hopnet.replica.agreement`). What
 else chooses by what arrives first (staleness, skipping, AD-PSGD's pairings, eager-SGD's
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
 
-RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco")
+RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd")
 """The protocols whose lanes make the same choices without talking to each other."""
 
 _CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
