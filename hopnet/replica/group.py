@@ -41,13 +41,23 @@ def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str,
             group = dist.new_group(list(layout.members(r)), timeout=timeout, backend=backend)
             if r == replica:
                 mine = group
-        return mine
+        return _kept(mine)
     store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{replica}"), timeout_s)
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=layout.member_of(process), world_size=layout.size,
                             timeout=timeout)
     sys.excepthook = hook  # torch's would prefix a traceback with the member's index ("[rank0]"), not the rank
-    return dist.group.WORLD
+    return _kept(dist.group.WORLD)
+
+
+def _kept(group: Any) -> Any:
+    """``group``, never destroyed: it lives as long as the process, and a gloo group's destructor at the
+    interpreter's exit (a script under torchrun exits that way) killed a worker now and then with
+    std::terminate while its peer still talked to it. The process's exit ends its threads."""
+    from hopnet.transports.torchdist import leave_behind
+
+    leave_behind(group)
+    return group
 
 
 def open_agreement_group(layout: ReplicaLayout, process: int, store_endpoint: str, timeout_s: float,
@@ -57,7 +67,8 @@ def open_agreement_group(layout: ReplicaLayout, process: int, store_endpoint: st
     from hopnet.transports.torchdist import build_group
 
     store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{layout.replica_of(process)}/agree"), timeout_s)
-    return build_group(store, "gloo", layout.member_of(process), layout.size, timeout_s=timeout_s, host=bind_host)
+    return _kept(build_group(store, "gloo", layout.member_of(process), layout.size, timeout_s=timeout_s,
+                             host=bind_host))
 
 
 __all__ = ["STORE_PREFIX", "backend_for", "open_agreement_group", "open_replica_group"]
