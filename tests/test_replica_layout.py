@@ -151,3 +151,8 @@ def test_the_lanes_agree_on_what_they_all_have_and_on_the_largest_need() -> None
     assert first == [(frozenset({2, 3}), True)] * 2
     short = asyncio.run(both([{0, 2}, {2}], [1, 2]))  # one lane still waits for a second sender
     assert short == [(frozenset({2}), False)] * 2
+    assert asyncio.run(_least(lanes, [5, 3])) == [3, 3]  # a skip goes as far as the most cautious lane
+
+
+async def _least(lanes: list[LaneAgreement], values: list[int]) -> list[int]:
+    return list(await asyncio.gather(*(lane.least(value) for lane, value in zip(lanes, values))))

@@ -93,6 +93,20 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
             assert apart.median() < 1e-4 and apart.max() < 2e-2, (name, apart.median(), apart.max())
 
 
+def test_a_slow_replica_skips_iterations_as_one(launch, tmp_path: Path) -> None:
+    """Hop with a backup worker and skipping among 3 replicas of 2, replica 0 three times slower: it
+    skips, each of its lanes to the same iteration (they agree on how far), and its members stay
+    bit-identical."""
+    result = launch(["--nproc", "6", "--replica-size", "2", "--backup-workers", "1", "--skip-threshold", "1",
+                     "--max-jump", "2", "--max-ig", "4", "--slowdown", "rank=0:3", "--run-dir", str(tmp_path),
+                     FINGERPRINTED, "--iterations", "60", "--amp", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    skips = [[(r["iter"], r["to"]) for r in _log(tmp_path, 0, member) if r["event"] == "skip"] for member in (0, 1)]
+    assert skips[0] and skips[0] == skips[1], skips
+    assert _fingerprints(tmp_path, 0, 0) == _fingerprints(tmp_path, 0, 1)
+    assert _accuracy(result.stdout) >= 0.9, result.stdout
+
+
 def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path) -> None:
     """Hop with a backup worker between 2 fsdp replicas: the lanes of the surviving replica agree on the
     updates they mix; rank 3 SIGKILLed mid-run takes rank 2 (its replica) with it. (The launcher's side

@@ -46,5 +46,11 @@ class LaneAgreement:
         common = frozenset(int(j) for j in torch.nonzero(reduced[:-1]).flatten().tolist())
         return common, len(common) >= -int(reduced[-1])
 
+    async def least(self, value: int) -> int:
+        """The smallest of every lane's ``value`` (how far a replica skips: as far as its most cautious lane)."""
+        self.rounds += 1
+        reduced = await asyncio.to_thread(self._all_reduce_min, torch.tensor([value], dtype=torch.int64))
+        return int(reduced[0])
+
 
 __all__ = ["LaneAgreement"]

@@ -2,9 +2,9 @@
 
 A replica decides once what its lanes do. A protocol whose choices depend only on iteration
 numbers and the graph (allreduce, Pipe-SGD, Hop, notify-ack, DiLoCo without a quorum) makes the same
-choice on every lane, because the lanes of a replica step together. Hop's backup workers
-choose by what arrived: there the lanes agree first (:mod:`hopnet.replica.agreement`). What
-else chooses by what arrives first (staleness, skipping, AD-PSGD's pairings, eager-SGD's
+choice on every lane, because the lanes of a replica step together. Hop's backup workers and
+its skipping choose by what arrived: there the lanes agree first (:mod:`hopnet.replica.agreement`).
+What else chooses by what arrives first (staleness, AD-PSGD's pairings, eager-SGD's
 rounds, the coordinators of Prague and Partial Reduce, DiLoCo's quorum) would let the lanes
 of one replica choose differently, so it is refused until its choice is made once per replica.
 """
@@ -20,7 +20,7 @@ RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd")
 """The protocols whose lanes make the same choices without talking to each other."""
 
 _CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
-    "hop": (("staleness", None, "--staleness"), ("skip_threshold", None, "--skip-threshold")),
+    "hop": (("staleness", None, "--staleness"),),
     "diloco": (("outer_quorum", None, "--outer-quorum"),),
 }
 

@@ -64,7 +64,11 @@ class ReplicaLanes(Protocol):
 
     async def common(self, have: Collection[int], need: int) -> tuple[frozenset[int], bool]:
         """Every lane's ``have`` intersected, and whether it holds at least every lane's ``need``.
-        Every lane calls it the same number of times, in the same order."""
+        Every lane calls it (and :meth:`least`) the same number of times, in the same order."""
+        ...
+
+    async def least(self, value: int) -> int:
+        """The smallest of every lane's ``value``."""
         ...
 
 

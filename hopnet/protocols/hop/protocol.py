@@ -182,11 +182,15 @@ class HopProtocol(HopReceiving, HopRejoin):
         await self.say_goodbye(peer for peer in self.peers if peer not in self.departed_after)
 
     async def _maybe_skip(self, k: int) -> int:
-        """Sec. 5: jump ahead when more than ``skip_threshold`` behind every out-neighbour."""
+        """Sec. 5: jump ahead when more than ``skip_threshold`` behind every out-neighbour. The lanes of a
+        replica group jump together, as far as the one that would jump least."""
         threshold, max_jump = self.options.skip_threshold, self.options.max_jump
         if threshold is None or max_jump is None:
             return k + 1
         behind = self.tokens.min_lead()
+        if self.node.lanes is not None:
+            least = await self.node.lanes.least(0 if behind is None or behind <= threshold else behind)
+            behind = least or None
         if behind is None or behind <= threshold:
             return k + 1
         target = k + 1 + min(max_jump, behind - 1)
