@@ -79,7 +79,7 @@ def test_a_lane_state_is_views_of_its_slice_split_into_parameters_and_buffers() 
     (dict(protocol="hop", backup_workers=1), None),
     (dict(protocol="diloco"), None),
     (dict(protocol="hop", staleness=2), "--staleness"),
-    (dict(protocol="diloco", outer_quorum=1), "--outer-quorum"),
+    (dict(protocol="diloco", outer_quorum=1), None),
     (dict(protocol="prague"), "--protocol prague does not run between replica groups"),
     (dict(protocol="ad-psgd"), "--protocol ad-psgd does not run between replica groups"),
 ])

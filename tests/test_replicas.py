@@ -93,18 +93,26 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
             assert apart.median() < 1e-4 and apart.max() < 2e-2, (name, apart.median(), apart.max())
 
 
-def test_a_slow_replica_skips_iterations_as_one(launch, tmp_path: Path) -> None:
-    """Hop with a backup worker and skipping among 3 replicas of 2, replica 0 three times slower: it
-    skips, each of its lanes to the same iteration (they agree on how far), and its members stay
-    bit-identical."""
-    result = launch(["--nproc", "6", "--replica-size", "2", "--backup-workers", "1", "--skip-threshold", "1",
-                     "--max-jump", "2", "--max-ig", "4", "--slowdown", "rank=0:3", "--run-dir", str(tmp_path),
-                     FINGERPRINTED, "--iterations", "60", "--amp", "none"])
+@pytest.mark.parametrize("flags, event", [
+    (["--backup-workers", "1", "--skip-threshold", "1", "--max-jump", "2", "--max-ig", "4"], "skip"),
+    (["--protocol", "diloco", "--local-steps", "5", "--outer-quorum", "2"], "outer_round"),
+], ids=["hop-skipping", "diloco-quorum"])
+def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, flags: list[str], event: str) -> None:
+    """3 replicas of 2, replica 0 three times slower. Hop with skipping: it skips, each of its lanes to the
+    same iteration (they agree on how far). DiLoCo with a quorum of 2: rounds close without it, and every
+    lane of a replica records the same rounds taking the same replicas. Either way a replica's members
+    stay bit-identical."""
+    result = launch(["--nproc", "6", "--replica-size", "2", *flags, "--slowdown", "rank=0:3",
+                     "--run-dir", str(tmp_path), FINGERPRINTED, "--iterations", "60", "--amp", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
-    skips = [[(r["iter"], r["to"]) for r in _log(tmp_path, 0, member) if r["event"] == "skip"] for member in (0, 1)]
-    assert skips[0] and skips[0] == skips[1], skips
-    assert _fingerprints(tmp_path, 0, 0) == _fingerprints(tmp_path, 0, 1)
-    assert _accuracy(result.stdout) >= 0.9, result.stdout
+    for replica in range(3):
+        chosen = [[{k: v for k, v in r.items() if k in ("iter", "to", "round", "took")}
+                   for r in _log(tmp_path, replica, member) if r["event"] == event] for member in (0, 1)]
+        assert chosen[0] == chosen[1], (replica, chosen)
+        assert _fingerprints(tmp_path, replica, 0) == _fingerprints(tmp_path, replica, 1)
+    left_behind = [r for r in _log(tmp_path, 0, 0) if r["event"] == event and (event == "skip" or 0 not in r["took"])]
+    assert left_behind, "the slow replica never skipped or was never left out of a round"
+    assert _accuracy(result.stdout) >= 0.8, result.stdout  # (the rounds' make-up follows the timing: 0.86-0.96)
 
 
 def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 A replica decides once what its lanes do. A protocol whose choices depend only on iteration
 numbers and the graph (allreduce, Pipe-SGD, Hop, notify-ack, DiLoCo without a quorum) makes the same
 choice on every lane, because the lanes of a replica step together. Hop's backup workers and
-its skipping choose by what arrived: there the lanes agree first (:mod:`hopnet.replica.agreement`).
-What else chooses by what arrives first (staleness, AD-PSGD's pairings, eager-SGD's
-rounds, the coordinators of Prague and Partial Reduce, DiLoCo's quorum) would let the lanes
+its skipping, and DiLoCo's quorum, choose by what arrived: there the lanes agree first
+(:mod:`hopnet.replica.agreement`). What else chooses by what arrives first (staleness,
+AD-PSGD's pairings, eager-SGD's rounds, the coordinators of Prague and Partial Reduce) would let the lanes
 of one replica choose differently, so it is refused until its choice is made once per replica.
 """
 
@@ -21,7 +21,6 @@ RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd")
 
 _CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
     "hop": (("staleness", None, "--staleness"),),
-    "diloco": (("outer_quorum", None, "--outer-quorum"),),
 }
 
 

@@ -218,6 +218,9 @@ class QuorumDiLoCoProtocol(DiLoCoProtocol):
         me, book = self.rank, self.book
         weights = torch.zeros(book.n, dtype=torch.float64)
         mine = self._mine if book.waiting(me) else None
+        lanes = self.node.lanes
+        if lanes is not None and not await lanes.least(int(mine is not None)):
+            mine = None  # a lane of a replica group: the replica's pseudo-gradient joins when every lane's does
         if mine is not None:
             weights[me] = book.weight(me)
             sums = [d.mul(book.weight(me)) for d in mine]
