@@ -65,8 +65,6 @@ def place_in_replica(spec: InitSpec, context: WorkerContext, config: ProtocolCon
     refusal = replica_refusal(config)
     if refusal is not None:
         raise ConfigError(refusal)
-    if spec.model is None:
-        raise ConfigError("replica groups need hopnet.init(model): a bare params= tensor cannot be sharded")
     replica = build_replica(layout, context.rank, spec.model, store_endpoint=context.store_endpoint,
                             timeout_s=config.timeout_s, averages_models=config.spec.averages is Averages.MODELS,
                             bind_host=context.bind_host)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hopnet.replica.layout import ReplicaLayout
+from hopnet.replica.layout import lane_log_name
 
 _cache: dict[Path, tuple[int, int]] = {}
 """run directory -> (launch.json's mtime_ns, replica size)."""
@@ -41,7 +41,7 @@ def worker_log(run_dir: Path, rank: int) -> Path:
     size = replica_size(run_dir)
     if size == 1:
         return run_dir / f"rank{rank}.jsonl"
-    return ReplicaLayout(size=size, processes=(rank // size + 1) * size).log_path(run_dir, rank)
+    return run_dir / lane_log_name(rank // size, rank % size)
 
 
 def peer_process(run_dir: Path, writer: int, peer: int) -> int:

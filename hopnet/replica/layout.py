@@ -24,6 +24,11 @@ replica in the backward pass; ``fsdp``: parameters, gradients and optimizer stat
 over the replica (torch's ``fully_shard``)."""
 
 
+def lane_log_name(replica: int, member: int) -> str:
+    """The event log of ``member`` of ``replica``, relative to the run directory."""
+    return f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl"
+
+
 @dataclass(frozen=True)
 class ReplicaLayout:
     """``size`` processes per replica, ``mode`` inside it, ``processes`` in the run."""
@@ -65,8 +70,7 @@ class ReplicaLayout:
 
     def log_name(self, process: int) -> str:
         """Its event log, relative to the run directory."""
-        replica, member = self.replica_of(process), self.member_of(process)
-        return f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl"
+        return lane_log_name(self.replica_of(process), self.member_of(process))
 
     def log_path(self, run_dir: Path, process: int) -> Path:
         return run_dir / self.log_name(process)
@@ -94,4 +98,4 @@ class ReplicaLayout:
         return cls(size=size, mode=mode, processes=processes)
 
 
-__all__ = ["MODES", "REPLICA_MODE", "REPLICA_SIZE", "ReplicaLayout"]
+__all__ = ["MODES", "REPLICA_MODE", "REPLICA_SIZE", "ReplicaLayout", "lane_log_name"]
