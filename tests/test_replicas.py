@@ -63,8 +63,9 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
     """Three runs of the CNN trainer: 4 single workers, 2 ddp replicas of 2 (a digest of each member's
     parameters after every step), 2 fsdp replicas of 2."""
     runs = {}
-    settings = [("ddp", ["--replica-size", "2"], FINGERPRINTED),
-                ("fsdp", ["--replica-size", "2", "--replica-mode", "fsdp"], CNN)]
+    settings = [("ddp", ["--replica-size", "2"], FINGERPRINTED)]
+    if protocol != "pipe-sgd":  # (its fsdp path is allreduce's: a gradient protocol's, run below)
+        settings.append(("fsdp", ["--replica-size", "2", "--replica-mode", "fsdp"], CNN))
     if protocol in SINGLE_BASELINE:
         settings.insert(0, ("single", [], CNN))
     for name, flags, script in settings:
@@ -77,17 +78,19 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
         first, second = (_fingerprints(tmp_path / "ddp", replica, member) for member in range(2))
         assert len(first) == int(ITERATIONS) and first == second, f"replica {replica}'s members parted"
     single = _accuracy(runs["single"].stdout) if "single" in runs else SINGLE_BASELINE_ACCURACY[protocol]
-    for name in ("ddp", "fsdp"):
+    replicated = [name for name in ("ddp", "fsdp") if name in runs]
+    for name in replicated:
         assert _accuracy(runs[name].stdout) >= single - 0.03, (name, runs[name].stdout, single)
     models = {name: torch.load(tmp_path / name / "model.pt") for name in runs}
-    assert all(not hasattr(t, "to_local") for t in models["fsdp"].values())  # whole, gathered from the shards
-    assert set(models["fsdp"]) == set(models["ddp"])
+    for name in replicated:
+        assert all(not hasattr(t, "to_local") for t in models[name].values())  # whole, gathered from the shards
+        assert set(models[name]) == set(models["ddp"])
     if protocol in SINGLE_BASELINE:  # the same global mean gradient: the same model, to summation order
         # FSDP's reduce-scatter (and Pipe-SGD's pipeline) sum in an order of their own, and AdamW turns
         # that noise into full steps where a gradient is near zero, and the BatchNorm statistics follow:
         # measured, the median element at most 6e-6 apart, the furthest 3e-3. A gradient averaged over
         # 2 workers' data instead of 4 ends 6e-3 (median) and 0.15 (furthest) apart.
-        for name in ("ddp", "fsdp"):
+        for name in replicated:
             apart = torch.cat([(models[name][key] - value).abs().flatten()
                                for key, value in models["single"].items() if value.is_floating_point()])
             assert apart.median() < 1e-4 and apart.max() < 2e-2, (name, apart.median(), apart.max())
@@ -122,7 +125,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     run_dir = tmp_path / "run"
     proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp", "--backup-workers", "1",
                          "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
-                         CNN, "--iterations", "80"], new_session=True)
+                         CNN, "--iterations", "60"], new_session=True)
     try:
         pids = worker_pids(run_dir, 4)
         wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 15 for r in _log(run_dir, 1, 1)),
@@ -137,7 +140,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(
     assert _accuracy(out) >= 0.9, out
     for member in range(2):
         stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
-        assert stop and stop[-1]["iter"] == 79, (member, stop)
+        assert stop and stop[-1]["iter"] == 59, (member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
 
 
