@@ -178,7 +178,7 @@ class CoordinatorClient:
         if kind == EXPELLED:
             given = message.get("why")
             why = given if isinstance(given, str) else ""
-            self._fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
+            self.fail(HopnetError(f"rank {self.rank}: {self.label} no longer counts this worker in: "
                                    f"{why[:200] or 'declared dead'} (was it blocked for --peer-timeout "
                                    f"{self.peer_timeout_s}s?)"))
             return
@@ -233,9 +233,9 @@ class CoordinatorClient:
             self.node.record("coordinator_lost", address=self.link.address, silent_s=round(silent_s, 3),
                              iter=iteration)
             self.node.events.flush()
-        self._fail(self._lost)
+        self.fail(self._lost)
 
-    def _fail(self, error: HopnetError) -> None:
+    def fail(self, error: HopnetError) -> None:
         """Every receive from now on raises ``error`` (the one waiting now included)."""
         if self._lost is None or isinstance(error, CoordinatorLost):
             self._lost = error

@@ -13,7 +13,7 @@ the members meet. A member that dies ends the wait with an error; its replica fa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -36,8 +36,11 @@ class LaneAgreement:
         self.group.allreduce([vector], opts).wait()
         return vector
 
-    async def common(self, have: Collection[int], need: int) -> tuple[frozenset[int], bool]:
-        vector = torch.zeros(self.candidates + 1, dtype=torch.int64)
+    async def common(self, have: Collection[int], need: int, candidates: int | None = None
+                     ) -> tuple[frozenset[int], bool]:
+        """Every lane's ``have`` intersected, and whether it holds every lane's ``need``. ``candidates``:
+        how many there are (``have`` is a subset of ``0 .. candidates - 1``), when not the replicas."""
+        vector = torch.zeros((self.candidates if candidates is None else candidates) + 1, dtype=torch.int64)
         for j in have:
             vector[j] = 1
         vector[-1] = -need
@@ -48,9 +51,14 @@ class LaneAgreement:
 
     async def least(self, value: int) -> int:
         """The smallest of every lane's ``value`` (how far a replica skips: as far as its most cautious lane)."""
+        (least,) = await self.least_each([value])
+        return least
+
+    async def least_each(self, values: Sequence[int]) -> list[int]:
+        """The smallest of every lane's ``values[i]``, for each ``i`` (every lane gives as many)."""
         self.rounds += 1
-        reduced = await asyncio.to_thread(self._all_reduce_min, torch.tensor([value], dtype=torch.int64))
-        return int(reduced[0])
+        reduced = await asyncio.to_thread(self._all_reduce_min, torch.tensor(list(values), dtype=torch.int64))
+        return [int(v) for v in reduced.tolist()]
 
 
 __all__ = ["LaneAgreement"]

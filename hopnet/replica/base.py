@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from hopnet.coordinator.client import CoordinatorClient
 from hopnet.errors import ConfigError
 from hopnet.model_state import ModelState
 from hopnet.replica.agreement import LaneAgreement
+from hopnet.replica.relay import relayed_client
 
 
 class ReplicaSync:
@@ -87,6 +89,13 @@ class ReplicaSync:
 
     def deferring(self, deferred: bool) -> None:
         """Inside ``no_sync()``: backward passes only accumulate, inside the replica too."""
+
+    def coordinator(self, client: CoordinatorClient | None) -> CoordinatorClient | None:
+        """This member's client of the run's coordinator: the replica's member 0 speaks for it, and the
+        others hear what it hears (:mod:`hopnet.replica.relay`)."""
+        if self.lanes is None or self.replica_index is None:
+            return client
+        return relayed_client(client, self.lanes.group, self.member, self.size, self.replica_index)
 
     def agree(self, ok: bool) -> bool:
         """Whether every member says ``ok`` (a step skipped for a non-finite gradient is skipped by all)."""

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
 
-RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd")
+RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd", "prague", "partial-reduce", "ad-psgd")
 """The protocols whose lanes make the same choices without talking to each other."""
 
-_CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
-    "hop": (("staleness", None, "--staleness"),),
-}
+_CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {}
 
 
 def replica_refusal(config: ProtocolConfig) -> str | None:

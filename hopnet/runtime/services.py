@@ -62,13 +62,18 @@ class ReplicaLanes(Protocol):
     what a protocol chooses by what reached it, every lane of a replica must choose alike.
     (Implemented by :class:`hopnet.replica.agreement.LaneAgreement`.)"""
 
-    async def common(self, have: Collection[int], need: int) -> tuple[frozenset[int], bool]:
+    async def common(self, have: Collection[int], need: int, candidates: int | None = None
+                     ) -> tuple[frozenset[int], bool]:
         """Every lane's ``have`` intersected, and whether it holds at least every lane's ``need``.
         Every lane calls it (and :meth:`least`) the same number of times, in the same order."""
         ...
 
     async def least(self, value: int) -> int:
         """The smallest of every lane's ``value``."""
+        ...
+
+    async def least_each(self, values: Sequence[int]) -> list[int]:
+        """The smallest of every lane's ``values[i]``, for each ``i``."""
         ...
 
 

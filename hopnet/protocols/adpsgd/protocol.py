@@ -77,6 +77,9 @@ from hopnet.runtime.services import NodeServices
 from hopnet.transports.base import DISCARD
 from hopnet.wire import Header, Message, TensorSpec
 
+LANE_POLL_S = 0.002
+"""How often a passive lane of a replica group, in its last step, meets its other lanes again."""
+
 
 @dataclass(frozen=True)
 class Averaging:
@@ -132,6 +135,7 @@ class AdPsgdProtocol(Protocol):
         self._activity: asyncio.Event | None = None  # set on each request or goodbye
         self._leaving = False  # said bye: serves no more requests
         self._early_requests: list[Message] | None = []  # requests that came before start (served then)
+        self._held: dict[int, Message] = {}  # a lane of a replica group: requests held until its lanes agree
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -164,7 +168,9 @@ class AdPsgdProtocol(Protocol):
             if mixes_at(k, self.local_steps, self.final_iteration):
                 self._partner_now = await self._average_with_a_passive(k)
                 self.partners.append(self._partner_now)
-        elif last:
+        elif self.node.lanes is not None and not last:
+            await self._serve_agreed()
+        if last and not self.active:
             await self._serve_until_actives_leave()
         self.node.iteration_done(k, self)
         self._served_this_iteration = 0
@@ -176,6 +182,9 @@ class AdPsgdProtocol(Protocol):
     async def _average_with_a_passive(self, k: int) -> int | None:
         """Average with one random passive neighbour; the partner, or None if skipped."""
         candidates = [p for p in self.neighbours if p not in self.gone and p not in self.done]
+        if self.node.lanes is not None:  # every lane of the replica draws from the same list
+            common, _ = await self.node.lanes.common(candidates, 0)
+            candidates = [p for p in self.neighbours if p in common]
         if not candidates:
             self._skip(k, None, "no passive neighbour left" if self.neighbours else "no neighbours")
             return None
@@ -291,7 +300,10 @@ class AdPsgdProtocol(Protocol):
         # often run its loop to the end before an active dies).
         self.node.handover_point()
         try:
-            await self._serve_until_none_left(activity)
+            if self.node.lanes is not None:
+                await self._serve_agreed_until_none_left()
+            else:
+                await self._serve_until_none_left(activity)
         finally:
             self.node.handover_point(False)
         self.node.waited("updates", loop.time() - began)
@@ -306,6 +318,44 @@ class AdPsgdProtocol(Protocol):
             except WaitTimeout as exc:
                 raise WaitTimeout(exc.what, peer=remaining[0], iteration=self.iteration, waited_s=exc.waited_s,
                                   peer_state=self.node.peer_state(remaining[0])) from None
+
+    # ------------------------------------------------------------------ a lane of a replica group
+    async def _serve_agreed(self) -> frozenset[int]:
+        """Serve the requests every lane of this passive's replica holds, in the actives' order, so each
+        lane averages its shard with the same actives at the same point; the others wait for the next
+        boundary. What every lane knows has finished comes back (actives gone, or done)."""
+        lanes = self.node.lanes
+        assert lanes is not None
+        n = self.node.graph.n
+        finished = [n + p for p in self.neighbours if p in self.gone or p in self.done]
+        common, _ = await lanes.common([*self._held, *finished], 0, candidates=2 * n)
+        for active in sorted(p for p in common if p < n):
+            msg = self._held.pop(active)
+            if active not in self.gone:
+                self._serve(msg)
+        for active in [p for p in self._held if p in self.gone]:
+            del self._held[active]
+        return frozenset(p - n for p in common if p >= n)
+
+    async def _serve_agreed_until_none_left(self) -> None:
+        """The last step of a passive lane: serve agreed requests until every lane knows every active
+        neighbour is done or gone; ``--timeout`` counts time without an averaging served."""
+        clock = self.node.clock
+        quiet_since = clock.now()
+        while True:
+            served = self.served
+            finished = await self._serve_agreed()
+            remaining = [p for p in self.neighbours if p not in finished]
+            if not remaining:
+                return
+            if self.served != served:
+                quiet_since = clock.now()
+            elif clock.now() - quiet_since > self.config.timeout_s:
+                raise WaitTimeout(f"requests or goodbyes from active neighbour(s) {', '.join(map(str, remaining))} "
+                                  "after the last iteration, that every lane of the replica has",
+                                  peer=remaining[0], iteration=self.iteration, waited_s=clock.now() - quiet_since,
+                                  peer_state=self.node.peer_state(remaining[0]))
+            await asyncio.sleep(LANE_POLL_S)
 
     # ------------------------------------------------------------------ peers leaving
     def on_peer_departed(self, peer: int, last_iteration: int) -> None:
@@ -366,6 +416,9 @@ class AdPsgdProtocol(Protocol):
         if msg.kind == REQUEST and msg.tensors:
             if msg.src in self.gone or self._leaving:
                 self.node.count_drop("unexpected_request")  # its active is gone, or this passive left
+                return
+            if self.node.lanes is not None:
+                self._held[msg.src] = msg  # served once every lane of the replica has it
                 return
             self._serve(msg)
             self._note_activity()

@@ -84,8 +84,14 @@ class HopProtocol(HopReceiving, HopRejoin):
                 self._release(msg.tensors if self.specs else None)
                 return
             if self.staleness is not None:
-                # Only the newest update per in-neighbour is ever used (Sec. 6.1): keep one.
-                self._release_updates(self.queue.take(w_id=msg.src))
+                # Only the newest update per in-neighbour is ever used (Sec. 6.1): keep one. A lane of a
+                # replica group keeps the one before it too: its lanes choose an update all of them hold.
+                older = self.queue.held(w_id=msg.src)
+                if self.node.lanes is not None:
+                    older = older[:-1]
+                for update in older:
+                    self.queue.take(iter=update.iter, w_id=msg.src)
+                self._release_updates(older)
             self._store(Update(msg.iter, msg.src, msg.tensors))
         elif kind == "token":
             self._on_credit(msg)
@@ -321,22 +327,9 @@ class HopProtocol(HopReceiving, HopRejoin):
     async def _recv_stale(self, k: int) -> tuple[list[Update], list[int]]:
         """Fig. 9 (as its text describes): newest update per in-neighbour if >= k - s."""
         oldest = k - (self.staleness or 0)
-        need = len(self.in_peers) - self.n_buw
-
-        def fresh_peers() -> list[int]:
-            return [j for j in self.in_peers
-                    if self.last_used[j] >= oldest or self._newest_from(j) >= oldest]
-
-        def satisfied() -> bool:
-            return len(fresh_peers()) >= min(need, len(self.expected_senders(k)))
-
-        while True:
-            await self._wait(satisfied, self.queue,
-                             lambda: ("an update no older than iteration %d" % oldest,
-                                      [j for j in self.expected_senders(k) if j not in fresh_peers()]), k)
-            if not (len(self.expected_senders(k)) < need and len(fresh_peers()) < need):
-                break
-            await self._await_replacements(k, need)
+        await self._await_fresh(k, oldest)
+        if self.node.lanes is not None:
+            return await self._recv_stale_agreed(k, oldest)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:
@@ -351,6 +344,60 @@ class HopProtocol(HopReceiving, HopRejoin):
             else:
                 stale.append(newest)
         self._release_updates(stale)
+        return chosen, [u.iter for u in chosen]
+
+    def _fresh_peers(self, oldest: int) -> list[int]:
+        return [j for j in self.in_peers if self.last_used[j] >= oldest or self._newest_from(j) >= oldest]
+
+    async def _await_fresh(self, k: int, oldest: int) -> None:
+        need = len(self.in_peers) - self.n_buw
+
+        def satisfied() -> bool:
+            return len(self._fresh_peers(oldest)) >= min(need, len(self.expected_senders(k)))
+
+        while True:
+            await self._wait(satisfied, self.queue,
+                             lambda: ("an update no older than iteration %d" % oldest,
+                                      [j for j in self.expected_senders(k) if j not in self._fresh_peers(oldest)]), k)
+            if not (len(self.expected_senders(k)) < need and len(self._fresh_peers(oldest)) < need):
+                break
+            await self._await_replacements(k, need)
+
+    async def _recv_stale_agreed(self, k: int, oldest: int) -> tuple[list[Update], list[int]]:
+        """Bounded staleness in a lane of a replica group: the update of each in-neighbour is the newest
+        one every lane of the replica holds (each lane keeps its sender's two newest, so one is found
+        while the lanes' arrivals differ), and enough of them is what every lane needs. Two small
+        all-reduces: the newest each lane holds (their least is the candidate), then whether every
+        lane holds it and the largest need."""
+        lanes = self.node.lanes
+        assert lanes is not None
+        need = len(self.in_peers) - self.n_buw
+        began = self.node.clock.now()
+        while True:
+            unused = [max((u.iter for u in self.queue.held(w_id=j) if u.iter > self.last_used[j]), default=-1)
+                      for j in self.in_peers]
+            candidate = await lanes.least_each(unused)
+            held = [int(e >= oldest and self.queue.size(iter=e, w_id=j) > 0) for j, e in zip(self.in_peers, candidate)]
+            *everywhere, most_needed = await lanes.least_each([*held, -min(need, len(self.expected_senders(k)))])
+            fresh = {j for j, ok in zip(self.in_peers, everywhere) if ok} | {
+                j for j in self.in_peers if self.last_used[j] >= oldest}
+            if len(fresh) >= -most_needed:
+                break
+            if self.node.clock.now() - began > self.config.timeout_s:
+                missing = [j for j in self.expected_senders(k) if j not in fresh]
+                raise WaitTimeout(f"an update no older than iteration {oldest} that every lane of the replica "
+                                  f"holds (rank {self.rank})", peer=missing[0] if missing else None, iteration=k,
+                                  waited_s=self.node.clock.now() - began)
+            await asyncio.sleep(AGREE_POLL_S)
+        chosen: list[Update] = []
+        for j, e, ok in zip(self.in_peers, candidate, everywhere):
+            if ok:
+                chosen.extend(self.queue.take(iter=e, w_id=j))
+                self.last_used[j] = e
+            used = [u for u in self.queue.held(w_id=j) if u.iter <= self.last_used[j]]
+            for update in used:
+                self.queue.take(iter=update.iter, w_id=j)
+            self._release_updates(used)
         return chosen, [u.iter for u in chosen]
 
     async def _wait(self, ready: Callable[[], bool], waitable: UpdateQueue | TokenCredits,
@@ -441,6 +488,8 @@ class HopProtocol(HopReceiving, HopRejoin):
         snap: dict[str, Any] = {"queue": len(self.queue)}
         if self.use_tokens:
             snap["tokens"] = {str(j): self.tokens.tokens(j) for j in self.out_peers}
+        if self.staleness is not None:  # the iteration of each in-neighbour's newest update mixed so far
+            snap["mixed"] = {str(j): self.last_used[j] for j in self.in_peers}
         return snap
 
 

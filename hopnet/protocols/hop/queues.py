@@ -128,6 +128,10 @@ class UpdateQueue:
         found.sort(key=lambda u: u.iter)
         return found
 
+    def held(self, iter: int | None = None, w_id: int | None = None) -> list[Update]:
+        """The matching entries, oldest first, left in the queue."""
+        return list(self._matching(iter, w_id))
+
     def take(self, m: int | None = None, iter: int | None = None, w_id: int | None = None) -> list[Update]:
         """Remove and return up to ``m`` matching entries (all when ``m`` is None), without waiting."""
         taken: list[Update] = []
