@@ -96,51 +96,105 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
             assert apart.median() < 1e-4 and apart.max() < 2e-2, (name, apart.median(), apart.max())
 
 
-@pytest.mark.parametrize("flags, event", [
-    (["--backup-workers", "1", "--skip-threshold", "1", "--max-jump", "2", "--max-ig", "4"], "skip"),
-    (["--protocol", "diloco", "--local-steps", "5", "--outer-quorum", "2"], "outer_round"),
-], ids=["hop-skipping", "diloco-quorum"])
-def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, flags: list[str], event: str) -> None:
-    """3 replicas of 2, replica 0 three times slower. Hop with skipping: it skips, each of its lanes to the
-    same iteration (they agree on how far). DiLoCo with a quorum of 2: rounds close without it, and every
-    lane of a replica records the same rounds taking the same replicas. Either way a replica's members
-    stay bit-identical."""
-    result = launch(["--nproc", "6", "--replica-size", "2", *flags, "--slowdown", "rank=0:3",
+def _skipped(records: list[dict]) -> bool:
+    return any(r["event"] == "skip" for r in records)
+
+
+def _left_out_of_a_round(records: list[dict]) -> bool:
+    return any(r["event"] == "outer_round" and 0 not in r["took"] for r in records)
+
+
+def _used_stale(records: list[dict]) -> bool:
+    return any(r["event"] == "iteration" and r["mixed"]["0"] < r["iter"] for r in records)
+
+
+def _grouped_without_0(records: list[dict]) -> bool:
+    return any(0 not in (r.get("members") or r.get("group") or [0]) for r in records
+               if r["event"] in ("p_reduce", "iteration"))
+
+
+def _served_none_once(records: list[dict]) -> bool:
+    return any(r["event"] == "iteration" and r["served"] == 0 for r in records)
+
+
+# flags, the records whose choices every lane must share, the fields compared, and the replica whose log
+# shows the slow replica 0 left behind, and how
+SLOW_REPLICA_RUNS = {
+    "hop-skipping": (["--backup-workers", "1", "--skip-threshold", "1", "--max-jump", "2", "--max-ig", "4"],
+                     "skip", ("iter", "to"), 0, _skipped),
+    "hop-staleness": (["--staleness", "2", "--backup-workers", "1"], "iteration", ("iter", "mixed"), 1, _used_stale),
+    "diloco-quorum": (["--protocol", "diloco", "--local-steps", "5", "--outer-quorum", "2"], "outer_round",
+                      ("round", "took"), 0, _left_out_of_a_round),
+    "partial-reduce": (["--protocol", "partial-reduce", "--group-size", "2"], "p_reduce",
+                       ("iter", "gid", "members", "weights"), 1, _grouped_without_0),
+    "prague": (["--protocol", "prague", "--group-generator", "random", "--group-size", "2"], "iteration",
+               ("iter", "gid", "group"), 1, _grouped_without_0),
+    "ad-psgd": (["--protocol", "ad-psgd"], "iteration", ("iter", "partner", "served"), 1,
+                _served_none_once),
+}
+
+
+@pytest.mark.parametrize("name", list(SLOW_REPLICA_RUNS))
+def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, name: str) -> None:
+    """Replicas of 2 (3, or 2 under AD-PSGD, whose graph must be bipartite), replica 0 three times slower.
+    Whatever a protocol chooses by what reached it, every lane of a replica chooses alike: how far
+    Hop skips, which stale update it mixes, which replicas a DiLoCo round takes, the groups of Partial
+    Reduce's controller and Prague's Group Generator, AD-PSGD's partners and the averagings a passive
+    serves. And the slow replica is left behind (it skips, is left out, or is waited for less), as
+    one. A replica's members stay bit-identical."""
+    flags, event, fields, observer, left_behind = SLOW_REPLICA_RUNS[name]
+    nproc = "4" if name == "ad-psgd" else "6"
+    result = launch(["--nproc", nproc, "--replica-size", "2", *flags, "--slowdown", "rank=0:3",
                      "--run-dir", str(tmp_path), FINGERPRINTED, "--iterations", "60", "--amp", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
-    for replica in range(3):
-        chosen = [[{k: v for k, v in r.items() if k in ("iter", "to", "round", "took")}
+    choices = 0
+    for replica in range(int(nproc) // 2):
+        chosen = [[{k: v for k, v in r.items() if k in fields}
                    for r in _log(tmp_path, replica, member) if r["event"] == event] for member in (0, 1)]
         assert chosen[0] == chosen[1], (replica, chosen)
         assert _fingerprints(tmp_path, replica, 0) == _fingerprints(tmp_path, replica, 1)
-    left_behind = [r for r in _log(tmp_path, 0, 0) if r["event"] == event and (event == "skip" or 0 not in r["took"])]
-    assert left_behind, "the slow replica never skipped or was never left out of a round"
-    assert _accuracy(result.stdout) >= 0.8, result.stdout  # (the rounds' make-up follows the timing: 0.86-0.96)
+        choices += len(chosen[0])
+    assert choices, f"no {event} record to compare"
+    assert left_behind(_log(tmp_path, observer, 0)), f"replica {observer}'s log shows no sign of the slow replica"
+    assert _accuracy(result.stdout) >= 0.8, result.stdout  # (what the slow replica's pace lets: 0.86-0.98)
 
 
-def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_other_finishes(tmp_path: Path) -> None:
-    """Hop with a backup worker between 2 fsdp replicas: the lanes of the surviving replica agree on the
-    updates they mix; rank 3 SIGKILLed mid-run takes rank 2 (its replica) with it. (The launcher's side
-    is the same under ddp; FSDP's collectives are the ones a dead member could leave waiting.)"""
+KILLED_REPLICA_RUNS = {
+    # Hop with a backup worker between 2 fsdp replicas: the lanes of the surviving replica agree on the
+    # updates they mix; rank 3 SIGKILLed takes rank 2 with it. (The launcher's side is the same under
+    # ddp; FSDP's collectives are the ones a dead member could leave waiting.)
+    "hop-fsdp": (["--nproc", "4", "--replica-mode", "fsdp", "--backup-workers", "1"], "60", 3, 2),
+    # Partial Reduce between 3 ddp replicas: rank 2, the member that speaks to the controller for
+    # replica 1, SIGKILLed; rank 3, which heard the controller through it, is stopped with it, and the
+    # controller groups the other two replicas from then on.
+    "partial-reduce": (["--nproc", "6", "--protocol", "partial-reduce", "--group-size", "2"], "200", 2, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(KILLED_REPLICA_RUNS))
+def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_others_finish(tmp_path: Path, name: str) -> None:
+    flags, iterations, killed, sibling = KILLED_REPLICA_RUNS[name]
     run_dir = tmp_path / "run"
-    proc = start_launch(["--nproc", "4", "--replica-size", "2", "--replica-mode", "fsdp", "--backup-workers", "1",
-                         "--max-failures", "1", "--peer-timeout", "3", "--run-dir", str(run_dir), "--no-progress",
-                         CNN, "--iterations", "60"], new_session=True)
+    proc = start_launch(["--replica-size", "2", *flags, "--max-failures", "1", "--peer-timeout", "3",
+                         "--run-dir", str(run_dir), "--no-progress", CNN, "--iterations", iterations],
+                        new_session=True)
+    nproc = int(flags[1])
     try:
-        pids = worker_pids(run_dir, 4)
+        pids = worker_pids(run_dir, nproc)
         wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 15 for r in _log(run_dir, 1, 1)),
                    120, interval=0.1, what="replica 1's iteration 15", while_running=proc)
-        os.kill(pids[3], signal.SIGKILL)
+        os.kill(pids[killed], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:
         kill(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert "rank 3 ended replica 1 (ranks 2, 3): stopping rank 2 with it" in err, err
+    assert f"rank {killed} ended replica 1 (ranks 2, 3): stopping rank {sibling} with it" in err, err
     assert "lost ranks 2, 3" in err, err
     assert _accuracy(out) >= 0.9, out
-    for member in range(2):
-        stop = [r for r in _log(run_dir, 0, member) if r["event"] == "stop"]
-        assert stop and stop[-1]["iter"] == 59, (member, stop)
+    for replica in (r for r in range(nproc // 2) if r != 1):
+        for member in range(2):
+            stop = [r for r in _log(run_dir, replica, member) if r["event"] == "stop"]
+            assert stop and stop[-1]["iter"] == int(iterations) - 1, (replica, member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
 
 

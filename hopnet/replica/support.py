@@ -2,24 +2,23 @@
 
 A replica decides once what its lanes do. A protocol whose choices depend only on iteration
 numbers and the graph (allreduce, Pipe-SGD, Hop, notify-ack, DiLoCo without a quorum) makes the same
-choice on every lane, because the lanes of a replica step together. Hop's backup workers and
-its skipping, and DiLoCo's quorum, choose by what arrived: there the lanes agree first
-(:mod:`hopnet.replica.agreement`). What else chooses by what arrives first (staleness,
-AD-PSGD's pairings, eager-SGD's rounds, the coordinators of Prague and Partial Reduce) would let the lanes
-of one replica choose differently, so it is refused until its choice is made once per replica.
+choice on every lane, because the lanes of a replica step together. Where a protocol chooses by
+what arrived (Hop's backup workers, skipping and staleness, DiLoCo's quorum, AD-PSGD's pairings
+and serves) the lanes agree first (:mod:`hopnet.replica.agreement`); a coordinator's decisions
+(Prague, Partial Reduce) reach every lane through member 0 (:mod:`hopnet.replica.relay`).
+eager-SGD's rounds carry whatever gradients were deposited when their activation arrived, which
+differs from lane to lane, so it is refused until that is agreed too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
 
 RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd", "prague", "partial-reduce", "ad-psgd")
-"""The protocols whose lanes make the same choices without talking to each other."""
-
-_CHOOSING_OPTIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {}
+"""The protocols whose lanes make one choice per replica."""
 
 
 def replica_refusal(config: ProtocolConfig) -> str | None:
@@ -28,10 +27,6 @@ def replica_refusal(config: ProtocolConfig) -> str | None:
     if protocol not in RUNS_BETWEEN_REPLICAS:
         return (f"--protocol {protocol} does not run between replica groups yet (its lanes would choose apart); "
                 f"{', '.join(RUNS_BETWEEN_REPLICAS)} do")
-    for field, default, flag in _CHOOSING_OPTIONS.get(protocol, ()):
-        if getattr(config.options, field) != default:
-            return (f"{flag} does not run between replica groups yet: each lane of a replica would choose by "
-                    "what reaches it first")
     return None
 
 

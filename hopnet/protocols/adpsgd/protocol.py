@@ -52,6 +52,12 @@ averaging may or may not have happened on its side); under ``--max-restarts`` th
 skips that averaging instead and goes on, and takes the passive's replacement back. An active with no passive neighbour
 left trains alone and records each skipped averaging.
 
+Between replica groups (:mod:`hopnet.replica`) each lane runs this on its shard, and a replica decides
+once: an active's lanes draw from the passives every lane still counts, with one seed, so they draw
+alike; a passive lane holds the requests that reach it and serves, at each step boundary (and in its
+last step until every lane knows every active is done), those every lane holds, in the actives'
+order. An active then waits up to one step of its passive.
+
 Its declaration (options, what it refuses, what it registers) is :mod:`hopnet.protocols.adpsgd.spec`,
 which imports no torch.
 """
