@@ -86,6 +86,8 @@ def test_run_phases_reads_first_enter_and_last_iteration(tmp_path: Path) -> None
     again = Phases.from_json(json.loads(json.dumps(phases.to_json())))
     assert again == phases
     assert Phases.from_json({"total_s": "1"}) is None
+    near_half = Phases(0.4496, 0.1, 0.2, 0.1496)  # the closing line and launch.json round alike
+    assert Phases.from_json(json.loads(json.dumps(near_half.to_json()))).line() == near_half.line()  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------------------ real runs

@@ -32,6 +32,13 @@ TAIL_BYTES = 256 << 10
 """How much of the end of an event log is read for the last ``iteration`` record."""
 
 
+def _ms(seconds: float) -> float:
+    """To the millisecond, as ``launch.json`` keeps it: the closing line rounds this, not the raw
+    value, so that it reads the same when the report rebuilds it from the file (0.4496 s would
+    otherwise print as 0.4 here and 0.5 there)."""
+    return round(seconds, 3)
+
+
 @dataclass(frozen=True)
 class Phases:
     """A launch's wall time, split (seconds)."""
@@ -47,20 +54,21 @@ class Phases:
 
     def text(self) -> str:
         """``start-up 2.9s, training 1.6s, shutdown 0.6s``."""
-        return f"start-up {self.startup_s:.1f}s, training {self.training_s:.1f}s, shutdown {self.shutdown_s:.1f}s"
+        return (f"start-up {_ms(self.startup_s):.1f}s, training {_ms(self.training_s):.1f}s, "
+                f"shutdown {_ms(self.shutdown_s):.1f}s")
 
     def line(self) -> str:
         """``5.1s (start-up 2.9s, training 1.6s, shutdown 0.6s)``: the launcher's closing line and
         the report's overview say it in these words."""
-        return f"{self.total_s:.1f}s ({self.text()})"
+        return f"{_ms(self.total_s):.1f}s ({self.text()})"
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"total_s": round(self.total_s, 3), "startup_s": round(self.startup_s, 3),
-                                "training_s": round(self.training_s, 3), "shutdown_s": round(self.shutdown_s, 3)}
+        data: dict[str, Any] = {"total_s": _ms(self.total_s), "startup_s": _ms(self.startup_s),
+                                "training_s": _ms(self.training_s), "shutdown_s": _ms(self.shutdown_s)}
         if self.worker_exit_s:
-            data["worker_exit_s"] = {str(r): round(s, 3) for r, s in sorted(self.worker_exit_s.items())}
+            data["worker_exit_s"] = {str(r): _ms(s) for r, s in sorted(self.worker_exit_s.items())}
         if self.launcher_exit_s is not None:
-            data["launcher_exit_s"] = round(self.launcher_exit_s, 3)
+            data["launcher_exit_s"] = _ms(self.launcher_exit_s)
         return data
 
     @staticmethod
