@@ -37,6 +37,13 @@ def left_the_run(run_dir: Path, rank: int) -> bool:
     return ends_with_event(run_dir, rank, (b'"event":"left"', b'"event": "left"'), lines=8)
 
 
+def is_leaving(run_dir: Path, rank: int) -> bool:
+    """Whether ``rank`` asked to leave (a preemption's SIGTERM) or left, by the tail of its log: it is on
+    its way out, and a SIGTERM from the launcher now would cut its exit short."""
+    return ends_with_event(run_dir, rank, (b'"event":"leave_requested"', b'"event": "leave_requested"',
+                                           b'"event":"left"', b'"event": "left"'), lines=256)
+
+
 def read_views(run_dir: Path, first_members: int) -> list[dict[str, Any]]:
     """Every view of the run, from the workers' event logs: who joined, left or died, from which
     iteration (``first_iter``) and when (``mono``, the system's monotonic clock)."""

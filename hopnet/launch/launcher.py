@@ -61,7 +61,7 @@ from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
 from hopnet.launch.death_watch import DeathWatch
 from hopnet.launch.exit_bound import finished_its_loop, overdue_lines
-from hopnet.launch.elastic import join_info, left_the_run, mark_stopping, read_views
+from hopnet.launch.elastic import is_leaving, join_info, left_the_run, mark_stopping, read_views
 from hopnet.bootstrap.env import MODEL_FILE, RESTART, RUN_DIR, STORE
 from hopnet.launch.nodes import LaunchGroup
 from hopnet.launch.partition import MachineLinks
@@ -574,7 +574,10 @@ class Launch:
         Another signal to the launcher during the grace period kills at once."""
         state, grace_s = self.state, self.spec.grace_s
         signals_seen = len(self.trap.received)
-        self.workers.signal_all(signum)
+        # A worker leaving an elastic run is on its way out: a signal now would stop it (143, not the
+        # 0 of a worker that left); it gets the grace period like the others.
+        leaving = [r for r in state.pending if self.plan.elastic is not None and is_leaving(self.run_dir, r)]
+        self.workers.signal_all(signum, sparing=leaving)
         self.workers.signal_all(signal.SIGCONT)  # a stopped worker acts on the signal only once continued
         deadline = time.monotonic() + grace_s
         while state.pending and time.monotonic() < deadline:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import FrameType
 from typing import IO, Any, Protocol, TypeAlias
 
@@ -176,10 +176,10 @@ class WorkerProcesses:
     def running(self) -> list[int]:
         return [r for r, p in self.procs.items() if p.returncode is None]
 
-    def signal_all(self, signum: int) -> None:
-        """Send ``signum`` to the process group of every worker still running."""
-        for proc in self.procs.values():
-            if proc.returncode is None:
+    def signal_all(self, signum: int, *, sparing: Collection[int] = ()) -> None:
+        """Send ``signum`` to the process group of every worker still running, but those ``sparing``."""
+        for rank, proc in self.procs.items():
+            if proc.returncode is None and rank not in sparing:
                 kill_group(proc.pid, signum)
 
     def reap(self, timeout_s: float = 10.0) -> dict[int, int | None]:
