@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -14,15 +16,19 @@ from hopnet.elastic.control import ControlChannel
 from hopnet.elastic.run import ElasticRun
 from hopnet.elastic.settings import STOP_FILE, ElasticSettings
 from hopnet.elastic.support import elastic_refusal
-from hopnet.errors import ConfigError
+from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.membership import MembershipConfig, View
 from hopnet.rendezvous.client import barrier, register_control
 from hopnet.runtime import shutdown
+from hopnet.security import CurveKeys
 
 GATHER_S = 0.2
 """How long the proposer waits for more joiners after the first asks (those of one `hopnet join`
 ask within milliseconds of each other), so they enter in one view."""
+
+REGISTER_POLL_S = 0.1
+"""How often a joiner that started before the run's first workers asks the rendezvous again."""
 
 DEFAULT_PEER_TIMEOUT_S = 10.0
 """The membership's silence limit when the run sets no ``--peer-timeout``."""
@@ -83,9 +89,8 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
 
     def ask_to_join() -> None:
         """A joiner's first step: the members it may ask now, its fellow joiners met, its requests out."""
-        fresh = register_control(rendezvous, rank, channel.address, config.timeout_s, context.curve)
-        channel.learn(fresh)
-        run.membership.set_contacts(r for r in fresh if r != rank)
+        fresh = _members_registered(rendezvous, rank, channel, settings.batch, config.timeout_s, context.curve)
+        run.membership.set_contacts(r for r in fresh if r != rank and r not in settings.batch)
         if len(settings.batch) > 1:  # the joiners of one `hopnet join` ask together, to enter in one view
             barrier(rendezvous, rank, f"join-{settings.batch[0]}", config.timeout_s, context.curve,
                     count=len(settings.batch))
@@ -102,6 +107,22 @@ def start_elastic(worker: Any, settings: ElasticSettings, channel: ControlChanne
     _leave_on_sigterm(worker, run, Path(run_dir) / STOP_FILE)
     changeover.joining = settings.joining  # it asks to be admitted at its first step
     return changeover
+
+
+def _members_registered(rendezvous: str, rank: int, channel: ControlChannel, batch: Sequence[int],
+                        timeout_s: float, curve: CurveKeys | None) -> dict[int, str]:
+    """The control addresses the rendezvous knows, once they include a rank outside this joiner's
+    batch (a member to ask): a joiner may start before the run's first workers have registered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = register_control(rendezvous, rank, channel.address, timeout_s, curve)
+        channel.learn(table)
+        if any(r != rank and r not in batch for r in table):
+            return table
+        if time.monotonic() >= deadline:
+            raise HopnetError(f"rank {rank}: no member of the run registered with its rendezvous within "
+                              f"{timeout_s:g}s; nobody to ask to join")
+        time.sleep(REGISTER_POLL_S)
 
 
 def _leave_on_sigterm(worker: Any, run: ElasticRun, stop_file: Path) -> None:

@@ -69,7 +69,7 @@ class Membership:
     def __init__(self, rank: int, view: View | None, config: MembershipConfig, now: float,
                  contacts: Iterable[int] = ()) -> None:
         """``view``: the first view of the run, or None for a joiner, which asks ``contacts``
-        (members of the running job) to admit it."""
+        (members of the running job, here or through :meth:`set_contacts`) to admit it."""
         if view is not None and rank not in view:
             raise ValueError(f"rank {rank} is not a member of {view}")
         self.rank = rank
@@ -96,8 +96,6 @@ class Membership:
         self._yield_until = float("-inf")
         self._alone_since: float | None = None
         self._outbox: deque[Send] = deque()
-        if view is None and not self._contacts:
-            raise ValueError(f"joiner {rank} needs members to contact")
 
     # events -------------------------------------------------------------------------------
 
