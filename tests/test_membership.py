@@ -334,8 +334,10 @@ def test_a_joiner_sends_join_requests_until_admitted() -> None:
     assert joiner.tick(0.1) == []
     assert len(joiner.tick(0.3)) == 2
     assert joiner.on_message(0, Beat(4), 0.3) == [] and joiner.state == "joining"
-    with pytest.raises(ValueError):
-        Membership(7, None, CONFIG, 0.0)
+    early = Membership(7, None, CONFIG, 0.0)  # started before any member registered: nobody to ask yet
+    assert early.tick(0.0) == []
+    early.set_contacts([0])
+    assert early.tick(0.3) == [Send(0, JoinRequest(NO_VIEW, 7))]
 
 
 def test_a_member_that_left_or_stopped_ignores_everything() -> None:
