@@ -121,6 +121,10 @@ class ProtocolSpec(Generic[OptionsT]):
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""
+    lane_channels: int = 1
+    """How many agreement channels (each a gloo group of its own) its lanes use between replica groups
+    (:mod:`hopnet.replica.agreement`): 2 where two streams of choices run in orders independent of each
+    other (eager-SGD's round engine and the trainer's calls), so neither waits in the other's order."""
     output: OutputSpec = field(default=OutputSpec(waits=(UPDATES_WAIT,)))
     """What the launcher's summary, `hopnet report` and `hopnet simulate` show of its runs: its waits,
     its counts (from the ``stop`` records), whether iteration gaps matter (:mod:`hopnet.output_spec`)."""

@@ -114,6 +114,11 @@ def _served_none_once(run_dir: Path) -> bool:
     return any(r["event"] == "iteration" and r["served"] == 0 for r in _log(run_dir, 1, 0))
 
 
+def _rounds_without_0_and_skipped_by_it(run_dir: Path) -> bool:
+    return (any(r["event"] == "iteration" and r["active"] < 3 for r in _log(run_dir, 1, 0))
+            and any(r["event"] == "iteration" and r["lag"] > 1 for r in _log(run_dir, 0, 0)))
+
+
 # flags, the records whose choices every lane must share and the fields compared, and whether the run's
 # logs show the slow replica 0 left behind
 SLOW_REPLICA_RUNS = {
@@ -124,6 +129,8 @@ SLOW_REPLICA_RUNS = {
     "partial-reduce": (["--protocol", "partial-reduce", "--group-size", "2"], ("p_reduce",),
                        ("iter", "gid", "members", "weights"), _grouped_without_0),
     "ad-psgd": (["--protocol", "ad-psgd"], ("iteration",), ("iter", "partner", "served"), _served_none_once),
+    "eager-sgd": (["--protocol", "eager-sgd"], ("iteration",), ("iter", "round", "active", "lag"),
+                  _rounds_without_0_and_skipped_by_it),
 }
 
 

@@ -67,7 +67,7 @@ def place_in_replica(spec: InitSpec, context: WorkerContext, config: ProtocolCon
         raise ConfigError(refusal)
     replica = build_replica(layout, context.rank, spec.model, store_endpoint=context.store_endpoint,
                             timeout_s=config.timeout_s, averages_models=config.spec.averages is Averages.MODELS,
-                            bind_host=context.bind_host)
+                            bind_host=context.bind_host, lane_channels=config.spec.lane_channels)
     return lane_context(context, layout), ModelTensors(replica.lane_model, replica.lane_grads), replica
 
 

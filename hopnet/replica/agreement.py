@@ -8,6 +8,11 @@ integer vector over the replica does both: a 0/1 entry per candidate (MIN is AND
 negated need (MIN is the largest need). It runs on a gloo group of its own, apart from the
 trainer's DDP or FSDP traffic, in a thread, so the lane's event loop goes on receiving while
 the members meet. A member that dies ends the wait with an error; its replica fails as a unit.
+
+Every lane makes its agreements on one group in the same order. A protocol with two streams of
+choices whose order differs from lane to lane (eager-SGD: its round engine starts rounds while
+the trainer's calls choose results) makes one stream's on :attr:`LaneAgreement.side`, a second
+group, so neither waits for the other.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import torch
 class LaneAgreement:
     """Agreement among the ``size`` lanes of one replica on subsets of ``0 .. candidates - 1``."""
 
-    def __init__(self, group: Any, candidates: int) -> None:
+    def __init__(self, group: Any, candidates: int, side: LaneAgreement | None = None) -> None:
         self.group = group
         self.candidates = candidates
+        self.side = side
+        """An agreement on a group of its own, for choices made in an order independent of this one's."""
         self.rounds = 0
         """How many agreements this lane took part in (each one all-reduce)."""
 

@@ -61,12 +61,14 @@ def _kept(group: Any) -> Any:
 
 
 def open_agreement_group(layout: ReplicaLayout, process: int, store_endpoint: str, timeout_s: float,
-                         bind_host: str) -> Any:
+                         bind_host: str, channel: int = 0) -> Any:
     """A gloo group of the replica's members for their lanes' agreements (:mod:`.agreement`), apart from
-    the group DDP or FSDP use on the trainer's thread."""
+    the group DDP or FSDP use on the trainer's thread; ``channel`` tells a replica's groups apart."""
     from hopnet.transports.torchdist import build_group
 
-    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{layout.replica_of(process)}/agree"), timeout_s)
+    name = "agree" if channel == 0 else f"agree{channel}"
+    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{layout.replica_of(process)}/{name}"),
+                          timeout_s)
     return _kept(build_group(store, "gloo", layout.member_of(process), layout.size, timeout_s=timeout_s,
                              host=bind_host))
 

@@ -18,12 +18,18 @@ from hopnet.transports.zmq.malloc import prefer_low_memory
 
 
 def build_replica(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
-                  timeout_s: float, averages_models: bool, bind_host: str = "127.0.0.1") -> ReplicaSync:
-    """This process's side of its replica group (blocks until every member has joined it)."""
+                  timeout_s: float, averages_models: bool, bind_host: str = "127.0.0.1",
+                  lane_channels: int = 1) -> ReplicaSync:
+    """This process's side of its replica group (blocks until every member has joined it);
+    ``lane_channels``: 2 for a protocol whose lanes agree in two independent orders."""
     sync = _build(layout, process, module, store_endpoint=store_endpoint, timeout_s=timeout_s,
                   averages_models=averages_models)
+    side = None
+    if lane_channels > 1:
+        side = LaneAgreement(open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host, channel=1),
+                             layout.replicas)
     group = open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host)
-    sync.lanes = LaneAgreement(group, layout.replicas)
+    sync.lanes = LaneAgreement(group, layout.replicas, side=side)
     return sync
 
 

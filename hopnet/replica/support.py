@@ -4,10 +4,10 @@ A replica decides once what its lanes do. A protocol whose choices depend only o
 numbers and the graph (allreduce, Pipe-SGD, Hop, notify-ack, DiLoCo without a quorum) makes the same
 choice on every lane, because the lanes of a replica step together. Where a protocol chooses by
 what arrived (Hop's backup workers, skipping and staleness, DiLoCo's quorum, AD-PSGD's pairings
-and serves) the lanes agree first (:mod:`hopnet.replica.agreement`); a coordinator's decisions
-(Prague, Partial Reduce) reach every lane through member 0 (:mod:`hopnet.replica.relay`).
-eager-SGD's rounds carry whatever gradients were deposited when their activation arrived, which
-differs from lane to lane, so it is refused until that is agreed too.
+and serves; which gradients an eager-SGD round carries and which round's result a call takes) the
+lanes agree first (:mod:`hopnet.replica.agreement`); a coordinator's decisions (Prague, Partial
+Reduce) reach every lane through member 0 (:mod:`hopnet.replica.relay`). A protocol registered
+later runs between replicas only once it is listed here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
 
-RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd", "prague", "partial-reduce", "ad-psgd")
+RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd", "prague", "partial-reduce", "ad-psgd",
+                         "eager-sgd")
 """The protocols whose lanes make one choice per replica."""
 
 

@@ -89,6 +89,10 @@ class EagerProtocol(EagerRounds):
         if self.synchronized == k:
             return
         grads = self._gradient_buffer()
+        if self.replica_rounds is not None:
+            await self._synchronize_lanes(grads, k)
+            self.synchronized = k
+            return
         self._deposit(grads)
         if self.executed > self.consumed:
             self.stale_calls += 1  # a round ran while this rank computed: take its result
@@ -135,6 +139,43 @@ class EagerProtocol(EagerRounds):
             return
         self.iteration = k + 1
         self.node.entered(k + 1, self)
+
+    async def _synchronize_lanes(self, grads: torch.Tensor, k: int) -> None:
+        """Between replica groups (:mod:`hopnet.protocols.eager.replicas`): hold the gradient until the
+        lanes agree on a round to carry it, and take the round whose result they agree on."""
+        assert self.replica_rounds is not None
+        if self.pend is None:
+            self._allocate(grads)
+        assert self.computed is not None
+        self.computed.add_(grads)
+        self.replica_rounds.hold(grads, self.buffer_sync.snapshot() if self.buffer_sync.active else None)
+        calls = self.replica_rounds.calls_in + len(self.replica_rounds.held)
+        target = await self.replica_rounds.agreed_target(self.executed, self.consumed)
+        round_id = target.round_id
+        if self.executed <= round_id:
+            if self.requested < round_id and (self.mode == "solo" or target.finished_somewhere
+                                              or self._starts(round_id)):
+                self.initiated += 1
+                self._activate(round_id, self.rank)
+            await self._wait_round(round_id, k)
+        result, dropped = self.replica_rounds.take(round_id, self.executed)
+        for entry in dropped:
+            if entry.buffers is not None:
+                self.buffer_sync.release(entry.buffers)
+        stale = result.calls_in < calls  # this call's gradient waits for a later round
+        if stale:
+            self.stale_calls += 1
+            if self.mode == "majority" and self.initiator(round_id + 1) == self.rank \
+                    and self.requested < round_id + 1:
+                self.initiated += 1  # the others wait for this replica: start the next round now
+                self._activate(round_id + 1, self.rank)
+        self.last_lag = round_id + 1 - self.consumed
+        self.rounds_skipped += max(0, self.last_lag - 1)
+        self.consumed = round_id + 1
+        self.last_round = round_id
+        grads.copy_(result.gradient)
+        if result.buffers is not None:
+            self.buffer_sync.adopt(result.buffers)
 
     def _deposit(self, grads: torch.Tensor) -> None:
         if self.pend is None:

@@ -23,6 +23,7 @@ from hopnet.params import FlatGradients
 from hopnet.protocols.base import Protocol
 from hopnet.protocols.buffer_sync import BufferSync
 from hopnet.protocols.eager.options import ACTIVATION_KIND, EagerOptions
+from hopnet.protocols.eager.replicas import ReplicaRounds
 from hopnet.runtime.services import NodeServices
 from hopnet.wire import Message
 
@@ -105,6 +106,7 @@ class EagerRounds(Protocol):
         self.stale_calls = 0
         self.initiated = 0
         self.rounds_skipped = 0
+        self.replica_rounds: ReplicaRounds | None = None  # between replica groups: what the lanes agree on
 
     def bind(self, node: NodeServices) -> None:
         super().bind(node)
@@ -116,6 +118,8 @@ class EagerRounds(Protocol):
         # a collective that keeps every tag apart (not one process group in call order) allows.
         self.collective = RingCollective(node)
         self.buffer_sync = BufferSync(self.options.buffers, self.model_buffers, self.rank, self.world_size)
+        if node.lanes is not None:
+            self.replica_rounds = ReplicaRounds(node.lanes)
 
     def _tag(self, what: str) -> str:
         """A round's tag; under ``--max-restarts`` with the replacements every rank took back."""
@@ -234,6 +238,8 @@ class EagerRounds(Protocol):
         # all-reduce runs belongs to the next round.
         if self.pend is None:  # activated before the trainer's first call
             self._allocate(self._gradient_shape_source())
+        if self.replica_rounds is not None:
+            await self._move_agreed()
         contribution = self.pend
         assert contribution is not None and self._spare is not None and self.contributed is not None
         self.pend = self._spare.zero_()
@@ -250,17 +256,45 @@ class EagerRounds(Protocol):
                              *([self.buffer_sync.reduce(collective, self.everyone, model_buffers, tag=f"{tag}/buffers")]
                                if model_buffers is not None else []))
         contribution.div_(self.world_size)  # always P, however many were fresh
-        if model_buffers is not None:
-            if self._buffers_result is not None:
-                self.buffer_sync.release(self._buffers_result)  # a newer round's buffers replace them
-            self._buffers_result = model_buffers
-        self._spare, self.recv = self.recv, contribution
+        if self.replica_rounds is not None:
+            self._keep_result(round_id, contribution, model_buffers)
+        else:
+            if model_buffers is not None:
+                if self._buffers_result is not None:
+                    self.buffer_sync.release(self._buffers_result)  # a newer round's buffers replace them
+                self._buffers_result = model_buffers
+            self._spare, self.recv = self.recv, contribution
         self.active_per_round.append(int(round(active.item())))
         self.executed = round_id + 1
         self._seen = {key for key in self._seen if key[0] > round_id}
         done = self._round_done.pop(round_id, None)
         if done is not None and not done.done():
             done.set_result(None)
+
+    async def _move_agreed(self) -> None:
+        """Between replica groups: the held gradients every lane of the replica has go into this round."""
+        assert self.replica_rounds is not None and self.pend is not None
+        moved = await self.replica_rounds.agreed_moves()
+        for entry in moved:
+            self.pend.add_(entry.gradient)
+            if entry.buffers is not None:
+                if self._buffers_latest is not None:
+                    self.buffer_sync.release(self._buffers_latest)
+                self._buffers_latest = entry.buffers
+        self._fresh = bool(moved)
+
+    def _keep_result(self, round_id: int, result: torch.Tensor, buffers: list[torch.Tensor] | None) -> None:
+        """Between replica groups: keep the round's result until the lanes agree which one a call takes."""
+        assert self.replica_rounds is not None
+        dropped = self.replica_rounds.keep(round_id, result, buffers, executed=round_id + 1)
+        self._spare = self._recycle(dropped) if dropped else torch.zeros_like(result)
+
+    def _recycle(self, dropped: list[Any]) -> torch.Tensor:
+        """Results no call can be given any more: their buffers back to the pool, one gradient as the spare."""
+        for entry in dropped:
+            if entry.buffers is not None:
+                self.buffer_sync.release(entry.buffers)
+        return dropped[0].gradient.zero_()
 
     def _round_future(self, round_id: int) -> asyncio.Future[None]:
         future = self._round_done.get(round_id)

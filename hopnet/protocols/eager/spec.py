@@ -42,6 +42,7 @@ register(ProtocolSpec(
     message_kinds=(MessageKind(ACTIVATION_KIND, any_rank=True),),
     resumable=True,
     restartable=True,
+    lane_channels=2,
     output=EAGER_OUTPUT,
 ))
 
