@@ -121,6 +121,10 @@ class ProtocolSpec(Generic[OptionsT]):
     simulated_without_tensors: bool = False
     """The protocol runs without a parameter buffer (Hop): the simulator then gives it none and charges
     its ``update`` messages the model's bytes instead of averaging a stand-in model."""
+    between_replicas: bool = False
+    """It runs between replica groups (:mod:`hopnet.replica`): each lane of a replica makes the same
+    choices as its siblings, because they follow iteration numbers and the graph, or are agreed
+    (:class:`~hopnet.runtime.services.ReplicaLanes`). Left False, replica groups refuse it in one line."""
     lane_channels: int = 1
     """How many agreement channels (each a gloo group of its own) its lanes use between replica groups
     (:mod:`hopnet.replica.agreement`): 2 where two streams of choices run in orders independent of each

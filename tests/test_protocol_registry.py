@@ -20,6 +20,8 @@ from hopnet.config_checks import check_config_for_graph
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.bootstrap.env_options import config_from_variables
+from hopnet.launch.settings import LaunchSpec
+from hopnet.launch.spec import validate
 from hopnet.sim.engine import ComputeModel, SimSpec, simulate
 
 from support.env import clean_env
@@ -100,6 +102,13 @@ def reference_run(world_size: int, scale: float, steps: int) -> list[torch.Tenso
             p.grad = torch.stack(per_rank).mean(0) * scale
         opt.step()
     return [p.detach() for p in model.parameters()]
+
+
+def test_replica_groups_refuse_it_in_one_line_as_it_does_not_declare_that_its_lanes_choose_alike() -> None:
+    with pytest.raises(ConfigError, match=rf"--protocol {TOY} does not run between replica groups \(its lanes could "
+                                          r"choose apart: its declaration does not say between_replicas=True\); "
+                                          r"ad-psgd, allreduce, diloco, eager-sgd, hop"):
+        validate(LaunchSpec(script=str(EXAMPLES / "train_cnn.py"), nproc=4, replica_size=2, config=ProtocolConfig(TOY)))
 
 
 @pytest.mark.slow

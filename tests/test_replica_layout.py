@@ -83,9 +83,10 @@ def test_a_lane_state_is_views_of_its_slice_split_into_parameters_and_buffers() 
     (dict(protocol="prague"), None),
     (dict(protocol="partial-reduce"), None),
     (dict(protocol="ad-psgd"), None),
-    (dict(protocol="eager-sgd"), "--protocol eager-sgd does not run between replica groups"),
+    (dict(protocol="eager-sgd", eager_mode="majority"), None),
 ])
-def test_what_would_let_the_lanes_of_a_replica_choose_apart_is_refused(options: dict, refused: str | None) -> None:
+def test_every_protocol_runs_between_replicas(options: dict, refused: str | None) -> None:
+    """(A protocol of another package that does not declare it is refused: test_protocol_registry.py.)"""
     refusal = replica_refusal(ProtocolConfig(**options))
     assert refusal is None if refused is None else refused in refusal
 
@@ -97,7 +98,6 @@ def test_what_would_let_the_lanes_of_a_replica_choose_apart_is_refused(options: 
     (dict(graph="ring:3", nproc=4, replica_size=2), "--nproc 4 makes 2 replicas of 2 processes, but the graph has 3"),
     (dict(nproc=4, replica_mode="fsdp"), "--replica-mode needs --replica-size R on one machine"),
     (dict(nproc=4, replica_size=2, max_restarts=1), "--max-restarts does not bring back a replica group yet"),
-    (dict(nproc=4, replica_size=2, config=ProtocolConfig(protocol="eager-sgd")), "--protocol eager-sgd"),
 ])
 def test_the_launcher_refuses_what_replica_groups_cannot_run_before_anything_starts(kwargs: dict,
                                                                                    message: str) -> None:

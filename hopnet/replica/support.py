@@ -6,8 +6,8 @@ choice on every lane, because the lanes of a replica step together. Where a prot
 what arrived (Hop's backup workers, skipping and staleness, DiLoCo's quorum, AD-PSGD's pairings
 and serves; which gradients an eager-SGD round carries and which round's result a call takes) the
 lanes agree first (:mod:`hopnet.replica.agreement`); a coordinator's decisions (Prague, Partial
-Reduce) reach every lane through member 0 (:mod:`hopnet.replica.relay`). A protocol registered
-later runs between replicas only once it is listed here.
+Reduce) reach every lane through member 0 (:mod:`hopnet.replica.relay`). A protocol says so in its
+declaration (``ProtocolSpec.between_replicas``); one that does not is refused.
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hopnet.config import ProtocolConfig
 
-RUNS_BETWEEN_REPLICAS = ("allreduce", "hop", "notify-ack", "diloco", "pipe-sgd", "prague", "partial-reduce", "ad-psgd",
-                         "eager-sgd")
-"""The protocols whose lanes make one choice per replica."""
-
 
 def replica_refusal(config: ProtocolConfig) -> str | None:
     """Why ``config`` cannot run between replica groups of more than one process, else ``None``."""
-    protocol = config.protocol
-    if protocol not in RUNS_BETWEEN_REPLICAS:
-        return (f"--protocol {protocol} does not run between replica groups yet (its lanes would choose apart); "
-                f"{', '.join(RUNS_BETWEEN_REPLICAS)} do")
-    return None
+    if config.spec.between_replicas:
+        return None
+    from hopnet import registry
+
+    running = [name for name in registry.names() if registry.lookup(name).between_replicas]
+    return (f"--protocol {config.protocol} does not run between replica groups (its lanes could choose apart: "
+            f"its declaration does not say between_replicas=True); {', '.join(running)} do")
 
 
-__all__ = ["RUNS_BETWEEN_REPLICAS", "replica_refusal"]
+__all__ = ["replica_refusal"]

@@ -62,9 +62,11 @@ class ReplicaLanes(Protocol):
     what a protocol chooses by what reached it, every lane of a replica must choose alike.
     (Implemented by :class:`hopnet.replica.agreement.LaneAgreement`.)"""
 
-    side: ReplicaLanes | None
-    """A second agreement on a group of its own, whose calls may come in another order than this
-    one's (where the protocol's spec asks for ``lane_channels=2``)."""
+    @property
+    def side(self) -> ReplicaLanes | None:
+        """A second agreement on a group of its own, whose calls may come in another order than this
+        one's (where the protocol's spec asks for ``lane_channels=2``)."""
+        ...
 
     async def common(self, have: Collection[int], need: int, candidates: int | None = None
                      ) -> tuple[frozenset[int], bool]:

@@ -37,6 +37,7 @@ AD_PSGD_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="ad-psgd",
+    between_replicas=True,
     summary="asynchronous pairwise model averaging (AD-PSGD) on a bipartite graph: active workers average "
             "with one random passive neighbour per iteration.",
     options=AdPsgdOptions,

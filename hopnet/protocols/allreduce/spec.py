@@ -33,6 +33,7 @@ ALLREDUCE_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="allreduce",
+    between_replicas=True,
     summary="synchronous all-reduce of the gradients among all ranks (what torch DDP does); the graph plays "
             "no part in it.",
     options=AllReduceOptions,

@@ -64,6 +64,7 @@ DILOCO_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="diloco",
+    between_replicas=True,
     summary="DiLoCo: H local steps of the trainer's optimizer, then an outer Nesterov step on the averaged "
             "pseudo-gradient (--local-steps, --outer-lr, --fragments, --compress).",
     options=DiLoCoOptions,

@@ -203,6 +203,7 @@ NOTIFY_ACK_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, Wait("wait_tokens_s", "wait 
 
 register(ProtocolSpec(
     name="hop",
+    between_replicas=True,
     summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
             "token queues bounding the gap (--max-ig), and backup workers, bounded staleness and "
             "iteration skipping for stragglers.",
@@ -223,6 +224,7 @@ register(ProtocolSpec(
 
 register(ProtocolSpec(
     name="notify-ack",
+    between_replicas=True,
     summary="the baseline Hop improves on: a worker enters iteration k once every out-neighbour "
             "acknowledged its update k-1.",
     options=NotifyAckOptions,

@@ -49,6 +49,7 @@ PARTIAL_REDUCE_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="partial-reduce",
+    between_replicas=True,
     summary="Partial Reduce: models are averaged in groups of the first --group-size ready workers a "
             "controller forms (--weights).",
     options=PartialReduceOptions,

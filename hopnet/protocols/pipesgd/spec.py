@@ -35,6 +35,7 @@ PIPE_SGD_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="pipe-sgd",
+    between_replicas=True,
     summary="Pipe-SGD: the all-reduce of the gradients, pipelined K deep behind the compute "
             "(--pipeline-k, --compress).",
     options=PipeSgdOptions,

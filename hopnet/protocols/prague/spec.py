@@ -66,6 +66,7 @@ PRAGUE_OUTPUT = OutputSpec(
 
 register(ProtocolSpec(
     name="prague",
+    between_replicas=True,
     summary="Prague's Partial All-Reduce: models are averaged in groups a Group Generator forms "
             "(--group-generator).",
     options=PragueOptions,
