@@ -24,6 +24,7 @@ from support.processes import alive
 from support.wait import wait_until
 
 CNN = str(EXAMPLES / "train_cnn.py")
+DIGITS = str(EXAMPLES / "train_digits.py")
 FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
 CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
@@ -160,12 +161,16 @@ def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, name: str)
 
 
 KILLED_REPLICA_RUNS = {
+    # Hop with a backup worker between 2 fsdp replicas: the lanes of the surviving replica agree on the
+    # updates they mix around a dead sender; rank 3 SIGKILLed takes rank 2 with it.
+    "hop-fsdp": (["--nproc", "4", "--replica-mode", "fsdp", "--backup-workers", "1"], "200", 3, 2),
     # Partial Reduce between 3 fsdp replicas: rank 2, the member that speaks to the controller for
     # replica 1, SIGKILLed; rank 3, which heard the controller through it and may wait in one of
     # FSDP's collectives with it, is stopped with it, and the controller groups the other two replicas
-    # from then on. (The launcher's side is the same under ddp.)
+    # from then on. (The launcher's side is the same under ddp.) The digits MLP: FSDP shards any module,
+    # and the CNN's compute would only lengthen the run.
     "partial-reduce-fsdp": (["--nproc", "6", "--replica-mode", "fsdp", "--protocol", "partial-reduce",
-                             "--group-size", "2"], "120", 2, 3),
+                             "--group-size", "2"], "200", 2, 3),
 }
 
 
@@ -174,7 +179,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_others_finish(t
     flags, iterations, killed, sibling = KILLED_REPLICA_RUNS[name]
     run_dir = tmp_path / "run"
     proc = start_launch(["--replica-size", "2", *flags, "--max-failures", "1", "--peer-timeout", "3",
-                         "--run-dir", str(run_dir), "--no-progress", CNN, "--iterations", iterations],
+                         "--run-dir", str(run_dir), "--no-progress", DIGITS, "--iterations", iterations],
                         new_session=True)
     nproc = int(flags[1])
     try:
