@@ -25,7 +25,7 @@ from support.wait import wait_until
 
 CNN = str(EXAMPLES / "train_cnn.py")
 DIGITS = str(EXAMPLES / "train_digits.py")
-FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted_cnn.py")
+FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted.py")
 CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
 ITERATIONS = "60"
@@ -146,7 +146,8 @@ def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, name: str)
     flags, events, fields, left_behind = SLOW_REPLICA_RUNS[name]
     nproc = "4" if name == "ad-psgd" else "6"
     result = launch(["--nproc", nproc, "--replica-size", "2", *flags, "--slowdown", "rank=0:3",
-                     "--run-dir", str(tmp_path), FINGERPRINTED, "--iterations", "60", "--amp", "none"])
+                     "--run-dir", str(tmp_path), FINGERPRINTED, "--example", "train_digits.py", "--iterations", "100",
+                     "--eval-every", "1000"])
     assert result.returncode == 0, result.stderr[-3000:]
     choices = 0
     for replica in range(int(nproc) // 2):

@@ -125,31 +125,33 @@ class FsdpReplica(ReplicaSync):
             if self.buffers is not None:
                 share_slices(self.buffers.flats, self.size, self.member, self.group)
 
+    def _lane_slices(self, lane_grads: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter with its slice of ``lane_grads`` (the lane's flat gradient holds the local
+        shards of the gradients one after another)."""
+        offset = 0
+        for p in self.params:
+            n = _local(p.detach()).numel()
+            yield p, lane_grads[offset:offset + n]
+            offset += n
+
     def _grads_to_lane(self) -> None:
         if self.lane_grads is None:
             return
-        offset = 0
         with torch.no_grad():
-            for p in self.params:
-                local = _local(p.detach())
-                n = local.numel()
+            for p, piece in self._lane_slices(self.lane_grads):
                 if p.grad is None:
-                    self.lane_grads[offset:offset + n].zero_()
+                    piece.zero_()
                 else:
-                    self.lane_grads[offset:offset + n].copy_(_local(p.grad).reshape(-1))
-                offset += n
+                    piece.copy_(_local(p.grad).reshape(-1))
 
     def _lane_to_grads(self) -> None:
         if self.lane_grads is None:
             return
-        offset = 0
         with torch.no_grad():
-            for p in self.params:
-                n = _local(p.detach()).numel()
+            for p, piece in self._lane_slices(self.lane_grads):
                 if p.grad is not None:
                     grad = _local(p.grad)
-                    grad.copy_(self.lane_grads[offset:offset + n].view_as(grad))
-                offset += n
+                    grad.copy_(piece.view_as(grad))
 
     # ------------------------------------------------------------------ the step
     def before_step(self) -> None:

@@ -1,5 +1,6 @@
-"""examples/train_cnn.py, unchanged, with a digest of this process's parameters recorded after every
-optimizer step (a ``fingerprint`` record): tests/test_replicas.py compares a replica's members."""
+"""An example trainer (``--example NAME``, default train_cnn.py), unchanged, with a digest of this
+process's parameters recorded after every optimizer step (a ``fingerprint`` record):
+tests/test_replicas.py compares a replica's members."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ def fingerprinted(self: DistributedOptimizer, closure=None):  # type: ignore[no-
 
 
 DistributedOptimizer.step = fingerprinted  # type: ignore[method-assign]
-script = Path(__file__).resolve().parents[2] / "examples" / "train_cnn.py"
+example = "train_cnn.py"
+if "--example" in sys.argv:
+    at = sys.argv.index("--example")
+    example = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+script = Path(__file__).resolve().parents[2] / "examples" / example
 sys.argv[0] = str(script)
 sys.path.insert(0, str(script.parent))  # its digits_data module
 runpy.run_path(str(script), run_name="__main__")
