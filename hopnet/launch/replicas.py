@@ -34,10 +34,9 @@ def stop_replica_of(layout: ReplicaLayout, rank: int, pending: Collection[int], 
     return siblings
 
 
-
-
-
 def replicas_note(layout: ReplicaLayout) -> str:
     """`` in 2 replicas of 2 (ddp)`` for the launcher's first line; nothing without groups."""
     return f" in {layout.replicas} replicas of {layout.size} ({layout.mode})" if layout.grouped else ""
+
+
 __all__ = ["lost_replicas", "replicas_note", "stop_replica_of"]
