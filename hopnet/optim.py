@@ -41,7 +41,7 @@ import torch
 from hopnet.api import Worker
 from hopnet.checkpoint import OPTIMIZER_STATE
 from hopnet.errors import HopnetError, NonFiniteError
-from hopnet.finite import all_finite, all_finite_in
+from hopnet.finite import all_finite_in
 from hopnet.params import FlatGradients
 from hopnet.registry import Averages, lookup
 

@@ -14,7 +14,7 @@ from hopnet.membership.messages import (
     Promise, Requests, Send,
 )
 from hopnet.membership.paxos import Acceptor, Round
-from hopnet.membership.view import NO_VIEW, Ballot, Change, View, view_relation
+from hopnet.membership.view import NO_VIEW, Ballot, View, view_relation
 
 State = Literal["joining", "member", "left", "stopped"]
 

@@ -172,7 +172,7 @@ class Membership:
                 why = takes(self.builder, len(members) - event.count)
                 candidates = sorted(members & before)
                 if why is None and len(candidates) <= event.count:
-                    why = f"no member of the view before would stay (a joiner copies one's model)" \
+                    why = "no member of the view before would stay (a joiner copies one's model)" \
                         if len(candidates) == event.count else f"only {len(candidates)} member(s) can leave then"
                 if why is None:
                     members.difference_update(self._picks.sample(candidates, event.count))
