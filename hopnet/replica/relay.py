@@ -31,8 +31,11 @@ from hopnet.coordinator.wire import PONG, BadFrame, decode, encode
 
 LENGTH_TAG = 7301
 PAYLOAD_TAG = 7302
+END = -1
+"""In place of a length: member 0 closed, nothing more comes (the follower's thread ends)."""
 CLOSE_WAIT_S = 10.0
-"""How long member 0 waits, when it closes, for its last messages to reach its followers."""
+"""How long member 0 waits, when it closes, for its last messages to reach its followers, and a
+follower for member 0's end."""
 
 
 class LeaderLink(CoordinatorLink):
@@ -70,6 +73,9 @@ class LeaderLink(CoordinatorLink):
 
     def close(self) -> None:
         self.inner.close()
+        end = torch.tensor([END], dtype=torch.int64)
+        for follower in self.followers:
+            self._pending.append((self.group.send([end], follower, LENGTH_TAG), end))
         for work, _ in self._pending:
             try:
                 work.wait(timedelta(seconds=CLOSE_WAIT_S))
@@ -90,15 +96,18 @@ class FollowerLink(CoordinatorLink):
         self.lost: Any = None
         """Called on the loop with the error when member 0 can no longer pass messages on."""
         self._closed = False
+        self._thread: threading.Thread | None = None
 
     def start(self, deliver: Deliver) -> None:
         loop = asyncio.get_running_loop()
 
         def receive() -> None:
-            while not self._closed:
+            while True:
                 try:
                     length = torch.zeros(1, dtype=torch.int64)
                     self.group.recv([length], 0, LENGTH_TAG).wait()
+                    if int(length[0]) == END:
+                        return
                     data = torch.empty(int(length[0]), dtype=torch.uint8)
                     self.group.recv([data], 0, PAYLOAD_TAG).wait()
                     message = decode(data.numpy().tobytes())
@@ -106,12 +115,13 @@ class FollowerLink(CoordinatorLink):
                     if not self._closed:
                         loop.call_soon_threadsafe(self._lose, exc)
                     return
-                if self._closed:
-                    return
-                loop.call_soon_threadsafe(deliver, message)
+                if not self._closed:  # (once closed it only drains what member 0 still sends, up to the end)
+                    loop.call_soon_threadsafe(deliver, message)
 
-        # A daemon: a receive still blocked when the process ends must not hold its exit.
-        threading.Thread(target=receive, name=f"hopnet-replica{self.replica}-coordinator", daemon=True).start()
+        # A daemon: a receive still blocked when the process ends (member 0 died) must not hold its exit.
+        self._thread = threading.Thread(target=receive, name=f"hopnet-replica{self.replica}-coordinator",
+                                        daemon=True)
+        self._thread.start()
 
     def _lose(self, exc: BaseException) -> None:
         if self.lost is not None and not self._closed:
@@ -122,7 +132,12 @@ class FollowerLink(CoordinatorLink):
         pass
 
     def close(self) -> None:
+        """Wait (a bounded time) for member 0's end: a thread still blocked in gloo's receive when the
+        interpreter exits (a script under torchrun ends that way) aborts the process with
+        std::terminate."""
         self._closed = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
 
 
 def relayed_client(client: CoordinatorClient | None, group: Any, member: int, size: int,
