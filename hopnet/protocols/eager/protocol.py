@@ -159,9 +159,8 @@ class EagerProtocol(EagerRounds):
                 self._activate(round_id, self.rank)
             await self._wait_round(round_id, k)
         result, dropped = self.replica_rounds.take(round_id, self.executed)
-        for entry in dropped:
-            if entry.buffers is not None:
-                self.buffer_sync.release(entry.buffers)
+        for buffers in dropped:
+            self.buffer_sync.release(buffers)
         stale = result.calls_in < calls  # this call's gradient waits for a later round
         if stale:
             self.stale_calls += 1
@@ -174,6 +173,7 @@ class EagerProtocol(EagerRounds):
         self.consumed = round_id + 1
         self.last_round = round_id
         grads.copy_(result.gradient)
+        self.replica_rounds.release(result.gradient)
         if result.buffers is not None:
             self.buffer_sync.adopt(result.buffers)
 

@@ -70,9 +70,21 @@ class ReplicaRounds:
         """Calls whose gradients went into rounds (the same on every lane once a round's start is agreed)."""
         self.results: dict[int, Result] = {}
         self._keep_from: int | None = None
+        self._free: list[torch.Tensor] = []
+        """Gradient-sized tensors no longer used (held gradients moved, results taken or dropped): the
+        next hold or round takes one instead of allocating on every step."""
 
     def hold(self, gradient: torch.Tensor, buffers: list[torch.Tensor] | None) -> None:
-        self.held.append(Held(gradient.clone(), buffers))
+        copy = self._free.pop() if self._free else torch.empty_like(gradient)
+        self.held.append(Held(copy.copy_(gradient), buffers))
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (a moved held gradient, a taken result) is free for reuse."""
+        self._free.append(tensor)
+
+    def spare_like(self, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed tensor for the next round's pending sum."""
+        return self._free.pop().zero_() if self._free else torch.zeros_like(like)
 
     async def agreed_moves(self) -> list[Held]:
         """At a round's start: the held gradients every lane has (oldest first), taken out."""
@@ -82,8 +94,9 @@ class ReplicaRounds:
         return moved
 
     def keep(self, round_id: int, gradient: torch.Tensor, buffers: list[torch.Tensor] | None,
-             executed: int) -> list[Result]:
-        """Keep a finished round's result; returns the results no call can be given any more."""
+             executed: int) -> list[list[torch.Tensor]]:
+        """Keep a finished round's result; returns the buffers of the results no call can be given any
+        more (their gradients are reused here)."""
         self.results[round_id] = Result(gradient, buffers, self.calls_in)
         return self._prune(executed)
 
@@ -94,18 +107,24 @@ class ReplicaRounds:
         newest, finished = await self.lanes.least_each([-proposal, -(executed - 1)])
         return Target(-newest, -newest <= -finished)
 
-    def take(self, round_id: int, executed: int) -> tuple[Result, list[Result]]:
-        """The result of ``round_id`` (finished here), and the results no call can be given any more."""
+    def take(self, round_id: int, executed: int) -> tuple[Result, list[list[torch.Tensor]]]:
+        """The result of ``round_id`` (finished here; :meth:`release` its gradient once read), and the
+        buffers of the results no call can be given any more."""
         result = self.results.pop(round_id)
         self._keep_from = None
         return result, self._prune(executed)
 
-    def _prune(self, executed: int) -> list[Result]:
+    def _prune(self, executed: int) -> list[list[torch.Tensor]]:
         # A later call proposes at least the newest round finished by then, so only what a call in
         # flight may be given, or the newest, is kept.
         floor = self._keep_from if self._keep_from is not None else executed - 1
-        dropped = [r for r in self.results if r < floor]
-        return [self.results.pop(r) for r in dropped]
+        buffers = []
+        for round_id in [r for r in self.results if r < floor]:
+            dropped = self.results.pop(round_id)
+            self.release(dropped.gradient)
+            if dropped.buffers is not None:
+                buffers.append(dropped.buffers)
+        return buffers
 
 
 __all__ = ["Held", "ReplicaRounds", "Result", "Target"]

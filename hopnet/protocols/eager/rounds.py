@@ -277,6 +277,7 @@ class EagerRounds(Protocol):
         moved = await self.replica_rounds.agreed_moves()
         for entry in moved:
             self.pend.add_(entry.gradient)
+            self.replica_rounds.release(entry.gradient)
             if entry.buffers is not None:
                 if self._buffers_latest is not None:
                     self.buffer_sync.release(self._buffers_latest)
@@ -286,15 +287,9 @@ class EagerRounds(Protocol):
     def _keep_result(self, round_id: int, result: torch.Tensor, buffers: list[torch.Tensor] | None) -> None:
         """Between replica groups: keep the round's result until the lanes agree which one a call takes."""
         assert self.replica_rounds is not None
-        dropped = self.replica_rounds.keep(round_id, result, buffers, executed=round_id + 1)
-        self._spare = self._recycle(dropped) if dropped else torch.zeros_like(result)
-
-    def _recycle(self, dropped: list[Any]) -> torch.Tensor:
-        """Results no call can be given any more: their buffers back to the pool, one gradient as the spare."""
-        for entry in dropped:
-            if entry.buffers is not None:
-                self.buffer_sync.release(entry.buffers)
-        return dropped[0].gradient.zero_()
+        for dropped in self.replica_rounds.keep(round_id, result, buffers, executed=round_id + 1):
+            self.buffer_sync.release(dropped)
+        self._spare = self.replica_rounds.spare_like(result)
 
     def _round_future(self, round_id: int) -> asyncio.Future[None]:
         future = self._round_done.get(round_id)
