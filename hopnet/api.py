@@ -57,6 +57,7 @@ from hopnet.transports.tcp_diag import link_counters
 from hopnet.wire import Message
 from hopnet.bootstrap.lanes import event_log_path, place_in_replica
 from hopnet.replica.base import NO_REPLICA, ReplicaSync
+from hopnet.replica.handover import one_handover, state_key
 from hopnet.bootstrap.init import (
     InitSpec,
     check_inputs,
@@ -153,6 +154,48 @@ def load_handover(worker: Worker, handover: rejoin.Handover) -> None:
     for name, state in handover.state.get("states", {}).items():
         if name in worker._states:
             checkpoint.load_state_into(worker._states[name], state)
+
+
+def take_over(worker: Worker, restart: int) -> dict[str, Any]:
+    """Replace this rank's dead worker: rejoin the run and load a neighbour's state (under replica
+    groups, every lane at the same iteration from the same replica: :mod:`hopnet.replica.handover`).
+    Returns the trainer's registered state handed over, loaded as each registers."""
+    node = worker.node
+    before = rejoin.fingerprint(node.protocol.model_tensors())
+    # Every rank hears of it: groups and collectives are drawn from the whole run, not the graph only.
+    lane_rank = node.rank  # the process's rank, or its replica's in a run of replica groups
+    everyone = [r for r in range(worker.graph.n) if r != lane_rank]
+    neighbours = sorted(worker.graph.peers(lane_rank))
+    donors = neighbours + [r for r in everyone if r not in neighbours]
+    wait_s = worker.config.timeout_s
+    handover = worker._thread.run(node.rejoin(restart, everyone, donors, wait_s=wait_s))
+    lanes = worker.replica.lanes
+    if lanes is not None:
+        async def ask_again(donor: int, at: int) -> rejoin.Handover:
+            return await node.ask_again(restart, donor, at, wait_s)
+
+        whole = worker.replica.mode == "ddp" and worker.module is not None
+        key = functools.partial(state_key, parameters=frozenset(n for n, _ in worker.module.named_parameters())
+                                if whole and worker.module is not None else None)
+        handover = worker._thread.run(one_handover(lanes, handover, ask_again, key, replica=lane_rank))
+    state = handover.state
+    # Under the lock: an ad-psgd passive serves averagings on the event loop meanwhile, and the
+    # record must show the model loaded, not one averaged since.
+    with worker.model_lock:
+        worker._load_model(state["model"])
+        loaded = rejoin.fingerprint(node.protocol.model_tensors())
+    seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
+    finished = bool(handover.protocol_state.pop(rejoin.FINISHED, False))
+    handover.protocol_state.pop(rejoin.BLOCKED, None)
+    node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != lane_rank})
+    node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
+    if node.coordinator is not None:
+        worker._thread.run(rejoin_coordinator(node.coordinator))
+    if not finished:  # else the others are done training: there is nothing to catch up with
+        worker._thread.run(node.protocol.after_rejoin())
+    worker.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
+                  fingerprint=loaded, initial_fingerprint=before, donor_fingerprint=handover.fingerprint)
+    return dict(state.get("states", {}))
 
 
 def _record_links(worker: Worker) -> bool:
@@ -363,37 +406,12 @@ class Worker:
 
     # ------------------------------------------------------------------ replacements
     def _take_over(self, restart: int) -> None:
-        """Replace this rank's dead worker: rejoin the run and load a neighbour's state."""
-        node = self.node
-        before = rejoin.fingerprint(node.protocol.model_tensors())
-        # Every rank hears of it: groups and collectives are drawn from the whole run, not the graph only.
-        everyone = [r for r in range(self.graph.n) if r != self.rank]
-        neighbours = sorted(self.graph.peers(self.rank))
-        donors = neighbours + [r for r in everyone if r not in neighbours]
-        handover = self._thread.run(node.rejoin(restart, everyone, donors, wait_s=self.config.timeout_s))
-        state = handover.state
-        # Under the lock: an ad-psgd passive serves averagings on the event loop meanwhile, and the
-        # record must show the model loaded, not one averaged since.
-        with self.model_lock:
-            self._load_model(state["model"])
-            loaded = rejoin.fingerprint(node.protocol.model_tensors())
-        self._resumed = dict(state.get("states", {}))
-        seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
-        finished = bool(handover.protocol_state.pop(rejoin.FINISHED, False))
-        node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != self.rank})
-        node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
-        if node.coordinator is not None:
-            self._thread.run(rejoin_coordinator(node.coordinator))
-        if not finished:  # else the others are done training: there is nothing to catch up with
-            self._thread.run(node.protocol.after_rejoin())
-        self.record("rejoined", restart=restart, peer=handover.donor, iter=handover.iteration,
-                    fingerprint=loaded, initial_fingerprint=before,
-                    donor_fingerprint=handover.fingerprint)
+        self._resumed = take_over(self, restart)
 
     def _hand_over(self, iteration: int, finished: bool = False) -> None:
         """Send this worker's state to the replacements that asked for it (at a step boundary, or
         once training is over: the model is consistent)."""
-        requests = self._thread.run(self._take_requests())
+        requests = self._thread.run(self._take_requests(None if finished else iteration))
         if not requests:
             return
         with self.model_lock:
@@ -406,25 +424,27 @@ class Worker:
         final = self._final_iteration
         done = self.node.quiesced and final is not None  # training is over here: after the last iteration
         messages = self._handover_messages(requests, final + 1 if done and final is not None
-                                           else self.node.protocol.iteration, finished=done)
+                                           else self.node.protocol.iteration, finished=done, blocked=not done)
         task = self._thread.loop.create_task(send_handovers(self.node, messages))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    def _handover_messages(self, requests: list[int], iteration: int, finished: bool = False) -> list[Message]:
+    def _handover_messages(self, requests: list[int], iteration: int, finished: bool = False,
+                           blocked: bool = False) -> list[Message]:
         # A random stream is each rank's own (taking a neighbour's would make the replacement draw
-        # the neighbour's batches): the replacement keeps its own generators.
-        state = {"model": self._model_state(),
-                 "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()
-                            if not isinstance(obj, torch.Generator)}}
+        # the neighbour's batches): the replacement keeps its own generators. Under fsdp, this
+        # member's shards, as a checkpoint holds them.
+        state = self.replica.localized({"model": self._model_state(),
+                                        "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()
+                                                   if not isinstance(obj, torch.Generator)}})
         model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
         protocol_state = {**self.node.protocol.handover_state(),
                           rejoin.RESTARTS_SEEN: {str(r): n for r, n in self.node.restarts_seen.items()},
-                          rejoin.FINISHED: finished}
-        return [rejoin.handover_message(self.rank, peer, iteration, protocol_state, state, model_print)
+                          rejoin.FINISHED: finished, rejoin.BLOCKED: blocked}
+        return [rejoin.handover_message(self.node.rank, peer, iteration, protocol_state, state, model_print)
                 for peer in requests]
 
-    async def _take_requests(self) -> list[int]:
-        return self.node.take_handover_requests()
+    async def _take_requests(self, iteration: int | None) -> list[int]:
+        return self.node.take_handover_requests(iteration)
 
     def _answer_late_handovers(self) -> None:
         """Training is over here: a replacement that asked now starts after the last iteration."""
@@ -651,7 +671,10 @@ class Worker:
 
     async def _abort(self, fields: dict[str, Any], iteration: int | None) -> None:
         self.node.record_error(fields, iteration)
-        await self.node.close(flush_timeout_s=ABORT_FLUSH_S)
+        # A member of a replica group fails with its replica, which --max-restarts brings back: a bye
+        # would tell the neighbours it left for good.
+        comes_back = self.replica.size > 1 and self.node.max_restarts > 0
+        await self.node.close(leave=not comes_back, flush_timeout_s=ABORT_FLUSH_S)
 
     def __enter__(self) -> Worker:
         return self

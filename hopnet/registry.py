@@ -125,6 +125,11 @@ class ProtocolSpec(Generic[OptionsT]):
     """It runs between replica groups (:mod:`hopnet.replica`): each lane of a replica makes the same
     choices as its siblings, because they follow iteration numbers and the graph, or are agreed
     (:class:`~hopnet.runtime.services.ReplicaLanes`). Left False, replica groups refuse it in one line."""
+    restarts_replicas: bool = False
+    """Under ``--max-restarts``, a dead replica group comes back whole (:mod:`hopnet.replica.handover`):
+    a replica's death never leaves a survivor's lanes in different iterations, one of them held inside
+    the replica's own collectives where it cannot hand its state over. Left False, ``--max-restarts``
+    with replica groups is refused in one line."""
     lane_channels: int = 1
     """How many agreement channels (each a gloo group of its own) its lanes use between replica groups
     (:mod:`hopnet.replica.agreement`): 2 where two streams of choices run in orders independent of each

@@ -57,6 +57,19 @@ def test_the_budget_restarts_deaths_until_it_is_spent() -> None:
     assert RestartBudget(0).summary() is None
 
 
+def test_a_replica_comes_back_under_one_restart_of_the_budget_and_one_number() -> None:
+    budget = RestartBudget(1)
+    assert budget.follow(2) is None  # nothing decided for its replica yet
+    first = budget.decide_replica((2, 3), 3, -9, "killed by SIGKILL", ending=False)
+    assert first is not None and (first.rank, first.number, first.used) == (3, 1, 1)
+    sibling = budget.follow(2)
+    assert sibling is not None and (sibling.rank, sibling.number, sibling.used) == (2, 1, 1)
+    assert sibling.line() == ("rank 2 died (with its replica (killed by SIGKILL in rank 3)); restarting it "
+                              "(restart 1 of 1)")
+    assert budget.follow(2) is None  # once
+    assert budget.decide_replica((0, 1), 0, -9, "killed by SIGKILL", ending=False) is None  # spent
+
+
 @pytest.mark.parametrize("value", ["-1", "two"])
 def test_a_bad_max_restarts_is_one_line(tmp_path: Path, value: str) -> None:
     result = launch_in_process(["--max-restarts", value, "--run-dir", str(tmp_path / "run"), CRASH_ONCE, "0", "x"])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hopnet.config import ProtocolConfig
+from hopnet.bootstrap.env import Restarts
 from hopnet.bootstrap.init import InitSpec, ModelTensors, WorkerContext
 from hopnet.errors import ConfigError
 from hopnet.registry import Averages
@@ -67,7 +68,8 @@ def place_in_replica(spec: InitSpec, context: WorkerContext, config: ProtocolCon
         raise ConfigError(refusal)
     replica = build_replica(layout, context.rank, spec.model, store_endpoint=context.store_endpoint,
                             timeout_s=config.timeout_s, averages_models=config.spec.averages is Averages.MODELS,
-                            bind_host=context.bind_host, lane_channels=config.spec.lane_channels)
+                            bind_host=context.bind_host, lane_channels=config.spec.lane_channels,
+                            generation=Restarts.from_environ(os.environ).this)
     return lane_context(context, layout), ModelTensors(replica.lane_model, replica.lane_grads), replica
 
 

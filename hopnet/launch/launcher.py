@@ -100,7 +100,7 @@ from hopnet.report.live import LaunchProgress
 from hopnet.report.view_watch import ViewWatch
 from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
-from hopnet.launch.replicas import lost_replicas, replicas_note, stop_replica_of
+from hopnet.launch.replicas import lost_replicas, replicas_note, restart_replica, stop_replica_of
 from hopnet.launch.worker_logs import worker_log
 
 ABORT_POLL_S = 0.25
@@ -450,9 +450,14 @@ class Launch:
         # (on one machine: the run is over), so the death counts as it would without restarts.
         others = self.group is not None or any(r != rank for r in state.pending)
         # A configuration error (exit 2 with a ConfigError in its log) would end a new process alike.
-        restart = self.restarts.decide(rank, code, state.describe_end(rank, code),
-                                       ending=state.ending or self._signalled() or not others
-                                       or bool(self._config_note(rank, code)))
+        ending = state.ending or self._signalled() or not others or bool(self._config_note(rank, code))
+        layout = self.plan.replicas
+        if layout.grouped:
+            running = {r: p.pid for r, p in self.workers.procs.items() if p.returncode is None}
+            restart = restart_replica(self.restarts, layout, rank, code, state.describe_end(rank, code), ending=ending,
+                                      pending=state.pending, running=running, say=self.output.say)
+        else:
+            restart = self.restarts.decide(rank, code, state.describe_end(rank, code), ending=ending)
         if restart is None:
             return False
         self.output.say(restart.line())

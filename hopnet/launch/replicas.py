@@ -3,7 +3,7 @@
 When one process of a replica exits non-zero (or is killed as silent), the launcher kills the
 rest of its replica at once: they would otherwise wait in the replica's collectives until
 ``--timeout``, and their lanes would go on with a replica that lost a shard. ``--max-failures``
-counts the replicas lost, not the processes.
+counts the replicas lost, not the processes; ``--max-restarts`` brings the replica back as one.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Collection, Iterable
 
+from hopnet.launch.processes import kill_group
+from hopnet.launch.restarts import Restart, RestartBudget
 from hopnet.replica.layout import ReplicaLayout
 
 
@@ -34,9 +36,25 @@ def stop_replica_of(layout: ReplicaLayout, rank: int, pending: Collection[int], 
     return siblings
 
 
+def restart_replica(budget: RestartBudget, layout: ReplicaLayout, rank: int, code: int, reason: str, *, ending: bool,
+                    pending: Collection[int], running: dict[int, int], say: Callable[[str], None]) -> Restart | None:
+    """Under ``--max-restarts`` a replica comes back as a unit: the first of its processes to die decides
+    for all of them, and the others (``running``) are stopped now; each of them is restarted as it
+    ends, under the same number. ``None``: ``rank`` stays dead."""
+    following = budget.follow(rank)
+    if following is not None:
+        return following
+    members = tuple(layout.members(layout.replica_of(rank)))
+    others = any(r not in members for r in pending)  # no other replica left to take a state from
+    restart = budget.decide_replica(members, rank, code, reason, ending=ending or not others)
+    if restart is not None:
+        stop_replica_of(layout, rank, pending, running, kill_group, say)
+    return restart
+
+
 def replicas_note(layout: ReplicaLayout) -> str:
     """`` in 2 replicas of 2 (ddp)`` for the launcher's first line; nothing without groups."""
     return f" in {layout.replicas} replicas of {layout.size} ({layout.mode})" if layout.grouped else ""
 
 
-__all__ = ["lost_replicas", "replicas_note", "stop_replica_of"]
+__all__ = ["lost_replicas", "replicas_note", "restart_replica", "stop_replica_of"]

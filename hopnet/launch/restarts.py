@@ -61,6 +61,8 @@ class RestartBudget:
         self.used = 0
         self.per_rank: dict[int, int] = {}
         self.records: list[RestartRecord] = []
+        self.following: dict[int, Restart] = {}
+        """Members of a replica coming back, not yet ended: the restart each takes when it does."""
 
     def decide(self, rank: int, returncode: int, reason: str, *, ending: bool) -> Restart | None:
         """The restart for ``rank``, which ended with ``returncode``, or ``None`` when it stays dead:
@@ -72,6 +74,27 @@ class RestartBudget:
         number = self.per_rank.get(rank, 0) + 1
         self.per_rank[rank] = number
         return Restart(rank=rank, number=number, used=self.used, limit=self.limit, reason=reason)
+
+    def decide_replica(self, members: tuple[int, ...], rank: int, returncode: int, reason: str, *,
+                       ending: bool) -> Restart | None:
+        """A replica group comes back as a unit: ``rank``, the first of ``members`` to end, decides for
+        all of them, with one unit of the budget; the others follow with :meth:`follow`. Every member
+        gets the same restart number (their replica's process group meets under it)."""
+        restart = self.decide(rank, returncode, reason, ending=ending)
+        if restart is None:
+            return None
+        for member in members:
+            self.per_rank[member] = restart.number
+        self.following.update({m: restart for m in members if m != rank})
+        return restart
+
+    def follow(self, rank: int) -> Restart | None:
+        """The restart a member of a replica coming back takes as it ends (stopped with its replica)."""
+        restart = self.following.pop(rank, None)
+        if restart is None:
+            return None
+        return Restart(rank=rank, number=restart.number, used=restart.used, limit=restart.limit,
+                       reason=f"with its replica ({restart.reason} in rank {restart.rank})")
 
     def done(self, restart: Restart, *, old_pid: int, new_pid: int, time: str, mono: float) -> RestartRecord:
         """The replacement of ``restart`` started: keep its record."""

@@ -37,7 +37,7 @@ from hopnet.launch.settings import (
 )
 from hopnet.registry import lookup, specs
 from hopnet.replica.layout import ReplicaLayout
-from hopnet.replica.support import replica_refusal
+from hopnet.replica.support import replica_refusal, replica_restart_refusal
 
 WORKER_ENTRY = (sys.executable, "-m", "hopnet.bootstrap.worker_main")
 """Every worker runs its script through :mod:`hopnet.bootstrap.worker_main`."""
@@ -222,8 +222,9 @@ def check_replica_run(spec: LaunchSpec, config: ProtocolConfig) -> None:
     refusal = replica_refusal(config)
     if refusal is not None:
         raise ConfigError(refusal)
-    if spec.max_restarts:
-        raise ConfigError("--max-restarts does not bring back a replica group yet; --max-failures counts replicas")
+    refusal = replica_restart_refusal(config) if spec.max_restarts else None
+    if refusal is not None:
+        raise ConfigError(refusal)
     if spec.min_nproc is not None or spec.max_nproc is not None:
         raise ConfigError("--min-nproc/--max-nproc: an elastic run of replica groups is not supported yet")
 

@@ -26,8 +26,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def store_prefix(layout: ReplicaLayout, process: int, generation: int = 0) -> str:
+    """Where a replica's groups meet in the run's store; a replica that came back (its members'
+    ``HOPNET_RESTART=N``) meets under a prefix of its own, apart from the dead generation's keys."""
+    replica = layout.replica_of(process)
+    return f"{STORE_PREFIX}{replica}" if generation == 0 else f"{STORE_PREFIX}{replica}@{generation}"
+
+
 def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str, device: torch.device,
-                       timeout_s: float) -> Any:
+                       timeout_s: float, generation: int = 0) -> Any:
     """This process's replica group (blocks until every member has made it, or ``timeout_s``)."""
     backend = backend_for(device)
     timeout = timedelta(seconds=timeout_s)
@@ -42,7 +49,7 @@ def open_replica_group(layout: ReplicaLayout, process: int, store_endpoint: str,
             if r == replica:
                 mine = group
         return _kept(mine)
-    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{replica}"), timeout_s)
+    store = connect_store(in_namespace(store_endpoint, store_prefix(layout, process, generation)), timeout_s)
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=layout.member_of(process), world_size=layout.size,
                             timeout=timeout)
@@ -61,13 +68,13 @@ def _kept(group: Any) -> Any:
 
 
 def open_agreement_group(layout: ReplicaLayout, process: int, store_endpoint: str, timeout_s: float,
-                         bind_host: str, channel: int = 0) -> Any:
+                         bind_host: str, channel: int = 0, generation: int = 0) -> Any:
     """A gloo group of the replica's members for their lanes' agreements (:mod:`.agreement`), apart from
     the group DDP or FSDP use on the trainer's thread; ``channel`` tells a replica's groups apart."""
     from hopnet.transports.torchdist import build_group
 
     name = "agree" if channel == 0 else f"agree{channel}"
-    store = connect_store(in_namespace(store_endpoint, f"{STORE_PREFIX}{layout.replica_of(process)}/{name}"),
+    store = connect_store(in_namespace(store_endpoint, f"{store_prefix(layout, process, generation)}/{name}"),
                           timeout_s)
     return _kept(build_group(store, "gloo", layout.member_of(process), layout.size, timeout_s=timeout_s,
                              host=bind_host))

@@ -19,22 +19,23 @@ from hopnet.transports.zmq.malloc import prefer_low_memory
 
 def build_replica(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
                   timeout_s: float, averages_models: bool, bind_host: str = "127.0.0.1",
-                  lane_channels: int = 1) -> ReplicaSync:
+                  lane_channels: int = 1, generation: int = 0) -> ReplicaSync:
     """This process's side of its replica group (blocks until every member has joined it);
-    ``lane_channels``: 2 for a protocol whose lanes agree in two independent orders."""
+    ``lane_channels``: 2 for a protocol whose lanes agree in two independent orders; ``generation``:
+    the restart number of a replica that came back (its groups meet apart from the dead ones')."""
     sync = _build(layout, process, module, store_endpoint=store_endpoint, timeout_s=timeout_s,
-                  averages_models=averages_models)
+                  averages_models=averages_models, generation=generation)
     side = None
     if lane_channels > 1:
-        side = LaneAgreement(open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host, channel=1),
-                             layout.replicas)
-    group = open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host)
+        side = LaneAgreement(open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host, channel=1,
+                                                  generation=generation), layout.replicas)
+    group = open_agreement_group(layout, process, store_endpoint, timeout_s, bind_host, generation=generation)
     sync.lanes = LaneAgreement(group, layout.replicas, side=side)
     return sync
 
 
 def _build(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, *, store_endpoint: str,
-           timeout_s: float, averages_models: bool) -> ReplicaSync:
+           timeout_s: float, averages_models: bool, generation: int = 0) -> ReplicaSync:
     if module is None:
         raise ConfigError("replica groups need hopnet.init(model): a bare params= tensor cannot be sharded")
     if not store_endpoint:
@@ -43,7 +44,7 @@ def _build(layout: ReplicaLayout, process: int, module: torch.nn.Module | None, 
     if not trainable:
         raise ConfigError("the model has no trainable parameters")
     device = trainable[0].device
-    group = open_replica_group(layout, process, store_endpoint, device, timeout_s)
+    group = open_replica_group(layout, process, store_endpoint, device, timeout_s, generation)
     member, replica = layout.member_of(process), layout.replica_of(process)
     if layout.mode == "ddp":
         return DdpReplica(size=layout.size, member=member, replica_index=replica, group=group,

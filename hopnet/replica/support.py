@@ -29,4 +29,16 @@ def replica_refusal(config: ProtocolConfig) -> str | None:
             f"its declaration does not say between_replicas=True); {', '.join(running)} do")
 
 
-__all__ = ["replica_refusal"]
+def replica_restart_refusal(config: ProtocolConfig) -> str | None:
+    """Why ``--max-restarts`` cannot bring back a replica group of ``config``'s protocol, else ``None``."""
+    if config.spec.restarts_replicas:
+        return None
+    from hopnet import registry
+
+    able = [name for name in registry.names() if registry.lookup(name).restarts_replicas]
+    return (f"--max-restarts: --protocol {config.protocol} cannot bring back a replica group yet (a dead replica "
+            f"can leave a survivor's lanes an iteration apart, one held in the replica's own all-reduce); "
+            f"{', '.join(able)} can; --max-failures counts replicas with any protocol")
+
+
+__all__ = ["replica_refusal", "replica_restart_refusal"]

@@ -391,6 +391,10 @@ class Node(Generic[P]):
         """This process replaces its rank's dead worker: see :meth:`Replacements.rejoin`."""
         return await self._replacements.rejoin(restart, ranks, donors, wait_s)
 
+    async def ask_again(self, restart: int, donor: int, at: int, wait_s: float) -> Handover:
+        """Rejoined, ask ``donor`` for its state at iteration ``at``: see :meth:`Replacements.ask_again`."""
+        return await self._replacements.ask_again(restart, donor, at, wait_s)
+
     async def fetch_state(self, donor: int, wait_s: float) -> Handover:
         """Take ``donor``'s state, this worker being live: see :meth:`Replacements.fetch_state`."""
         return await self._replacements.fetch_state(donor, wait_s)
@@ -410,9 +414,10 @@ class Node(Generic[P]):
         replacements waiting for this worker's state now, rather than at the next step boundary."""
         self._replacements.handover_point(reached)
 
-    def take_handover_requests(self) -> list[int]:
-        """The replacements waiting for this worker's state (each is answered once)."""
-        return self._replacements.take_handover_requests()
+    def take_handover_requests(self, iteration: int | None = None) -> list[int]:
+        """The replacements waiting for this worker's state (each is answered once): see
+        :meth:`Replacements.take_handover_requests`."""
+        return self._replacements.take_handover_requests(iteration)
 
     def dropped_all(self) -> Counter[str]:
         """Drops counted by the transport and by the protocol together."""

@@ -40,6 +40,11 @@ REJOIN_KINDS = frozenset({REJOIN, HANDOVER_REQUEST, HANDOVER})
 FINISHED = "finished"
 """In a handover's protocol state: the donor had finished training (the replacement starts after the
 last iteration, and goes straight to the consensus)."""
+BLOCKED = "blocked"
+"""In a handover's protocol state: the donor answered while its protocol was blocked inside the
+iteration (where its model is consistent, :meth:`hopnet.runtime.node.Node.handover_point`), not at
+the step boundary before it: two handovers of one iteration are the same state only when both
+say the same."""
 RESTARTS_SEEN = "restarts_seen"
 """In a handover's protocol state: the donor's ``Node.restarts_seen``, so that the replacement counts
 the same replacements (``Node.epoch``) as everyone else."""
@@ -98,5 +103,5 @@ def read_handover(msg: Message) -> Handover:
     return Handover(msg.src, iteration, dict(protocol_state), unpack(msg.tensors[0]), float(print_))
 
 
-__all__ = ["FINISHED", "HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
+__all__ = ["BLOCKED", "FINISHED", "HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
            "read_handover"]

@@ -35,6 +35,9 @@ class Replacements:
         self._rejoined: asyncio.Event | None = None  # set at each readmission (wait_for_rejoins)
         self._handover: asyncio.Future[Handover] | None = None
         self._handover_from: int | None = None
+        self._due_at: dict[int, int] = {}
+        """Requests to answer at a step boundary no earlier than an iteration (``at``; a replica's lanes
+        taking their states at one iteration, :mod:`hopnet.replica.handover`)."""
 
     def donor_gone(self, peer: int) -> None:
         """``peer`` died or left: a handover asked of it will not come."""
@@ -77,10 +80,13 @@ class Replacements:
 
     def _requested(self, peer: int, meta: Mapping[str, Any]) -> None:
         node = self.node
+        at = meta.get("at")
+        if isinstance(at, int):
+            self._due_at[peer] = at
         if peer not in node.handover_requests:
             node.handover_requests.append(peer)
             node.record("handover_requested", peer=peer, iter=node.protocol.iteration,
-                        **{k: v for k, v in meta.items() if k in ("restart", "epoch")})
+                        **{k: v for k, v in meta.items() if k in ("restart", "epoch", "at")})
         if self.at_handover_point or node.quiesced:  # blocked where the model is consistent, or done training
             if node.handover_now is not None:
                 node.handover_now(self.take_handover_requests())
@@ -132,11 +138,15 @@ class Replacements:
         if reached and self.node.handover_requests and self.node.handover_now is not None:
             self.node.handover_now(self.take_handover_requests())
 
-    def take_handover_requests(self) -> list[int]:
-        """The replacements waiting for this worker's state (each is answered once)."""
+    def take_handover_requests(self, iteration: int | None = None) -> list[int]:
+        """The replacements waiting for this worker's state (each is answered once): at a step boundary
+        before ``iteration``, those that did not ask for a later one; else (blocked, or done) all."""
         node = self.node
-        requests, node.handover_requests = node.handover_requests, []
-        return [r for r in requests if r not in node.dead and r not in node.departed]
+        due = [r for r in node.handover_requests if iteration is None or self._due_at.get(r, iteration) <= iteration]
+        node.handover_requests = [r for r in node.handover_requests if r not in due]
+        for peer in due:
+            self._due_at.pop(peer, None)
+        return [r for r in due if r not in node.dead and r not in node.departed]
 
     # ------------------------------------------------------------------ in the worker taking a state
     async def rejoin(self, restart: int, ranks: Iterable[int], donors: Iterable[int], wait_s: float) -> Handover:
@@ -165,6 +175,15 @@ class Replacements:
                 return handover
         raise HopnetError(f"rank {node.rank}: restart {restart}: no neighbour handed its state over "
                           f"(asked {tried})")
+
+    async def ask_again(self, restart: int, donor: int, at: int, wait_s: float) -> Handover:
+        """This replacement, rejoined, asks ``donor`` again: for its state at the step boundary before
+        iteration ``at`` (or at the first after it; at once where the donor is blocked or done)."""
+        handover = await self._ask_for_state(donor, {"restart": restart, "at": at}, wait_s)
+        if handover is None:
+            raise HopnetError(f"rank {self.node.rank}: restart {restart}: rank {donor} did not hand its state "
+                              f"over again (asked for iteration {at})")
+        return handover
 
     async def fetch_state(self, donor: int, wait_s: float) -> Handover:
         """Take ``donor``'s state as a replacement would, this worker being live (a resync found it a
