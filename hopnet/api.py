@@ -44,7 +44,7 @@ from hopnet.params import FlatGradients
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.events import EventLog, JsonlEventLog
-from hopnet.runtime import rejoin, shutdown
+from hopnet.runtime import cpu_time, rejoin, shutdown
 from hopnet.runtime.loop_thread import EventLoopThread
 from hopnet.runtime.node import AddressExchange, CollectiveFactory, Node
 from hopnet.runtime.services import CoordinatorChannel, ReplicaLanes
@@ -198,11 +198,15 @@ def take_over(worker: Worker, restart: int) -> dict[str, Any]:
     return dict(state.get("states", {}))
 
 
-def _record_links(worker: Worker) -> bool:
+def _record_kernel_counters(worker: Worker) -> bool:
     """The kernel's round trip and retransmissions on the worker's connections to each peer
-    (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`; whether it
-    asked (in-process transports have no sockets)."""
+    (:mod:`hopnet.transports.tcp_diag`), as a ``links`` record for `hopnet report`, and its threads'
+    time on and waiting for a core (:mod:`hopnet.runtime.cpu_time`), as a ``cpu`` record; whether
+    it asked (in-process transports have no sockets)."""
     node = worker.node
+    times = cpu_time.scheduler_times(worker._busy_threads())
+    if times:
+        worker.record("cpu", **times)
     if not node.transport.heartbeats or not node.addresses:
         return False
     peers = link_counters({r: a for r, a in node.addresses.items() if r != node.rank})
@@ -254,6 +258,7 @@ class Worker:
                                   coordinator=coordinator, lanes=replica.lanes)
         self.node.members = members
         replica.attach(self.node, self.report)  # its start fields; its time in each iteration's record
+        self.node.start_fields.update(cpu_time.machine(), **cpu_time.scheduler_times(self._busy_threads()))
         self._final_iteration: int | None = None
         self._closed = False
         self.failure: BaseException | None = None
@@ -380,6 +385,10 @@ class Worker:
         if not self._in_loop:
             self._step_boundary()
         self._compute_started = time.monotonic()
+
+    def _busy_threads(self) -> tuple[int | None, int | None]:
+        """The trainer's thread (this one) and the event loop's: where a worker computes and talks."""
+        return threading.get_native_id(), self._thread.native_id
 
     def _enter_run(self) -> None:
         if self.changeover is not None:  # a joiner of an elastic run enters it at its first step, set up
@@ -580,7 +589,7 @@ class Worker:
         if self._closed:
             raise HopnetError("consensus() on a closed worker")
         self._answer_late_handovers()
-        self._links_recorded = self._links_recorded or _record_links(self)  # training over, peers still connected
+        self._links_recorded = self._links_recorded or _record_kernel_counters(self)  # training over, peers still connected
         call = self.consensus_calls
         self.consensus_calls += 1
         try:
@@ -632,7 +641,7 @@ class Worker:
                 self.checkpointer.wait()
             self._answer_late_handovers()
             if not self._left:
-                self._links_recorded = self._links_recorded or _record_links(self)
+                self._links_recorded = self._links_recorded or _record_kernel_counters(self)
                 self._thread.run(self.node.close(), timeout_s=CLOSE_TIMEOUT_S)
             close_elastic(self.changeover, CLOSE_TIMEOUT_S)
         finally:

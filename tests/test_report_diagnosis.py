@@ -125,3 +125,52 @@ def test_real_20x_straggler_is_diagnosed(tmp_path: Path, capsys: pytest.CaptureF
     assert proc.returncode == 0, proc.stderr
     lines, page, trace = _report(run_dir, tmp_path, capsys)
     _check_straggler_report(lines, page, trace)
+
+
+def _with_cpu_records(run_dir: Path, runq_per_s: float, cores: int) -> None:
+    """Give each rank's log what a real worker records: its machine and cores in ``start``, and its busy
+    threads' scheduler counters at the start and at the end of training (``runq_s`` growing by
+    ``runq_per_s`` per second)."""
+    for path in sorted(run_dir.glob("rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        start = next(r for r in records if r["event"] == "start")
+        last = max(r["mono"] for r in records if isinstance(r.get("mono"), (int, float)))
+        start.update(host="node7", cores=cores, cpu_s=0.5, runq_s=0.1)
+        records.append({"event": "cpu", "rank": start["rank"], "mono": last, "cpu_s": 0.5 + (last - start["mono"]),
+                        "runq_s": 0.1 + runq_per_s * (last - start["mono"])})
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_workers_waiting_for_a_core_are_named_contended_and_no_option_is_suggested(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The slow link of the test above, on a machine whose 2 cores its 4 workers shared: the link's
+    wait is what contention looks like, so the diagnosis says so and suggests nothing."""
+    link = LinkModel(latency_s=0.001, overrides={(1, 2): (0.2, 0.0)})
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"), link=link)
+    _with_cpu_records(run_dir, runq_per_s=0.5, cores=2)
+    lines, _, _ = _report(run_dir, tmp_path, capsys)
+    assert lines[0] == ("diagnosis: 4 busy workers share 2 cores on node7: each worker waited runnable for a core "
+                        "0.50 s per second of training, so the waits on its peers are CPU contention, not a slow "
+                        "link or a straggler"), lines
+    assert not any("link 1→2" in line or "try `" in line for line in lines), lines
+    assert lines[-1].startswith("diagnosis: no option suggested: no protocol option gives a worker a core; run at "
+                                "most 2 busy workers on node7 (for example `--nproc 2`)"), lines
+
+
+def test_a_busy_machine_is_named_even_with_a_core_per_worker(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"))
+    _with_cpu_records(run_dir, runq_per_s=0.4, cores=8)
+    lines, _, _ = _report(run_dir, tmp_path, capsys)
+    assert lines[0].startswith("diagnosis: other processes kept the 8 cores of node7 busy"), lines
+    assert "measure again with node7's cores free" in lines[-1]
+
+
+def test_a_slow_link_on_a_machine_with_cores_to_spare_is_still_a_slow_link(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    link = LinkModel(latency_s=0.001, overrides={(1, 2): (0.2, 0.0)})
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"), link=link)
+    _with_cpu_records(run_dir, runq_per_s=0.02, cores=2)  # 4 workers on 2 cores, but mostly asleep
+    lines, _, _ = _report(run_dir, tmp_path, capsys)
+    assert lines[0].startswith("diagnosis: link 1→2 takes 200 ms per update"), lines
+    assert any(SPEEDUP.match(line) for line in lines), lines

@@ -8,7 +8,10 @@ From the event records alone (docs/reference/events.md) this finds
 - **who waited on whom**: the share of each rank's step time spent waiting on each peer
   (the ``wait_updates_from`` / ``wait_tokens_from`` fields of its iteration records);
 - **lossy and high-latency links**: from the kernel's round trips and retransmissions per
-  connection (the ``links`` records) and the update arrivals (:mod:`hopnet.report.links`).
+  connection (the ``links`` records) and the update arrivals (:mod:`hopnet.report.links`);
+- **CPU contention**: more busy workers than a machine's cores, waiting runnable for one
+  (:mod:`hopnet.report.contention`); their waits are then no link's or straggler's, and no
+  option is suggested.
 
 It then builds a :class:`Scenario` of this run (its graph and options, each rank's measured
 compute per step, each link's measured transfer time) and a few :class:`Option` s to try.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from hopnet.config import ProtocolConfig, option_text
 from hopnet.errors import HopnetError
 from hopnet.graph import Graph
+from hopnet.report.contention import Contention, contention
 from hopnet.report.links import LinkHealth, bytes_per_step, link_health, unhealthy
 from hopnet.report.rundir import Record, RunData
 from hopnet.report.stats import RunStats, run_stats
@@ -143,6 +147,9 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     failure: str | None = None
     """How the run ended, when not well (the launcher's words, from launch.json's result)."""
+    contended: list[Contention] = field(default_factory=list)
+    """Machines whose workers outnumbered their cores and waited for one (:mod:`hopnet.report.contention`):
+    the waits are CPU contention, and no option is suggested."""
 
     @property
     def best(self) -> Prediction | None:
@@ -152,6 +159,7 @@ class Diagnosis:
     def lines(self) -> list[str]:
         """The conclusion in a few sentences, most important first."""
         lines: list[str] = [self.failure] if self.failure else []
+        lines += [machine.words() for machine in self.contended]
         for s in self.stragglers:
             text = f"rank {s.rank} computes {_times(s.factor)} the median ({_ms(s.compute_s)} per step)"
             if s.waiters:
@@ -168,7 +176,7 @@ class Diagnosis:
             lines.append(f"link {link.src}→{link.dst} takes {_ms(link.transfer_s)} per update, "
                          f"{_times(link.transfer_s / self.median_compute_s)} the median compute step "
                          f"({_ms(self.median_compute_s)}); rank {link.dst} waits {_pct(link.share)} of its time on it")
-        if not self.stragglers and not self.slow_links and not self.links:
+        if not self.stragglers and not self.slow_links and not self.links and not self.contended:
             top = max(self.wait_shares.values(), default=0.0)
             lines.append(f"no straggler or slow link: ranks compute within {_times(STRAGGLER_FACTOR)} of the "
                          f"median ({_ms(self.median_compute_s)} per step) and wait at most {_pct(top)} of their time")
@@ -187,6 +195,7 @@ class Diagnosis:
             verdict = (f"simulator predicts {best.speedup:.1f}x faster" if best.speedup >= 1.05 else
                        f"simulator predicts no gain ({best.speedup:.2f}x)")
             lines.append(f"try `{best.option.flags}`: {verdict}")
+        lines += [machine.advice() for machine in self.contended]
         lines.extend(self.notes)
         return lines
 
@@ -362,7 +371,11 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
             slow_links.append(SlowLink(src, dst, transfer, share))
     slow_links.sort(key=lambda link: -link.transfer_s)
     health = unhealthy(link_health(run, arrivals, waits))
-    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, health, failure=_failure(run))
+    contended = contention(run)
+    if contended:  # the links look slow because their ends were not running
+        slow_links, health = [], []
+    diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, health, failure=_failure(run),
+                          contended=contended)
     if not any(waits.values()) and any(wait_shares.values()):
         diagnosis.notes.append("the logs do not say which peer each wait was for (a protocol or hopnet "
                                "version that does not record wait_updates_from)")
@@ -374,7 +387,7 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
     diagnosis.scenario = scenario
     if scenario is None:
         diagnosis.notes.append("no prediction: the run directory lacks graph.json or the run's options")
-    elif predictor is not None:
+    elif predictor is not None and not contended:
         _predict(diagnosis, scenario, predictor)
     return diagnosis
 

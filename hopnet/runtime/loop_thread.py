@@ -27,6 +27,11 @@ class EventLoopThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int | None:
+        """The loop thread's id in the kernel (its scheduler counters: :mod:`hopnet.runtime.cpu_time`)."""
+        return self._thread.native_id
+
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
