@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 
 from hopnet import checkpoint
 from hopnet.api import Worker, init
@@ -77,13 +78,18 @@ class HopnetTrainer(Trainer):
 
     # ------------------------------------------------------------------ the run
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              **kwargs: Any) -> Any:
-        resume = self._own_checkpoint(resume_from_checkpoint)
+              ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
+        """``Trainer.train``, as one hopnet worker; ``resume_from_checkpoint=True`` resumes every rank
+        from the newest step that all of them saved (:func:`resume_folder`)."""
+        resume = resume_folder(str(self.args.output_dir), resume_from_checkpoint, _environ_rank(),
+                               _environ_world_size())
         if self.worker is None:
+            if self.model is None:
+                raise ConfigError("HopnetTrainer needs a model")
             self.worker = _start_worker(self.model, resume, self.hopnet_options)
         elif resume is not None:
             raise ConfigError("resume_from_checkpoint: the worker is already started (resume in a fresh process)")
-        return super().train(resume_from_checkpoint=resume, trial=trial, **kwargs)
+        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler | None:
         dataset = self.train_dataset if train_dataset is None else train_dataset
@@ -98,20 +104,6 @@ class HopnetTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints and the model
     def _get_output_dir(self, trial: Any) -> str:
         return os.path.join(super()._get_output_dir(trial), f"rank{_environ_rank()}")
-
-    def _own_checkpoint(self, asked: str | bool | None) -> str | None:
-        """This rank's folder of the checkpoint to resume from: ``True`` picks the newest step that
-        every rank saved; a path names a step (``checkpoint-N``), read from this rank's folder."""
-        if asked is None or asked is False:
-            return None
-        root = Path(self.args.output_dir)
-        if asked is True:
-            steps = [_saved_steps(root / f"rank{r}", r) for r in range(_environ_world_size())]
-            common = set.intersection(*steps) if steps else set()
-            if not common:
-                raise ValueError(f"no checkpoint in {root} that every rank saved")
-            return str(root / f"rank{_environ_rank()}" / f"checkpoint-{max(common)}")
-        return str(root / f"rank{_environ_rank()}" / Path(asked).name)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A checkpoint's model on every rank (its own); otherwise the model once, from the lowest
@@ -136,6 +128,7 @@ class _HopnetCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         trainer = self.trainer
+        assert trainer.model is not None and trainer.optimizer is not None
         sync = Sync(trainer.accelerator, trainer.model, trainer.optimizer, steps=state.max_steps,
                     worker=trainer.worker)
         trainer.sync = sync.__enter__()
@@ -189,6 +182,21 @@ def _start_worker(model: torch.nn.Module, resume: str | None, options: Mapping[s
         return init(model, **options)
 
 
+def resume_folder(output_dir: str, asked: str | bool | None, rank: int, world_size: int) -> str | None:
+    """This rank's folder of the checkpoint to resume from (``output_dir/rank{R}/checkpoint-N``):
+    ``True`` picks the newest step that every rank saved; a path names a step (its last part,
+    ``checkpoint-N``), read from this rank's folder; ``None`` or ``False``: none."""
+    if asked is None or asked is False:
+        return None
+    root = Path(output_dir)
+    if asked is True:
+        common = set.intersection(*(_saved_steps(root / f"rank{r}", r) for r in range(world_size)))
+        if not common:
+            raise ValueError(f"no checkpoint in {root} that every rank saved")
+        return str(root / f"rank{rank}" / f"checkpoint-{max(common)}")
+    return str(root / f"rank{rank}" / Path(asked).name)
+
+
 def _saved_steps(folder: Path, rank: int) -> set[int]:
     """The steps of the complete checkpoints in one rank's folder (the hopnet state is written last)."""
     if not folder.is_dir():
@@ -227,4 +235,4 @@ def _variables(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-__all__ = ["HOPNET_DIR", "HopnetTrainer"]
+__all__ = ["HOPNET_DIR", "HopnetTrainer", "resume_folder"]
