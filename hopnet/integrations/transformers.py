@@ -42,7 +42,7 @@ from hopnet.bootstrap.external import detect
 from hopnet.errors import ConfigError
 from hopnet.integrations.accelerate import Sync, single_process
 
-HOPNET_DIR = "hopnet"
+STATE_FOLDER = "hopnet"
 """The folder of a Trainer checkpoint that holds this rank's hopnet checkpoint."""
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -144,7 +144,7 @@ class _HopnetCallback(TrainerCallback):
         trainer, sync = self.trainer, self.trainer.sync
         if sync is None or sync.finished is None:
             return
-        folder = Path(trainer._get_output_dir(None)) / f"checkpoint-{state.global_step}" / HOPNET_DIR
+        folder = Path(trainer._get_output_dir(None)) / f"checkpoint-{state.global_step}" / STATE_FOLDER
         _save_hopnet_state(sync.worker, folder, sync.finished)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -174,10 +174,10 @@ def _start_worker(model: torch.nn.Module, resume: str | None, options: Mapping[s
     """:func:`hopnet.init`, from the hopnet checkpoint in ``resume`` when there is one."""
     if resume is None:
         return init(model, **options)
-    folder = Path(resume) / HOPNET_DIR
+    folder = Path(resume) / STATE_FOLDER
     iterations = checkpoint.rank_iterations(folder, _environ_rank())
     if not iterations:
-        raise ConfigError(f"{resume} holds no hopnet state for rank {_environ_rank()} (in {HOPNET_DIR}/)")
+        raise ConfigError(f"{resume} holds no hopnet state for rank {_environ_rank()} (in {STATE_FOLDER}/)")
     with _variables({checkpoint.CHECKPOINT_DIR: str(folder), checkpoint.RESUME: str(iterations[-1])}):
         return init(model, **options)
 
@@ -202,7 +202,7 @@ def _saved_steps(folder: Path, rank: int) -> set[int]:
     if not folder.is_dir():
         return set()
     return {int(m.group(1)) for path in folder.iterdir() if (m := _CHECKPOINT.fullmatch(path.name))
-            and checkpoint.rank_iterations(path / HOPNET_DIR, rank)}
+            and checkpoint.rank_iterations(path / STATE_FOLDER, rank)}
 
 
 def _environ_rank() -> int:
@@ -235,4 +235,4 @@ def _variables(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-__all__ = ["HOPNET_DIR", "HopnetTrainer", "resume_folder"]
+__all__ = ["STATE_FOLDER", "HopnetTrainer", "resume_folder"]
