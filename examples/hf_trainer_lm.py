@@ -103,8 +103,8 @@ def main() -> None:
                             eval_dataset=test)
     trainer.train(resume_from_checkpoint=args.resume or None)
     loss = trainer.evaluate()["eval_loss"]  # the consensus model: the same on every rank
-    assert trainer.worker is not None
-    print(f"held-out loss {loss:.4f} (consensus model, {trainer.state.global_step} steps)", flush=True)
+    print(f"held-out loss {loss:.4f} (consensus model, {trainer.state.global_step} steps; "
+          f"the Trainer saw {trainer.args.world_size} process)", flush=True)
     trainer.save_model()
 
 

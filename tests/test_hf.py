@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from hopnet.integrations.transformers import HopnetTrainer, resume_folder
 
 from support.env import clean_env
 from support.paths import EXAMPLES, WORKERS
+from support.ports import free_port
 from support.records import records
 
 LM = str(EXAMPLES / "hf_trainer_lm.py")
@@ -48,12 +51,12 @@ def test_the_trainer_ends_where_the_bare_api_ends(launch, tmp_path: Path, protoc
     """The same model, batches, AdamW, schedule, clipping and bf16, through the Trainer and through
     the loop of docs/guides/embedding.md. With 2 workers every sum has one order, and the two runs
     measured bit for bit equal under all three protocols; the bounds leave room for float noise."""
-    steps = ["--steps", "40"]
+    steps = ["--steps", "24"]
     options = ("--local-steps", "8") if protocol == "diloco" else ()
     trained = _run(launch, tmp_path / "hf", protocol, LM, *steps, "--output-dir", str(tmp_path / "out"), options=options)
     bare = _run(launch, tmp_path / "bare", protocol, BARE, str(tmp_path / "bare.pt"), *steps, options=options)
     assert trained[0] == trained[1] and bare[0] == bare[1]  # each is the consensus model
-    assert trained[0] < 3.3, trained  # it learned (log 256 = 5.5 at the start)
+    assert trained[0] < 3.6, trained  # it learned (log 256 = 5.5 at the start; about 3.3 measured)
     assert abs(trained[0] - bare[0]) <= 1e-3, (trained, bare)
     assert _largest_difference(load_file(tmp_path / "out" / "model.safetensors"), torch.load(tmp_path / "bare.pt")) <= 1e-5
 
@@ -126,6 +129,22 @@ def test_sync_under_allreduce_steps_as_ddp_would(launch, tmp_path: Path) -> None
         schedule.step()
     expected = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     assert torch.allclose(torch.load(tmp_path / "own0.pt"), expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_trainer_sees_one_process_under_torchrun(tmp_path: Path) -> None:
+    """torchrun's variables make the Trainer distributed (DDP); under HopnetTrainer it sees one process,
+    and hopnet's allreduce keeps the two ranks' models identical."""
+    env = {**clean_env(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+           "HOPNET_RUN_DIR": str(tmp_path / "run"), "HOPNET_PROTOCOL": "allreduce"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", LM, "--steps", "10",
+           "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"held-out loss ([0-9.]+) .*the Trainer saw (\d+) process", result.stdout)
+    assert len(lines) == 2 and lines[0] == lines[1] and lines[0][1] == "1", result.stdout[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_single_process_hides_the_launchers_variables_and_puts_them_back(monkeypatch) -> None:

@@ -65,12 +65,9 @@ class HopnetTrainer(Trainer):
             raise ConfigError("HopnetTrainer saves through the Trainer: use TrainingArguments(save_steps=N) "
                               "instead of --checkpoint-every")
         with single_process():
-            if args is not None and args.world_size > 1:  # built under torchrun: set up again, as one process
-                args.__dict__.pop("_setup_devices", None)
-                args.device
+            args = TrainingArguments(output_dir="trainer_output") if args is None else args
+            _one_process(args)
             super().__init__(model, args, *positional, **kwargs)
-        if self.args.device.type == "cuda":  # one GPU per worker, never DataParallel
-            self.args._n_gpu = 1
         self.worker = worker
         self.hopnet_options = dict(hopnet_options or {})
         self.sync: Sync | None = None
@@ -83,6 +80,8 @@ class HopnetTrainer(Trainer):
         from the newest step that all of them saved (:func:`resume_folder`)."""
         resume = resume_folder(str(self.args.output_dir), resume_from_checkpoint, _environ_rank(),
                                _environ_world_size())
+        if self.sync is not None:
+            raise ConfigError("HopnetTrainer trains once: its run ended with the consensus (start another process)")
         if self.worker is None:
             if self.model is None:
                 raise ConfigError("HopnetTrainer needs a model")
@@ -108,12 +107,13 @@ class HopnetTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A checkpoint's model on every rank (its own); otherwise the model once, from the lowest
         live rank (after ``train()``, every live rank holds the same consensus model)."""
-        if _internal_call or self.worker is None or self._writes_model():
+        if _internal_call or self._writes_model():
             super().save_model(output_dir, _internal_call=_internal_call)
 
     def _writes_model(self) -> bool:
         worker = self.worker
-        assert worker is not None
+        if worker is None:
+            return _environ_rank() == 0
         consensus = self.sync.consensus if self.sync is not None else None
         lowest = consensus.members[0] if consensus is not None else min(worker.members)
         return worker.rank == lowest
@@ -157,6 +157,17 @@ class _HopnetCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.trainer.sync is not None:
             self.trainer.sync.close()  # every live worker: the consensus model
+
+
+def _one_process(args: TrainingArguments) -> None:
+    """Set ``args`` up as one process (inside :func:`single_process`): arguments built under torchrun
+    see its world; on a GPU machine, this worker's GPU only (the Trainer would take every visible
+    one into ``DataParallel``)."""
+    if args.world_size > 1:
+        args.__dict__.pop("_setup_devices", None)  # a cached_property: computed again, now as one process
+    if args.device.type == "cuda":
+        args.__dict__["_setup_devices"] = torch.device("cuda", torch.cuda.current_device())
+        args._n_gpu = 1
 
 
 def _save_hopnet_state(worker: Worker, folder: Path, iteration: int) -> None:
