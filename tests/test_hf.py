@@ -53,12 +53,13 @@ def test_the_trainer_ends_where_the_bare_api_ends(launch, tmp_path: Path, protoc
     measured bit for bit equal under all three protocols; the bounds leave room for float noise."""
     steps = ["--steps", "24"]
     options = ("--local-steps", "8") if protocol == "diloco" else ()
-    trained = _run(launch, tmp_path / "hf", protocol, LM, *steps, "--output-dir", str(tmp_path / "out"), options=options)
+    out = tmp_path / "out"
+    trained = _run(launch, tmp_path / "hf", protocol, LM, *steps, "--output-dir", str(out), options=options)
     bare = _run(launch, tmp_path / "bare", protocol, BARE, str(tmp_path / "bare.pt"), *steps, options=options)
     assert trained[0] == trained[1] and bare[0] == bare[1]  # each is the consensus model
     assert trained[0] < 3.6, trained  # it learned (log 256 = 5.5 at the start; about 3.3 measured)
     assert abs(trained[0] - bare[0]) <= 1e-3, (trained, bare)
-    assert _largest_difference(load_file(tmp_path / "out" / "model.safetensors"), torch.load(tmp_path / "bare.pt")) <= 1e-5
+    assert _largest_difference(load_file(out / "model.safetensors"), torch.load(tmp_path / "bare.pt")) <= 1e-5
 
 
 def test_checkpoints_hold_hopnets_state_and_resume_mid_round(launch, tmp_path: Path) -> None:

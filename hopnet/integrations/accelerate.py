@@ -6,7 +6,7 @@ a hopnet iteration, and the context's exit leaves every worker with the consensu
 
     accelerator = Accelerator(mixed_precision="bf16")      # under `hopnet launch`: one process
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    with Sync(accelerator, model, optimizer, steps=len(loader)) as sync:
+    with Sync(accelerator, model, optimizer, steps=len(loader) // accelerator.gradient_accumulation_steps) as sync:
         for batch in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(model(**batch).loss)  # the averaged gradient (gradient protocols)

@@ -97,8 +97,8 @@ class HopnetTrainer(Trainer):
         members = list(self.worker.members)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         # Padded to equal shares, so every worker counts the same steps per epoch.
-        return DistributedSampler(dataset, num_replicas=len(members), rank=members.index(self.worker.rank),  # type: ignore[arg-type]
-                                  shuffle=True, seed=seed)
+        return DistributedSampler(dataset, num_replicas=len(members),  # type: ignore[arg-type]
+                                  rank=members.index(self.worker.rank), shuffle=True, seed=seed)
 
     # ------------------------------------------------------------------ checkpoints and the model
     def _get_output_dir(self, trial: Any) -> str:
