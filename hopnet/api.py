@@ -33,7 +33,7 @@ import torch
 
 from hopnet import checkpoint
 from hopnet.collectives.base import Collective, ReduceOp
-from hopnet.collectives.consensus import ConsensusResult, consensus
+from hopnet.collectives.consensus import ConsensusResult, consensus, gather
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
@@ -84,6 +84,13 @@ async def run_consensus(node: Node, call: int) -> ConsensusResult:
         return result
     return dataclasses.replace(result, members=tuple(ranks[p] for p in result.members),
                                non_finite=tuple(ranks[p] for p in result.non_finite))
+
+
+async def run_gather(node: Node, value: Any, call: int) -> dict[int, Any]:
+    """:func:`hopnet.collectives.consensus.gather`, keyed by rank (an elastic run's view counts positions)."""
+    values = await gather(node, value, call=call)
+    ranks = node.members
+    return values if ranks is None else {ranks[p]: v for p, v in values.items()}
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -231,6 +238,7 @@ class Worker:
         self.saved_model: Path | None = None
         """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
         self.consensus_calls = 0
+        self.gather_calls = 0
         self.changeover: Changeover | None = None  # an elastic run's view changes, set by init()
         self._left = False  # an elastic worker that left: its node is closed
         self._links_recorded = False  # the kernel's counters per peer, once (at the consensus, else at close)
@@ -469,15 +477,21 @@ class Worker:
         if self.checkpointer is None:
             raise HopnetError("save_checkpoint() needs a checkpoint directory (--checkpoint-every)")
         self.checkpointer.wait()  # the previous write: the copy below must not wait on the disk twice
+        path = self.checkpointer.submit(iteration, self.checkpoint_state(iteration))  # written in the background
+        self.record("checkpoint", iter=iteration, path=path.name)
+        return path
+
+    def checkpoint_state(self, iteration: int) -> dict[str, Any]:
+        """What :meth:`save_checkpoint` writes after ``iteration``, as CPU copies: for a trainer that
+        keeps its checkpoints itself (a framework's), which :func:`init` takes back as ``resume=``.
+        Call it where a checkpoint is consistent: after a step, before the next one computes."""
         with self.model_lock:  # ad-psgd averages on the event loop
-            payload = checkpoint.copied(self.replica.localized({  # (under fsdp: this member's shards)
+            state: dict[str, Any] = checkpoint.copied(self.replica.localized({  # (under fsdp: this member's shards)
                 "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
                 "model": self._model_state(), "replica_size": self.replica.size,
                 "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
                 "rng": checkpoint.rng_states()}))
-        path = self.checkpointer.submit(iteration, payload)  # written in the background
-        self.record("checkpoint", iter=iteration, path=path.name)
-        return path
+        return state
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         return model_state_of(self)
@@ -486,10 +500,11 @@ class Worker:
         load_model_into(self, state)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
-        state now or when it registers."""
+        """Load what :meth:`save_checkpoint` wrote: the model (unless left out: the trainer loaded
+        it) and RNG states now, the registered state now or when it registers."""
         self.replica.check_resharding(state.get("replica_size", 1))
-        self._load_model(state["model"])
+        if "model" in state:
+            self._load_model(state["model"])
         checkpoint.restore_rng_states(state["rng"])
         self._resumed = dict(state["states"])
         for name in list(self._resumed):
@@ -541,6 +556,32 @@ class Worker:
             if done is not None:
                 return done
         return self._thread.run(collective.allreduce(group, tensor, op, tag=tag))
+
+    def gather(self, value: Any) -> dict[int, Any]:
+        """Every live worker's ``value``, by rank, the same dict on every live worker: for the small
+        agreements a trainer makes outside the protocol (a metric's mean, a stop decision, a path
+        to share, a barrier). The live workers agree on who they are, as :meth:`consensus` does
+        (workers that left or died under ``--max-failures`` are left out), each one's value riding
+        on its agreement messages: one round trip when none left. Every live worker calls it, as
+        many times and in the same order; the call blocks until all of them did (``--timeout``).
+        ``value``: None, bool, numbers, str, bytes, and lists and dicts of them, small enough for
+        a message header (up to a few MiB); pickle anything else into bytes."""
+        if self._closed:
+            raise HopnetError("gather() on a closed worker")
+        call = self.gather_calls
+        self.gather_calls += 1
+        try:
+            return self._thread.run(run_gather(self.node, value, call))
+        except Exception as exc:
+            self.failure = exc
+            raise
+
+    @property
+    def last_step(self) -> dict[str, Any]:
+        """Where the last step's time went, as its ``iteration`` record writes it: ``iter``,
+        ``compute_s``, ``wait_updates_s``, ``wait_tokens_s``, ``mix_s`` (seconds; see the event
+        records' reference) and the protocol's counters; empty before the first step."""
+        return dict(self.node.last_step or {})
 
     def consensus(self) -> ConsensusResult:
         """End training with one model: every live worker's parameters (and buffers) become the
@@ -732,7 +773,7 @@ class AsyncWorker:
 
 def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = None,
          config: ProtocolConfig | None = None, graph: Graph | str | os.PathLike[str] | None = None,
-         **options: Any) -> Worker:
+         resume: Mapping[str, Any] | None = None, **options: Any) -> Worker:
     """Start this process's worker as its launcher configured it.
 
     Under `hopnet launch` the rank, graph, peers and protocol come from the launcher. Under
@@ -754,6 +795,11 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     those given explicitly on the launcher's command line (a :class:`ConfigError` names
     both). Every rank must end up with the same options: the rendezvous refuses a rank
     whose options differ from another's.
+
+    ``resume``: a state :meth:`Worker.checkpoint_state` returned after iteration K, for a trainer
+    that keeps its checkpoints itself: the worker starts at iteration K + 1 from it, as
+    ``--resume`` does from hopnet's own checkpoints (every rank must resume from the same K).
+    Without ``"model"`` in it, the model stays as the trainer loaded it.
 
     The steps are the phases of :mod:`hopnet.bootstrap.init`, in order.
     """
@@ -778,6 +824,10 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         resume_after = settings.resume_iteration(process.world_size)
         saved = (checkpoint.load(settings.directory, process.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
+        if resume is not None:
+            if saved is not None:
+                raise ConfigError("hopnet.init(resume=...) in a run resumed by --resume (HOPNET_RESUME): pass one")
+            saved, resume_after = dict(resume), int(resume["iteration"])
         worker = Worker(rank=context.rank, graph=alone.graph, config=cfg, params=tensors.params,
                         transport=transport, exchange=None if joining else context.exchange(cfg, restarts.this),
                         events=JsonlEventLog(event_log_path(run.run_dir, context)), grads=tensors.grads,

@@ -85,6 +85,8 @@ class Node(Generic[P]):
         # The simulator passes its virtual clock.
         self.timer = timer
         self._steps = StepTiming(timer)
+        self.last_step: dict[str, Any] | None = None
+        """The ``iteration`` record of the last step that finished one (with its timings)."""
         self.step_times: StepTimes = self._steps.times
         self._begun: asyncio.Task[None] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -505,6 +507,7 @@ class Node(Generic[P]):
         finally:
             record = steps.end(began, compute_s)
             if record is not None:
+                self.last_step = record
                 self.record("iteration", **record)
 
     def waited(self, what: str, seconds: float, peers: Sequence[int] = ()) -> None:

@@ -1,0 +1,1 @@
+"""Adapters to trainers people already use; each module imports its framework (an extra)."""
