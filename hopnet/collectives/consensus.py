@@ -175,8 +175,9 @@ async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[
                 except WaitTimeout as exc:
                     missing = waiting()
                     states = ", ".join(f"{m} ({node.peer_state(m)})" for m in missing)
-                    raise WaitTimeout(f"the consensus's agreement round {r}: no view from rank(s) {states} "
-                                      f"(rank {node.rank}; did every live worker call consensus()?)",
+                    call = "gather" if tag.startswith(GATHER_PREFIX) else "consensus"
+                    raise WaitTimeout(f"the {call}'s agreement round {r}: no view from rank(s) {states} "
+                                      f"(rank {node.rank}; did every live worker call {call}()?)",
                                       peer=missing[0] if missing else peer, waited_s=exc.waited_s,
                                       peer_state=node.peer_state(missing[0] if missing else peer)) from None
                 view, finite[peer] = _read_view(msg, node.graph.n)

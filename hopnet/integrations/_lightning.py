@@ -237,8 +237,8 @@ def strategy_class(pl: ModuleType) -> type:
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
             self._due = True
             self._log_waits()
-            if self._current >= self._total - 1:
-                self._finish()
+            if self._current >= self._total - 1:  # before any collective: a protocol may wait for the others'
+                self.on_train_end()                 # consensus at its last step (ad-psgd's passives do)
                 self.lightning_module.trainer.should_stop = True
             return result
 
@@ -259,7 +259,9 @@ def strategy_class(pl: ModuleType) -> type:
                     self._iterations.close()  # an early stop every rank agreed on
 
         def on_train_end(self) -> None:
-            """Every live worker ends ``fit`` with the mean of the live workers' models."""
+            """Every live worker ends training with the mean of the live workers' models: at the
+            run's last iteration, before Lightning's last validation and checkpoint, or here when
+            the loop stopped early (every rank agreed to: early stopping)."""
             self._finish()
             if self.worker is not None and not self.worker.consensus_calls:
                 self.worker.consensus()
