@@ -25,7 +25,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +281,7 @@ class Worker:
         """The iteration this worker is in (it can jump when skipping is on)."""
         return self.node.protocol.iteration
 
-    def iterations(self, total: int) -> Iterator[int]:
+    def iterations(self, total: int) -> Generator[int, None, None]:
         """Yield the iterations to compute, until ``total``; call :meth:`step` once in each.
 
         Iteration numbers may jump when a straggler skips ahead; every worker of a run

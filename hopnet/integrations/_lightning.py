@@ -23,7 +23,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -122,6 +122,7 @@ def strategy_class(pl: ModuleType) -> type:
         :func:`hopnet.init` (those given on the launcher's command line win, as there)."""
 
         strategy_name = "hopnet"
+        optimizers: list[torch.optim.Optimizer]  # Lightning's property, typed for mypy
 
         def __init__(self, protocol: str | None = None, **options: Any) -> None:
             super().__init__()
@@ -129,7 +130,7 @@ def strategy_class(pl: ModuleType) -> type:
             self.worker: Worker | None = None
             self._rank, self._world, self._local, self._node = place(os.environ)
             self._resume: dict[str, Any] | None = None
-            self._iterations: Iterator[int] | None = None
+            self._iterations: Generator[int, None, None] | None = None
             self._current = -1
             self._total = 0
             self._due = True  # the next batch (or step) enters a new iteration
@@ -162,10 +163,10 @@ def strategy_class(pl: ModuleType) -> type:
 
         @property
         def root_device(self) -> torch.device:
-            devices = self.parallel_devices
+            devices = self.parallel_devices  # one device per worker: its local rank's GPU
             if not devices or devices[0].type == "cpu":
                 return torch.device("cpu")
-            return devices[self._local % len(devices)]
+            return torch.device(devices[0].type, self._local)
 
         def set_world_ranks(self) -> None:
             rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
@@ -186,11 +187,12 @@ def strategy_class(pl: ModuleType) -> type:
 
         def setup_optimizers(self, trainer: Any) -> None:
             super().setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
+            configured = list(self.optimizers)
+            if len(configured) != 1:
                 raise ConfigError(f"HopnetStrategy trains with one optimizer (one step is one hopnet iteration); "
-                                  f"configure_optimizers returned {len(self.optimizers)}")
+                                  f"configure_optimizers returned {len(configured)}")
             assert self.worker is not None
-            wrapped = DistributedOptimizer(self.optimizers[0], self.worker)
+            wrapped = DistributedOptimizer(configured[0], self.worker)
             # Lightning's precision plugins then unscale and clip (the averaged gradient, see
             # Synchronize) and a GradScaler skips the step of a rank whose own gradient overflowed:
             # the iteration still finishes (Worker.iterations), and the average carries the inf.
