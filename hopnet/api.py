@@ -87,10 +87,32 @@ async def run_consensus(node: Node, call: int) -> ConsensusResult:
 
 
 async def run_gather(node: Node, value: Any, call: int) -> dict[int, Any]:
-    """:func:`hopnet.collectives.consensus.gather`, keyed by rank (an elastic run's view counts positions)."""
+    """What :meth:`Worker.gather` returns: every live worker's ``value``, by rank, the same dict on
+    every live worker, for the small agreements a trainer makes outside the protocol (a metric's
+    mean, a stop decision, a path to share, a barrier). The live workers agree on who they are, as
+    :meth:`Worker.consensus` does (workers that left or died under ``--max-failures`` are left out),
+    each one's value riding on its agreement messages (:func:`hopnet.collectives.consensus.gather`):
+    one round trip when none left. Every live worker calls it, as many times and in the same order;
+    the call blocks until all of them did (``--timeout``). ``value``: None, bool, numbers, str,
+    bytes, lists and dicts of them, small enough for a message header (a few MiB); pickle anything
+    else into bytes."""
     values = await gather(node, value, call=call)
     ranks = node.members
     return values if ranks is None else {ranks[p]: v for p, v in values.items()}
+
+
+def checkpoint_state_of(worker: Worker, iteration: int) -> dict[str, Any]:
+    """What :meth:`Worker.save_checkpoint` writes after ``iteration``, as CPU copies: the model, the
+    registered state (the optimizer's included), the RNG states. For a trainer that keeps its
+    checkpoints itself (a framework's), which :func:`init` takes back as ``resume=``; take it where
+    a checkpoint is consistent: after a step, before the next one computes."""
+    with worker.model_lock:  # ad-psgd averages on the event loop
+        state: dict[str, Any] = checkpoint.copied(worker.replica.localized({  # (under fsdp: this member's shards)
+            "iteration": iteration, "rank": worker.rank, "protocol": worker.config.protocol,
+            "model": model_state_of(worker), "replica_size": worker.replica.size,
+            "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()},
+            "rng": checkpoint.rng_states()}))
+    return state
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -482,16 +504,8 @@ class Worker:
         return path
 
     def checkpoint_state(self, iteration: int) -> dict[str, Any]:
-        """What :meth:`save_checkpoint` writes after ``iteration``, as CPU copies: for a trainer that
-        keeps its checkpoints itself (a framework's), which :func:`init` takes back as ``resume=``.
-        Call it where a checkpoint is consistent: after a step, before the next one computes."""
-        with self.model_lock:  # ad-psgd averages on the event loop
-            state: dict[str, Any] = checkpoint.copied(self.replica.localized({  # (under fsdp: this member's shards)
-                "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
-                "model": self._model_state(), "replica_size": self.replica.size,
-                "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
-                "rng": checkpoint.rng_states()}))
-        return state
+        """What :meth:`save_checkpoint` writes (:func:`checkpoint_state_of`); ``init(resume=)`` takes it."""
+        return checkpoint_state_of(self, iteration)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         return model_state_of(self)
@@ -500,8 +514,8 @@ class Worker:
         load_model_into(self, state)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`save_checkpoint` wrote: the model (unless left out: the trainer loaded
-        it) and RNG states now, the registered state now or when it registers."""
+        """Load what :meth:`save_checkpoint` wrote: the model (if there) and RNG states now, the
+        registered state now or when it registers."""
         self.replica.check_resharding(state.get("replica_size", 1))
         if "model" in state:
             self._load_model(state["model"])
@@ -558,30 +572,11 @@ class Worker:
         return self._thread.run(collective.allreduce(group, tensor, op, tag=tag))
 
     def gather(self, value: Any) -> dict[int, Any]:
-        """Every live worker's ``value``, by rank, the same dict on every live worker: for the small
-        agreements a trainer makes outside the protocol (a metric's mean, a stop decision, a path
-        to share, a barrier). The live workers agree on who they are, as :meth:`consensus` does
-        (workers that left or died under ``--max-failures`` are left out), each one's value riding
-        on its agreement messages: one round trip when none left. Every live worker calls it, as
-        many times and in the same order; the call blocks until all of them did (``--timeout``).
-        ``value``: None, bool, numbers, str, bytes, and lists and dicts of them, small enough for
-        a message header (up to a few MiB); pickle anything else into bytes."""
+        """Every live worker's ``value``, by rank, the same dict on every one (:func:`run_gather`)."""
         if self._closed:
             raise HopnetError("gather() on a closed worker")
-        call = self.gather_calls
         self.gather_calls += 1
-        try:
-            return self._thread.run(run_gather(self.node, value, call))
-        except Exception as exc:
-            self.failure = exc
-            raise
-
-    @property
-    def last_step(self) -> dict[str, Any]:
-        """Where the last step's time went, as its ``iteration`` record writes it: ``iter``,
-        ``compute_s``, ``wait_updates_s``, ``wait_tokens_s``, ``mix_s`` (seconds; see the event
-        records' reference) and the protocol's counters; empty before the first step."""
-        return dict(self.node.last_step or {})
+        return self._thread.run(run_gather(self.node, value, self.gather_calls - 1))
 
     def consensus(self) -> ConsensusResult:
         """End training with one model: every live worker's parameters (and buffers) become the

@@ -246,7 +246,7 @@ def strategy_class(pl: ModuleType) -> type:
 
         def _log_waits(self) -> None:
             assert self.worker is not None
-            step = self.worker.last_step
+            step = self.worker.node.last_step or {}
             metrics = {f"hopnet/{name}": float(step[name]) for name in WAITS if name in step}
             if metrics and self.lightning_module._current_fx_name is not None:
                 self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
