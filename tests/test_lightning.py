@@ -12,10 +12,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed
 
+from hopnet.errors import ConfigError
+from hopnet.integrations._lightning import rank_path, reduce_stacked, refusal
 from support.env import clean_env
 from support.paths import EXAMPLES, ROOT
 from support.records import records
@@ -74,11 +78,12 @@ def test_allreduce_ends_with_the_parameters_of_lightnings_ddp(launch, tmp_path: 
     """Clipping and two micro-batches of accumulation, with ``--bucket-mb 0``: the gradient is
     averaged only where the strategy asks for it (before the clip), so a clip of the local
     gradient would part the two (by 0.06 here)."""
-    flags = ["--iterations", "60", "--clip", "0.3", "--accumulate", "2"]
+    flags = ["--iterations", "150", "--clip", "0.3", "--accumulate", "2"]
     ours, theirs = tmp_path / "hopnet.pt", tmp_path / "ddp.pt"
     result = launch(["--nproc", "2", "--protocol", "allreduce", "--bucket-mb", "0", "--run-dir",
                      str(tmp_path / "run"), EXAMPLE, *flags, "--save", str(ours)])
     assert result.returncode == 0, result.stderr
+    assert min(_accuracies(result.stdout).values()) >= BAR, result.stdout  # 0.944 measured
     ddp = subprocess.run([sys.executable, EXAMPLE, "--strategy", "ddp", "--devices", "2", *flags, "--save", str(theirs)],
                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert ddp.returncode == 0, ddp.stderr
@@ -103,10 +108,29 @@ def test_the_old_namespace_an_agreed_early_stop_and_the_collectives(launch, tmp_
     assert [r["members"] for r in records(run_dir, 1, "consensus")] == [[0, 1]]
 
 
-@pytest.mark.slow
-def test_a_run_lightning_cannot_follow_is_refused_in_one_line(launch, tmp_path: Path) -> None:
-    """A replacement (--max-restarts) would start Lightning's loop over at step 0 while the others go on."""
-    result = launch(["--nproc", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), WORKER,
-                     "--iterations", "5"])
-    assert result.returncode != 0
-    assert "error: HopnetStrategy: --max-restarts: a replacement would start" in result.stdout + result.stderr
+def test_what_lightning_cannot_follow_is_refused_in_one_line() -> None:
+    """Checked on the worker hopnet.init returned, before anything trains; each line names the flag."""
+    def worker(skip_threshold: int | None = None, max_restarts: int = 0, checkpointer: object = None,
+               changeover: object = None, replica_size: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(options=SimpleNamespace(skip_threshold=skip_threshold)),
+                               node=SimpleNamespace(max_restarts=max_restarts), checkpointer=checkpointer,
+                               changeover=changeover, replica=SimpleNamespace(size=replica_size))
+
+    assert refusal(worker()) is None
+    for flags, flag in [({"skip_threshold": 2}, "--skip-threshold"), ({"max_restarts": 1}, "--max-restarts"),
+                        ({"checkpointer": object()}, "--checkpoint-every"), ({"changeover": object()}, "--max-nproc"),
+                        ({"replica_size": 2}, "--replica-size")]:
+        why = refusal(worker(**flags))
+        assert why is not None and flag in why and "\n" not in why, (flags, why)
+
+
+def test_reduce_ops_and_each_ranks_checkpoint_file() -> None:
+    stacked = torch.tensor([[1.0, 4.0], [3.0, 2.0]])
+    assert reduce_stacked(stacked, "mean").tolist() == [2.0, 3.0]
+    assert reduce_stacked(stacked, torch.distributed.ReduceOp.SUM).tolist() == [4.0, 6.0]
+    assert reduce_stacked(stacked, "max").tolist() == [3.0, 4.0]
+    assert reduce_stacked(torch.tensor([[1], [2]]), "avg").tolist() == [1]  # integers: floor, as they stay ints
+    with pytest.raises(ConfigError, match="reduce_op 'product' is not supported"):
+        reduce_stacked(stacked, "product")
+    assert rank_path("ckpts/last.ckpt", 0) == "ckpts/last.ckpt"
+    assert rank_path("ckpts/last.ckpt", 3) == "ckpts/last.ckpt.rank3"
