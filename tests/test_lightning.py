@@ -129,7 +129,7 @@ def test_reduce_ops_and_each_ranks_checkpoint_file() -> None:
     assert reduce_stacked(stacked, "mean").tolist() == [2.0, 3.0]
     assert reduce_stacked(stacked, torch.distributed.ReduceOp.SUM).tolist() == [4.0, 6.0]
     assert reduce_stacked(stacked, "max").tolist() == [3.0, 4.0]
-    assert reduce_stacked(torch.tensor([[1], [2]]), "avg").tolist() == [1]  # integers: floor, as they stay ints
+    assert reduce_stacked(torch.tensor([[1], [2]]), "avg").tolist() == [1.5]  # as DDP's: the sum, divided
     with pytest.raises(ConfigError, match="reduce_op 'product' is not supported"):
         reduce_stacked(stacked, "product")
     assert rank_path("ckpts/last.ckpt", 0) == "ckpts/last.ckpt"

@@ -14,8 +14,8 @@ GradScaler's ``unscale_``. The collectives (``reduce``, ``barrier``, ``broadcast
 :meth:`hopnet.Worker.gather`; before the setup they are local (no worker yet). Checkpoints:
 every rank writes its own file (rank 0 at Lightning's path, rank R at ``PATH.rankR``) with
 hopnet's state under ``"hopnet"``; ``fit(ckpt_path=...)`` resumes every rank from its own.
-``on_train_end`` ends with :meth:`hopnet.Worker.consensus`. What it refuses, and why:
-docs/guides/lightning.md.
+The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
+the loop stopped earlier). What it refuses, and why: docs/guides/lightning.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -46,7 +46,7 @@ WAITS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
 """The step timings logged through Lightning's loggers, as ``hopnet/<name>``."""
 
 
-def place(environ: os._Environ[str] | dict[str, str]) -> tuple[int, int, int, int]:
+def place(environ: Mapping[str, str]) -> tuple[int, int, int, int]:
     """(rank, world size, local rank, node rank) as the launcher set them, before hopnet.init."""
     launched = WorkerEnv.from_environ(environ)
     if launched is not None:
@@ -74,9 +74,8 @@ def rank_path(path: str | os.PathLike[str], rank: int) -> str:
 
 def reduce_stacked(stacked: torch.Tensor, op: Any) -> torch.Tensor:
     name = str(getattr(op, "name", op) or "mean").lower().rsplit(".", 1)[-1]
-    if name in ("mean", "avg"):
-        return stacked.double().mean(dim=0).to(stacked.dtype) if stacked.is_floating_point() \
-            else stacked.sum(dim=0) // stacked.shape[0]
+    if name in ("mean", "avg"):  # as Lightning's DDP: the sum, divided by the workers
+        return stacked.sum(dim=0) / stacked.shape[0]
     if name == "sum":
         return stacked.sum(dim=0)
     if name in ("max", "min"):
@@ -109,9 +108,6 @@ def strategy_class(pl: ModuleType) -> type:
     class Synchronize(callback):
         """First of the callbacks: the averaged gradient before anyone looks at it before the step."""
 
-        def __init__(self, strategy: Any) -> None:
-            self.strategy = strategy
-
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if isinstance(optimizer, DistributedOptimizer):
                 optimizer.synchronize()
@@ -119,7 +115,7 @@ def strategy_class(pl: ModuleType) -> type:
     class HopnetStrategy(parallel):
         """Trains under hopnet: ``Trainer(strategy=HopnetStrategy(protocol="hop", max_ig=4))`` in a
         script started by ``hopnet launch`` (or torchrun, srun). ``protocol`` and ``options`` go to
-        :func:`hopnet.init` (those given on the launcher's command line win, as there)."""
+        :func:`hopnet.init` (one that contradicts the launcher's command line is refused, as there)."""
 
         strategy_name = "hopnet"
         optimizers: list[torch.optim.Optimizer]  # Lightning's property, typed for mypy
@@ -199,7 +195,7 @@ def strategy_class(pl: ModuleType) -> type:
             wrapped._step_supports_amp_scaling = False  # type: ignore[misc]
             self.optimizers = [wrapped]
             if not any(isinstance(cb, Synchronize) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, Synchronize(self))
+                trainer.callbacks.insert(0, Synchronize())
 
         @contextmanager
         def block_backward_sync(self) -> Iterator[None]:
@@ -218,6 +214,8 @@ def strategy_class(pl: ModuleType) -> type:
         def _enter(self) -> None:
             worker, trainer = self.worker, self.lightning_module.trainer
             assert worker is not None
+            if self._done:
+                raise HopnetError("HopnetStrategy: this worker's training is over (one fit per process)")
             if self._iterations is None:
                 total = trainer.estimated_stepping_batches
                 if total == float("inf"):
@@ -232,8 +230,6 @@ def strategy_class(pl: ModuleType) -> type:
 
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
                            **kwargs: Any) -> Any:
-            if self._done:
-                raise HopnetError("HopnetStrategy: an optimizer step after the run's last iteration")
             if self._due:  # manual optimization: a second step in one batch
                 self._enter()
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
