@@ -134,3 +134,18 @@ def test_reduce_ops_and_each_ranks_checkpoint_file() -> None:
         reduce_stacked(stacked, "product")
     assert rank_path("ckpts/last.ckpt", 0) == "ckpts/last.ckpt"
     assert rank_path("ckpts/last.ckpt", 3) == "ckpts/last.ckpt.rank3"
+
+
+@pytest.mark.slow
+def test_a_lost_worker_is_left_out_of_the_collectives_and_the_consensus(launch, tmp_path: Path) -> None:
+    """Under --max-failures the others train on (Hop with a backup worker), and their collectives
+    and consensus count the live workers only."""
+    run_dir = tmp_path / "run"
+    result = launch(["--nproc", "3", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
+                     "--run-dir", str(run_dir), WORKER, "--iterations", "40", "--die", "2:10"])
+    assert result.returncode == 0, result.stderr
+    assert "lost rank 2" in result.stderr + result.stdout
+    lines = sorted(re.findall(r"^\[rank (\d)\] accuracy .* steps 40 iteration 39 (.*)$", result.stdout, re.MULTILINE))
+    assert lines == [(rank, "sum 3 gathered [0, 1] broadcast 'from rank 1'") for rank in "01"], result.stdout
+    assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1]]
+

@@ -1,6 +1,7 @@
 """A LightningModule trained under HopnetStrategy, in either Lightning namespace, for
 tests/test_lightning.py: the digits MLP of examples/lightning_digits.py, an early stop agreed
-through ``reduce_boolean_decision`` (as EarlyStopping does), and checks of the collectives.
+through ``reduce_boolean_decision`` (as EarlyStopping does), a worker that dies, and checks of
+the collectives.
 
     hopnet launch --nproc 2 tests/scripts/lightning_worker.py --namespace pytorch_lightning --stop-at 30
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--namespace", choices=("lightning.pytorch", "pytorch_lightning"), default="lightning.pytorch")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--stop-at", type=int, default=None, help="every rank agrees to stop after this step")
+    parser.add_argument("--die", default=None, metavar="RANK:STEP", help="that rank exits (status 3) after that step")
     args = parser.parse_args()
     pl = importlib.import_module(args.namespace)
     strategies = importlib.import_module("hopnet.integrations." + args.namespace.split(".")[0])
@@ -46,6 +49,8 @@ def main() -> None:
 
     class StopAt(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if args.die is not None and args.die == f"{trainer.global_rank}:{trainer.global_step}":
+                os._exit(3)
             if args.stop_at is not None:
                 trainer.should_stop = trainer.strategy.reduce_boolean_decision(
                     trainer.global_step >= args.stop_at and trainer.global_rank == 0, all=False)
