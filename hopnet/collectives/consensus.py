@@ -31,6 +31,10 @@ finishes more than ``--timeout`` seconds before another fails its consensus.
 
 The agreement assumes that no worker dies during it: one that does makes the others fail
 (naming it, or after ``--timeout``), never hang.
+
+:func:`gather` is the agreement alone, each view carrying the sender's value: every live worker
+gets every live worker's value (``hopnet.Worker.gather``; a framework's strategy builds its
+barrier, broadcast and reductions on it).
 """
 
 from __future__ import annotations
