@@ -25,7 +25,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 
 from hopnet import checkpoint
 from hopnet.collectives.base import Collective, ReduceOp
-from hopnet.collectives.consensus import ConsensusResult, consensus
+from hopnet.collectives.consensus import ConsensusResult, consensus, gather
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
 from hopnet.errors import ConfigError, HopnetError
@@ -85,6 +85,35 @@ async def run_consensus(node: Node, call: int) -> ConsensusResult:
         return result
     return dataclasses.replace(result, members=tuple(ranks[p] for p in result.members),
                                non_finite=tuple(ranks[p] for p in result.non_finite))
+
+
+async def run_gather(node: Node, value: Any, call: int) -> dict[int, Any]:
+    """What :meth:`Worker.gather` returns: every live worker's ``value``, by rank, the same dict on
+    every live worker, for the small agreements a trainer makes outside the protocol (a metric's
+    mean, a stop decision, a path to share, a barrier). The live workers agree on who they are, as
+    :meth:`Worker.consensus` does (workers that left or died under ``--max-failures`` are left out),
+    each one's value riding on its agreement messages (:func:`hopnet.collectives.consensus.gather`):
+    one round trip when none left. Every live worker calls it, as many times and in the same order;
+    the call blocks until all of them did (``--timeout``). ``value``: None, bool, numbers, str,
+    bytes, lists and dicts of them, small enough for a message header (a few MiB); pickle anything
+    else into bytes."""
+    values = await gather(node, value, call=call)
+    ranks = node.members
+    return values if ranks is None else {ranks[p]: v for p, v in values.items()}
+
+
+def checkpoint_state_of(worker: Worker, iteration: int) -> dict[str, Any]:
+    """What :meth:`Worker.save_checkpoint` writes after ``iteration``, as CPU copies: the model, the
+    registered state (the optimizer's included), the RNG states. For a trainer that keeps its
+    checkpoints itself (a framework's), which :func:`init` takes back as ``resume=``; take it where
+    a checkpoint is consistent: after a step, before the next one computes."""
+    with worker.model_lock:  # ad-psgd averages on the event loop
+        state: dict[str, Any] = checkpoint.copied(worker.replica.localized({  # (under fsdp: this member's shards)
+            "iteration": iteration, "rank": worker.rank, "protocol": worker.config.protocol,
+            "model": model_state_of(worker), "replica_size": worker.replica.size,
+            "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()},
+            "rng": checkpoint.rng_states()}))
+    return state
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -279,6 +308,7 @@ class Worker:
         self.saved_model: Path | None = None
         """Where :meth:`consensus` wrote the model (on the rank that wrote it)."""
         self.consensus_calls = 0
+        self.gather_calls = 0
         self.changeover: Changeover | None = None  # an elastic run's view changes, set by init()
         self._left = False  # an elastic worker that left: its node is closed
         self._links_recorded = False  # the kernel's counters per peer, once (at the consensus, else at close)
@@ -321,7 +351,7 @@ class Worker:
         """The iteration this worker is in (it can jump when skipping is on)."""
         return self.node.protocol.iteration
 
-    def iterations(self, total: int) -> Iterator[int]:
+    def iterations(self, total: int) -> Generator[int, None, None]:
         """Yield the iterations to compute, until ``total``; call :meth:`step` once in each.
 
         Iteration numbers may jump when a straggler skips ahead; every worker of a run
@@ -498,15 +528,13 @@ class Worker:
         if self.checkpointer is None:
             raise HopnetError("save_checkpoint() needs a checkpoint directory (--checkpoint-every)")
         self.checkpointer.wait()  # the previous write: the copy below must not wait on the disk twice
-        with self.model_lock:  # ad-psgd averages on the event loop
-            payload = checkpoint.copied(self.replica.localized({  # (under fsdp: this member's shards)
-                "iteration": iteration, "rank": self.rank, "protocol": self.config.protocol,
-                "model": self._model_state(), "replica_size": self.replica.size,
-                "states": {name: checkpoint.state_of(obj) for name, obj in self._states.items()},
-                "rng": checkpoint.rng_states()}))
-        path = self.checkpointer.submit(iteration, payload)  # written in the background
+        path = self.checkpointer.submit(iteration, self.checkpoint_state(iteration))  # written in the background
         self.record("checkpoint", iter=iteration, path=path.name)
         return path
+
+    def checkpoint_state(self, iteration: int) -> dict[str, Any]:
+        """What :meth:`save_checkpoint` writes (:func:`checkpoint_state_of`); ``init(resume=)`` takes it."""
+        return checkpoint_state_of(self, iteration)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         return model_state_of(self)
@@ -515,10 +543,11 @@ class Worker:
         load_model_into(self, state)
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`save_checkpoint` wrote: the model and RNG states now, the registered
-        state now or when it registers."""
+        """Load what :meth:`save_checkpoint` wrote: the model (if there) and RNG states now, the
+        registered state now or when it registers."""
         self.replica.check_resharding(state.get("replica_size", 1))
-        self._load_model(state["model"])
+        if "model" in state:
+            self._load_model(state["model"])
         checkpoint.restore_rng_states(state["rng"])
         self._resumed = dict(state["states"])
         for name in list(self._resumed):
@@ -570,6 +599,13 @@ class Worker:
             if done is not None:
                 return done
         return self._thread.run(collective.allreduce(group, tensor, op, tag=tag))
+
+    def gather(self, value: Any) -> dict[int, Any]:
+        """Every live worker's ``value``, by rank, the same dict on every one (:func:`run_gather`)."""
+        if self._closed:
+            raise HopnetError("gather() on a closed worker")
+        self.gather_calls += 1
+        return self._thread.run(run_gather(self.node, value, self.gather_calls - 1))
 
     def consensus(self) -> ConsensusResult:
         """End training with one model: every live worker's parameters (and buffers) become the
@@ -764,7 +800,7 @@ class AsyncWorker:
 
 def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = None,
          config: ProtocolConfig | None = None, graph: Graph | str | os.PathLike[str] | None = None,
-         **options: Any) -> Worker:
+         resume: Mapping[str, Any] | None = None, **options: Any) -> Worker:
     """Start this process's worker as its launcher configured it.
 
     Under `hopnet launch` the rank, graph, peers and protocol come from the launcher. Under
@@ -786,6 +822,11 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     those given explicitly on the launcher's command line (a :class:`ConfigError` names
     both). Every rank must end up with the same options: the rendezvous refuses a rank
     whose options differ from another's.
+
+    ``resume``: a state :meth:`Worker.checkpoint_state` returned after iteration K, for a trainer
+    that keeps its checkpoints itself: the worker starts at iteration K + 1 from it, as
+    ``--resume`` does from hopnet's own checkpoints (every rank must resume from the same K).
+    Without ``"model"`` in it, the model stays as the trainer loaded it.
 
     The steps are the phases of :mod:`hopnet.bootstrap.init`, in order.
     """
@@ -810,6 +851,10 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
         resume_after = settings.resume_iteration(process.world_size)
         saved = (checkpoint.load(settings.directory, process.rank, resume_after)
                  if resume_after is not None and settings.directory is not None else None)
+        if resume is not None:
+            if saved is not None:
+                raise ConfigError("hopnet.init(resume=...) in a run resumed by --resume (HOPNET_RESUME): pass one")
+            saved, resume_after = dict(resume), int(resume["iteration"])
         worker = Worker(rank=context.rank, graph=alone.graph, config=cfg, params=tensors.params,
                         transport=transport, exchange=None if joining else context.exchange(cfg, restarts.this),
                         events=JsonlEventLog(event_log_path(run.run_dir, context)), grads=tensors.grads,

@@ -31,6 +31,10 @@ finishes more than ``--timeout`` seconds before another fails its consensus.
 
 The agreement assumes that no worker dies during it: one that does makes the others fail
 (naming it, or after ``--timeout``), never hang.
+
+:func:`gather` is the agreement alone, each view carrying the sender's value: every live worker
+gets every live worker's value (``hopnet.Worker.gather``; a framework's strategy builds its
+barrier, broadcast and reductions on it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +57,9 @@ VIEW = "gone"
 """The meta key of an agreement message: the sender's view, the ranks it counts gone."""
 FINITE = "finite"
 """The meta key of an agreement message: whether the sender's model is free of inf and NaN."""
+VALUE = "value"
+"""The meta key of an agreement message of :func:`gather`: the sender's value."""
+GATHER_PREFIX = "gather"
 
 
 class ConsensusError(HopnetError):
@@ -90,13 +98,26 @@ async def consensus(node: NodeServices, tensors: Sequence[torch.Tensor], *, call
     return ConsensusResult(members, rounds, non_finite)
 
 
-async def agree_on_members(node: NodeServices, *, tag: str,
-                           finite: dict[int, bool] | None = None) -> tuple[tuple[int, ...], int]:
+async def gather(node: NodeServices, value: Any, *, call: int = 0) -> dict[int, Any]:
+    """Every live worker's ``value`` (msgpack-able: None, bool, numbers, str, bytes, lists and dicts
+    of them), by position in the graph: the agreement on the live set below, each view carrying
+    the sender's value, so every live worker returns the same dict (one round trip when no
+    worker left). Every live worker calls it, with the same ``call``. For small values: they
+    travel in the messages' headers."""
+    values = {node.rank: value}
+    members, _ = await agree_on_members(node, tag=f"{GATHER_PREFIX}/{call}", values=values)
+    return {m: values[m] for m in members}
+
+
+async def agree_on_members(node: NodeServices, *, tag: str, finite: dict[int, bool] | None = None,
+                           values: dict[int, Any] | None = None) -> tuple[tuple[int, ...], int]:
     """The live set every live worker agrees on, and the rounds it took (see the module's text).
 
     ``finite``: this worker's entry says whether its model is finite, which its messages carry;
-    the entry of every other member is filled in from theirs."""
+    the entry of every other member is filled in from theirs. ``values``, the same for any
+    value (:func:`gather`)."""
     finite = finite if finite is not None else {node.rank: True}
+    carried = {} if values is None else {VALUE: values[node.rank]}
     gone = set(node.departed) | set(node.dead)
     views: dict[tuple[int, int], frozenset[int]] = {}  # (round, sender) -> its view
     try:
@@ -111,8 +132,8 @@ async def agree_on_members(node: NodeServices, *, tag: str,
             await node.connect_to(told)
             for peer in told:
                 node.post(Message(COLLECTIVE_KIND, node.rank, peer, r, tag,
-                                  {VIEW: sorted(view), FINITE: finite[node.rank]}))
-            await _collect_round(node, tag, r, others, gone, views, finite)
+                                  {VIEW: sorted(view), FINITE: finite[node.rank], **carried}))
+            await _collect_round(node, tag, r, others, gone, views, finite, values)
             heard = [views[(r, m)] for m in others if m not in gone]
             if gone == view and all(v == view for v in heard):
                 return members, r + 1
@@ -122,7 +143,8 @@ async def agree_on_members(node: NodeServices, *, tag: str,
 
 
 async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[int], gone: set[int],
-                         views: dict[tuple[int, int], frozenset[int]], finite: dict[int, bool]) -> None:
+                         views: dict[tuple[int, int], frozenset[int]], finite: dict[int, bool],
+                         values: dict[int, Any] | None = None) -> None:
     """Wait for round ``r``'s view of every rank of ``others`` not known gone. ``gone`` grows by
     every view read (round ``r + 1`` views are read too, as they come) and by the receives that
     fail because their sender left or died; ``views`` keeps what was read."""
@@ -157,8 +179,9 @@ async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[
                 except WaitTimeout as exc:
                     missing = waiting()
                     states = ", ".join(f"{m} ({node.peer_state(m)})" for m in missing)
-                    raise WaitTimeout(f"the consensus's agreement round {r}: no view from rank(s) {states} "
-                                      f"(rank {node.rank}; did every live worker call consensus()?)",
+                    call = "gather" if tag.startswith(GATHER_PREFIX) else "consensus"
+                    raise WaitTimeout(f"the {call}'s agreement round {r}: no view from rank(s) {states} "
+                                      f"(rank {node.rank}; did every live worker call {call}()?)",
                                       peer=missing[0] if missing else peer, waited_s=exc.waited_s,
                                       peer_state=node.peer_state(missing[0] if missing else peer)) from None
                 view, finite[peer] = _read_view(msg, node.graph.n)
@@ -167,6 +190,8 @@ async def _collect_round(node: NodeServices, tag: str, r: int, others: Sequence[
                                          "gone (it was declared dead or left, and cannot rejoin)")
                 views[(round_, peer)] = view
                 gone.update(view)
+                if values is not None:
+                    values[peer] = (msg.meta or {}).get(VALUE)
     finally:
         for task in tasks:
             task.cancel()
@@ -205,4 +230,5 @@ async def average_model(node: NodeServices, members: Sequence[int], tensors: Ite
             tensor.copy_(flat.view(tensor.shape))
 
 
-__all__ = ["ConsensusError", "ConsensusResult", "TAG_PREFIX", "agree_on_members", "average_model", "consensus"]
+__all__ = ["ConsensusError", "ConsensusResult", "TAG_PREFIX", "agree_on_members", "average_model", "consensus",
+           "gather"]

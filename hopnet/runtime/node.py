@@ -85,6 +85,7 @@ class Node(Generic[P]):
         # The simulator passes its virtual clock.
         self.timer = timer
         self._steps = StepTiming(timer)
+        self.last_step: dict[str, Any] | None = None  # the last step's ``iteration`` record (its timings)
         self.step_times: StepTimes = self._steps.times
         self._begun: asyncio.Task[None] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -415,8 +416,7 @@ class Node(Generic[P]):
         self._replacements.handover_point(reached)
 
     def take_handover_requests(self, iteration: int | None = None) -> list[int]:
-        """The replacements waiting for this worker's state (each is answered once): see
-        :meth:`Replacements.take_handover_requests`."""
+        """The replacements waiting for this state (:meth:`Replacements.take_handover_requests`)."""
         return self._replacements.take_handover_requests(iteration)
 
     def dropped_all(self) -> Counter[str]:
@@ -510,6 +510,7 @@ class Node(Generic[P]):
         finally:
             record = steps.end(began, compute_s)
             if record is not None:
+                self.last_step = record
                 self.record("iteration", **record)
 
     def waited(self, what: str, seconds: float, peers: Sequence[int] = ()) -> None:
