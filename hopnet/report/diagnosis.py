@@ -372,8 +372,8 @@ def diagnose(run: RunData, stats: RunStats | None = None, predictor: Predictor |
     slow_links.sort(key=lambda link: -link.transfer_s)
     health = unhealthy(link_health(run, arrivals, waits))
     contended = contention(run)
-    if contended:  # the links look slow because their ends were not running
-        slow_links, health = [], []
+    if contended:  # the links' times are their ends' waits for a core (the kernel's retransmissions are not)
+        slow_links = []
     diagnosis = Diagnosis(median, stragglers, slow_links, waits, wait_shares, health, failure=_failure(run),
                           contended=contended)
     if not any(waits.values()) and any(wait_shares.values()):

@@ -42,7 +42,7 @@ class Liveness:
     """Last-heard and last-sent times per peer; decides who gets a beat and who is dead."""
 
     def __init__(self, peers: Iterable[int], *, timeout_s: float, now: float,
-                 beat_interval_s: float | None = None) -> None:
+                 beat_interval_s: float | None = None, judge_unheard: bool = True) -> None:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"the peer timeout must be a positive number of seconds (got {timeout_s!r})")
         self.timeout_s = float(timeout_s)
@@ -53,6 +53,9 @@ class Liveness:
         self._last_heard: dict[int, float] = {p: now for p in peers}
         self._last_sent: dict[int, float] = {p: now for p in self._last_heard}
         self._last_look = now
+        self._unheard: set[int] = set() if judge_unheard else set(self._last_heard)
+        """Peers not judged until first heard from (``judge_unheard=False``: a replacement, whose peers
+        hear of its new address only from its own ``rejoin``; the ones that knew it judge them)."""
 
     @property
     def watched(self) -> frozenset[int]:
@@ -66,7 +69,7 @@ class Liveness:
 
     def next_silence(self, now: float) -> float:
         """The earliest time a watched peer's silence reaches the limit (``inf``: none watched)."""
-        times = [last + self.timeout_s for last in self._last_heard.values()]
+        times = [last + self.timeout_s for p, last in self._last_heard.items() if p not in self._unheard]
         return max(now, min(times)) if times else math.inf
 
     def look(self, now: float) -> float:
@@ -84,6 +87,7 @@ class Liveness:
 
     def heard(self, peer: int, now: float) -> None:
         """A valid message from ``peer`` arrived: it is alive as of ``now``."""
+        self._unheard.discard(peer)
         if peer in self._last_heard and now > self._last_heard[peer]:
             self._last_heard[peer] = now
 
@@ -109,7 +113,8 @@ class Liveness:
     def silent_peers(self, now: float) -> list[tuple[int, float]]:
         """Peers silent for ``timeout_s`` or longer, with their silence; each is reported once
         and then no longer watched."""
-        dead = [(p, now - last) for p, last in self._last_heard.items() if now >= last + self.timeout_s]
+        dead = [(p, now - last) for p, last in self._last_heard.items()
+                if now >= last + self.timeout_s and p not in self._unheard]
         for peer, _ in dead:
             self.forget(peer)
         return dead
@@ -118,9 +123,10 @@ class Liveness:
         """Stop watching ``peer`` (it said goodbye, or was declared dead)."""
         self._last_heard.pop(peer, None)
         self._last_sent.pop(peer, None)
+        self._unheard.discard(peer)
 
     def next_check(self, now: float) -> float:
         """The earliest time a beat falls due or a peer's silence reaches the limit."""
         times = [last + self.beat_interval_s for last in self._last_sent.values()]
-        times += [last + self.timeout_s for last in self._last_heard.values()]
+        times += [last + self.timeout_s for p, last in self._last_heard.items() if p not in self._unheard]
         return max(now, min(times)) if times else math.inf

@@ -174,7 +174,7 @@ class Node(Generic[P]):
                 self._jsonl.flush_interval_s, self._flush_tick)
         if self.peer_timeout_s is not None and self.graph.peers(self.rank):
             self.liveness = Liveness(self.graph.peers(self.rank), timeout_s=self.peer_timeout_s,
-                                     now=self.clock.now())
+                                     now=self.clock.now(), judge_unheard=not self.restart)
             self.watch = PeerWatch(self, self.liveness, heard=self._heard, holding=self._holding)
             self.watch.start()
 
