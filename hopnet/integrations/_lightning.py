@@ -121,6 +121,8 @@ class TrainerState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # (A resync that moves a rank already training forward loads it too: its model and optimizer
+        # follow, its loops keep their own count; the strategy stops it at hopnet's last iteration.)
         self.handed = dict(state)
 
     def restore(self, optimizers: list[torch.optim.Optimizer]) -> bool:
