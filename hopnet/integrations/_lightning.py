@@ -14,7 +14,8 @@ GradScaler's ``unscale_``. The collectives (``reduce``, ``barrier``, ``broadcast
 :meth:`hopnet.Worker.gather`; before the setup they are local (no worker yet). Checkpoints:
 every rank writes its own file (rank 0 at Lightning's path, rank R at ``PATH.rankR``) with
 hopnet's state under ``"hopnet"``; ``fit(ckpt_path=...)`` resumes every rank from its own.
-The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
+A replacement (``--max-restarts``) takes the Trainer's state in its handover (:class:`TrainerState`),
+and Lightning restores it as from a checkpoint. The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
 the loop stopped earlier). What it refuses, and why: docs/guides/lightning.md.
 """
 
