@@ -216,6 +216,7 @@ def take_over(worker: Worker, restart: int) -> dict[str, Any]:
     seen = handover.protocol_state.pop(rejoin.RESTARTS_SEEN, {})
     finished = bool(handover.protocol_state.pop(rejoin.FINISHED, False))
     handover.protocol_state.pop(rejoin.BLOCKED, None)
+    worker.gather_calls = int(handover.protocol_state.pop(rejoin.GATHERS, 0))
     node.restarts_seen.update({int(r): int(n) for r, n in seen.items() if int(r) != lane_rank})
     node.protocol.rejoin_at(handover.iteration, handover.protocol_state)
     if node.coordinator is not None:
@@ -478,7 +479,7 @@ class Worker:
         model_print = rejoin.fingerprint(self.node.protocol.model_tensors())
         protocol_state = {**self.node.protocol.handover_state(),
                           rejoin.RESTARTS_SEEN: {str(r): n for r, n in self.node.restarts_seen.items()},
-                          rejoin.FINISHED: finished, rejoin.BLOCKED: blocked}
+                          rejoin.FINISHED: finished, rejoin.BLOCKED: blocked, rejoin.GATHERS: self.gather_calls}
         return [rejoin.handover_message(self.node.rank, peer, iteration, protocol_state, state, model_print)
                 for peer in requests]
 

@@ -14,7 +14,8 @@ GradScaler's ``unscale_``. The collectives (``reduce``, ``barrier``, ``broadcast
 :meth:`hopnet.Worker.gather`; before the setup they are local (no worker yet). Checkpoints:
 every rank writes its own file (rank 0 at Lightning's path, rank R at ``PATH.rankR``) with
 hopnet's state under ``"hopnet"``; ``fit(ckpt_path=...)`` resumes every rank from its own.
-The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
+A replacement (``--max-restarts``) takes the Trainer's state in its handover (:class:`TrainerState`),
+and Lightning restores it as from a checkpoint. The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
 the loop stopped earlier). What it refuses, and why: docs/guides/lightning.md.
 """
 
@@ -40,6 +41,8 @@ from hopnet.checkpoint import OPTIMIZER_STATE
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.optim import DistributedOptimizer
 
+LOOP_STATE = "lightning"
+"""The name under which the strategy registers the Trainer's own state with hopnet (:class:`TrainerState`)."""
 STATE_KEY = "hopnet"
 """Where a checkpoint holds hopnet's state (:meth:`hopnet.Worker.checkpoint_state`, pickled)."""
 WAITS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
@@ -88,9 +91,6 @@ def refusal(worker: Worker) -> str | None:
     if getattr(worker.config.options, "skip_threshold", None) is not None:
         return ("Hop's skipping (--skip-threshold) jumps iterations that Lightning's loop counts one by one: "
                 "drop it under HopnetStrategy")
-    if worker.node.max_restarts:
-        return ("--max-restarts: a replacement would start Lightning's loop over at step 0 while the run goes on; "
-                "use ModelCheckpoint and fit(ckpt_path=...) instead")
     if worker.checkpointer is not None:
         return "--checkpoint-every: Lightning saves the checkpoints (ModelCheckpoint, with hopnet's state inside)"
     if worker.changeover is not None:
@@ -98,6 +98,44 @@ def refusal(worker: Worker) -> str | None:
     if worker.replica.size > 1:
         return "replica groups (--replica-size) are not supported under HopnetStrategy"
     return None
+
+
+class TrainerState:
+    """The Trainer's training state, as ``fit(ckpt_path=...)`` restores it (its loops' progress,
+    the callbacks', the LR schedulers', the precision plugin's), registered with hopnet so that a
+    handover carries it to a replacement (``--max-restarts``); hopnet hands the model and the
+    optimizer itself. The replacement's :meth:`load_state_dict` keeps it for the strategy, which
+    gives it to Lightning's checkpoint connector once set up."""
+
+    def __init__(self, trainer: Any, version: str) -> None:
+        self.trainer, self.version = trainer, version
+        self.handed: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer  # (at a step boundary, or on the event loop with the trainer blocked in its step)
+        state = {"pytorch-lightning_version": self.version, "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+                 "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
+                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+        precision = trainer.precision_plugin.state_dict()
+        if precision:
+            state[type(trainer.precision_plugin).__qualname__] = precision
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # (A resync that moves a rank already training forward loads it too: its model and optimizer
+        # follow, its loops keep their own count; the strategy stops it at hopnet's last iteration.)
+        self.handed = dict(state)
+
+    def restore(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """In a replacement: hand Lightning the state it restores after the strategy's setup (as from
+        a checkpoint), the optimizers' as they stand (they took theirs as they registered)."""
+        if self.handed is None:
+            return False
+        connector = self.trainer._checkpoint_connector
+        connector._loaded_checkpoint = {**self.handed, "optimizer_states": [o.state_dict() for o in optimizers]}
+        connector.restore_callbacks()  # (the others Lightning restores itself: precision, loops, schedulers)
+        self.handed = None
+        return True
 
 
 def strategy_class(pl: ModuleType) -> type:
@@ -131,6 +169,7 @@ def strategy_class(pl: ModuleType) -> type:
             self._total = 0
             self._due = True  # the next batch (or step) enters a new iteration
             self._done = False
+            self._catching_up = False  # a replacement, before it enters its first iteration
 
         # ---------------------------------------------------------------- who and where
         @property
@@ -181,6 +220,15 @@ def strategy_class(pl: ModuleType) -> type:
                     raise ConfigError(f"HopnetStrategy: {why}")
             return model
 
+        def setup(self, trainer: Any) -> None:
+            super().setup(trainer)
+            assert self.worker is not None
+            loops = TrainerState(trainer, pl.__version__)
+            self.worker.register_state(LOOP_STATE, loops)  # in a replacement: loads the handed state
+            # A replacement goes on where its donor was (Lightning restores the loops next); the
+            # collectives of a fit's start, which the others made long ago, stay local until it trains.
+            self._catching_up = loops.restore(self.optimizers)
+
         def setup_optimizers(self, trainer: Any) -> None:
             super().setup_optimizers(trainer)
             configured = list(self.optimizers)
@@ -225,6 +273,7 @@ def strategy_class(pl: ModuleType) -> type:
                                       f"step {trainer.global_step}: resume with fit(ckpt_path=...) only")
                 self._total = int(total)
                 self._iterations = worker.iterations(self._total)
+            self._catching_up = False
             self._current = next(self._iterations)
             self._due = False
 
@@ -261,12 +310,13 @@ def strategy_class(pl: ModuleType) -> type:
             run's last iteration, before Lightning's last validation and checkpoint, or here when
             the loop stopped early (every rank agreed to: early stopping)."""
             self._finish()
+            self._catching_up = False
             if self.worker is not None and not self.worker.consensus_calls:
                 self.worker.consensus()
 
         # ---------------------------------------------------------------- collectives among the live workers
         def _gather(self, value: Any) -> dict[int, Any] | None:
-            return None if self.worker is None else self.worker.gather(value)
+            return None if self.worker is None or self._catching_up else self.worker.gather(value)
 
         def barrier(self, name: str | None = None) -> None:
             self._gather(None)
@@ -309,7 +359,8 @@ def strategy_class(pl: ModuleType) -> type:
             if worker is not None and worker.steps:
                 state = worker.checkpoint_state(worker.iteration - 1)  # the model is Lightning's state_dict
                 del state["model"]
-                state["states"].pop(OPTIMIZER_STATE, None)  # and the optimizer its optimizer_states
+                state["states"].pop(OPTIMIZER_STATE, None)  # and the optimizer its optimizer_states,
+                state["states"].pop(LOOP_STATE, None)  # and the Trainer its own
                 checkpoint = {**checkpoint, STATE_KEY: pack(state)}
             self.checkpoint_io.save_checkpoint(checkpoint, rank_path(filepath, self._rank),
                                                storage_options=storage_options)

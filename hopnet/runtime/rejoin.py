@@ -48,6 +48,9 @@ say the same."""
 RESTARTS_SEEN = "restarts_seen"
 """In a handover's protocol state: the donor's ``Node.restarts_seen``, so that the replacement counts
 the same replacements (``Node.epoch``) as everyone else."""
+GATHERS = "gathers"
+"""In a handover's protocol state: the donor's ``Worker.gather_calls``, so that the replacement's next
+:meth:`hopnet.Worker.gather` is the one the others make next (each is numbered by its call)."""
 for _kind in REJOIN_KINDS:
     register_kind(_kind, any_rank=True)
 
@@ -103,5 +106,5 @@ def read_handover(msg: Message) -> Handover:
     return Handover(msg.src, iteration, dict(protocol_state), unpack(msg.tensors[0]), float(print_))
 
 
-__all__ = ["BLOCKED", "FINISHED", "HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
+__all__ = ["BLOCKED", "FINISHED", "GATHERS", "HANDOVER", "HANDOVER_REQUEST", "REJOIN", "RESTARTS_SEEN", "REJOIN_KINDS", "Handover", "fingerprint", "handover_message",
            "read_handover"]

@@ -1,7 +1,7 @@
 """A LightningModule trained under HopnetStrategy, in either Lightning namespace, for
 tests/test_lightning.py: the digits MLP of examples/lightning_digits.py, an early stop agreed
 through ``reduce_boolean_decision`` (as EarlyStopping does), a worker that dies, and checks of
-the collectives.
+the collectives; with ``--lr-step``, an LR schedule stepped per step.
 
     hopnet launch --nproc 2 tests/scripts/lightning_worker.py --namespace pytorch_lightning --stop-at 30
 """
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--namespace", choices=("lightning.pytorch", "pytorch_lightning"), default="lightning.pytorch")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--stop-at", type=int, default=None, help="every rank agrees to stop after this step")
+    parser.add_argument("--lr-step", type=int, default=None, help="halve the learning rate every that many steps")
     parser.add_argument("--die", default=None, metavar="RANK:STEP", help="that rank exits (status 3) after that step")
     args = parser.parse_args()
     pl = importlib.import_module(args.namespace)
@@ -45,7 +46,11 @@ def main() -> None:
             return nn.functional.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            if args.lr_step is None:
+                return optimizer
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.lr_step, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     class StopAt(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
@@ -69,7 +74,8 @@ def main() -> None:
     strategy.barrier()
     with torch.no_grad():
         accuracy = (module.net(x_test).argmax(dim=1) == y_test).float().mean().item()
-    print(f"accuracy {accuracy:.4f} steps {trainer.global_step} iteration {strategy.worker.iteration} "
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    print(f"accuracy {accuracy:.4f} epoch {trainer.current_epoch} lr {lr:g} steps {trainer.global_step} iteration {strategy.worker.iteration} "
           f"sum {total.item():g} gathered {gathered.flatten().tolist()} broadcast {shared!r}", flush=True)
 
 
