@@ -82,12 +82,11 @@ def test_allreduce_ends_with_the_parameters_of_lightnings_ddp(launch, tmp_path: 
     """Clipping and two micro-batches of accumulation, with ``--bucket-mb 0``: the gradient is
     averaged only where the strategy asks for it (before the clip), so a clip of the local
     gradient would part the two (by 0.06 here)."""
-    flags = ["--iterations", "150", "--clip", "0.3", "--accumulate", "2"]
+    flags = ["--iterations", "40", "--clip", "0.3", "--accumulate", "2"]  # (the accuracy: the hop test's)
     ours, theirs = tmp_path / "hopnet.pt", tmp_path / "ddp.pt"
     result = launch(["--nproc", "2", "--protocol", "allreduce", "--bucket-mb", "0", "--run-dir",
                      str(tmp_path / "run"), EXAMPLE, *flags, "--save", str(ours)])
     assert result.returncode == 0, result.stderr
-    assert min(_accuracies(result.stdout).values()) >= BAR, result.stdout  # 0.944 measured
     ddp = subprocess.run([sys.executable, EXAMPLE, "--strategy", "ddp", "--devices", "2", *flags, "--save", str(theirs)],
                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert ddp.returncode == 0, ddp.stderr
