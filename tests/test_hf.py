@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,11 @@ from hopnet.integrations.accelerate import LAUNCHER_VARIABLES, single_process
 from hopnet.integrations.transformers import HopnetTrainer, resume_folder
 
 from support.env import clean_env
+from support.launch import kill, start_launch, worker_pids
 from support.paths import EXAMPLES, WORKERS
 from support.ports import free_port
-from support.records import records
+from support.records import LogFollower, records
+from support.wait import wait_until
 
 LM = str(EXAMPLES / "hf_trainer_lm.py")
 BARE = str(WORKERS / "bare_lm.py")
@@ -30,14 +33,15 @@ SYNC = str(WORKERS / "accelerate_sync.py")
 LOSS = re.compile(r"^\[rank (\d+)\] held-out loss ([0-9.]+)", re.MULTILINE)
 
 
-def _run(launch, run_dir: Path, protocol: str, script: str, *args: str, options: tuple[str, ...] = ()) -> list[float]:
-    """Two workers; each rank's held-out loss, in rank order (the consensus model's: the same on each)."""
-    result = launch(["--nproc", "2", "--protocol", protocol, *options, "--run-dir", str(run_dir), script, *args],
-                    env=clean_env(HF_HUB_OFFLINE="1"))
+def _run(launch, run_dir: Path, protocol: str, script: str, *args: str, options: tuple[str, ...] = (),
+         nproc: int = 2) -> list[float]:
+    """``nproc`` workers; each rank's held-out loss, in rank order (the consensus model's: the same on each)."""
+    result = launch(["--nproc", str(nproc), "--protocol", protocol, *options, "--run-dir", str(run_dir), script,
+                     *args], env=clean_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     losses = {int(rank): float(loss) for rank, loss in LOSS.findall(result.stdout)}
-    assert sorted(losses) == [0, 1], result.stdout[-2000:]
-    return [losses[0], losses[1]]
+    assert sorted(losses) == list(range(nproc)), result.stdout[-2000:]
+    return [losses[rank] for rank in range(nproc)]
 
 
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -84,6 +88,38 @@ def test_checkpoints_hold_hopnets_state_and_resume_mid_round(launch, tmp_path: P
     assert [r["iter"] for r in records(tmp_path / "resumed", 0, "resumed")] == [11]
     assert resumed == whole
     assert _largest_difference(load_file(out / "model.safetensors"), ended) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["allreduce", "hop"])
+def test_a_replacement_trainer_goes_on_where_its_neighbour_was(launch, tmp_path: Path, protocol: str) -> None:
+    """`--max-restarts 1`, rank 2 killed at its iteration 8 of 30: its replacement takes a neighbour's
+    model, optimizer, LR schedule and TrainerState, and its Trainer skips the batches already seen.
+    The run ends where the run without the kill ends: under allreduce, measured bit for bit (the
+    replacement computes the dead worker's gradients); under Hop, within noise (it takes its
+    neighbour's model, not its own)."""
+    args = [LM, "--steps", "30"]
+    whole = _run(launch, tmp_path / "whole", protocol, *args, nproc=3)
+    run_dir = tmp_path / "run"
+    proc = start_launch(["--nproc", "3", "--protocol", protocol, "--max-restarts", "1", "--peer-timeout", "3",
+                         "--no-progress", "--run-dir", str(run_dir), *args, "--output-dir", str(tmp_path / "out")],
+                        env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
+    try:
+        log = LogFollower(run_dir / "rank2.jsonl")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 8),
+                   180, interval=0.02, what="rank 2's iteration 8", while_running=proc)
+        os.kill(worker_pids(run_dir, 3)[2], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "hopnet launch: rank 2 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
+    (rejoined,) = records(run_dir, 2, "rejoined")
+    assert rejoined["iter"] > 0
+    assert [[r["iter"] for r in records(run_dir, rank, "stop")][-1] for rank in range(3)] == [29] * 3
+    losses = {int(rank): float(loss) for rank, loss in LOSS.findall(out)}
+    assert sorted(losses) == [0, 1, 2] and len(set(losses.values())) == 1, out[-2000:]
+    assert abs(losses[0] - whole[0]) <= (1e-3 if protocol == "allreduce" else 0.05), (losses, whole)
 
 
 @pytest.mark.parametrize("protocol", ["allreduce", "hop"])

@@ -17,6 +17,9 @@ What it changes in the Trainer, and nothing else:
 * each worker reads its share of every epoch (``DistributedSampler``'s division, seeded with
   ``data_seed`` or ``seed``);
 * checkpoints go to ``output_dir/rank{R}/checkpoint-N``, with hopnet's state in ``hopnet/``;
+* the Trainer's progress (``TrainerState``) and LR schedule are registered with the worker, so that
+  a replacement that ``hopnet launch --max-restarts`` starts gets them in its neighbour's handover,
+  with the model and the optimizer, and ``train()`` goes on from there as a resume does;
 * at the end of ``train()`` every live worker holds the consensus model, and ``save_model()``
   writes it from the lowest live rank only.
 """
@@ -24,8 +27,11 @@ What it changes in the Trainer, and nothing else:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import re
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,10 @@ from hopnet.integrations.accelerate import Sync, single_process
 
 STATE_FOLDER = "hopnet"
 """The folder of a Trainer checkpoint that holds this rank's hopnet checkpoint."""
+PROGRESS_STATE = "hf_trainer_state"
+"""The name the Trainer's ``TrainerState`` is registered under (hopnet's checkpoints, handovers)."""
+SCHEDULER_STATE = "hf_lr_scheduler"
+"""The name the Trainer's LR scheduler is registered under."""
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
@@ -54,6 +64,10 @@ class HopnetTrainer(Trainer):
     keyword options of :func:`hopnet.init` (``max_ig=4``...). Not supported: ``model_init``
     (hyperparameter search), DeepSpeed, FSDP, fp16 with a gradient scaler (use bf16), and hopnet's
     own ``--checkpoint-every`` (use ``save_steps``).
+
+    Under ``hopnet launch --max-restarts``, a replacement's ``train()`` goes on from its neighbour's
+    handover: its model, optimizer, LR schedule and ``TrainerState`` (global step, epoch), fed
+    through the Trainer's own resume path, which skips the batches of the epoch already seen.
     """
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *positional: Any,
@@ -71,6 +85,9 @@ class HopnetTrainer(Trainer):
         self.worker = worker
         self.hopnet_options = dict(hopnet_options or {})
         self.sync: Sync | None = None
+        self.handed_state: TrainerState | None = None
+        """A replacement's: the ``TrainerState`` its neighbour handed over (``None`` otherwise)."""
+        self._handover_folder: str | None = None
         self.add_callback(_HopnetCallback(self))
 
     # ------------------------------------------------------------------ the run
@@ -88,7 +105,21 @@ class HopnetTrainer(Trainer):
             self.worker = _start_worker(self.model, resume, self.hopnet_options)
         elif resume is not None:
             raise ConfigError("resume_from_checkpoint: the worker is already started (resume in a fresh process)")
-        return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        # A replacement gets its neighbour's TrainerState here (hopnet loads it as it registers).
+        self.worker.register_state(PROGRESS_STATE, _Progress(self))
+        with contextlib.ExitStack() as stack:
+            if resume is None and self.handed_state is not None:
+                resume = self._handover_folder = stack.enter_context(tempfile.TemporaryDirectory())
+                self.handed_state.save_to_json(os.path.join(resume, "trainer_state.json"))
+            try:
+                return super().train(resume_from_checkpoint=resume, trial=trial,
+                                     ignore_keys_for_eval=ignore_keys_for_eval)
+            finally:
+                self._handover_folder = None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if resume_from_checkpoint != self._handover_folder:  # a replacement's model came with the handover
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler | None:
         dataset = self.train_dataset if train_dataset is None else train_dataset
@@ -132,6 +163,8 @@ class _HopnetCallback(TrainerCallback):
         sync = Sync(trainer.accelerator, trainer.model, trainer.optimizer, steps=state.max_steps,
                     worker=trainer.worker)
         trainer.sync = sync.__enter__()
+        if trainer.lr_scheduler is not None:  # (the optimizer's state: Sync's DistributedOptimizer registers it)
+            sync.worker.register_state(SCHEDULER_STATE, trainer.lr_scheduler)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -157,6 +190,27 @@ class _HopnetCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.trainer.sync is not None:
             self.trainer.sync.close()  # every live worker: the consensus model
+
+
+class _Progress:
+    """The Trainer's ``TrainerState`` as registered state: saved in hopnet's checkpoints and handed
+    over at the step boundary (``on_step_end``: ``global_step`` counts the step just finished).
+    Loaded before training (a replacement), it is kept for ``train()``'s resume path; during
+    training (a rank behind that resynchronizes), the step and epoch counters follow it."""
+
+    def __init__(self, trainer: HopnetTrainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trainer_state": json.dumps(dataclasses.asdict(self.trainer.state))}  # as its save_to_json
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        loaded = TrainerState(**json.loads(state["trainer_state"]))
+        trainer = self.trainer
+        if trainer.sync is None:
+            trainer.handed_state = loaded
+        else:
+            trainer.state.global_step, trainer.state.epoch = loaded.global_step, loaded.epoch
 
 
 def _one_process(args: TrainingArguments) -> None:
@@ -246,4 +300,4 @@ def _variables(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-__all__ = ["STATE_FOLDER", "HopnetTrainer", "resume_folder"]
+__all__ = ["PROGRESS_STATE", "SCHEDULER_STATE", "STATE_FOLDER", "HopnetTrainer", "resume_folder"]
