@@ -95,8 +95,7 @@ class HopnetTrainer(Trainer):
               ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
         """``Trainer.train``, as one hopnet worker; ``resume_from_checkpoint=True`` resumes every rank
         from the newest step that all of them saved (:func:`resume_folder`)."""
-        resume = resume_folder(str(self.args.output_dir), resume_from_checkpoint, _environ_rank(),
-                               _environ_world_size())
+        resume = resume_folder(str(self.args.output_dir), resume_from_checkpoint, *_environ_place())
         if self.sync is not None:
             raise ConfigError("HopnetTrainer trains once: its run ended with the consensus (start another process)")
         if self.worker is None:
@@ -270,20 +269,14 @@ def _saved_steps(folder: Path, rank: int) -> set[int]:
             and checkpoint.rank_iterations(path / STATE_FOLDER, rank)}
 
 
+def _environ_place() -> tuple[int, int]:
+    """This process's rank and the run's world size, from its launcher's variables (0 of 1 without)."""
+    found = WorkerEnv.from_environ(os.environ) or detect(os.environ)
+    return (found.rank, found.world_size) if found is not None else (0, 1)
+
+
 def _environ_rank() -> int:
-    launched = WorkerEnv.from_environ(os.environ)
-    if launched is not None:
-        return launched.rank
-    external = detect(os.environ)
-    return external.rank if external is not None else 0
-
-
-def _environ_world_size() -> int:
-    launched = WorkerEnv.from_environ(os.environ)
-    if launched is not None:
-        return launched.world_size
-    external = detect(os.environ)
-    return external.world_size if external is not None else 1
+    return _environ_place()[0]
 
 
 @contextlib.contextmanager
