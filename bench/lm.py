@@ -8,12 +8,14 @@ Every run trains examples/train_lm.py (the byte-level decoder on the stdlib's so
 warm-up + cosine, two micro-batches, clipping, bf16) for ``--iterations`` on ``--nproc`` workers:
 DDP first, through torchrun and its twin bench/lm_ddp.py (gloo), then each hopnet run through
 ``hopnet launch`` with the example unchanged. The **target** is the held-out loss DDP reaches after
-``--budget`` iterations (default: 80% of the run, so the others have room to get there a little
-later in iterations and still sooner in time). A run's time to target is the time until *every*
-worker's own model first scores at or below it (each worker's clock from the start of its training
-loop, evaluated every ``--eval-every`` iterations; the evaluations' own time is in it, alike for
-all). ``DDP / this`` above 1 is sooner than DDP. Hop runs with the options the README gives for
-a persistent straggler under ``--scenario straggler`` (``hop-skip``); ``--runs`` picks others.
+``--budget`` of its ``--iterations`` (default: half; every run has the same schedule, so that a
+protocol whose iterations each gain less than DDP's has room to get there in more of them). A
+run's time to target is the time until *every* worker's own model first scores at or below it
+(each worker's clock from the start of its training loop, evaluated every ``--eval-every``
+iterations; the evaluations' own time is in it, alike for all). ``DDP / this`` above 1 is sooner than DDP. Hop runs with the options the README gives for
+a persistent straggler under ``--scenario straggler`` (``hop-skip``); ``diloco-avg`` is DiLoCo with
+a plain average for its outer step (``--outer-lr 1 --outer-momentum 0``), ``allreduce-torch`` the
+all-reduce over gloo (``--bulk torch``); ``--runs`` picks others.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ RUNS = {
     "ad-psgd": ["--protocol", "ad-psgd"],
     "partial-reduce": ["--protocol", "partial-reduce"],
     "diloco": ["--protocol", "diloco", "--local-steps", "10"],
+    "diloco-avg": ["--protocol", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"],
     "diloco-quorum": ["--protocol", "diloco", "--local-steps", "10", "--outer-quorum", "3"],
+    "allreduce-torch": ["--protocol", "allreduce", "--bulk", "torch"],
 }
-DEFAULT_RUNS = {"none": "ddp,allreduce,hop,ad-psgd,partial-reduce,diloco",
-                "straggler": "ddp,allreduce,hop-skip,ad-psgd,partial-reduce,diloco"}
+DEFAULT_RUNS = {"none": "ddp,allreduce,allreduce-torch,hop,ad-psgd,partial-reduce,diloco,diloco-avg",
+                "straggler": "ddp,allreduce,hop-skip,ad-psgd,partial-reduce,diloco,diloco-avg"}
 
 
 def free_port() -> int:
@@ -123,14 +127,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--budget", type=int, default=None,
-                        help="DDP's iterations that set the target (default: 80%% of --iterations)")
+                        help="DDP's iterations that set the target (default: half of --iterations)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--example-args", default="", help="more flags for examples/train_lm.py, quoted")
     parser.add_argument("--out", default="runs/bench-lm")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
-    budget = args.budget or args.eval_every * max(1, round(0.8 * args.iterations / args.eval_every))
+    budget = args.budget or args.eval_every * max(1, round(0.5 * args.iterations / args.eval_every))
     names = (args.runs or DEFAULT_RUNS[args.scenario]).split(",")
     if names[0] != "ddp" or any(n not in RUNS for n in names[1:]):
         raise SystemExit(f"bench/lm.py: error: --runs must start with ddp and name runs of {', '.join(RUNS)}")
