@@ -107,11 +107,12 @@ class ByteLM(nn.Module):
         self.head_dim = d_model // heads
         self.embed = nn.Embedding(256, d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(d_model, heads, layers) for _ in range(layers))
+        blocks = [Block(d_model, heads, layers) for _ in range(layers)]
+        self.blocks = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(d_model)
         self.out = nn.Linear(d_model, 256, bias=False)
         self.out.weight = self.embed.weight  # tied
-        for block in self.blocks:
+        for block in blocks:
             for linear in (block.qkv, block.gate_up):
                 nn.init.normal_(linear.weight, std=0.02)
 
@@ -160,9 +161,9 @@ def evaluate(model: nn.Module, heldout: tuple[torch.Tensor, torch.Tensor], args:
     """Mean next-byte cross-entropy (nats) over the held-out windows."""
     was_training = model.training
     model.eval()
-    with torch.no_grad(), autocast(args):
-        losses = [lm_loss(model, x, y) for x, y in zip(heldout[0].split(32), heldout[1].split(32))]
-        loss = (sum(l * len(x) for l, x in zip(losses, heldout[0].split(32))) / len(heldout[0])).item()
+    with torch.no_grad(), autocast(args):  # in chunks of 32 windows, each chunk's mean weighted by its size
+        sums = [lm_loss(model, x, y) * len(x) for x, y in zip(heldout[0].split(32), heldout[1].split(32))]
+        loss = torch.stack(sums).sum().item() / len(heldout[0])
     model.train(was_training)
     return loss
 
