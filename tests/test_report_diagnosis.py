@@ -162,8 +162,9 @@ def test_a_busy_machine_is_named_even_with_a_core_per_worker(tmp_path: Path,
     run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"))
     _with_cpu_records(run_dir, runq_per_s=0.4, cores=8)
     lines, _, _ = _report(run_dir, tmp_path, capsys)
-    assert lines[0].startswith("diagnosis: other processes kept the 8 cores of node7 busy"), lines
-    assert "measure again with node7's cores free" in lines[-1]
+    assert lines[0].startswith("diagnosis: the threads of 4 workers (each computes and talks at once) and of any "
+                               "other process outnumbered the 8 cores of node7"), lines
+    assert "give each worker two cores of node7, or measure with them free" in lines[-1]
 
 
 def test_a_slow_link_on_a_machine_with_cores_to_spare_is_still_a_slow_link(tmp_path: Path,

@@ -40,13 +40,14 @@ class Contention:
         low, high = min(self.shares.values()), max(self.shares.values())
         share = f"{low:.2f} s" if round(low, 2) == round(high, 2) else f"{low:.2f}-{high:.2f} s"
         who = (f"{self.workers} busy workers share {self.cores} cores on {self.host}" if self.oversubscribed else
-               f"other processes kept the {self.cores} cores of {self.host} busy")
+               f"the threads of {self.workers} workers (each computes and talks at once) and of any other process "
+               f"outnumbered the {self.cores} cores of {self.host}")
         return (f"{who}: each worker waited runnable for a core {share} per second of training, so the waits on "
                 "its peers are CPU contention, not a slow link or a straggler")
 
     def advice(self) -> str:
         where = (f"run at most {self.cores} busy workers on {self.host} (for example `--nproc {self.cores}`)"
-                 if self.oversubscribed else f"measure again with {self.host}'s cores free")
+                 if self.oversubscribed else f"give each worker two cores of {self.host}, or measure with them free")
         return f"no option suggested: no protocol option gives a worker a core; {where}"
 
 
