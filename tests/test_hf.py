@@ -92,33 +92,33 @@ def test_checkpoints_hold_hopnets_state_and_resume_mid_round(launch, tmp_path: P
 
 @pytest.mark.slow
 def test_a_replacement_trainer_goes_on_where_its_neighbour_was(launch, tmp_path: Path) -> None:
-    """`--max-restarts 1` under allreduce, rank 2 killed at its iteration 8 of 30: its replacement takes
+    """`--max-restarts 1` under allreduce, rank 1 of 2 killed at its iteration 8 of 30: its replacement takes
     a neighbour's model, optimizer, LR schedule and TrainerState, and its Trainer skips the batches
     already seen. The run ends where the run without the kill ends, measured bit for bit (the
     replacement computes the dead worker's gradients). (Under Hop the same adapter path ran within
     noise of the run without a kill: 2.9068 against 2.9088; not repeated here, for the suite's time.)"""
     protocol = "allreduce"
     args = [LM, "--steps", "30"]
-    whole = _run(launch, tmp_path / "whole", protocol, *args, nproc=3)
+    whole = _run(launch, tmp_path / "whole", protocol, *args, nproc=2)
     run_dir = tmp_path / "run"
-    proc = start_launch(["--nproc", "3", "--protocol", protocol, "--max-restarts", "1", "--peer-timeout", "3",
+    proc = start_launch(["--nproc", "2", "--protocol", protocol, "--max-restarts", "1", "--peer-timeout", "3",
                          "--no-progress", "--run-dir", str(run_dir), *args, "--output-dir", str(tmp_path / "out")],
                         env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
     try:
-        log = LogFollower(run_dir / "rank2.jsonl")
+        log = LogFollower(run_dir / "rank1.jsonl")
         wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 8),
-                   180, interval=0.02, what="rank 2's iteration 8", while_running=proc)
-        os.kill(worker_pids(run_dir, 3)[2], signal.SIGKILL)
+                   180, interval=0.02, what="rank 1's iteration 8", while_running=proc)
+        os.kill(worker_pids(run_dir, 2)[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
         kill(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert "hopnet launch: rank 2 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
-    (rejoined,) = records(run_dir, 2, "rejoined")
+    assert "hopnet launch: rank 1 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
+    (rejoined,) = records(run_dir, 1, "rejoined")
     assert rejoined["iter"] > 0
-    assert [[r["iter"] for r in records(run_dir, rank, "stop")][-1] for rank in range(3)] == [29] * 3
+    assert [[r["iter"] for r in records(run_dir, rank, "stop")][-1] for rank in range(2)] == [29] * 2
     losses = {int(rank): float(loss) for rank, loss in LOSS.findall(out)}
-    assert sorted(losses) == [0, 1, 2] and len(set(losses.values())) == 1, out[-2000:]
+    assert sorted(losses) == [0, 1] and len(set(losses.values())) == 1, out[-2000:]
     assert abs(losses[0] - whole[0]) <= 1e-3, (losses, whole)
 
 
