@@ -37,8 +37,8 @@ def replica_restart_refusal(config: ProtocolConfig) -> str | None:
 
     able = [name for name in registry.names() if registry.lookup(name).restarts_replicas]
     if not able:
-        return ("--max-restarts does not bring back a replica group yet (a restarted replica hung in 1 of 6 "
-                "fresh test runs); --max-failures counts replicas")
+        return ("--max-restarts does not bring back a replica group yet (a restarted replica hung in 1 of 4 "
+                "fresh-clone test runs); --max-failures counts replicas")
     return (f"--max-restarts: --protocol {config.protocol} cannot bring back a replica group yet (a dead replica "
             f"can leave a survivor's lanes an iteration apart, one held in the replica's own all-reduce); "
             f"{', '.join(able)} can; --max-failures counts replicas with any protocol")
