@@ -631,7 +631,7 @@ class Worker:
         self.consensus_calls += 1
         try:
             result = self._thread.run(run_consensus(self.node, call))
-            self.replica.after_step()  # every member of a replica holds what its lanes averaged
+            self.replica.after_step(mixed=True)  # every member of a replica holds what its lanes averaged
         except Exception as exc:
             self.failure = exc
             raise

@@ -34,6 +34,11 @@ class LaneAgreement:
         """An agreement on a group of its own, for choices made in an order independent of this one's."""
         self.rounds = 0
         """How many agreements this lane took part in (each one all-reduce)."""
+        self.models_mixed = False
+        """The lane changed its slice of the model since the replica's last step (:meth:`mixed_models`)."""
+
+    def mixed_models(self) -> None:
+        self.models_mixed = True
 
     def _all_reduce_min(self, vector: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -75,8 +75,15 @@ class ReplicaSync:
     def wrap_apply(self, apply: Callable[[], None] | None) -> Callable[[], None] | None:
         return apply
 
-    def after_step(self) -> None:
-        pass
+    def after_step(self, *, mixed: bool = False) -> None:
+        """``mixed``: the lanes changed the model outside the protocol's step (the consensus)."""
+
+    def _lanes_mixed(self) -> bool:
+        """Whether a lane said it changed its slice of the model since the last step (and forget it)."""
+        if self.lanes is None or not self.lanes.models_mixed:
+            return False
+        self.lanes.models_mixed = False
+        return True
 
     def before_synchronize(self) -> None:
         pass

@@ -102,8 +102,8 @@ class DdpReplica(ReplicaSync):
             apply()
         return whole_then_apply
 
-    def after_step(self) -> None:
-        if self.averages_models or self.state.buffers:
+    def after_step(self, *, mixed: bool = False) -> None:
+        if self._lanes_mixed() or mixed or self.averages_models or self.state.buffers:
             self._share(self.state.flats)
 
     def agree(self, ok: bool) -> bool:

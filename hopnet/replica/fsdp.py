@@ -184,8 +184,8 @@ class FsdpReplica(ReplicaSync):
             self.refresh()
         return shards_then_apply
 
-    def after_step(self) -> None:
-        if self.averages_models or self._buffer_views:
+    def after_step(self, *, mixed: bool = False) -> None:
+        if self._lanes_mixed() or mixed or self.averages_models or self._buffer_views:
             self._to_shards()
 
     def deferring(self, deferred: bool) -> None:

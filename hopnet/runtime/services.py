@@ -82,6 +82,11 @@ class ReplicaLanes(Protocol):
         """The smallest of every lane's ``values[i]``, for each ``i``."""
         ...
 
+    def mixed_models(self) -> None:
+        """This lane changed its slice of the model outside the optimizer's step (a gradient protocol's
+        periodic model average): the replica's members share their slices again after this step."""
+        ...
+
 
 class NodeServices(Protocol):
     """What a protocol may use of the node it is bound to.

@@ -235,6 +235,8 @@ class EagerProtocol(EagerRounds):
             for peer in others:
                 self.node.post(Message(ACTIVATION_KIND, self.rank, peer, self.executed, None, {"sync": iteration}))
         await allreduce_each(self.collective, self.everyone, self.flats, "mean", tag=self._tag(f"sync/{iteration}"))
+        if self.node.lanes is not None:
+            self.node.lanes.mixed_models()  # each lane averaged its slice: the members share theirs
 
     # ------------------------------------------------------------------ replacements (--max-restarts)
     async def _restart_rounds(self) -> None:
