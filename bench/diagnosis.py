@@ -3,6 +3,7 @@ as much as the simulator says?
 
     python bench/diagnosis.py [--iterations 200] [--compute-ms 5] [--factor 20]
     python bench/diagnosis.py --case quickstart [--iterations 3000]
+    python bench/diagnosis.py --case lm [--iterations 150] [--factor 4]
 
 ``straggler`` (the default): ``tests/workers/hop_worker.py`` on ``ring:4`` with rank 1 ``--factor``
 times slower (``--slowdown rank=1:F``). ``quickstart``: the README's quick start as a user runs it,
@@ -11,7 +12,8 @@ diagnosed (:func:`hopnet.report.diagnosis.diagnose` with the simulator's predict
 report` does), then every option the diagnosis simulated is launched, and the predicted speedup
 is printed beside the measured one. Time is the run's span from the first worker's first
 iteration to the last worker's last one (the launcher's start-up left out); ratios compare runs
-of the same invocation only.
+of the same invocation only. ``lm``: the language model (``examples/train_lm.py --preset tiny``, 4 workers)
+with rank 0 ``--factor`` times slower.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from hopnet.sim.whatif import predict
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "tests" / "workers" / "hop_worker.py")
 DIGITS = str(REPO / "examples" / "train_digits.py")
+LM = str(REPO / "examples" / "train_lm.py")
+
+
+DEFAULT_ITERATIONS = {"straggler": 200, "quickstart": 3000, "lm": 150}
 
 
 def launch(run_dir: Path, flags: list[str], args: argparse.Namespace) -> float:
@@ -38,6 +44,9 @@ def launch(run_dir: Path, flags: list[str], args: argparse.Namespace) -> float:
     launcher = [sys.executable, "-m", "hopnet.cli.main", "launch", "--run-dir", str(run_dir)]
     if args.case == "quickstart":
         cmd = [*launcher, "--nproc", "4", *flags, DIGITS, "--iterations", str(args.iterations)]
+    elif args.case == "lm":
+        cmd = [*launcher, "--nproc", "4", "--slowdown", f"rank=0:{args.factor}", *flags, LM, "--preset", "tiny",
+               "--iterations", str(args.iterations), "--eval-every", str(args.iterations)]
     else:
         cmd = [*launcher, "--graph", "ring:4", "--slowdown", f"rank=1:{args.factor}", *flags, WORKER,
                "--iterations", str(args.iterations), "--compute-ms", str(args.compute_ms), "--dim", "100"]
@@ -48,13 +57,16 @@ def launch(run_dir: Path, flags: list[str], args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=("straggler", "quickstart"), default="straggler")
-    parser.add_argument("--iterations", type=int, default=None, help="default: 200 (straggler), 3000 (quickstart)")
+    parser.add_argument("--case", choices=tuple(DEFAULT_ITERATIONS), default="straggler")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help=", ".join(f"default {n} ({case})" for case, n in DEFAULT_ITERATIONS.items()))
     parser.add_argument("--compute-ms", type=float, default=5.0)
-    parser.add_argument("--factor", type=float, default=20.0)
+    parser.add_argument("--factor", type=float, default=None, help="default 20 (straggler), 4 (lm)")
     args = parser.parse_args()
     if args.iterations is None:
-        args.iterations = 3000 if args.case == "quickstart" else 200
+        args.iterations = DEFAULT_ITERATIONS[args.case]
+    if args.factor is None:
+        args.factor = 4.0 if args.case == "lm" else 20.0
     with tempfile.TemporaryDirectory() as tmp:
         base_s = launch(Path(tmp) / "base", [], args)
         began = time.perf_counter()
