@@ -2,6 +2,7 @@
 
     python bench/lm.py --scenario none        # 4 workers, homogeneous
     python bench/lm.py --scenario straggler   # rank 0 4x slower (--slowdown rank=0:4; DDP: the same stretch)
+    sudo python bench/lm.py --scenario link   # two emulated hosts of 2 workers, host 1's link capped at 10 mbit
     python bench/lm.py --preset small --iterations 600 --eval-every 50   # 10.7M parameters: a bigger machine
 
 Every run trains examples/train_lm.py (the byte-level decoder on the stdlib's source, AdamW,
@@ -15,7 +16,10 @@ run's time to target is the time until *every* worker's own model first scores a
 iterations; the evaluations' own time is in it, alike for all). ``DDP / this`` above 1 is sooner than DDP. Hop runs with the options the README gives for
 a persistent straggler under ``--scenario straggler`` (``hop-skip``); ``diloco-avg`` is DiLoCo with
 a plain average for its outer step (``--outer-lr 1 --outer-momentum 0``), ``allreduce-torch`` the
-all-reduce over gloo (``--bulk torch``); ``--runs`` picks others.
+all-reduce over gloo (``--bulk torch``); ``--runs`` picks others. Under ``--scenario link`` the 4 workers
+are 2 on each of two emulated hosts (bench/netns_hosts.py: network namespaces on a bridge, as root),
+host 1's link capped at ``--cap`` both ways with ``tc ... tbf``; DDP runs one torchrun per host, hopnet
+one launcher per host (``--nnodes 2``), and each row also gives the megabytes that crossed the link.
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_hosts import NamespacedHosts, unavailable_reason  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 TWIN = ROOT / "bench" / "lm_ddp.py"
 
-SCENARIOS = {"none": [], "straggler": ["rank=0:4"]}
+SCENARIOS = {"none": [], "straggler": ["rank=0:4"], "link": []}
+LINKED = {"link"}
+"""Scenarios on two emulated hosts (host 1's link capped) rather than one machine."""
 RUNS = {
     "allreduce": ["--protocol", "allreduce"],
     "hop": [],
@@ -46,9 +55,12 @@ RUNS = {
     "diloco-avg": ["--protocol", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"],
     "diloco-quorum": ["--protocol", "diloco", "--local-steps", "10", "--outer-quorum", "3"],
     "allreduce-torch": ["--protocol", "allreduce", "--bulk", "torch"],
+    "hop-stale": ["--backup-workers", "1", "--staleness", "8", "--max-ig", "16"],
+    "diloco-h50-int8": ["--protocol", "diloco", "--local-steps", "50", "--compress", "int8"],
 }
 DEFAULT_RUNS = {"none": "ddp,allreduce,allreduce-torch,hop,ad-psgd,partial-reduce,diloco,diloco-avg",
-                "straggler": "ddp,allreduce,hop-skip,ad-psgd,partial-reduce,diloco,diloco-avg"}
+                "straggler": "ddp,allreduce,hop-skip,ad-psgd,partial-reduce,diloco,diloco-avg",
+                "link": "ddp,allreduce,hop-stale,ad-psgd,partial-reduce,diloco,diloco-h50-int8"}
 
 
 def free_port() -> int:
@@ -62,39 +74,67 @@ def example_args(args: argparse.Namespace) -> list[str]:
             "--seed", str(args.seed), "--device", args.device, *args.example_args.split()]
 
 
-def run(name: str, cmd: list[str]) -> float:
+def run(name: str, cmds: list[list[str]]) -> float:
+    """Run ``cmds`` side by side (one per host); every one must succeed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
         str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-20:])
-        raise SystemExit(f"bench/lm.py: {name} failed (exit {result.returncode}):\n{tail}")
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in cmds]
+    outputs = [proc.communicate(timeout=3600)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        if proc.returncode != 0:
+            for other in procs:
+                other.kill()
+            tail = "\n".join(output.strip().splitlines()[-20:])
+            raise SystemExit(f"bench/lm.py: {name} failed (exit {proc.returncode}):\n{tail}")
     return time.monotonic() - start
 
 
-def run_ddp(run_dir: Path, slowdown: list[str], args: argparse.Namespace) -> list[list[tuple[int, float, float]]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(TWIN), "--out", str(run_dir),
-           *[f"--slowdown={spec}" for spec in slowdown], *example_args(args)]
+def run_ddp(run_dir: Path, slowdown: list[str], args: argparse.Namespace,
+            hosts: NamespacedHosts | None = None) -> list[list[tuple[int, float, float]]]:
+    twin = [str(TWIN), "--out", str(run_dir), *[f"--slowdown={spec}" for spec in slowdown], *example_args(args)]
+    port = free_port()
+    if hosts is None:
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), *twin]]
+    else:
+        cmds = [hosts.command(node, [
+            "env", f"GLOO_SOCKET_IFNAME={hosts.inner[node]}", sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--nproc-per-node", str(args.nproc // 2), "--node-rank", str(node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
+            "--local-addr", hosts.addresses[node],  # both namespaces share one host name
+            "--rdzv-conf", f"is_host={int(node == 0)}", *twin]) for node in range(2)]
+    run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("lm_rank*.json"):
         old.unlink()
-    run("ddp", cmd)
+    run("ddp", cmds)
     ranks = [json.loads((run_dir / f"lm_rank{r}.json").read_text()) for r in range(args.nproc)]
     return [[(int(i), float(t), float(loss)) for i, t, loss in data["evals"]] for data in ranks]
 
 
-def run_hopnet(name: str, run_dir: Path, slowdown: list[str],
-               args: argparse.Namespace) -> tuple[list[list[tuple[int, float, float]]], float | None]:
-    cmd = [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), "--run-dir", str(run_dir),
-           "--overwrite", "--no-progress", "--seed", str(args.seed), *RUNS[name],
-           *[f"--slowdown={spec}" for spec in slowdown], str(EXAMPLE), *example_args(args)]
-    run(name, cmd)
+def run_hopnet(name: str, run_dir: Path, slowdown: list[str], args: argparse.Namespace,
+               hosts: NamespacedHosts | None = None) -> tuple[list[list[tuple[int, float, float]]], float | None]:
+    def launch(node_dir: Path, multi: list[str]) -> list[str]:
+        return [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), *multi,
+                "--run-dir", str(node_dir), "--overwrite", "--no-progress", "--seed", str(args.seed), *RUNS[name],
+                *[f"--slowdown={spec}" for spec in slowdown], str(EXAMPLE), *example_args(args)]
+
+    if hosts is None:
+        dirs, cmds = [run_dir], [launch(run_dir, [])]
+    else:
+        port = free_port()
+        dirs = [run_dir / f"node{node}" for node in range(2)]
+        cmds = [hosts.command(node, launch(dirs[node], [
+            "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
+            "--bind", hosts.addresses[node], "--insecure"])) for node in range(2)]
+    run(name, cmds)
     evals: list[list[tuple[int, float, float]]] = []
     consensus = None
     for r in range(args.nproc):
+        (log,) = [d / f"rank{r}.jsonl" for d in dirs if (d / f"rank{r}.jsonl").exists()]
         mine = []
-        for line in (run_dir / f"rank{r}.jsonl").read_text().splitlines():
+        for line in log.read_text().splitlines():
             record = json.loads(line)
             if record.get("event") != "eval":
                 continue
@@ -118,6 +158,43 @@ def summarize(name: str, evals: list[list[tuple[int, float, float]]], consensus:
             "consensus": finals[0] if consensus is None else consensus}
 
 
+def link_bytes(hosts: NamespacedHosts | None) -> int:
+    """Bytes host 1's link carried so far, both ways (its veth's counters)."""
+    if hosts is None:
+        return 0
+    stats = Path("/sys/class/net") / hosts.outer[1] / "statistics"
+    return sum(int((stats / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
+
+
+def measure(names: list[str], budget: int, args: argparse.Namespace,
+            hosts: NamespacedHosts | None) -> tuple[list[dict], float]:
+    """DDP, then each of ``names[1:]``: a row each, and the target DDP set."""
+    slowdown = SCENARIOS[args.scenario]
+    out = Path(args.out).resolve() / args.scenario
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    before = link_bytes(hosts)
+    ddp_evals = run_ddp(out / "ddp", slowdown, args, hosts)
+    ddp_mb = (link_bytes(hosts) - before) / 1e6
+    at_budget = [loss for i, _, loss in ddp_evals[0] if i + 1 == budget]
+    if not at_budget:
+        raise SystemExit(f"bench/lm.py: error: --budget {budget} is not an evaluation point (--eval-every)")
+    target = at_budget[0]
+    print(f"target: held-out loss {target:.4f}, DDP's after {budget} of {args.iterations} iterations", flush=True)
+    rows = [summarize("ddp", ddp_evals, None, target, args) | {"link_mb": ddp_mb}]
+    for name in names[1:]:
+        before = link_bytes(hosts)
+        try:
+            evals, consensus = run_hopnet(name, out / name, slowdown, args, hosts)
+        except SystemExit as failed:  # one run's failure is a row of the table, not the end of the others
+            print(failed, file=sys.stderr, flush=True)
+            rows.append({"name": f"{name} (failed)", "to_target_s": math.inf, "iters_to_target": math.inf,
+                         "s_per_iteration": math.nan, "final_worst": math.nan, "final_best": math.nan,
+                         "consensus": math.nan, "link_mb": math.nan})
+            continue
+        rows.append(summarize(name, evals, consensus, target, args) | {"link_mb": (link_bytes(hosts) - before) / 1e6})
+    return rows, target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="none")
@@ -133,46 +210,39 @@ def main() -> None:
     parser.add_argument("--example-args", default="", help="more flags for examples/train_lm.py, quoted")
     parser.add_argument("--out", default="runs/bench-lm")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--cap", default="10mbit", help="--scenario link: tbf rate of host 1's link")
     args = parser.parse_args()
     budget = args.budget or args.eval_every * max(1, round(0.5 * args.iterations / args.eval_every))
     names = (args.runs or DEFAULT_RUNS[args.scenario]).split(",")
     if names[0] != "ddp" or any(n not in RUNS for n in names[1:]):
         raise SystemExit(f"bench/lm.py: error: --runs must start with ddp and name runs of {', '.join(RUNS)}")
-    slowdown = SCENARIOS[args.scenario]
-    out = Path(args.out).resolve() / args.scenario
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
-
-    ddp_evals = run_ddp(out / "ddp", slowdown, args)
-    at_budget = [loss for i, _, loss in ddp_evals[0] if i + 1 == budget]
-    if not at_budget:
-        raise SystemExit(f"bench/lm.py: error: --budget {budget} is not an evaluation point (--eval-every)")
-    target = at_budget[0]
-    print(f"target: held-out loss {target:.4f}, DDP's after {budget} of {args.iterations} iterations", flush=True)
-    rows = [summarize("ddp", ddp_evals, None, target, args)]
-    for name in names[1:]:
-        try:
-            evals, consensus = run_hopnet(name, out / name, slowdown, args)
-        except SystemExit as failed:  # one run's failure is a row of the table, not the end of the others
-            print(failed, file=sys.stderr, flush=True)
-            rows.append({"name": f"{name} (failed)", "to_target_s": math.inf, "iters_to_target": math.inf,
-                         "s_per_iteration": math.nan, "final_worst": math.nan, "final_best": math.nan,
-                         "consensus": math.nan})
-            continue
-        rows.append(summarize(name, evals, consensus, target, args))
+    if args.scenario in LINKED:
+        why = unavailable_reason()
+        if why is not None:
+            raise SystemExit(f"bench/lm.py: error: --scenario {args.scenario} emulates two hosts: {why}")
+        if args.nproc % 2:
+            raise SystemExit("bench/lm.py: error: --scenario link puts half the workers on each host: an even --nproc")
+        with NamespacedHosts(2) as hosts:
+            hosts.cap(1, args.cap)
+            rows, target = measure(names, budget, args, hosts)
+    else:
+        rows, target = measure(names, budget, args, None)
     for row in rows:
         print(f"{args.scenario} {row['name']}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                           for k, v in row.items() if k != "name"), flush=True)
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
     ddp = rows[0]
+    linked = args.scenario in LINKED
     print(f"\n| {args.scenario}: run | s / iteration | s to {target:.3f} (all workers) | DDP / this | "
-          "iterations to target | final loss (worst worker) | consensus model |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "iterations to target | final loss (worst worker) | consensus model |" + (" MB across the link |" * linked))
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" * linked))
     for r in rows:
         reached = math.isfinite(r["to_target_s"])
         print(f"| {r['name']} | {r['s_per_iteration']:.3f} | {r['to_target_s']:.1f} | "
               f"{ddp['to_target_s'] / r['to_target_s'] if reached else 0.0:.2f}x | "
-              f"{r['iters_to_target'] if reached else 'not reached'} | {r['final_worst']:.4f} | {r['consensus']:.4f} |")
+              f"{r['iters_to_target'] if reached else 'not reached'} | {r['final_worst']:.4f} | {r['consensus']:.4f} |"
+              + (f" {r['link_mb']:.1f} |" * linked))
     if args.json:
         Path(args.json).write_text(json.dumps({"target": target, "budget": budget, "rows": rows}, indent=1) + "\n")
 
