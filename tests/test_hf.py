@@ -139,33 +139,56 @@ def test_sync_runs_the_protocol_in_an_accelerate_script(launch, tmp_path: Path, 
         assert torch.allclose(model, (own[0] + own[1]) / 2, atol=1e-6)
 
 
+def _ddp_reference(steps: int, *, autocast: bool, skip: int | None = None) -> torch.Tensor:
+    """tests/workers/accelerate_sync.py's model after ``steps`` optimizer steps of both ranks' averaged,
+    accumulated, clipped gradient, AdamW and the schedule, in one process; step ``skip`` (its gradient
+    overflowed) neither steps the optimizer nor the schedule, as under DDP and a gradient scaler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=steps)
+    data = []
+    for rank in (0, 1):
+        x = torch.randn(steps * 2 * 8, 8, generator=torch.Generator().manual_seed(100 + rank))
+        data.append((x, x.sum(dim=1, keepdim=True).sin()))
+    for step in range(steps):
+        optimizer.zero_grad()
+        if step == skip:
+            continue
+        for x, y in data:
+            for micro in (2 * step, 2 * step + 1):
+                rows = slice(8 * micro, 8 * micro + 8)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = model(x[rows])
+                (torch.nn.functional.mse_loss(out.float(), y[rows]) / 2 / 2).backward()  # accumulation, mean of 2 ranks
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
 def test_sync_under_allreduce_steps_as_ddp_would(launch, tmp_path: Path) -> None:
     """The averaged gradient of both ranks' accumulated micro-batches, clipped, then AdamW and the
     schedule: recomputed here in one process, from the same data, the same model results."""
     result = launch(["--nproc", "2", "--protocol", "allreduce", "--run-dir", str(tmp_path / "run"), SYNC,
                      str(tmp_path), "--steps", "4"], env=clean_env())
     assert result.returncode == 0, result.stderr[-3000:]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=4)
-    data = []
+    assert torch.allclose(torch.load(tmp_path / "own0.pt"), _ddp_reference(4, autocast=True), atol=1e-5)
+
+
+def test_sync_with_a_gradient_scaler_skips_an_overflowed_step_on_every_rank_as_ddp_would(
+        launch, tmp_path: Path) -> None:
+    """fp16's gradient scaler (torch's CPU one here, as Accelerate makes a CUDA one on a GPU): rank 1's
+    loss is infinite in step 2. Both ranks skip that step, Accelerate reports it skipped on both (so the
+    prepared schedule does not step), both halve their scale, and the model is DDP's without step 2."""
+    result = launch(["--nproc", "2", "--protocol", "allreduce", "--run-dir", str(tmp_path / "run"), SYNC,
+                     str(tmp_path), "--steps", "4", "--scaler", "--overflow", "1:2"], env=clean_env())
+    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        x = torch.randn(4 * 2 * 8, 8, generator=torch.Generator().manual_seed(100 + rank))
-        data.append((x, x.sum(dim=1, keepdim=True).sin()))
-    for step in range(4):
-        optimizer.zero_grad()
-        for x, y in data:
-            for micro in (2 * step, 2 * step + 1):
-                rows = slice(8 * micro, 8 * micro + 8)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(x[rows])
-                (torch.nn.functional.mse_loss(out.float(), y[rows]) / 2 / 2).backward()  # accumulation, mean of 2 ranks
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-    expected = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    assert torch.allclose(torch.load(tmp_path / "own0.pt"), expected, atol=1e-5)
+        assert f"rank {rank} skipped steps [2], scale 32768.0" in result.stdout, result.stdout
+    expected = _ddp_reference(4, autocast=False, skip=2)
+    for rank in (0, 1):
+        assert torch.allclose(torch.load(tmp_path / f"own{rank}.pt"), expected, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -19,6 +19,13 @@ a hopnet iteration, and the context's exit leaves every worker with the consensu
 
 Under torchrun, build the Accelerator inside :func:`single_process` so that it does not join
 torchrun's process group and wrap the model in DDP.
+
+With fp16's gradient scaler (``mixed_precision="fp16"`` on a GPU) the order is the bare API's
+(:mod:`hopnet.optim`): ``accelerator.backward`` unscales this worker's gradient with its own
+scale before the average, ``clip_grad_norm_`` does not unscale again, and a step whose averaged
+gradient overflowed is skipped by every worker alike; Accelerate then reports it skipped
+(``accelerator.optimizer_step_was_skipped``), so a prepared scheduler, and the Trainer's, do not
+step, as under DDP.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DistributedType
-from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 
 from hopnet.api import Worker, init
 from hopnet.collectives.consensus import ConsensusResult
@@ -84,8 +91,9 @@ class Sync:
                               "build it inside hopnet.integrations.accelerate.single_process()")
         if not isinstance(optimizer, AcceleratedOptimizer):
             raise ConfigError("Sync takes the optimizer accelerator.prepare() returned")
-        if optimizer.scaler is not None:
-            raise ConfigError("Sync does not support fp16 with a gradient scaler: use mixed_precision='bf16'")
+        if optimizer.scaler is not None and not hasattr(optimizer, "_optimizer_patched_step_method"):
+            raise ConfigError("Sync with fp16's gradient scaler needs the AcceleratedOptimizer of Accelerate 1.x "
+                              "(its patched step): use mixed_precision='bf16'")
         self.accelerator = accelerator
         self.prepared = optimizer
         self.inner = optimizer.optimizer
@@ -102,6 +110,11 @@ class Sync:
     def __enter__(self) -> Sync:
         self.prepared.optimizer = self.optimizer
         self.accelerator.backward = self._backward  # type: ignore[method-assign]
+        if self.prepared.scaler is not None:
+            # The scaler's step must call this step, and say it was skipped when every worker skipped it.
+            self.prepared._optimizer_original_step_method = self.optimizer.step
+            self.prepared._optimizer_patched_step_method = self._scaled_step  # set as the optimizer's step
+            self.accelerator.unscale_gradients = self._unscaled_in_backward  # type: ignore[method-assign]
         if self.steps is not None:
             self._loop = self.worker.iterations(self.steps)
             self._advance()
@@ -116,10 +129,23 @@ class Sync:
         backward = type(self.accelerator).backward
         if self.accelerator.sync_gradients:
             backward(self.accelerator, loss, **kwargs)
+            if self.prepared.scaler is not None:  # this worker's gradient, with its own scale, before the average
+                self.prepared.scaler.unscale_(self.optimizer)
             self.optimizer.synchronize()  # the step that follows does not average again
         else:
             with self.worker.no_sync():
                 backward(self.accelerator, loss, **kwargs)
+
+    def _unscaled_in_backward(self, optimizer: Any = None) -> None:
+        """``accelerator.unscale_gradients`` (``clip_grad_norm_`` calls it): :meth:`_backward` did."""
+
+    def _scaled_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The step the gradient scaler calls: Accelerate counts it as run unless this worker skipped it
+        (every worker alike under a gradient protocol: the averaged gradient overflowed)."""
+        skipped = len(self.optimizer.skipped)
+        out = DistributedOptimizer.step(self.optimizer, *args, **kwargs)  # (its .step is this, meanwhile)
+        self.prepared._accelerate_step_called = len(self.optimizer.skipped) == skipped
+        return out
 
     def step(self) -> bool:
         """Call it after each batch, as ``LocalSGD.step()``: after an optimizer step it ends the
@@ -149,6 +175,10 @@ class Sync:
         finally:
             self.prepared.optimizer = self.inner
             del self.accelerator.backward
+            if self.prepared.scaler is not None:
+                del self.accelerator.unscale_gradients
+                self.prepared._optimizer_original_step_method = self.inner.step
+                self.prepared._optimizer_patched_step_method = patch_optimizer_step(self.prepared, self.inner.step)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:

@@ -62,8 +62,9 @@ class HopnetTrainer(Trainer):
 
     ``worker``: a worker already started (then no resume through ``train()``); ``hopnet_options``:
     keyword options of :func:`hopnet.init` (``max_ig=4``...). Not supported: ``model_init``
-    (hyperparameter search), DeepSpeed, FSDP, fp16 with a gradient scaler (use bf16), and hopnet's
-    own ``--checkpoint-every`` (use ``save_steps``).
+    (hyperparameter search), DeepSpeed, FSDP, and hopnet's own ``--checkpoint-every`` (use
+    ``save_steps``). fp16's gradient scaler skips an overflowed step on every worker alike
+    (:class:`~hopnet.integrations.accelerate.Sync`).
 
     Under ``hopnet launch --max-restarts``, a replacement's ``train()`` goes on from its neighbour's
     handover: its model, optimizer, LR schedule and ``TrainerState`` (global step, epoch), fed

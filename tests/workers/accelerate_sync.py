@@ -3,6 +3,10 @@ own data, bf16, two accumulation steps per optimizer step, clipping, a schedule.
 
 Saves each rank's parameters at the end of the loop (``OUT/own{R}.pt``, before the consensus) and
 after the context's exit (``OUT/final{R}.pt``), and prints the steps it ran and the consensus.
+
+``--scaler``: fp32 with torch's gradient scaler, as Accelerate makes one for fp16 on a GPU (a CPU
+build makes none: the test gives it torch's CPU scaler), and ``--overflow R:S`` makes rank R's
+loss infinite in optimizer step S; it then prints the steps Accelerate reported skipped.
 """
 
 from __future__ import annotations
@@ -21,15 +25,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--scaler", action="store_true")
+    parser.add_argument("--overflow", default=None, metavar="R:S")
     args = parser.parse_args()
+    overflow = tuple(int(v) for v in args.overflow.split(":")) if args.overflow else None
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same model on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=args.steps)
     with single_process():
-        accelerator = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        accelerator = Accelerator(cpu=True, mixed_precision="no" if args.scaler else "bf16",
+                                  gradient_accumulation_steps=2)
+    if args.scaler:
+        accelerator.scaler = torch.amp.GradScaler("cpu")
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    skipped = []
 
     with Sync(accelerator, model, optimizer, steps=args.steps) as sync:
         rank = sync.worker.rank
@@ -40,10 +51,14 @@ def main() -> None:
         for xb, yb in loader:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(xb).float(), yb)
+                if overflow == (rank, steps) and accelerator.sync_gradients:
+                    loss = loss * float("inf")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
+                if accelerator.sync_gradients and accelerator.optimizer_step_was_skipped:
+                    skipped.append(steps)
                 schedule.step()
                 optimizer.zero_grad()
             steps += accelerator.sync_gradients
@@ -54,6 +69,8 @@ def main() -> None:
     torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), args.out / f"final{rank}.pt")
     print(f"optimizer steps {steps}, iterations {sync.worker.steps}, consensus of {list(sync.consensus.members)}",
           flush=True)
+    if args.scaler:
+        print(f"rank {rank} skipped steps {skipped}, scale {accelerator.scaler.get_scale()}", flush=True)
 
 
 if __name__ == "__main__":
