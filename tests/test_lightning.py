@@ -30,6 +30,7 @@ from support.wait import wait_until
 
 EXAMPLE = str(EXAMPLES / "lightning_digits.py")
 WORKER = str(ROOT / "tests" / "scripts" / "lightning_worker.py")
+FP16 = str(ROOT / "tests" / "scripts" / "lightning_fp16.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] held-out accuracy ([0-9.]+) after (\d+) steps", re.MULTILINE)
 BAR = 0.93
 """The bare-API example's accuracy with the same budget (0.95), less the noise between runs."""
@@ -90,6 +91,28 @@ def test_allreduce_ends_with_the_parameters_of_lightnings_ddp(launch, tmp_path: 
     ddp = subprocess.run([sys.executable, EXAMPLE, "--strategy", "ddp", "--devices", "2", *flags, "--save", str(theirs)],
                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert ddp.returncode == 0, ddp.stderr
+    a, b = torch.load(ours), torch.load(theirs)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+@pytest.mark.slow
+def test_an_overflow_under_fp16s_gradient_scaler_is_skipped_by_every_rank_as_under_ddp(launch, tmp_path: Path) -> None:
+    """Lightning's 16-mixed plugin with a gradient scaler, rank 1's loss infinite at step 4: rank 1's scaler
+    skips its step, rank 0's step finds the averaged gradient non-finite and skips it too, and both end
+    with the model of Lightning's DDP on the same script. Only rank 1 halves its scale (under DDP both
+    do): each rank unscales its own gradient before the average."""
+    ours, theirs = tmp_path / "hopnet.pt", tmp_path / "ddp.pt"
+    run_dir = tmp_path / "run"
+    result = launch(["--nproc", "2", "--protocol", "allreduce", "--bucket-mb", "0", "--run-dir", str(run_dir), FP16,
+                     "--save", str(ours)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 scale 16 steps 12" in result.stdout and "rank 1 scale 8 steps 12" in result.stdout, result.stdout
+    assert [(r["iter"], r["averaged"]) for r in records(run_dir, 0, "non_finite_gradient")] == [(4, True)]
+    ddp = subprocess.run([sys.executable, FP16, "--strategy", "ddp", "--devices", "2", "--save", str(theirs)],
+                         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "rank 0 scale 8 steps 12" in ddp.stdout, ddp.stdout
     a, b = torch.load(ours), torch.load(theirs)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
