@@ -9,6 +9,7 @@ up to the last, and each epoch's samples must have been consumed exactly once.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from hopnet.data import ElasticSampler, Split
+from hopnet.data import ElasticSampler, FixedEpochs, Split, batches_per_epoch
 
 SEED = 7
 
@@ -352,3 +353,29 @@ def test_endless_batches_end_when_the_member_has_left_and_refuse_a_bad_size() ->
     assert len(first) == 2 and list(stream) == []
     with pytest.raises(ValueError, match=r"batches\(0\): the batch size must be an integer >= 1"):
         next(ElasticSampler(10, rank=0, members=[0]).batches(0))
+
+
+def test_fixed_epochs_cut_the_stream_into_trainer_epochs_of_one_length() -> None:
+    """A trainer's epoch is the same number of full batches on every member, whatever its share (and
+    after a view change); the next epoch goes on in the sampler's stream; a joiner counts its donor's
+    epochs, not one computed from the members it joined."""
+    assert batches_per_epoch(100, 2, 8) == 6 and batches_per_epoch(3, 4, 8) == 1
+    members = {rank: ElasticSampler(50, rank=rank, members=[0, 1], seed=SEED) for rank in (0, 1)}
+    epochs = {rank: FixedEpochs(sampler, 4, batches_per_epoch(50, 2, 4)) for rank, sampler in members.items()}
+    loaders = {rank: DataLoader(range(50), batch_size=4, sampler=epochs[rank]) for rank in (0, 1)}
+    first = [int(i) for rank in (0, 1) for batch in loaders[rank] for i in batch]
+    assert len(loaders[0]) == 6 and len(first) == len(set(first)) == 48  # 6 batches each, none twice
+    reference = [i for b in itertools.islice(ElasticSampler(50, rank=0, members=[0, 1], seed=SEED).batches(4), 12)
+                 for i in b]
+    assert first[:24] == reference[:24]
+    assert [i for b in loaders[0] for i in b.tolist()] == reference[24:]  # the next epoch goes on in the stream
+
+    joiner = ElasticSampler(50, rank=2, members=[2], seed=SEED)
+    joiner.load_state_dict(members[0].state_dict())
+    cursors = {rank: sampler.cursor for rank, sampler in members.items()}
+    for sampler in (*members.values(), joiner):
+        sampler.change_view(1, [0, 1, 2], cursors)
+    epochs[2] = FixedEpochs(joiner, 4, batches_per_epoch(50, 3, 4))
+    epochs[2].load_state_dict(epochs[0].state_dict())
+    assert epochs[2].batches_per_epoch == 6
+    assert {rank: len(list(epochs[rank])) for rank in (0, 1, 2)} == {0: 24, 1: 24, 2: 24}

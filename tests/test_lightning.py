@@ -22,6 +22,7 @@ import torch.distributed
 
 from hopnet.errors import ConfigError
 from hopnet.integrations._lightning import rank_path, reduce_stacked, refusal
+from support.elastic import launch_and_join, launch_and_preempt, worker_returncode
 from support.env import clean_env
 from support.launch import kill, start_launch, worker_pids
 from support.paths import EXAMPLES, ROOT
@@ -32,6 +33,7 @@ EXAMPLE = str(EXAMPLES / "lightning_digits.py")
 WORKER = str(ROOT / "tests" / "scripts" / "lightning_worker.py")
 FP16 = str(ROOT / "tests" / "scripts" / "lightning_fp16.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] held-out accuracy ([0-9.]+) after (\d+) steps", re.MULTILINE)
+ELASTIC_STEPS = 200
 BAR = 0.93
 """The bare-API example's accuracy with the same budget (0.95), less the noise between runs."""
 
@@ -136,14 +138,12 @@ def test_the_old_namespace_an_agreed_early_stop_and_the_collectives(launch, tmp_
 
 def test_what_lightning_cannot_follow_is_refused_in_one_line() -> None:
     """Checked on the worker hopnet.init returned, before anything trains; each line names the flag."""
-    def worker(skip_threshold: int | None = None, checkpointer: object = None,
-               changeover: object = None, replica_size: int = 1) -> SimpleNamespace:
+    def worker(skip_threshold: int | None = None, checkpointer: object = None, replica_size: int = 1) -> SimpleNamespace:
         return SimpleNamespace(config=SimpleNamespace(options=SimpleNamespace(skip_threshold=skip_threshold)),
-                               checkpointer=checkpointer,
-                               changeover=changeover, replica=SimpleNamespace(size=replica_size))
+                               checkpointer=checkpointer, replica=SimpleNamespace(size=replica_size))
 
     assert refusal(worker()) is None
-    for flags, flag in [({"skip_threshold": 2}, "--skip-threshold"), ({"checkpointer": object()}, "--checkpoint-every"), ({"changeover": object()}, "--max-nproc"),
+    for flags, flag in [({"skip_threshold": 2}, "--skip-threshold"), ({"checkpointer": object()}, "--checkpoint-every"),
                         ({"replica_size": 2}, "--replica-size")]:
         why = refusal(worker(**flags))
         assert why is not None and flag in why and "\n" not in why, (flags, why)
@@ -208,3 +208,47 @@ def test_a_killed_worker_is_replaced_where_its_neighbour_was(tmp_path: Path) -> 
     assert len({(acc, rest) for _, acc, rest in lines}) == 1, lines
     assert " lr 0.0125 " in lines[0][2] and "sum 6 gathered [0, 1, 2]" in lines[0][2], lines
     assert float(lines[0][1]) >= 0.95 - 0.02, lines
+
+
+def _steps(stdout: str) -> dict[int, int]:
+    return {int(rank): int(steps) for rank, _, steps in ACCURACY.findall(stdout)}
+
+
+@pytest.mark.slow
+def test_a_worker_joins_a_running_fit_at_its_donors_step(tmp_path: Path) -> None:
+    """`hopnet join` into a run of 2 (--max-nproc 3): the joiner enters at its strategy's setup, takes a
+    member's model, optimizer and Trainer state, and its loop goes on at the donor's global step: it
+    ends with the others after ELASTIC_STEPS steps, having computed only those after its join."""
+    run_dir = tmp_path / "run"
+    ended, joined = launch_and_join(["--nproc", "2", "--max-nproc", "3", "--run-dir", str(run_dir), "--no-progress",
+                                     EXAMPLE, "--iterations", str(ELASTIC_STEPS)], run_dir)
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    assert joined.returncode == 0, joined.stdout[-3000:]
+    (entry,) = records(run_dir, 2, "joined")
+    assert entry["iter"] > 0 and entry["donor"] in (0, 1), entry
+    computed = records(run_dir, 2, "iteration")
+    assert computed[0]["iter"] == entry["iter"] and computed[-1]["iter"] == ELASTIC_STEPS - 1
+    # (the joiner's own lines come through `hopnet join`, which prefixes nothing)
+    mine = re.findall(r"^held-out accuracy ([0-9.]+) after (\d+) steps", joined.stdout, re.MULTILINE)
+    assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS} and mine[0][1] == str(ELASTIC_STEPS), mine
+    accuracies = {**_accuracies(ended.stdout), 2: float(mine[0][0])}
+    assert min(accuracies.values()) >= BAR and len(set(accuracies.values())) == 1, accuracies
+    assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1, 2]]
+
+
+@pytest.mark.slow
+def test_a_preempted_worker_leaves_the_fit_and_the_others_finish(tmp_path: Path) -> None:
+    """A SIGTERM to rank 2 of 3 (--min-nproc 2) after its iteration 20: it leaves at the next view change
+    and exits 0, Lightning's own SIGTERM handling (stop at the next batch) notwithstanding; the
+    others finish every step with the accuracy of a run without the leave."""
+    run_dir = tmp_path / "run"
+    ended = launch_and_preempt(["--nproc", "3", "--min-nproc", "2", "--run-dir", str(run_dir), "--no-progress",
+                                EXAMPLE, "--iterations", str(ELASTIC_STEPS)], run_dir, rank=2, after_iteration=20)
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    assert worker_returncode(run_dir, 2) == 0
+    (left,) = records(run_dir, 2, "left")
+    assert left["iter"] >= 20 and left["line"].startswith("rank 2 left after iteration"), left
+    assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS}, ended.stdout[-2000:]
+    accuracies = _accuracies(ended.stdout)
+    assert min(accuracies.values()) >= BAR and len(set(accuracies.values())) == 1, accuracies
+    assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1]]

@@ -251,7 +251,7 @@ class Changeover:
     def _state_payload(self, first: int) -> bytes:
         worker = self.worker
         with worker.model_lock:
-            state = {"iteration": first, "model": worker._model_state(),
+            state = {"iteration": first, "model": worker._model_state(), "gathers": worker.gather_calls,
                      "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()
                                 if not isinstance(obj, torch.Generator)}}
             buffer = io.BytesIO()
@@ -264,6 +264,8 @@ class Changeover:
         state: dict[str, Any] = torch.load(io.BytesIO(payload), weights_only=False)
         with worker.model_lock:
             worker._load_model(state["model"])
+        # The gathers are numbered: a joiner's next one is its donor's next (a trainer's collectives)
+        worker.gather_calls = int(state.get("gathers", worker.gather_calls))
         for name, held in state.get("states", {}).items():
             if name in worker._states:
                 checkpoint.load_state_into(worker._states[name], held)

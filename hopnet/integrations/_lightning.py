@@ -22,8 +22,10 @@ the loop stopped earlier). What it refuses, and why: docs/guides/lightning.md.
 from __future__ import annotations
 
 import builtins
+import importlib
 import io
 import os
+import signal
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,11 +40,14 @@ from hopnet.api import Worker
 from hopnet.bootstrap.env import WorkerEnv
 from hopnet.bootstrap.external import detect
 from hopnet.checkpoint import OPTIMIZER_STATE
+from hopnet.elastic.trainers import fixed_epochs, is_elastic, join_now
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.optim import DistributedOptimizer
 
 LOOP_STATE = "lightning"
 """The name under which the strategy registers the Trainer's own state with hopnet (:class:`TrainerState`)."""
+DATA_STATE = "lightning"
+"""The prefix of the training data's registered states in an elastic run (``lightning_sampler``, ``lightning_epochs``)."""
 STATE_KEY = "hopnet"
 """Where a checkpoint holds hopnet's state (:meth:`hopnet.Worker.checkpoint_state`, pickled)."""
 WAITS = ("compute_s", "wait_updates_s", "wait_tokens_s", "mix_s")
@@ -86,6 +91,18 @@ def reduce_stacked(stacked: torch.Tensor, op: Any) -> torch.Tensor:
     raise ConfigError(f"HopnetStrategy.reduce: reduce_op {op!r} is not supported (sum, mean, max, min)")
 
 
+def elastic_train_loader(worker: Worker, dataloader: Any, update: Callable[[Any, Any], Any]) -> Any:
+    """An elastic run's training loader: ``dataloader`` (Lightning's, with its batch size) over the
+    members' shares of the data (:func:`hopnet.elastic.trainers.fixed_epochs`), its epochs a fixed
+    number of batches on every member. ``update(dataloader, sampler)`` rebuilds it (Lightning's own)."""
+    batch_size = getattr(dataloader, "batch_size", None)
+    if not isinstance(batch_size, int):
+        raise ConfigError("HopnetStrategy: an elastic run divides the training data itself; give the "
+                          "train DataLoader a batch_size (not a batch_sampler)")
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # as Lightning seeds its DistributedSampler
+    return update(dataloader, fixed_epochs(worker, dataloader.dataset, batch_size, seed=seed, name=DATA_STATE))
+
+
 def refusal(worker: Worker) -> str | None:
     """Why this run cannot map Lightning's loop onto hopnet's iterations, in one line, or None."""
     if getattr(worker.config.options, "skip_threshold", None) is not None:
@@ -93,8 +110,6 @@ def refusal(worker: Worker) -> str | None:
                 "drop it under HopnetStrategy")
     if worker.checkpointer is not None:
         return "--checkpoint-every: Lightning saves the checkpoints (ModelCheckpoint, with hopnet's state inside)"
-    if worker.changeover is not None:
-        return "elastic runs (--max-nproc/--min-nproc) change the members under Lightning's fixed DistributedSampler"
     if worker.replica.size > 1:
         return "replica groups (--replica-size) are not supported under HopnetStrategy"
     return None
@@ -141,6 +156,7 @@ class TrainerState:
 def strategy_class(pl: ModuleType) -> type:
     """``HopnetStrategy`` for the Lightning namespace ``pl`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
     parallel: Any = pl.strategies.ParallelStrategy
+    update_dataloader = importlib.import_module(f"{pl.__name__}.utilities.data")._update_dataloader
     callback: Any = pl.Callback
 
     class Synchronize(callback):
@@ -170,6 +186,7 @@ def strategy_class(pl: ModuleType) -> type:
             self._due = True  # the next batch (or step) enters a new iteration
             self._done = False
             self._catching_up = False  # a replacement, before it enters its first iteration
+            self._sigterm: Any = None
 
         # ---------------------------------------------------------------- who and where
         @property
@@ -194,7 +211,15 @@ def strategy_class(pl: ModuleType) -> type:
 
         @property
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            if is_elastic(self.worker):  # the members change: each validates on the whole held-out set, and
+                return {"num_replicas": 1, "rank": 0}  # the train loader takes an elastic sampler (process_dataloader)
             return {"num_replicas": self._world, "rank": self._rank}
+
+        def process_dataloader(self, dataloader: Any) -> Any:
+            trainer = self.lightning_module.trainer if self.model is not None else None
+            if self.worker is None or not is_elastic(self.worker) or trainer is None or not trainer.training:
+                return dataloader
+            return elastic_train_loader(self.worker, dataloader, update_dataloader)
 
         @property
         def root_device(self) -> torch.device:
@@ -223,11 +248,21 @@ def strategy_class(pl: ModuleType) -> type:
         def setup(self, trainer: Any) -> None:
             super().setup(trainer)
             assert self.worker is not None
+            # A joiner of an elastic run enters now, its optimizer set up and its loop not started: the
+            # donor's state (the Trainer's with it) then comes as a replacement's handover does.
+            join_now(self.worker)
+            self._sigterm = signal.getsignal(signal.SIGTERM)  # an elastic worker's: a SIGTERM makes it leave
             loops = TrainerState(trainer, pl.__version__)
             self.worker.register_state(LOOP_STATE, loops)  # in a replacement: loads the handed state
             # A replacement goes on where its donor was (Lightning restores the loops next); the
             # collectives of a fit's start, which the others made long ago, stay local until it trains.
             self._catching_up = loops.restore(self.optimizers)
+
+        def on_train_start(self) -> None:
+            """In an elastic run a SIGTERM makes the worker leave at the next view change (hopnet's
+            handler), not stop at the next batch (the one Lightning installed since)."""
+            if is_elastic(self.worker) and callable(self._sigterm):
+                signal.signal(signal.SIGTERM, self._sigterm)
 
         def setup_optimizers(self, trainer: Any) -> None:
             super().setup_optimizers(trainer)

@@ -45,6 +45,7 @@ from hopnet import checkpoint
 from hopnet.api import Worker, init
 from hopnet.bootstrap.env import WorkerEnv
 from hopnet.bootstrap.external import detect
+from hopnet.elastic.trainers import fixed_epochs, is_elastic, join_now
 from hopnet.errors import ConfigError
 from hopnet.integrations.accelerate import Sync, single_process
 
@@ -54,6 +55,8 @@ PROGRESS_STATE = "hf_trainer_state"
 """The name the Trainer's ``TrainerState`` is registered under (hopnet's checkpoints, handovers)."""
 SCHEDULER_STATE = "hf_lr_scheduler"
 """The name the Trainer's LR scheduler is registered under."""
+DATA_STATE = "hf_train"
+"""The prefix of the training data's registered states in an elastic run (``hf_train_sampler``, ``hf_train_epochs``)."""
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
@@ -105,6 +108,12 @@ class HopnetTrainer(Trainer):
             self.worker = _start_worker(self.model, resume, self.hopnet_options)
         elif resume is not None:
             raise ConfigError("resume_from_checkpoint: the worker is already started (resume in a fresh process)")
+        if is_elastic(self.worker):
+            # A joiner enters now, before the Trainer sets its loop up: its donor's TrainerState then
+            # comes as a replacement's does. The elastic sampler's state, not the Trainer's count of
+            # batches, says where the data goes on: the Trainer skips none.
+            join_now(self.worker)
+            self.args.ignore_data_skip = True
         # A replacement gets its neighbour's TrainerState here (hopnet loads it as it registers).
         self.worker.register_state(PROGRESS_STATE, _Progress(self))
         with contextlib.ExitStack() as stack:
@@ -125,8 +134,11 @@ class HopnetTrainer(Trainer):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.worker is None or dataset is None:
             return super()._get_train_sampler(train_dataset)
-        members = list(self.worker.members)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        if is_elastic(self.worker):  # the members' shares follow the views, in epochs of a fixed length
+            return fixed_epochs(self.worker, dataset,  # type: ignore[arg-type]
+                                self._train_batch_size, seed=seed, name=DATA_STATE)
+        members = list(self.worker.members)
         # Padded to equal shares, so every worker counts the same steps per epoch.
         return DistributedSampler(dataset, num_replicas=len(members),  # type: ignore[arg-type]
                                   rank=members.index(self.worker.rank), shuffle=True, seed=seed)

@@ -1,0 +1,79 @@
+"""An elastic run as a user drives it from outside: `hopnet join RUN_DIR` while it trains, or a
+SIGTERM to one worker (a preemption), for tests of scripts that train through an adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from support.env import clean_env
+from support.launch import kill, recorded_worker_pids, start_launch
+from support.paths import ROOT
+from support.records import records
+from support.wait import wait_until
+
+JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
+
+
+@dataclass
+class Ended:
+    """What a process printed and how it ended."""
+
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+
+def rendezvous_up(run_dir: Path) -> bool:
+    try:
+        return bool(json.loads((run_dir / "launch.json").read_text()).get("rendezvous"))
+    except (OSError, ValueError):
+        return False
+
+
+def launch_and_join(args: Sequence[str], run_dir: Path, *, env: dict[str, str] | None = None,
+                    timeout: float = 240) -> tuple[Ended, Ended]:
+    """`hopnet launch ARGS` (its run directory ``run_dir``), and one `hopnet join` started as soon as
+    the run's rendezvous is up (a joiner asks at its setup, so the run cannot end before it asks):
+    the launcher's and the joiner's ends."""
+    env = clean_env() if env is None else env
+    launcher = start_launch(args, env=env, new_session=True)
+    joiner: subprocess.Popen[str] | None = None
+    try:
+        wait_until(lambda: rendezvous_up(run_dir), 120, what="the run's rendezvous", while_running=launcher)
+        joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        out, err = launcher.communicate(timeout=timeout)
+        joined, _ = joiner.communicate(timeout=60)
+    finally:
+        kill(launcher)
+        if joiner is not None:
+            kill(joiner)
+    return Ended(launcher.returncode, out, err), Ended(joiner.returncode, joined)
+
+
+def launch_and_preempt(args: Sequence[str], run_dir: Path, rank: int, after_iteration: int, *,
+                       env: dict[str, str] | None = None, timeout: float = 240) -> Ended:
+    """`hopnet launch ARGS`, and a SIGTERM to ``rank`` alone once it finished ``after_iteration``."""
+    launcher = start_launch(args, env=clean_env() if env is None else env, new_session=True)
+    try:
+        wait_until(lambda: any(r["iter"] >= after_iteration for r in records(run_dir, rank, "iteration")), 180,
+                   interval=0.05, what=f"rank {rank}'s iteration {after_iteration}", while_running=launcher)
+        os.kill(recorded_worker_pids(run_dir)[rank], signal.SIGTERM)
+        out, err = launcher.communicate(timeout=timeout)
+    finally:
+        kill(launcher)
+    return Ended(launcher.returncode, out, err)
+
+
+def worker_returncode(run_dir: Path, rank: int) -> int | None:
+    """``rank``'s exit status, as the launcher recorded it."""
+    record = json.loads((run_dir / "launch.json").read_text())
+    code = record["result"]["worker_returncodes"].get(str(rank))
+    return None if code is None else int(code)
