@@ -33,7 +33,11 @@ EXAMPLE = str(EXAMPLES / "lightning_digits.py")
 WORKER = str(ROOT / "tests" / "scripts" / "lightning_worker.py")
 FP16 = str(ROOT / "tests" / "scripts" / "lightning_fp16.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] held-out accuracy ([0-9.]+) after (\d+) steps", re.MULTILINE)
-ELASTIC_STEPS = 200
+ELASTIC_STEPS = 400
+"""The elastic runs' steps: a joiner (a cold interpreter) gets in 50 to 150 steps after the first workers start."""
+ELASTIC_BAR = 0.95
+"""The example's accuracy after ELASTIC_STEPS steps without a join or leave: 0.969 with 2 workers, 0.967
+with 3 (measured); with a join 0.967, with a leave 0.969. The bar is that, less the noise between runs."""
 BAR = 0.93
 """The bare-API example's accuracy with the same budget (0.95), less the noise between runs."""
 
@@ -232,7 +236,7 @@ def test_a_worker_joins_a_running_fit_at_its_donors_step(tmp_path: Path) -> None
     mine = re.findall(r"^held-out accuracy ([0-9.]+) after (\d+) steps", joined.stdout, re.MULTILINE)
     assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS} and mine[0][1] == str(ELASTIC_STEPS), mine
     accuracies = {**_accuracies(ended.stdout), 2: float(mine[0][0])}
-    assert min(accuracies.values()) >= BAR and len(set(accuracies.values())) == 1, accuracies
+    assert min(accuracies.values()) >= ELASTIC_BAR and len(set(accuracies.values())) == 1, accuracies
     assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1, 2]]
 
 
@@ -250,5 +254,5 @@ def test_a_preempted_worker_leaves_the_fit_and_the_others_finish(tmp_path: Path)
     assert left["iter"] >= 20 and left["line"].startswith("rank 2 left after iteration"), left
     assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS}, ended.stdout[-2000:]
     accuracies = _accuracies(ended.stdout)
-    assert min(accuracies.values()) >= BAR and len(set(accuracies.values())) == 1, accuracies
+    assert min(accuracies.values()) >= ELASTIC_BAR and len(set(accuracies.values())) == 1, accuracies
     assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1]]

@@ -41,8 +41,11 @@ def fixed_epochs(worker: Any, dataset: Sized | int, batch_size: int, *, seed: in
     view's members, in trainer epochs of one pass over the data by the run's members when the
     sampler is made (the donor's count, in a joiner). Both are registered with ``worker``, as
     ``{name}_sampler`` and ``{name}_epochs``: the view changes re-divide the data, and a
-    joiner takes both from its donor."""
+    joiner takes both from its donor. A second call for the same data returns the first one's."""
     length = dataset if isinstance(dataset, int) else len(dataset)
+    made = worker._states.get(f"{name}_epochs")
+    if isinstance(made, FixedEpochs) and made.source.split.length == length and made.batch_size == batch_size:
+        return made  # a loader built again (Lightning's reload_dataloaders_every_n_epochs): the same stream
     sampler = ElasticSampler(length, rank=worker.rank, members=worker.members, view=worker.view, seed=seed)
     worker.register_state(f"{name}_sampler", sampler)
     epochs = FixedEpochs(sampler, batch_size, batches_per_epoch(length, len(worker.members), batch_size))

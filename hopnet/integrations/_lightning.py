@@ -15,7 +15,10 @@ GradScaler's ``unscale_``. The collectives (``reduce``, ``barrier``, ``broadcast
 every rank writes its own file (rank 0 at Lightning's path, rank R at ``PATH.rankR``) with
 hopnet's state under ``"hopnet"``; ``fit(ckpt_path=...)`` resumes every rank from its own.
 A replacement (``--max-restarts``) takes the Trainer's state in its handover (:class:`TrainerState`),
-and Lightning restores it as from a checkpoint. The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
+and Lightning restores it as from a checkpoint; so does a joiner of an elastic run, which enters
+at the setup (:func:`hopnet.elastic.trainers.join_now`), and the train loader then takes an
+elastic sampler in epochs of a fixed length (:func:`hopnet.elastic.trainers.fixed_epochs`).
+The run's last iteration ends with :meth:`hopnet.Worker.consensus` (``on_train_end`` does, when
 the loop stopped earlier). What it refuses, and why: docs/guides/lightning.md.
 """
 
@@ -95,6 +98,8 @@ def elastic_train_loader(worker: Worker, dataloader: Any, update: Callable[[Any,
     """An elastic run's training loader: ``dataloader`` (Lightning's, with its batch size) over the
     members' shares of the data (:func:`hopnet.elastic.trainers.fixed_epochs`), its epochs a fixed
     number of batches on every member. ``update(dataloader, sampler)`` rebuilds it (Lightning's own)."""
+    if isinstance(getattr(dataloader, "dataset", None), torch.utils.data.IterableDataset):
+        return dataloader  # (its division among the members is the script's)
     batch_size = getattr(dataloader, "batch_size", None)
     if not isinstance(batch_size, int):
         raise ConfigError("HopnetStrategy: an elastic run divides the training data itself; give the "

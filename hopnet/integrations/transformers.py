@@ -15,7 +15,10 @@ What it changes in the Trainer, and nothing else:
   (:class:`hopnet.integrations.accelerate.Sync` on the Trainer's own Accelerator): the Trainer's
   schedule, accumulation, clipping (of the averaged gradient) and bf16 are as without hopnet;
 * each worker reads its share of every epoch (``DistributedSampler``'s division, seeded with
-  ``data_seed`` or ``seed``);
+  ``data_seed`` or ``seed``); in an elastic run, an elastic sampler's share, which follows the
+  views, in epochs of a fixed number of batches (:func:`hopnet.elastic.trainers.fixed_epochs`),
+  and a joiner enters at ``train()``'s start, taking its donor's ``TrainerState`` as a
+  replacement does;
 * checkpoints go to ``output_dir/rank{R}/checkpoint-N``, with hopnet's state in ``hopnet/``;
 * the Trainer's progress (``TrainerState``) and LR schedule are registered with the worker, so that
   a replacement that ``hopnet launch --max-restarts`` starts gets them in its neighbour's handover,
