@@ -21,7 +21,8 @@ import torch
 import torch.distributed
 
 from hopnet.errors import ConfigError
-from hopnet.integrations._lightning import rank_path, reduce_stacked, refusal
+from hopnet.data import FixedEpochs
+from hopnet.integrations._lightning import elastic_train_loader, rank_path, reduce_stacked, refusal
 from support.elastic import launch_and_join, launch_and_preempt, worker_returncode
 from support.env import clean_env
 from support.launch import kill, start_launch, worker_pids
@@ -151,6 +152,30 @@ def test_what_lightning_cannot_follow_is_refused_in_one_line() -> None:
                         ({"replica_size": 2}, "--replica-size")]:
         why = refusal(worker(**flags))
         assert why is not None and flag in why and "\n" not in why, (flags, why)
+
+
+def test_an_elastic_runs_train_loader_takes_fixed_epochs_of_the_elastic_sampler() -> None:
+    """Lightning's loader is rebuilt (by ``update``, Lightning's own in the strategy) on the members'
+    elastic sampler, in epochs of one pass by the members; a loader without a batch size is refused in
+    one line, and one over an IterableDataset is left as the script built it."""
+    registered: dict[str, object] = {}
+    worker = SimpleNamespace(rank=1, members=(0, 1), view=0, _states=registered,
+                             register_state=registered.__setitem__)
+    loader = torch.utils.data.DataLoader(range(100), batch_size=8, shuffle=True)
+    rebuilt = elastic_train_loader(worker, loader, lambda dl, sampler: (dl, sampler))  # type: ignore[arg-type]
+    assert rebuilt[0] is loader and isinstance(rebuilt[1], FixedEpochs) and len(rebuilt[1]) == 6 * 8
+    assert set(registered) == {"lightning_sampler", "lightning_epochs"}
+    batches = torch.utils.data.DataLoader(range(100), batch_sampler=[[0, 1]])
+    with pytest.raises(ConfigError, match="batch_size") as refused:
+        elastic_train_loader(worker, batches, lambda dl, sampler: dl)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    streamed = torch.utils.data.DataLoader(Stream(), batch_size=2)
+    assert elastic_train_loader(worker, streamed, lambda dl, sampler: None) is streamed  # type: ignore[arg-type]
 
 
 def test_reduce_ops_and_each_ranks_checkpoint_file() -> None:
