@@ -31,6 +31,8 @@ from support.wait import wait_until
 LM = str(EXAMPLES / "hf_trainer_lm.py")
 BARE = str(WORKERS / "bare_lm.py")
 SYNC = str(WORKERS / "accelerate_sync.py")
+GATED = str(WORKERS.parent / "scripts" / "hf_elastic.py")
+"""The example, whose first workers wait at step 10 for the joiner to start (tests/scripts/joiner_gate.py)."""
 LOSS = re.compile(r"^\[rank (\d+)\] held-out loss ([0-9.]+)", re.MULTILINE)
 STEPS = re.compile(r"^(?:\[rank (\d+)\] )?held-out loss ([0-9.]+) \(consensus model, (\d+) steps", re.MULTILINE)
 ELASTIC_STEPS = 40
@@ -258,18 +260,23 @@ def _ends(stdout: str, joiner: int | None = None) -> dict[int, tuple[float, int]
 @pytest.mark.slow
 def test_a_worker_joins_a_running_trainer_at_its_donors_step(tmp_path: Path) -> None:
     """`hopnet join` into a run of 2 (--max-nproc 3): the joiner enters in ``train()``, takes a member's
-    model, optimizer, schedule and TrainerState, and its Trainer goes on at the donor's global step."""
+    model, optimizer, schedule and TrainerState, and its Trainer goes on at the donor's global step. (The
+    first workers wait at step 10 until the joiner has started: on an idle machine they ran all 40 steps
+    before a cold joiner reached ``train()``.)"""
     run_dir = tmp_path / "run"
     ended, joined = launch_and_join(["--nproc", "2", "--max-nproc", "3", "--run-dir", str(run_dir), "--no-progress",
-                                     LM, "--steps", str(ELASTIC_STEPS)], run_dir, env=clean_env(HF_HUB_OFFLINE="1"))
+                                     GATED, "--steps", str(ELASTIC_STEPS)], run_dir,
+                                    env=clean_env(HF_HUB_OFFLINE="1", GATE_AT_STEP="10", GATE_FOR_RANK="2"))
     assert ended.returncode == 0, ended.stderr[-3000:]
-    assert joined.returncode == 0, joined.stdout[-3000:]
-    (entry,) = records(run_dir, 2, "joined")
-    assert entry["iter"] > 0 and entry["donor"] in (0, 1), entry
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    entries = records(run_dir, 2, "joined")
+    assert len(entries) == 1, joined.stderr[-3000:]  # (a joiner the run ended before says so, and exits 0)
+    entry = entries[0]
+    assert entry["iter"] > 10 and entry["donor"] in (0, 1), entry  # (the first workers waited at step 10 for it)
     computed = records(run_dir, 2, "iteration")
     assert computed[0]["iter"] == entry["iter"] and computed[-1]["iter"] == ELASTIC_STEPS - 1
     ends = {**_ends(ended.stdout), **_ends(joined.stdout, joiner=2)}
-    assert sorted(ends) == [0, 1, 2] and {steps for _, steps in ends.values()} == {ELASTIC_STEPS}, ends
+    assert sorted(ends) == [0, 1, 2] and {steps for _, steps in ends.values()} == {ELASTIC_STEPS}, (ends, joined.stdout)
     assert len({loss for loss, _ in ends.values()}) == 1 and abs(ends[0][0] - ELASTIC_LOSS) <= 0.05, ends
 
 

@@ -32,10 +32,11 @@ from support.wait import wait_until
 
 EXAMPLE = str(EXAMPLES / "lightning_digits.py")
 WORKER = str(ROOT / "tests" / "scripts" / "lightning_worker.py")
+GATED = str(ROOT / "tests" / "scripts" / "lightning_elastic.py")
+"""The example, whose first workers wait at step 20 for the joiner to start (tests/scripts/joiner_gate.py)."""
 FP16 = str(ROOT / "tests" / "scripts" / "lightning_fp16.py")
 ACCURACY = re.compile(r"^\[rank (\d+)\] held-out accuracy ([0-9.]+) after (\d+) steps", re.MULTILINE)
 ELASTIC_STEPS = 400
-"""The elastic runs' steps: a joiner (a cold interpreter) gets in 50 to 150 steps after the first workers start."""
 ELASTIC_BAR = 0.95
 """The example's accuracy after ELASTIC_STEPS steps without a join or leave: 0.969 with 2 workers, 0.967
 with 3 (measured); with a join 0.967, with a leave 0.969. The bar is that, less the noise between runs."""
@@ -247,19 +248,25 @@ def _steps(stdout: str) -> dict[int, int]:
 def test_a_worker_joins_a_running_fit_at_its_donors_step(tmp_path: Path) -> None:
     """`hopnet join` into a run of 2 (--max-nproc 3): the joiner enters at its strategy's setup, takes a
     member's model, optimizer and Trainer state, and its loop goes on at the donor's global step: it
-    ends with the others after ELASTIC_STEPS steps, having computed only those after its join."""
+    ends with the others after ELASTIC_STEPS steps, having computed only those after its join. (On an
+    idle machine the first workers ran all 400 steps before a cold joiner reached its setup: they wait
+    at step 20 until it has started.)"""
     run_dir = tmp_path / "run"
     ended, joined = launch_and_join(["--nproc", "2", "--max-nproc", "3", "--run-dir", str(run_dir), "--no-progress",
-                                     EXAMPLE, "--iterations", str(ELASTIC_STEPS)], run_dir)
+                                     GATED, "--iterations", str(ELASTIC_STEPS)], run_dir,
+                                    env=clean_env(GATE_AT_STEP="20", GATE_FOR_RANK="2"))
     assert ended.returncode == 0, ended.stderr[-3000:]
-    assert joined.returncode == 0, joined.stdout[-3000:]
-    (entry,) = records(run_dir, 2, "joined")
-    assert entry["iter"] > 0 and entry["donor"] in (0, 1), entry
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    entries = records(run_dir, 2, "joined")
+    assert len(entries) == 1, joined.stderr[-3000:]  # (a joiner the run ended before says so, and exits 0)
+    entry = entries[0]
+    assert entry["iter"] > 20 and entry["donor"] in (0, 1), entry  # (the first workers waited at step 20 for it)
     computed = records(run_dir, 2, "iteration")
     assert computed[0]["iter"] == entry["iter"] and computed[-1]["iter"] == ELASTIC_STEPS - 1
     # (the joiner's own lines come through `hopnet join`, which prefixes nothing)
     mine = re.findall(r"^held-out accuracy ([0-9.]+) after (\d+) steps", joined.stdout, re.MULTILINE)
-    assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS} and mine[0][1] == str(ELASTIC_STEPS), mine
+    assert _steps(ended.stdout) == {0: ELASTIC_STEPS, 1: ELASTIC_STEPS}, ended.stdout[-2000:]
+    assert [steps for _, steps in mine] == [str(ELASTIC_STEPS)], joined.stdout[-2000:]
     accuracies = {**_accuracies(ended.stdout), 2: float(mine[0][0])}
     assert min(accuracies.values()) >= ELASTIC_BAR and len(set(accuracies.values())) == 1, accuracies
     assert [r["members"] for r in records(run_dir, 0, "consensus")] == [[0, 1, 2]]

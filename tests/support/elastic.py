@@ -43,19 +43,24 @@ def launch_and_join(args: Sequence[str], run_dir: Path, *, env: dict[str, str] |
     the run's rendezvous is up (a joiner asks at its setup, so the run cannot end before it asks):
     the launcher's and the joiner's ends."""
     env = clean_env() if env is None else env
+    out_path, err_path = run_dir.parent / "joiner.out", run_dir.parent / "joiner.err"
     launcher = start_launch(args, env=env, new_session=True)
     joiner: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: rendezvous_up(run_dir), 120, what="the run's rendezvous", while_running=launcher)
-        joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        # (into files: a pipe nobody reads until the launcher ends would stop a joiner that writes much)
+        with open(out_path, "w") as out_file, open(err_path, "w") as err_file:
+            joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, env=env, stdout=out_file,
+                                      stderr=err_file, text=True)
         out, err = launcher.communicate(timeout=timeout)
-        joined, _ = joiner.communicate(timeout=60)
+        joiner.wait(timeout=60)
     finally:
         kill(launcher)
-        if joiner is not None:
-            kill(joiner)
-    return Ended(launcher.returncode, out, err), Ended(joiner.returncode, joined)
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+            joiner.wait()
+    joined = Ended(joiner.returncode, out_path.read_text(), err_path.read_text())
+    return Ended(launcher.returncode, out, err), joined
 
 
 def launch_and_preempt(args: Sequence[str], run_dir: Path, rank: int, after_iteration: int, *,
