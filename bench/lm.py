@@ -57,7 +57,11 @@ RUNS = {
     "allreduce-torch": ["--protocol", "allreduce", "--bulk", "torch"],
     "hop-stale": ["--backup-workers", "1", "--staleness", "8", "--max-ig", "16"],
     "diloco-h50-int8": ["--protocol", "diloco", "--local-steps", "50", "--compress", "int8"],
+    "diloco-h50-int8-x4": ["--protocol", "diloco", "--local-steps", "50", "--compress", "int8"],
 }
+LONGER = {"diloco-h50-int8-x4": 4}
+"""Runs given this many times ``--iterations`` (their schedule stretched with them): a protocol whose
+iterations are cheap on a slow link may reach the target in more of them, sooner."""
 DEFAULT_RUNS = {"none": "ddp,allreduce,allreduce-torch,hop,ad-psgd,partial-reduce,diloco,diloco-avg",
                 "straggler": "ddp,allreduce,hop-skip,ad-psgd,partial-reduce,diloco,diloco-avg",
                 "link": "ddp,allreduce,hop-stale,ad-psgd,partial-reduce,diloco,diloco-h50-int8"}
@@ -69,8 +73,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def example_args(args: argparse.Namespace) -> list[str]:
-    return ["--preset", args.preset, "--iterations", str(args.iterations), "--eval-every", str(args.eval_every),
+def iterations_of(name: str, args: argparse.Namespace) -> int:
+    return args.iterations * LONGER.get(name, 1)
+
+
+def example_args(args: argparse.Namespace, iterations: int | None = None) -> list[str]:
+    iterations = args.iterations if iterations is None else iterations
+    return ["--preset", args.preset, "--iterations", str(iterations), "--eval-every", str(args.eval_every),
             "--seed", str(args.seed), "--device", args.device, *args.example_args.split()]
 
 
@@ -118,7 +127,8 @@ def run_hopnet(name: str, run_dir: Path, slowdown: list[str], args: argparse.Nam
     def launch(node_dir: Path, multi: list[str]) -> list[str]:
         return [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), *multi,
                 "--run-dir", str(node_dir), "--overwrite", "--no-progress", "--seed", str(args.seed), *RUNS[name],
-                *[f"--slowdown={spec}" for spec in slowdown], str(EXAMPLE), *example_args(args)]
+                *[f"--slowdown={spec}" for spec in slowdown], str(EXAMPLE),
+                *example_args(args, iterations_of(name, args))]
 
     if hosts is None:
         dirs, cmds = [run_dir], [launch(run_dir, [])]
@@ -141,7 +151,7 @@ def run_hopnet(name: str, run_dir: Path, slowdown: list[str], args: argparse.Nam
             if record.get("consensus"):
                 consensus = record["loss"] if consensus is None else consensus
             else:
-                iteration = args.iterations - 1 if record.get("final") else record["iter"]
+                iteration = iterations_of(name, args) - 1 if record.get("final") else record["iter"]
                 mine.append((int(iteration), float(record["elapsed"]), float(record["loss"])))
         evals.append(mine)
     return evals, consensus
@@ -153,7 +163,7 @@ def summarize(name: str, evals: list[list[tuple[int, float, float]]], consensus:
              for rank in evals]
     finals = [rank[-1][2] for rank in evals]
     return {"name": name, "to_target_s": max(t for t, _ in reach), "iters_to_target": max(i for _, i in reach),
-            "s_per_iteration": statistics.mean(rank[-1][1] for rank in evals) / args.iterations,
+            "s_per_iteration": statistics.mean(rank[-1][1] for rank in evals) / iterations_of(name, args),
             "final_worst": max(finals), "final_best": min(finals),
             "consensus": finals[0] if consensus is None else consensus}
 
