@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay to 0)")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer after the hidden one")
     parser.add_argument("--seed", type=int, default=0, help="same model initialisation on every worker")
     parser.add_argument("--clip", type=float, default=None, help="clip the (averaged) gradient's norm")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
@@ -50,10 +51,11 @@ def parse_args() -> argparse.Namespace:
 
 
 class DigitsMLP(L.LightningModule):
-    def __init__(self, hidden: int, lr: float, iterations: int) -> None:
+    def __init__(self, hidden: int, lr: float, iterations: int, batchnorm: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        norm = [nn.BatchNorm1d(hidden)] if batchnorm else []  # (no bias before it: BatchNorm removes it)
+        self.net = nn.Sequential(nn.Linear(64, hidden, bias=not batchnorm), *norm, nn.ReLU(), nn.Linear(hidden, 10))
         self.loss_fn = nn.CrossEntropyLoss()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ def main() -> None:
     x_train, y_train, x_test, y_test = digits_split(args.seed)
     train = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, shuffle=True, drop_last=True)
     held_out = DataLoader(TensorDataset(x_test, y_test), batch_size=256)
-    module = DigitsMLP(args.hidden, args.lr, args.iterations)
+    module = DigitsMLP(args.hidden, args.lr, args.iterations, args.batchnorm)
 
     callbacks: list[L.Callback] = []
     if args.checkpoint_dir:
