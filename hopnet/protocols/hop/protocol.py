@@ -181,6 +181,7 @@ class HopProtocol(HopReceiving, HopRejoin):
             r = round_of(k, self.local_steps)
             await self._wait(lambda: self.tokens.available(count), self.tokens,
                              lambda: ("tokens", self.tokens.missing(count)), r)
+            await self._leave_together()
             await self.tokens.acquire(count)
         await self._enter(k, count)
 
@@ -227,6 +228,7 @@ class HopProtocol(HopReceiving, HopRejoin):
         if self.notify_ack and k > 0:
             await self._wait(lambda: all(self.acks[j] >= k - 1 for j in self._live_out()), self.tokens,
                              lambda: ("acks", [j for j in self._live_out() if self.acks[j] < k - 1]), k)
+            await self._leave_together()
         self.node.entered(k, self)
         credit = count if self.use_tokens else 0
         if self.options.serial:
@@ -288,8 +290,10 @@ class HopProtocol(HopReceiving, HopRejoin):
             if not (self._short_of_peers(k, need) and self.queue.size(iter=k) < need):
                 break
             await self._await_replacements(k, need)
-        if self.agreeing:
-            return await self._recv_agreed(k, need)
+        if self.agreeing:  # (its agreement's first all-reduce is where the lanes meet)
+            with self._handover_point():
+                return await self._recv_agreed(k, need)
+        await self._leave_together()
         updates = self.queue.take(iter=k)
         return updates, [u.iter for u in updates]
 
@@ -329,7 +333,8 @@ class HopProtocol(HopReceiving, HopRejoin):
         oldest = k - (self.staleness or 0)
         await self._await_fresh(k, oldest)
         if self.node.lanes is not None:
-            return await self._recv_stale_agreed(k, oldest)
+            with self._handover_point():
+                return await self._recv_stale_agreed(k, oldest)
         chosen: list[Update] = []
         stale: list[Update] = []
         for j in self.in_peers:

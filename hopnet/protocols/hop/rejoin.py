@@ -10,7 +10,8 @@ waits for its replacement."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hopnet.errors import ConfigError, ProtocolError
@@ -96,6 +97,8 @@ class HopRejoin(HopState):
         self._welcomed = None
         ahead = [self.welcomes[p] for p in self.in_peers if p in self.welcomes]
         start = max([self._rejoin_from, *ahead])
+        if node.lanes is not None:  # each lane heard its own welcomes: the replica starts where the furthest says
+            start = -await node.lanes.least(-start)
         self.iteration = start
         # Welcomes of earlier iterations must not hold the queue's slots: the neighbours' updates of the
         # iterations ahead arrive before the trainer's loop begins.
@@ -111,6 +114,27 @@ class HopRejoin(HopState):
         for peer, at in self.welcomes.items():
             self._fill(peer, at, start)
         node.record("hop_rejoined", iter=start, welcomes={str(p): k for p, k in sorted(self.welcomes.items())})
+
+    async def _leave_together(self) -> None:
+        """Under ``--max-restarts``, the lanes of a replica leave a wait on the other replicas together (a
+        barrier: one all-reduce), and are a handover point until then. A replica whose process died is
+        otherwise seen an iteration apart by a neighbour's lanes (its members sent their last tokens and
+        updates at different moments): one lane blocked on the replacement, the other past it, held in the
+        replica's own collective, where it cannot hand its state over, so the replacement waited for it."""
+        lanes = self.node.lanes
+        if lanes is not None and self.node.max_restarts:
+            with self._handover_point():
+                await lanes.least(0)
+
+    @contextlib.contextmanager
+    def _handover_point(self) -> Iterator[None]:
+        """Waiting inside, the model is consistent (the reduce comes after): a neighbour's replacement may
+        take it, as in :meth:`~hopnet.protocols.hop.protocol.HopProtocol._wait`."""
+        self.node.handover_point()
+        try:
+            yield
+        finally:
+            self.node.handover_point(False)
 
     def _fill(self, peer: int, at: int, start: int) -> None:
         """Send ``peer`` (in iteration ``at``) this worker's updates of ``at .. start - 1`` and the tokens of

@@ -204,6 +204,7 @@ NOTIFY_ACK_OUTPUT = OutputSpec(waits=(UPDATES_WAIT, Wait("wait_tokens_s", "wait 
 register(ProtocolSpec(
     name="hop",
     between_replicas=True,
+    restarts_replicas=True,
     summary="Hop's queue-based decentralized training: each worker mixes its neighbours' updates, with "
             "token queues bounding the gap (--max-ig), and backup workers, bounded staleness and "
             "iteration skipping for stragglers.",
