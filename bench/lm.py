@@ -20,6 +20,11 @@ all-reduce over gloo (``--bulk torch``); ``--runs`` picks others. Under ``--scen
 are 2 on each of two emulated hosts (bench/netns_hosts.py: network namespaces on a bridge, as root),
 host 1's link capped at ``--cap`` both ways with ``tc ... tbf``; DDP runs one torchrun per host, hopnet
 one launcher per host (``--nnodes 2``), and each row also gives the megabytes that crossed the link.
+
+    python bench/lm.py --table diloco   # loss against inner steps and bytes: DiLoCo H=1-200, int8, allreduce
+    python bench/lm.py --table memory   # peak RSS per worker and the share of time waiting, per protocol
+
+(bench/lm_tables.py describes those two.)
 """
 
 from __future__ import annotations
@@ -83,10 +88,10 @@ def example_args(args: argparse.Namespace, iterations: int | None = None) -> lis
             "--seed", str(args.seed), "--device", args.device, *args.example_args.split()]
 
 
-def run(name: str, cmds: list[list[str]]) -> float:
+def run(name: str, cmds: list[list[str]], extra_env: dict[str, str] | None = None) -> float:
     """Run ``cmds`` side by side (one per host); every one must succeed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")])))
+        str(ROOT), os.environ.get("PYTHONPATH")])), **(extra_env or {}))
     start = time.monotonic()
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in cmds]
@@ -123,12 +128,16 @@ def run_ddp(run_dir: Path, slowdown: list[str], args: argparse.Namespace,
 
 
 def run_hopnet(name: str, run_dir: Path, slowdown: list[str], args: argparse.Namespace,
-               hosts: NamespacedHosts | None = None) -> tuple[list[list[tuple[int, float, float]]], float | None]:
+               hosts: NamespacedHosts | None = None, *, flags: list[str] | None = None, script: Path = EXAMPLE,
+               extra_env: dict[str, str] | None = None) -> tuple[list[list[tuple[int, float, float]]], float | None]:
+    """``hopnet launch`` of ``script`` (the example, or a wrapper that runs it) with the launcher's
+    ``flags`` (default: ``RUNS[name]``): each rank's evaluations (iteration, seconds, loss) and the
+    consensus model's loss."""
     def launch(node_dir: Path, multi: list[str]) -> list[str]:
         return [sys.executable, "-m", "hopnet.cli.main", "launch", "--nproc", str(args.nproc), *multi,
-                "--run-dir", str(node_dir), "--overwrite", "--no-progress", "--seed", str(args.seed), *RUNS[name],
-                *[f"--slowdown={spec}" for spec in slowdown], str(EXAMPLE),
-                *example_args(args, iterations_of(name, args))]
+                "--run-dir", str(node_dir), "--overwrite", "--no-progress", "--seed", str(args.seed),
+                *(RUNS[name] if flags is None else flags), *[f"--slowdown={spec}" for spec in slowdown],
+                str(script), *example_args(args, iterations_of(name, args))]
 
     if hosts is None:
         dirs, cmds = [run_dir], [launch(run_dir, [])]
@@ -138,7 +147,7 @@ def run_hopnet(name: str, run_dir: Path, slowdown: list[str], args: argparse.Nam
         cmds = [hosts.command(node, launch(dirs[node], [
             "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}",
             "--bind", hosts.addresses[node], "--insecure"])) for node in range(2)]
-    run(name, cmds)
+    run(name, cmds, extra_env)
     evals: list[list[tuple[int, float, float]]] = []
     consensus = None
     for r in range(args.nproc):
@@ -205,14 +214,36 @@ def measure(names: list[str], budget: int, args: argparse.Namespace,
     return rows, target
 
 
+TABLE_DEFAULTS = {"diloco": 600, "memory": 100}
+"""--table's own default --iterations (4 workers on 2 cores: about 15 and 3 minutes for the tiny preset)."""
+
+
+def run_table(args: argparse.Namespace) -> None:
+    """--table diloco or memory (bench/lm_tables.py); memory evaluates only after the last iteration."""
+    import lm_tables
+
+    args.iterations = args.iterations or TABLE_DEFAULTS[args.table]
+    args.eval_every = args.eval_every or (50 if args.table == "diloco" else args.iterations)
+    runs = lm_tables.TABLES[args.table]
+    names = args.runs.split(",") if args.runs else lm_tables.DEFAULT_RUNS[args.table]
+    if any(n not in runs for n in names):
+        raise SystemExit(f"bench/lm.py: error: --table {args.table} runs are {', '.join(runs)}")
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    lm_tables.main(args.table, names, Path(args.out).resolve() / args.table, args)
+    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", choices=["time", *TABLE_DEFAULTS], default="time",
+                        help="time: to DDP's target (the default); diloco, memory: bench/lm_tables.py")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="none")
-    parser.add_argument("--runs", default=None, help=f"comma-separated, ddp first; of ddp, {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=None, help=f"comma-separated, ddp first; of ddp, {', '.join(RUNS)} "
+                        "(--table diloco, memory: of bench/lm_tables.py's)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=None, help="(default: 200; diloco 600; memory 100)")
+    parser.add_argument("--eval-every", type=int, default=None, help="(default: 10; diloco 50; memory: none)")
     parser.add_argument("--budget", type=int, default=None,
                         help="DDP's iterations that set the target (default: half of --iterations)")
     parser.add_argument("--seed", type=int, default=0)
@@ -222,6 +253,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--cap", default="10mbit", help="--scenario link: tbf rate of host 1's link")
     args = parser.parse_args()
+    if args.table != "time":
+        run_table(args)
+        return
+    args.iterations = args.iterations or 200
+    args.eval_every = args.eval_every or 10
     budget = args.budget or args.eval_every * max(1, round(0.5 * args.iterations / args.eval_every))
     names = (args.runs or DEFAULT_RUNS[args.scenario]).split(",")
     if names[0] != "ddp" or any(n not in RUNS for n in names[1:]):

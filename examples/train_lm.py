@@ -214,9 +214,10 @@ def main() -> None:
         for micro in range(args.micro_batches):
             x, y = (t.to(device) for t in random_windows(train, args.context, args.batch_size, generator))
             last = micro == args.micro_batches - 1
-            with contextlib.nullcontext() if last else optimizer.no_sync(), autocast(args):
-                loss = lm_loss(model, x, y) / args.micro_batches
-            loss.backward()
+            with contextlib.nullcontext() if last else optimizer.no_sync():  # hopnet defers the backward pass, so it goes inside
+                with autocast(args):
+                    loss = lm_loss(model, x, y) / args.micro_batches
+                loss.backward()
             total += loss.item()
         optimizer.synchronize()  # the average gradient is in .grad from here on (gradient protocols)
         nn.utils.clip_grad_norm_(model.parameters(), args.clip)

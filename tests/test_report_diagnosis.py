@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hopnet import Graph, ProtocolConfig
+from hopnet.report.contention import core_waits
 from hopnet.report.diagnosis import diagnose
 from hopnet.report.rundir import load_run_dir
 from hopnet.sim.whatif import predict
@@ -155,6 +156,12 @@ def test_workers_waiting_for_a_core_are_named_contended_and_no_option_is_suggest
     assert not any("link 1→2" in line or "try `" in line for line in lines), lines
     assert lines[-1].startswith("diagnosis: no option suggested: no protocol option gives a worker a core; run at "
                                 "most 2 busy workers on node7 (for example `--nproc 2`)"), lines
+
+
+def test_core_waits_gives_each_rank_its_seconds_waiting_for_a_core_per_second(tmp_path: Path) -> None:
+    run_dir = write_sim_run(tmp_path / "run", Graph.ring(4), ProtocolConfig("hop"))
+    _with_cpu_records(run_dir, runq_per_s=0.3, cores=8)
+    assert core_waits(load_run_dir(run_dir)) == pytest.approx(dict.fromkeys(range(4), 0.3))
 
 
 def test_a_busy_machine_is_named_even_with_a_core_per_worker(tmp_path: Path,

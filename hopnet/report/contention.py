@@ -71,6 +71,13 @@ def _times(records: list[Record]) -> tuple[str, int, float, int] | None:
             size if isinstance(size, int) and size > 0 else 1)
 
 
+def core_waits(run: RunData) -> dict[int, float]:
+    """Per rank, the seconds its threads waited runnable for a core per second of training (ranks
+    without ``start`` and ``cpu`` records left out)."""
+    return {rank: max(0.0, found[2]) for rank, records in sorted(run.events.items())
+            if (found := _times(records)) is not None}
+
+
 def contention(run: RunData) -> list[Contention]:
     """The machines whose workers waited runnable for a core :data:`CONTENDED_SHARE` s per second of
     training or more (the median worker's)."""
@@ -90,4 +97,4 @@ def contention(run: RunData) -> list[Contention]:
     return found_contention
 
 
-__all__ = ["CONTENDED_SHARE", "Contention", "contention"]
+__all__ = ["CONTENDED_SHARE", "Contention", "contention", "core_waits"]
