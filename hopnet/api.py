@@ -36,6 +36,7 @@ from hopnet.collectives.base import Collective, ReduceOp
 from hopnet.collectives.consensus import ConsensusResult, consensus, gather
 from hopnet.config import ProtocolConfig
 from hopnet.coordinator.client import CoordinatorClient, client_from_environ
+from hopnet.deferral import GradientSyncDeferral
 from hopnet.errors import ConfigError, HopnetError
 from hopnet.graph import Graph
 from hopnet.bootstrap.env import MODEL_FILE, Restarts, save_model_requested
@@ -303,6 +304,7 @@ class Worker:
         self.module: torch.nn.Module | None = module
         """The module :func:`init` was given, if any: what :meth:`consensus` saves (else
         ``{"params": the flat parameters}``)."""
+        self._deferral = GradientSyncDeferral(self._defer_gradient_sync, module)
         self.save_model_to: Path | None = None
         """Where :meth:`consensus` writes the model's state_dict on the lowest live rank
         (:func:`init` sets it under ``hopnet launch --save-model``)."""
@@ -404,6 +406,7 @@ class Worker:
         compute_s = time.monotonic() - self._compute_started
         finished = self.iteration
         try:
+            self._deferral.reducing_now()
             self.replica.before_step()
             self._thread.run(self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s))
             self.replica.after_step()
@@ -562,18 +565,17 @@ class Worker:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's ``no_sync()``, for gradient accumulation: backward passes inside it only accumulate
-        into ``.grad``; the next backward pass outside it (or the step) reduces the sum. Without it
-        every backward pass reduces the ``.grad`` it accumulated into, as under DDP, which gives the
-        same average for more messages."""
-        protocol = self.node.protocol
-        protocol.defer_gradient_sync(True)
-        self.replica.deferring(True)
-        try:
+        """DDP's ``no_sync()``, for gradient accumulation: a backward pass whose forward pass ran
+        inside it, or which runs inside it, only accumulates into ``.grad``; the next backward pass
+        that does neither (or the step) reduces the sum (:mod:`hopnet.deferral`). Without it every
+        backward pass reduces the ``.grad`` it accumulated into, as under DDP, which gives the same
+        average for more messages."""
+        with self._deferral.no_sync():
             yield
-        finally:
-            protocol.defer_gradient_sync(False)
-            self.replica.deferring(False)
+
+    def _defer_gradient_sync(self, deferred: bool) -> None:
+        self.node.protocol.defer_gradient_sync(deferred)
+        self.replica.deferring(deferred)
 
     def synchronize(self) -> None:
         """Average this iteration's gradient now, into each ``.grad``, under the protocols that
@@ -583,6 +585,7 @@ class Worker:
         if self._closed:
             raise HopnetError("synchronize() on a closed worker")
         try:
+            self._deferral.reducing_now()
             self.replica.before_synchronize()
             self._thread.run(self.node.protocol.synchronize())
             self.replica.after_synchronize()
@@ -673,6 +676,7 @@ class Worker:
             return
         self._closed = True
         shutdown.untrack(self)
+        self._deferral.close()
         try:
             if self.checkpointer is not None:
                 self.checkpointer.wait()

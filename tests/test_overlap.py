@@ -57,7 +57,8 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS, protocol: st
           devices: tuple[str, ...] = ("cpu",) * WORLD, *, over_torch: bool = False,
           summaries: dict[int, dict[str, object]] | None = None) -> list[dict[str, torch.Tensor]]:
     """Every rank's state after ``steps`` steps of bn_task's model: one backward pass per step
-    (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``);
+    (``plain``), two (``accumulate``), or two with the first under ``opt.no_sync()`` (``no_sync``; or
+    only its forward pass under it, ``no_sync_forward``, which DDP's rule defers all the same);
     rank ``r``'s model on ``devices[r]``. ``over_torch``: the ranks reduce over torch.distributed
     (gloo), not the node's ring; ``summaries`` gets each rank's protocol summary."""
 
@@ -76,6 +77,10 @@ def train(bucket_mb: float, run: str = "plain", steps: int = STEPS, protocol: st
                 if run == "no_sync" and m < micro - 1:
                     with opt.no_sync():
                         (loss_fn(model(x), y) / micro).backward()
+                elif run == "no_sync_forward" and m < micro - 1:  # DDP's rule: the forward pass decides
+                    with opt.no_sync():
+                        loss = loss_fn(model(x), y) / micro
+                    loss.backward()
                 else:
                     (loss_fn(model(x), y) / micro).backward()
             opt.step()
@@ -158,11 +163,12 @@ def ddp_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
 
 @pytest.mark.slow  # the torchrun launch of DDP: 5 to 20 s on a loaded machine
 @pytest.mark.parametrize("run, bucket_mb", [("plain", SMALL_MB), ("plain", 0.0), ("accumulate", SMALL_MB),
-                                            ("no_sync", SMALL_MB), ("accumulate", 0.0)])
+                                            ("no_sync", SMALL_MB), ("no_sync_forward", SMALL_MB),
+                                            ("accumulate", 0.0)])
 def test_allreduce_in_buckets_equals_ddp(ddp_states: dict[str, dict[str, torch.Tensor]], run: str,
                                          bucket_mb: float) -> None:
     ranks = train(bucket_mb, run)
-    reference = ddp_states[run]
+    reference = ddp_states["no_sync" if run == "no_sync_forward" else run]  # (the same under DDP)
     assert ranks[0].keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(ranks[0][name], tensor, rtol=0, atol=1e-5, msg=f"{run}: {name} differs from DDP's")
@@ -194,7 +200,7 @@ def test_a_peer_gone_in_the_backward_pass_fails_the_step_naming_it() -> None:
     assert failed.startswith("2: ") and "rank 1" in failed, failed
 
 
-@pytest.mark.parametrize("run", ["plain", "accumulate", "no_sync"])
+@pytest.mark.parametrize("run", ["plain", "accumulate", "no_sync", "no_sync_forward"])
 def test_over_torch_distributed_the_backward_pass_issues_the_buckets_itself(run: str) -> None:
     """Over gloo, once the first round has formed the group, the hooks issue each bucket's reduce from
     the backward pass's thread and its end waits for them there (no hand-off to the loop): the model
@@ -207,7 +213,7 @@ def test_over_torch_distributed_the_backward_pass_issues_the_buckets_itself(run:
         assert torch.equal(tensor, issued[0][name]), name
         assert torch.equal(issued[1][name], issued[0][name]) or "running" in name or "num_batches" in name
     backward_passes = 4 * (1 if run == "plain" else MICRO_BATCHES)
-    reducing = 4 if run == "no_sync" else backward_passes
+    reducing = 4 if run.startswith("no_sync") else backward_passes  # (one reduce per step under no_sync)
     for summary in summaries.values():
         assert summary["overlapped"] == 4 and summary["buckets"] == 3
         assert summary["issued_in_backward"] == reducing - 1, summary  # all but the group's first round

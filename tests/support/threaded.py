@@ -67,7 +67,7 @@ def run_ranks(n: int, config: ProtocolConfig, body: Callable[[int, Start], T], *
                 transport = wrap(rank, transport)
             worker = Worker(rank=rank, graph=graph, config=config,
                             params=ModelState.of(model) if buffers else flatten_parameters(model),
-                            grads=FlatGradients(model), transport=transport, exchange=exchange,
+                            grads=FlatGradients(model), module=model, transport=transport, exchange=exchange,
                             events=EventLog(),
                             collective_factory=(lambda _: collective(rank)) if collective is not None else None)
             workers.append(worker)
