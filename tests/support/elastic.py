@@ -82,3 +82,16 @@ def worker_returncode(run_dir: Path, rank: int) -> int | None:
     record = json.loads((run_dir / "launch.json").read_text())
     code = record["result"]["worker_returncodes"].get(str(rank))
     return None if code is None else int(code)
+
+
+def assert_joined_late(ended: Ended, joined: Ended, run_dir: Path, joiner: int, *, after: int, last: int) -> None:
+    """The run and ``hopnet join`` exited 0; ``joiner`` joined once, past iteration ``after``, from a member
+    that was there before it, computed from its join on, and ended at iteration ``last``."""
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    entries = records(run_dir, joiner, "joined")
+    assert len(entries) == 1, joined.stderr[-3000:]  # (a joiner the run ended before says so, and exits 0)
+    entry = entries[0]
+    assert entry["iter"] > after and entry["donor"] < joiner, entry  # (the first workers waited at `after`)
+    computed = records(run_dir, joiner, "iteration")
+    assert computed[0]["iter"] == entry["iter"] and computed[-1]["iter"] == last
