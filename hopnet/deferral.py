@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 
-def _current_graph_task() -> int:
-    """The backward pass this thread runs (-1: none): torch's own test, which its checkpointing uses."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if current is None else int(current())
+_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+"""The backward pass this thread runs (-1: none): torch's own test, which its checkpointing uses
+(looked up once: the hooks run at every module's forward pass)."""
 
 
 class GradientSyncDeferral:
@@ -43,7 +42,7 @@ class GradientSyncDeferral:
 
     def _on_forward(self, _module: torch.nn.Module, _inputs: Any) -> None:
         # (not a forward pass that activation checkpointing recomputes inside a backward pass)
-        if torch.is_grad_enabled() and _current_graph_task() == -1:
+        if torch.is_grad_enabled() and _GRAPH_TASK() == -1:
             self._forward_inside = self._inside
             self._set(self._inside)
 
