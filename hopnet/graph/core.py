@@ -355,11 +355,11 @@ class Graph:
         return json_io.to_dict(self)
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Serialise to JSON text (several edges per line); also write it to ``path`` if given."""
+        """Serialise to JSON text (several edges per line); also write it to ``path`` if given, whole or
+        not at all (a reader of a running launch's directory never sees half a file)."""
         text = json_io.to_text(self.to_dict())
         if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
+            json_io.write_atomic(text, path)
         return text
 
     @classmethod

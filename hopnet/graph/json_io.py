@@ -3,6 +3,7 @@ read from a file, a text or a dict into the constructor's arguments, and written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,6 +68,19 @@ def to_text(d: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------- reading
+def write_atomic(text: str, path: str | os.PathLike[str]) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def read(source: str | os.PathLike[str]) -> tuple[str | None, Any]:
     """``(label, data)`` from a JSON text (label None) or a file (label its path)."""
     if isinstance(source, str) and source.lstrip().startswith(("{", "[")):

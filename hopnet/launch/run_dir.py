@@ -43,8 +43,8 @@ from hopnet.errors import ConfigError
 
 CLAIM_FILE = "launch.lock"
 """The launch that holds this file's ``flock`` owns the directory (see the module docstring)."""
-RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", CLAIM_FILE, "graph.json", "rank*.jsonl", "lane*/rank*.jsonl",
-                     "coordinator.jsonl", "model.pt")
+RUN_FILE_PATTERNS = ("launch.json", "launch.json.tmp", CLAIM_FILE, "graph.json", "graph.json.*.tmp", "rank*.jsonl",
+                     "lane*/rank*.jsonl", "coordinator.jsonl", "model.pt")
 """The files a launch writes into its run directory (scripts may add their own, which stay)."""
 
 
