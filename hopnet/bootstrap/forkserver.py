@@ -55,6 +55,7 @@ import msgpack
 
 from hopnet.bootstrap import parent_watch
 from hopnet.bootstrap.env import RUN_DIR
+from hopnet.bootstrap.preload import preload_named
 from hopnet.bootstrap.quick_exit import exit_now
 from hopnet.bootstrap.title import fork_server_title, set_title
 
@@ -233,6 +234,7 @@ def run_server(sock: socket.socket) -> NoReturn:
     """Serve the launcher on ``sock``; in each forked child, run its entry and exit; exit once the
     launcher closes ``sock``."""
     set_title(fork_server_title(os.environ.get(RUN_DIR, "").strip() or None))
+    preload_named(os.environ)  # the script's frameworks (what a template did not import already)
     forked: _Forked | None = None
     try:
         serve(sock)

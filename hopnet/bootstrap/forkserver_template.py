@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 import msgpack
 
 from hopnet.bootstrap import forkserver, parent_watch
+from hopnet.bootstrap.preload import preload_named
 from hopnet.bootstrap.pythonpath import worker_pythonpath
 from hopnet.bootstrap.title import TEMPLATE_TITLE, set_title
 
@@ -182,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     forkserver._preload()
+    preload_named(os.environ)
     sock = serve_template(args[0])
     return forkserver.run_server(sock)  # a fork server from here on
 

@@ -17,15 +17,19 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import msgpack
 
 from hopnet.bootstrap.forkserver import COORDINATOR, ENTRIES, MAX_MESSAGE, SERVER_ENV, WORKER, ForkServerGone
 from hopnet.bootstrap.forkserver_template import TEMPLATE_VAR, identity
+from hopnet.bootstrap.preload import PRELOAD_VAR, frameworks_imported
+
+if TYPE_CHECKING:
+    from hopnet.launch.settings import LaunchSpec
 
 __all__ = ["COORDINATOR", "WORKER", "ForkServer", "ForkServerGone", "ForkedWorker", "TEMPLATE_VAR", "TemplateForked",
-           "available"]
+           "available", "preload_env"]
 
 READY_TIMEOUT_S = 120.0
 """How long the launcher waits for the fork server to answer a request before starting
@@ -37,6 +41,16 @@ TEMPLATE_TIMEOUT_S = 10.0
 def available() -> bool:
     """Whether this platform can run a fork server (Linux: fork, pidfd_open, SCM_RIGHTS)."""
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
+
+
+def preload_env(spec: LaunchSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """What the fork server imports for the workers besides torch and hopnet: ``env``'s
+    :data:`~hopnet.bootstrap.preload.PRELOAD_VAR` where set, else the training frameworks the
+    script imports (:func:`~hopnet.bootstrap.preload.frameworks_imported`)."""
+    if PRELOAD_VAR in env or spec.module:
+        return {}
+    found = frameworks_imported(spec.script)
+    return {PRELOAD_VAR: ",".join(found)} if found else {}
 
 
 class ForkedWorker:

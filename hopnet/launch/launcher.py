@@ -199,7 +199,8 @@ class Launch:
         self.base_env[parent_watch.LAUNCHER_PID] = str(os.getpid())
         self.start_method = self.spec.start_method or ("forkserver" if forkserver.available() else "exec")
         # Started first, so its imports overlap the store, the rendezvous and the coordinator.
-        server = forkserver.ForkServer({**self.base_env, RUN_DIR: str(run_dir)}, pass_fds=(self.watch_read,)) \
+        server_env = {**self.base_env, RUN_DIR: str(run_dir), **forkserver.preload_env(self.spec, self.base_env)}
+        server = forkserver.ForkServer(server_env, pass_fds=(self.watch_read,)) \
             if self.start_method == "forkserver" else None
         self.workers = WorkerProcesses(LineWriter(output.out) if self.spec.prefix else None,
                                        self.err_lines if self.spec.prefix else None,
