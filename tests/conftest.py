@@ -7,8 +7,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hopnet.bootstrap.preload import PRELOAD_VAR
-
 from support.env import clean_env
 from support.launch import run_launch
 from support.template import forkserver_template, use_template
@@ -29,16 +27,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, cores * 3 // 2)
 
 
-TEMPLATE_PRELOAD = "hopnet.integrations.lightning,hopnet.integrations.transformers"
-"""The adapters' frameworks (Lightning; transformers and Accelerate), imported by the template once
-rather than by the fork server of each launch of an adapter's script: about 20 s of the suite on 2
-cores. Every launch's workers then find them imported; nothing of hopnet's depends on it."""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def warm_fork_servers() -> Iterator[None]:
     """Every launch of this test process forks its fork server from one warm template."""
-    with forkserver_template({**clean_env(), PRELOAD_VAR: TEMPLATE_PRELOAD}) as path:
+    with forkserver_template(clean_env()) as path:
         use_template(path)
         yield
 
