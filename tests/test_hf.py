@@ -101,6 +101,31 @@ def test_checkpoints_hold_hopnets_state_and_resume_mid_round(launch, tmp_path: P
 
 
 @pytest.mark.slow
+def test_a_killed_trainer_is_lost_and_the_others_finish_with_one_model(tmp_path: Path) -> None:
+    """`--max-failures 1` under Hop with a backup worker, rank 2 of 3 SIGKILLed after its iteration 5 of
+    40: the launcher reports it lost, the other two Trainers run every step, and their consensus (the
+    saved model) is one model, near the loss of a run without the kill."""
+    run_dir = tmp_path / "run"
+    proc = start_launch(["--nproc", "3", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
+                         "--no-progress", "--run-dir", str(run_dir), LM, "--steps", str(ELASTIC_STEPS)],
+                        env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
+    try:
+        log = LogFollower(run_dir / "rank2.jsonl")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 5),
+                   180, interval=0.02, what="rank 2's iteration 5", while_running=proc)
+        os.kill(worker_pids(run_dir, 3)[2], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "lost rank 2" in err + out, err[-2000:]
+    assert [[r["iter"] for r in records(run_dir, rank, "stop")][-1] for rank in range(2)] == [ELASTIC_STEPS - 1] * 2
+    ends = _ends(out)
+    assert sorted(ends) == [0, 1] and {steps for _, steps in ends.values()} == {ELASTIC_STEPS}, out[-2000:]
+    assert len({loss for loss, _ in ends.values()}) == 1 and abs(ends[0][0] - ELASTIC_LOSS) <= 0.05, ends
+
+
+@pytest.mark.slow
 def test_a_replacement_trainer_goes_on_where_its_neighbour_was(launch, tmp_path: Path) -> None:
     """`--max-restarts 1` under allreduce, rank 1 of 2 killed at its iteration 8 of 30: its replacement takes
     a neighbour's model, optimizer, LR schedule and TrainerState, and its Trainer skips the batches
