@@ -156,6 +156,17 @@ class AllRanksGradientProtocol(Protocol):
     def _survivable(self, failure: PeerFailure) -> bool:
         return bool(self.node.max_restarts) and failure.peer is not None and failure.peer != self.rank
 
+    async def _every_lane_finished(self, finished: bool) -> bool:
+        """Whether the round finished on every lane of this worker's replica group (under ``--max-restarts``;
+        else on this one). A dead replica's processes die at different moments: one of them may have
+        finished a round with a survivor's lane before it died, while its sibling broke the round on the
+        survivor's other lane. The lanes then retry the round together, after a resync, or the replica's
+        lanes would stand an iteration apart, each waiting in the other's collective."""
+        lanes = self.node.lanes
+        if lanes is None or not self.node.max_restarts:
+            return finished
+        return await lanes.least(int(finished)) == 1
+
     def on_peer_rejoined(self, peer: int) -> None:
         self.resync_needed = True
         self.left_early.pop(peer, None)

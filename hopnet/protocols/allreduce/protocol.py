@@ -93,9 +93,12 @@ class AllReduceProtocol(AllRanksGradientProtocol):
             apply()
         try:
             await self.buffer_sync.sync(self.node.collective, self.everyone, tag=self._tag(f"{k}/buffers"))
+            finished = True
         except PeerFailure as exc:
             if not self._survivable(exc):
                 raise
+            finished = False
+        if not await self._every_lane_finished(finished):
             # The step is applied: this worker's model stands at k + 1. A replacement that took a
             # neighbour's model here stands at k, and the resync moves it on to k + 1 with it, its
             # step of k void (resyncing at k, it would run iteration k again, alone).
@@ -123,12 +126,15 @@ class AllReduceProtocol(AllRanksGradientProtocol):
             self._saved.copy_(grads)
             try:
                 await self.node.collective.allreduce(self.everyone, grads, "mean", tag=self._tag(str(self.iteration)))
-                return True
+                finished = True
             except PeerFailure as exc:
                 if not self._survivable(exc):
                     raise
-                grads.copy_(self._saved)
-                self.resync_needed = True
+                finished = False
+            if await self._every_lane_finished(finished):
+                return True
+            grads.copy_(self._saved)
+            self.resync_needed = True
 
     def _void(self) -> None:
         """The resync found this worker a step behind: its iteration is void, it now is where the others are."""

@@ -42,6 +42,7 @@ register(ProtocolSpec(
     uses_graph=False,
     resumable=True,
     restartable=True,
+    restarts_replicas=True,
     output=ALLREDUCE_OUTPUT,
 ))
 
