@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 from datetime import timedelta
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.launch.outcome import conclude
+from hopnet.launch.replicas import end_replica
 from hopnet.launch.settings import LaunchSpec
 from hopnet.launch.spec import validate
 from hopnet.launch.state import RunState
@@ -164,3 +166,36 @@ def test_the_lanes_agree_on_what_they_all_have_and_on_the_largest_need() -> None
 
 async def _least(lanes: list[LaneAgreement], values: list[int]) -> list[int]:
     return list(await asyncio.gather(*(lane.least(value) for lane, value in zip(lanes, values))))
+
+
+class _Ended:
+    """A worker process as the launcher sees it: its pid and, once it ended, its exit status."""
+
+    def __init__(self, pid: int, code: int | None) -> None:
+        self.pid, self.code = pid, code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+@pytest.mark.parametrize("sibling_code, cause", [(-9, 3), (None, 2), (1, 2)])
+def test_a_member_failing_after_its_sibling_was_killed_is_never_the_replicas_cause(sibling_code: int | None,
+                                                                                  cause: int) -> None:
+    """Rank 2 exits 1 (its collectives with rank 3 broke). Killed by a signal, rank 3 ended the replica and
+    rank 2 failed with it; running, rank 3 is stopped with rank 2; ended with an error, rank 2 stays the cause."""
+    layout = ReplicaLayout(size=2, processes=4)
+    procs = {0: _Ended(10, None), 1: _Ended(11, None), 2: _Ended(12, 1), 3: _Ended(13, sibling_code)}
+    said: list[str] = []
+    killed: list[int] = []
+    with_replica: dict[int, int] = {}
+    with mock.patch("hopnet.launch.replicas.kill_group", lambda pid, sig: killed.append(pid)):
+        counted = end_replica(layout, 2, 1, procs, pending=[0, 1, 3] if sibling_code is None else [0, 1],
+                              with_replica=with_replica, say=said.append, grace_s=0.05)
+    assert counted == (cause == 2)
+    if cause == 3:
+        assert with_replica == {2: 3} and said == ["rank 3 ended replica 1 (ranks 2, 3): rank 2 failed with it"]
+    elif sibling_code is None:
+        assert with_replica == {3: 2} and killed == [13]
+        assert said == ["rank 2 ended replica 1 (ranks 2, 3): stopping rank 3 with it"]
+    else:
+        assert with_replica == {} and killed == [] and said == []

@@ -100,7 +100,7 @@ from hopnet.report.live import LaunchProgress
 from hopnet.report.view_watch import ViewWatch
 from hopnet.report.timeline import run_phases
 from hopnet.security import RunSecurity
-from hopnet.launch.replicas import lost_replicas, replicas_note, restart_replica, stop_replica_of
+from hopnet.launch.replicas import end_replica, lost_replicas, replicas_note, restart_replica
 from hopnet.launch.worker_logs import worker_log
 
 ABORT_POLL_S = 0.25
@@ -383,9 +383,9 @@ class Launch:
             if code == 0 and not (self.plan.elastic is not None and left_the_run(self.run_dir, rank)):
                 self.shutdown_talk.finished(time.monotonic())  # a lost worker's or a leaver's exit is no end
             if code != 0:
-                running = {r: p.pid for r, p in self.workers.procs.items() if p.returncode is None}
-                state.with_replica.update(dict.fromkeys(stop_replica_of(
-                    self.plan.replicas, rank, state.pending, running, kill_group, self.output.say), rank))
+                if not end_replica(self.plan.replicas, rank, code, self.workers.procs, state.pending, state.with_replica,
+                                   self.output.say):
+                    continue  # it failed with a sibling killed before it: that one's exit counts the replica
                 total_lost = self.group.lose() if self.group is not None else None
                 if total_lost is None:  # one machine, or node 0's store cut off: what this launcher knows
                     total_lost = lost_replicas(self.plan.replicas, state.lost)

@@ -9,7 +9,9 @@ counts the replicas lost, not the processes; ``--max-restarts`` brings the repli
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Collection, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Protocol
 
 from hopnet.launch.processes import kill_group
 from hopnet.launch.restarts import Restart, RestartBudget
@@ -36,6 +38,42 @@ def stop_replica_of(layout: ReplicaLayout, rank: int, pending: Collection[int], 
     return siblings
 
 
+SIBLING_GRACE_S = 0.5
+"""How long a replica member's error exit waits for a sibling's death by a signal to show: that death
+ended the replica, and the error followed from it (the member's collectives with it broke)."""
+
+
+class _Process(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+def end_replica(layout: ReplicaLayout, rank: int, code: int, procs: Mapping[int, _Process], pending: Collection[int],
+                with_replica: dict[int, int], say: Callable[[str], None], grace_s: float = SIBLING_GRACE_S) -> bool:
+    """``rank`` exited with ``code`` (not 0): its replica fails as a unit. Its running siblings are stopped
+    (:func:`stop_replica_of`), each recorded in ``with_replica`` as ended by ``rank``. False when ``rank``
+    exited with an error and a sibling had been killed by a signal (within ``grace_s``): that sibling ended
+    the replica, and ``rank`` is recorded as ended with it, never as a cause; the sibling's own exit,
+    processed next, counts the replica."""
+    if layout.grouped and code > 0:
+        siblings = [r for r in layout.members(layout.replica_of(rank))
+                    if r != rank and r in procs and r not in with_replica]
+        deadline = time.monotonic() + grace_s
+        while True:
+            killed = [r for r in siblings if (c := procs[r].poll()) is not None and c < 0]
+            if killed:
+                with_replica[rank] = killed[0]
+                say(f"rank {killed[0]} ended {layout.describe(layout.replica_of(rank))}: rank {rank} failed with it")
+                return False
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+    running = {r: p.pid for r, p in procs.items() if p.poll() is None}
+    with_replica.update(dict.fromkeys(stop_replica_of(layout, rank, pending, running, kill_group, say), rank))
+    return True
+
+
 def restart_replica(budget: RestartBudget, layout: ReplicaLayout, rank: int, code: int, reason: str, *, ending: bool,
                     pending: Collection[int], running: dict[int, int], say: Callable[[str], None]) -> Restart | None:
     """Under ``--max-restarts`` a replica comes back as a unit: the first of its processes to die decides
@@ -57,4 +95,4 @@ def replicas_note(layout: ReplicaLayout) -> str:
     return f" in {layout.replicas} replicas of {layout.size} ({layout.mode})" if layout.grouped else ""
 
 
-__all__ = ["lost_replicas", "replicas_note", "restart_replica", "stop_replica_of"]
+__all__ = ["SIBLING_GRACE_S", "end_replica", "lost_replicas", "replicas_note", "restart_replica", "stop_replica_of"]
