@@ -54,6 +54,21 @@ def _run(launch, run_dir: Path, protocol: str, script: str, *args: str, options:
     return [losses[rank] for rank in range(nproc)]
 
 
+def _kill_at(args: list[str], run_dir: Path, *, rank: int, nproc: int,
+             iteration: int) -> tuple[subprocess.Popen[str], str, str]:
+    """`hopnet launch ARGS`, ``rank`` SIGKILLed once it logged ``iteration``; the launcher, its stdout and stderr."""
+    proc = start_launch(args, env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
+    try:
+        log = LogFollower(run_dir / f"rank{rank}.jsonl")
+        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= iteration),
+                   180, interval=0.02, what=f"rank {rank}'s iteration {iteration}", while_running=proc)
+        os.kill(worker_pids(run_dir, nproc)[rank], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill(proc)
+    return proc, out, err
+
+
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
     return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
@@ -106,17 +121,9 @@ def test_a_killed_trainer_is_lost_and_the_others_finish_with_one_model(tmp_path:
     40: the launcher reports it lost, the other two Trainers run every step, and their consensus (the
     saved model) is one model, near the loss of a run without the kill."""
     run_dir = tmp_path / "run"
-    proc = start_launch(["--nproc", "3", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
-                         "--no-progress", "--run-dir", str(run_dir), LM, "--steps", str(ELASTIC_STEPS)],
-                        env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
-    try:
-        log = LogFollower(run_dir / "rank2.jsonl")
-        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 5),
-                   180, interval=0.02, what="rank 2's iteration 5", while_running=proc)
-        os.kill(worker_pids(run_dir, 3)[2], signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        kill(proc)
+    proc, out, err = _kill_at(["--nproc", "3", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
+                               "--no-progress", "--run-dir", str(run_dir), LM, "--steps", str(ELASTIC_STEPS)],
+                              run_dir, rank=2, nproc=3, iteration=5)
     assert proc.returncode == 0, err[-3000:]
     assert "lost rank 2" in err + out, err[-2000:]
     assert [[r["iter"] for r in records(run_dir, rank, "stop")][-1] for rank in range(2)] == [ELASTIC_STEPS - 1] * 2
@@ -136,17 +143,9 @@ def test_a_replacement_trainer_goes_on_where_its_neighbour_was(launch, tmp_path:
     args = [LM, "--steps", "30"]
     whole = _run(launch, tmp_path / "whole", protocol, *args, nproc=2)
     run_dir = tmp_path / "run"
-    proc = start_launch(["--nproc", "2", "--protocol", protocol, "--max-restarts", "1", "--peer-timeout", "3",
-                         "--no-progress", "--run-dir", str(run_dir), *args, "--output-dir", str(tmp_path / "out")],
-                        env=clean_env(HF_HUB_OFFLINE="1"), new_session=True)
-    try:
-        log = LogFollower(run_dir / "rank1.jsonl")
-        wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 8),
-                   180, interval=0.02, what="rank 1's iteration 8", while_running=proc)
-        os.kill(worker_pids(run_dir, 2)[1], signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        kill(proc)
+    proc, out, err = _kill_at(["--nproc", "2", "--protocol", protocol, "--max-restarts", "1", "--peer-timeout", "3",
+                               "--no-progress", "--run-dir", str(run_dir), *args, "--output-dir", str(tmp_path / "out")],
+                              run_dir, rank=1, nproc=2, iteration=8)
     assert proc.returncode == 0, err[-3000:]
     assert "hopnet launch: rank 1 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err.splitlines()
     (rejoined,) = records(run_dir, 1, "rejoined")
