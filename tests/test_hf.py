@@ -173,6 +173,20 @@ def test_sync_runs_the_protocol_in_an_accelerate_script(launch, tmp_path: Path, 
         assert torch.allclose(model, (own[0] + own[1]) / 2, atol=1e-6)
 
 
+def test_sync_under_max_failures_leaves_a_killed_worker_behind(launch, tmp_path: Path) -> None:
+    """Hop with a backup worker, 3 ranks, rank 2 SIGKILLed after its step 10 of 30 (``--max-failures 1``):
+    the other two run every step, and the consensus is the mean of their two models."""
+    result = launch(["--nproc", "3", "--backup-workers", "1", "--max-failures", "1", "--peer-timeout", "2",
+                     "--run-dir", str(tmp_path / "run"), SYNC, str(tmp_path), "--steps", "30", "--die", "2:10"],
+                    env=clean_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lost rank 2" in result.stderr, result.stderr[-2000:]
+    assert result.stdout.count("optimizer steps 30, iterations 30, consensus of [0, 1]") == 2, result.stdout
+    own = [torch.load(tmp_path / f"own{r}.pt") for r in (0, 1)]
+    for rank in (0, 1):
+        assert torch.allclose(torch.load(tmp_path / f"final{rank}.pt"), (own[0] + own[1]) / 2, atol=1e-6)
+
+
 def _ddp_reference(steps: int, *, autocast: bool, skip: int | None = None) -> torch.Tensor:
     """tests/workers/accelerate_sync.py's model after ``steps`` optimizer steps of both ranks' averaged,
     accumulated, clipped gradient, AdamW and the schedule, in one process; step ``skip`` (its gradient

@@ -12,6 +12,8 @@ loss infinite in optimizer step S; it then prints the steps Accelerate reported 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--scaler", action="store_true")
     parser.add_argument("--overflow", default=None, metavar="R:S")
+    parser.add_argument("--die", default=None, metavar="R:S")
     args = parser.parse_args()
     overflow = tuple(int(v) for v in args.overflow.split(":")) if args.overflow else None
     torch.set_num_threads(1)
@@ -64,6 +67,8 @@ def main() -> None:
             steps += accelerator.sync_gradients
             if not sync.step():
                 break
+            if args.die == f"{rank}:{steps}":
+                os.kill(os.getpid(), signal.SIGKILL)
         torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), args.out / f"own{rank}.pt")
     assert sync.consensus is not None
     torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), args.out / f"final{rank}.pt")
