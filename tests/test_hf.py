@@ -187,6 +187,23 @@ def test_sync_under_max_failures_leaves_a_killed_worker_behind(launch, tmp_path:
         assert torch.allclose(torch.load(tmp_path / f"final{rank}.pt"), (own[0] + own[1]) / 2, atol=1e-6)
 
 
+def test_sync_under_max_restarts_hands_the_replacement_its_neighbours_step(launch, tmp_path: Path) -> None:
+    """allreduce, rank 1 of 2 SIGKILLed after its step 10 of 30 (``--max-restarts 1``): its replacement
+    takes rank 0's model and optimizer at that step and runs the 20 steps left, and both end with one
+    model. (Which batches it reads is the script's: this one reads its loader from the start.)"""
+    run_dir = tmp_path / "run"
+    result = launch(["--nproc", "2", "--protocol", "allreduce", "--max-restarts", "1", "--peer-timeout", "3",
+                     "--run-dir", str(run_dir), SYNC, str(tmp_path), "--steps", "30", "--die", "1:10"], env=clean_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hopnet launch: 1 restart: rank 1 (killed by SIGKILL)" in result.stderr, result.stderr[-2000:]
+    (rejoined,) = records(run_dir, 1, "rejoined")
+    assert rejoined["iter"] == 10, rejoined
+    assert "[rank 0] optimizer steps 30, iterations 30, consensus of [0, 1]" in result.stdout, result.stdout
+    assert "[rank 1] optimizer steps 20, iterations 20, consensus of [0, 1]" in result.stdout, result.stdout
+    own = [torch.load(tmp_path / f"own{r}.pt") for r in (0, 1)]
+    assert torch.equal(own[0], own[1])
+
+
 def _ddp_reference(steps: int, *, autocast: bool, skip: int | None = None) -> torch.Tensor:
     """tests/workers/accelerate_sync.py's model after ``steps`` optimizer steps of both ranks' averaged,
     accumulated, clipped gradient, AdamW and the schedule, in one process; step ``skip`` (its gradient

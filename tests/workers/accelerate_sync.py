@@ -47,6 +47,7 @@ def main() -> None:
 
     with Sync(accelerator, model, optimizer, steps=args.steps) as sync:
         rank = sync.worker.rank
+        sync.worker.register_state("schedule", schedule)  # a replacement (--max-restarts) takes it over too
         generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         x = torch.randn(args.steps * 2 * 8, 8, generator=generator)
         loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin()), batch_size=8)
@@ -67,7 +68,7 @@ def main() -> None:
             steps += accelerator.sync_gradients
             if not sync.step():
                 break
-            if args.die == f"{rank}:{steps}":
+            if args.die == f"{rank}:{steps}" and not os.environ.get("HOPNET_RESTART"):
                 os.kill(os.getpid(), signal.SIGKILL)
         torch.save(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), args.out / f"own{rank}.pt")
     assert sync.consensus is not None
