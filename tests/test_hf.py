@@ -32,6 +32,7 @@ LM = str(EXAMPLES / "hf_trainer_lm.py")
 BARE = str(WORKERS / "bare_lm.py")
 SYNC = str(WORKERS / "accelerate_sync.py")
 GATED = str(WORKERS.parent / "scripts" / "hf_elastic.py")
+SYNC_ELASTIC = str(WORKERS.parent / "scripts" / "accelerate_elastic.py")
 """The example, whose first workers wait at step 10 for the joiner to start (tests/scripts/joiner_gate.py)."""
 LOSS = re.compile(r"^\[rank (\d+)\] held-out loss ([0-9.]+)", re.MULTILINE)
 STEPS = re.compile(r"^(?:\[rank (\d+)\] )?held-out loss ([0-9.]+) \(consensus model, (\d+) steps", re.MULTILINE)
@@ -202,6 +203,23 @@ def test_sync_under_max_restarts_hands_the_replacement_its_neighbours_step(launc
     assert "[rank 1] optimizer steps 20, iterations 20, consensus of [0, 1]" in result.stdout, result.stdout
     own = [torch.load(tmp_path / f"own{r}.pt") for r in (0, 1)]
     assert torch.equal(own[0], own[1])
+
+
+@pytest.mark.slow
+def test_sync_takes_a_joiner_at_its_donors_step(tmp_path: Path) -> None:
+    """`hopnet join` into an Accelerate script's run of 2 (--max-nproc 3) under Hop: the joiner enters the
+    run in ``Sync``'s entry, before its loop, takes a member's model, optimizer, schedule and sampler (the
+    last two registered after the join), runs the iterations left, and every rank ends at the last one
+    with the consensus of the three. (The first workers wait at iteration 5 until the joiner started.)"""
+    run_dir = tmp_path / "run"
+    ended, joined = launch_and_join(["--nproc", "2", "--max-nproc", "3", "--run-dir", str(run_dir), "--no-progress",
+                                     SYNC_ELASTIC, "--steps", "30"], run_dir,
+                                    env=clean_env(GATE_AT_STEP="5", GATE_FOR_RANK="2"))
+    assert_joined_late(ended, joined, run_dir, 2, after=5, last=29)
+    pattern = r"rank (\d) ran (\d+) iterations, last (\d+), consensus of \[0, 1, 2\]"
+    ends = {int(rank): (int(ran), int(last)) for rank, ran, last in re.findall(pattern, joined.stdout + ended.stdout)}
+    joined_at = records(run_dir, 2, "joined")[0]["iter"]
+    assert ends == {0: (30, 29), 1: (30, 29), 2: (30 - joined_at, 29)}, (ends, joined_at)
 
 
 def _ddp_reference(steps: int, *, autocast: bool, skip: int | None = None) -> torch.Tensor:
