@@ -99,8 +99,8 @@ def test_every_protocol_runs_between_replicas(options: dict, refused: str | None
     (dict(nproc=6, replica_size=4), "--replica-size 4 does not divide --nproc 6"),
     (dict(graph="ring:3", nproc=4, replica_size=2), "--nproc 4 makes 2 replicas of 2 processes, but the graph has 3"),
     (dict(nproc=4, replica_mode="fsdp"), "--replica-mode needs --replica-size R on one machine"),
-    (dict(nproc=4, replica_size=2, max_restarts=1, config=ProtocolConfig(protocol="pipe-sgd")),
-     "--max-restarts: --protocol pipe-sgd cannot bring back a replica group yet"),
+    (dict(nproc=4, replica_size=2, max_restarts=1, config=ProtocolConfig(protocol="eager-sgd")),
+     "--max-restarts: --protocol eager-sgd cannot bring back a replica group yet"),
 ])
 def test_the_launcher_refuses_what_replica_groups_cannot_run_before_anything_starts(kwargs: dict,
                                                                                    message: str) -> None:

@@ -132,9 +132,12 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         if due >= self.pipeline_start:
             try:
                 await self._wait_for(due)
+                finished = True
             except PeerFailure as exc:
                 if not self._survivable(exc):
                     raise
+                finished = False
+            if not await self._every_lane_finished(finished):
                 await self._restart_pipeline(t)
                 return
             self._take_result(due, grads)
@@ -157,13 +160,16 @@ class PipeSgdProtocol(AllRanksGradientProtocol):
         began = self.node.timer()
         try:
             await self._allreduce(t, slot, None, began, snapshot, reduced=reduced)
+            finished = True
         except PeerFailure as exc:
             if not self._survivable(exc):
                 raise
-            await self._restart_pipeline(t)
-            return
+            finished = False
         finally:
             self.node.waited("updates", self.node.timer() - began)
+        if not await self._every_lane_finished(finished):
+            await self._restart_pipeline(t)
+            return
         self._take_result(t, grads)
         self.synchronized = t
 

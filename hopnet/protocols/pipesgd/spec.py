@@ -44,6 +44,7 @@ register(ProtocolSpec(
     uses_graph=False,
     resumable=True,
     restartable=True,
+    restarts_replicas=True,
     output=PIPE_SGD_OUTPUT,
 ))
 
