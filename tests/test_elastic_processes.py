@@ -50,7 +50,7 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
         joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         wait_until(lambda: all(records(run_dir, r, "joined") for r in (4, 5)), 120,
-                   what="ranks 4 and 5 to join")
+                   what="ranks 4 and 5 to join", while_running=launcher)
         os.kill(recorded_worker_pids(run_dir)[2], signal.SIGTERM)  # a preemption notice, to that worker alone
         out, err = launcher.communicate(timeout=180)
         joined_out, _ = joiner.communicate(timeout=60)
