@@ -17,7 +17,8 @@ import torch.distributed as dist
 from hopnet.config import ProtocolConfig
 from hopnet.errors import ConfigError
 from hopnet.launch.outcome import conclude
-from hopnet.launch.replicas import end_replica
+from hopnet.launch.replicas import end_replica, restart_replica
+from hopnet.launch.restarts import RestartBudget
 from hopnet.launch.settings import LaunchSpec
 from hopnet.launch.spec import validate
 from hopnet.launch.state import RunState
@@ -199,3 +200,21 @@ def test_a_member_failing_after_its_sibling_was_killed_is_never_the_replicas_cau
         assert said == ["rank 2 ended replica 1 (ranks 2, 3): stopping rank 3 with it"]
     else:
         assert with_replica == {} and killed == [] and said == []
+
+
+def test_a_restart_decided_by_a_killed_sibling_names_it_and_each_member_restarts_once() -> None:
+    """Under --max-restarts rank 2 exits 1 first (its collectives with rank 3 broke) while rank 3 was
+    killed by a signal: rank 3's death decides the replica's restart, rank 2 comes back with its
+    replica, and rank 3, handled next, takes the restart it decided: one unit of the budget."""
+    layout = ReplicaLayout(size=2, processes=4)
+    procs = {0: _Ended(10, None), 1: _Ended(11, None), 2: _Ended(12, 1), 3: _Ended(13, -9)}
+    budget = RestartBudget(1)
+    with mock.patch("hopnet.launch.replicas.kill_group", lambda pid, sig: None):
+        second = restart_replica(budget, layout, 2, 1, "exit code 1", ending=False, pending=[0, 1, 3], procs=procs,
+                                 say=lambda line: None, grace_s=0.05)
+        third = restart_replica(budget, layout, 3, -9, "killed by SIGKILL", ending=False, pending=[0, 1], procs=procs,
+                                say=lambda line: None, grace_s=0.05)
+    assert second is not None and third is not None
+    assert second.line() == "rank 2 died (with its replica (killed by SIGKILL in rank 3)); restarting it (restart 1 of 1)"
+    assert third.line() == "rank 3 died (killed by SIGKILL); restarting it (restart 1 of 1)"
+    assert budget.used == 1

@@ -454,9 +454,8 @@ class Launch:
         ending = state.ending or self._signalled() or not others or bool(self._config_note(rank, code))
         layout = self.plan.replicas
         if layout.grouped:
-            running = {r: p.pid for r, p in self.workers.procs.items() if p.returncode is None}
             restart = restart_replica(self.restarts, layout, rank, code, state.describe_end(rank, code), ending=ending,
-                                      pending=state.pending, running=running, say=self.output.say)
+                                      pending=state.pending, procs=self.workers.procs, say=self.output.say)
         else:
             restart = self.restarts.decide(rank, code, state.describe_end(rank, code), ending=ending)
         if restart is None:

@@ -63,6 +63,8 @@ class RestartBudget:
         self.records: list[RestartRecord] = []
         self.following: dict[int, Restart] = {}
         """Members of a replica coming back, not yet ended: the restart each takes when it does."""
+        self.decided: dict[int, Restart] = {}
+        """The member whose death decided its replica's restart, when a sibling's exit was seen first."""
 
     def decide(self, rank: int, returncode: int, reason: str, *, ending: bool) -> Restart | None:
         """The restart for ``rank``, which ended with ``returncode``, or ``None`` when it stays dead:
@@ -76,20 +78,27 @@ class RestartBudget:
         return Restart(rank=rank, number=number, used=self.used, limit=self.limit, reason=reason)
 
     def decide_replica(self, members: tuple[int, ...], rank: int, returncode: int, reason: str, *,
-                       ending: bool) -> Restart | None:
+                       ending: bool, seen: int | None = None) -> Restart | None:
         """A replica group comes back as a unit: ``rank``, the first of ``members`` to end, decides for
         all of them, with one unit of the budget; the others follow with :meth:`follow`. Every member
-        gets the same restart number (their replica's process group meets under it)."""
+        gets the same restart number (their replica's process group meets under it). ``seen``: the
+        member whose exit the launcher is handling, when it is not ``rank`` (a sibling's failure came
+        first); ``rank`` then takes its own restart from :meth:`follow` as it ends."""
         restart = self.decide(rank, returncode, reason, ending=ending)
         if restart is None:
             return None
         for member in members:
             self.per_rank[member] = restart.number
         self.following.update({m: restart for m in members if m != rank})
+        if seen is not None and seen != rank:
+            self.decided[rank] = restart
         return restart
 
     def follow(self, rank: int) -> Restart | None:
-        """The restart a member of a replica coming back takes as it ends (stopped with its replica)."""
+        """The restart a member of a replica coming back takes as it ends (stopped with its replica; or,
+        the member whose death decided it, its own)."""
+        if rank in self.decided:
+            return self.decided.pop(rank)
         restart = self.following.pop(rank, None)
         if restart is None:
             return None
