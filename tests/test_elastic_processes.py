@@ -20,6 +20,7 @@ from support.records import all_records, records
 from support.wait import wait_until
 
 DIGITS = str(ROOT / "examples" / "train_digits.py")
+VIEW_GATED = str(ROOT / "tests" / "scripts" / "view_gated.py")
 JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
 
 
@@ -40,12 +41,13 @@ def _iteration(run_dir: Path, rank: int) -> int:
 def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Path, protocol: str,
                                                                    flags: list[str]) -> None:
     run_dir = tmp_path / "run"
+    # Every worker waits at iteration 300 until ranks 4 and 5 are admitted and at 500 until rank 2 has left
+    # (tests/scripts/view_gated.py): a busy machine slows the joiners, not the run's outcome.
     launcher = start_launch(["--nproc", "4", "--max-nproc", "6", "--protocol", protocol, *flags, "--run-dir",
-                             str(run_dir), DIGITS, "--iterations", "4000", "--eval-every", "100000"])
+                             str(run_dir), VIEW_GATED, "--view-gate", "300:joined=4,5", "--view-gate", "500:left=2",
+                             "--iterations", "800", "--eval-every", "100000"])
     joiner: subprocess.Popen[str] | None = None
     try:
-        # The joiners start while the first workers do (a joiner asks at its first step), so that on a busy
-        # machine the run cannot end before they are in.
         wait_until(lambda: _rendezvous_up(run_dir), 120, what="the run's rendezvous")
         joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -77,6 +79,8 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
     assert min(finals.values()) >= 0.95, finals
     for joined in (4, 5):  # each took a state from a member that was there before it, not both from one
         assert records(run_dir, joined, "joined")[0]["donor"] in (0, 1, 2, 3)
+    gates = all_records(run_dir, "view_gate")
+    assert {gate["rank"] for gate in gates} >= {0, 1, 3, 4, 5} and all(gate["opened"] for gate in gates), gates
 
 
 def test_a_fixed_graph_refuses_an_elastic_run_at_launch(tmp_path: Path) -> None:
