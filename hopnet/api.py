@@ -408,7 +408,8 @@ class Worker:
         try:
             self._deferral.reducing_now()
             self.replica.before_step()
-            self._thread.run(self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s))
+            running = self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s)
+            self._thread.run(running if self.changeover is None else self.changeover.run.unless_over(running))
             self.replica.after_step()
         except Exception as exc:
             self.failure = exc

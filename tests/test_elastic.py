@@ -9,7 +9,6 @@ import threading
 import pytest
 
 from hopnet.elastic import codec
-from hopnet.config import ProtocolConfig
 from hopnet.elastic.run import ElasticRun
 from hopnet.elastic.settings import ElasticSettings
 from hopnet.elastic.setup import lone_config
@@ -135,6 +134,50 @@ def test_a_step_failed_by_silent_peers_ends_with_the_membership_line_once_it_cut
 def test_a_failure_that_blames_no_peer_stays_itself_while_the_membership_goes_on() -> None:
     failure = HopnetError("something else")
     assert _cut_off_verdict(failure) is failure
+
+
+def _step_cut_short(rank: int, config: MembershipConfig, event: Commit | None) -> tuple[BaseException, bool]:
+    """A step that would wait for ever, under a run whose membership stops the worker (a commit
+    ``event`` that arrives, or silent peers): what the step raises, and whether it was cancelled."""
+    async def scenario() -> tuple[BaseException, bool]:
+        cancelled = False
+
+        async def waits_for_stopped_peers() -> None:
+            nonlocal cancelled
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+
+        run = ElasticRun(rank, _SilentChannel(), config, first_view=View(0, (0, 1, 2, 3)),  # type: ignore[arg-type]
+                         record=lambda *a, **k: None, iteration=lambda: 35, timeout_s=5.0)
+        run.start()
+        try:
+            if event is not None:
+                asyncio.get_running_loop().call_later(
+                    0.05, run._on_control, 0, {"t": "m", "body": codec.encode(event)}, None)
+            with pytest.raises(HopnetError) as ended:
+                await asyncio.wait_for(run.unless_over(waits_for_stopped_peers()), timeout=4.0)
+            return ended.value, cancelled
+        finally:
+            await run.close()
+    return asyncio.run(scenario())
+
+
+def test_a_leaver_whose_leave_stops_the_run_ends_its_step_at_once() -> None:
+    from hopnet.elastic.run import LeftRun
+    below_minimum = Commit(0, Ballot(1, 0), Change(View(1, (0, 1, 3)), left=(2,)), (0, 1, 3))
+    ended, cancelled = _step_cut_short(2, MembershipConfig(peer_timeout=5.0, min_members=4), below_minimum)
+    assert isinstance(ended, LeftRun) and cancelled
+    assert str(ended) == "rank 2 left; view 1 has 3 members, fewer than the minimum 4: the run stops"
+
+
+def test_a_worker_cut_off_in_its_step_ends_the_step_with_the_membership_line() -> None:
+    ended, cancelled = _step_cut_short(3, MembershipConfig(peer_timeout=0.2), None)
+    assert isinstance(ended, MembershipStopped) and cancelled
+    assert str(ended) == ("rank 3 is cut off from ranks 0, 1, 2 of view 0 (a majority): it stops; "
+                          "the other side goes on")
 
 
 def test_a_joiner_starts_alone_on_a_protocol_that_needs_no_coordinator_and_no_backup_workers() -> None:

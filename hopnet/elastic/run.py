@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +98,12 @@ class ElasticRun:
         """Set when this worker asked to leave and the membership then stopped (the run went below --min-nproc)."""
         self.leaving = False
         self._leave_asked = False
+        self._over: asyncio.Future[None] | None = None
+        """Done once the membership has stopped this worker, or let it leave as the run stopped."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._over = asyncio.get_running_loop().create_future()
         self.channel.serve(self._on_control)
         self._ticker = asyncio.get_running_loop().create_task(self._tick(), name=f"rank{self.rank}-membership")
 
@@ -206,6 +209,9 @@ class ElasticRun:
         elif state == "stopped" and self.stopped_line is None and not self.leaving:
             self.stopped_line = self.membership.line or f"rank {self.rank} was stopped by the membership"
             self.record("membership_stopped", line=self.stopped_line, iter=self.iteration())
+        if (self.left_line is not None or self.stopped_line is not None) and self._over is not None \
+                and not self._over.done():
+            self._over.set_result(None)
         self._changed.set()
 
     def _report_if_due(self) -> None:
@@ -242,6 +248,26 @@ class ElasticRun:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def unless_over(self, step: Coroutine[Any, Any, None]) -> None:
+        """Run ``step`` (the node's) unless the membership stops this worker, or lets it leave as the
+        run stops, first: then the step is cancelled, and its peers, which stopped too, are not waited
+        for until a timeout. Raises :class:`LeftRun` or :class:`~hopnet.errors.MembershipStopped`."""
+        running = asyncio.ensure_future(step)
+        if self._over is None:
+            return await running
+        await asyncio.wait((running, self._over), return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            return running.result()
+        running.cancel()
+        try:
+            await running
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is over: the line says why
+            pass
+        if self.left_line is not None:
+            raise LeftRun(self.left_line)
+        assert self.stopped_line is not None
+        raise MembershipStopped(self.stopped_line)
 
     async def verdict(self, failure: Exception, blamed: int | None = None) -> Exception:
         """A step failed with ``failure``. When the membership stops this worker (cut off from a
