@@ -1,4 +1,5 @@
-"""The commands that train nothing never import torch (issue 19: a fast command line).
+"""The commands that train nothing never import torch (issue 19: a fast command line), nor does the
+launcher of a run that trains (its workers and its store do, in processes of their own).
 
 Each command runs through ``hopnet.cli.main.main`` in one fresh interpreter, in turn; after
 each, the interpreter says whether torch (and numpy) are loaded. torch loaded by one command
@@ -12,6 +13,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from hopnet.launch.forkserver import available as forkserver_available
 
 from support.env import clean_env
 from support.paths import ROOT
@@ -40,7 +43,7 @@ def _run(commands: list[list[str]], cwd: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def test_commands_that_train_nothing_never_import_torch(tmp_path: Path) -> None:
+def test_commands_that_train_nothing_and_the_launcher_never_import_torch(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('never run')\n")
     run_dir = write_run(tmp_path / "run")
@@ -63,6 +66,9 @@ def test_commands_that_train_nothing_never_import_torch(tmp_path: Path) -> None:
         (["simulate", "--iterations", "0"], 2),
         (["report", str(run_dir), "--no-predict", "--trace", str(tmp_path / "trace.json")], 0),
     ]
+    if forkserver_available():  # a launch that trains: its workers and store import torch, forked from the fork server
+        expected_rc.append((["launch", "--nproc", "2", "--no-progress", "--run-dir", str(tmp_path / "trained"),
+                             str(ROOT / "examples" / "train_digits.py"), "--iterations", "2"], 0))
     results = _run([argv for argv, _ in expected_rc], tmp_path)
     assert [(r["argv"], r["rc"]) for r in results] == expected_rc, [r["err"] for r in results]
     loaded_torch = [r["argv"] for r in results if r["torch"]]

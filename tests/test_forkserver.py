@@ -21,9 +21,9 @@ from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
 
 from support.env import clean_env
-from support.launch import kill, run_launch, start_launch
-from support.paths import WORKERS
-from support.records import coordinator_records
+from support.launch import kill, recorded_worker_pids, run_launch, start_launch
+from support.paths import ROOT, WORKERS
+from support.records import coordinator_records, records
 from support.processes import alive, wait_gone
 from support.template import forkserver_template
 from support.wait import wait_until
@@ -167,27 +167,45 @@ def test_the_coordinator_forks_from_the_fork_server_and_execs_once_it_is_gone(se
     assert relayed == []  # nothing on its stderr: nothing relayed
 
 
-def test_a_forked_coordinator_ends_with_a_killed_launcher(tmp_path: Path) -> None:
+def test_a_forked_coordinator_and_store_end_with_a_killed_launcher(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     launcher = start_launch(["--protocol", "prague", "--group-generator", "random", "--nproc", "2",
                              "--run-dir", str(run_dir), "--no-progress", str(WORKERS / "prague_worker.py"),
                              "--iterations", "100000", "--compute-ms", "5"], new_session=True)
-    coordinator = 0
+    coordinator = store = 0
     try:
         wait_until(lambda: len(coordinator_records(run_dir, "group")) >= 5, 120, interval=0.1,  # training through it
                    what="the workers to form 5 groups", while_running=launcher)
         record = json.loads((run_dir / "launch.json").read_text())
-        coordinator = record["coordinator"]["pid"]
+        coordinator, store = record["coordinator"]["pid"], record["store_pid"]
         assert record["start_method"] == "forkserver"
-        assert _ppid(coordinator) == _ppid(record["worker_pids"]["0"]) != launcher.pid  # the fork server's
+        assert _ppid(coordinator) == _ppid(store) == _ppid(record["worker_pids"]["0"]) != launcher.pid  # forked
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)
-        wait_gone([coordinator], 5.0)
+        wait_gone([coordinator, store], 5.0)
         assert coordinator_records(run_dir)[-1]["event"] == "stop"  # it got SIGTERM, not SIGKILL
     finally:
-        if coordinator and alive(coordinator):
-            os.killpg(coordinator, signal.SIGKILL)
+        for pid in (coordinator, store):
+            if pid and alive(pid):
+                os.killpg(pid, signal.SIGKILL)
         kill(launcher)
+
+
+def test_a_store_that_dies_while_workers_run_fails_the_launch_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launch(["--nproc", "2", "--run-dir", str(run_dir), "--no-progress",
+                             str(ROOT / "examples" / "train_digits.py"), "--iterations", "1000000"], new_session=True)
+    try:
+        wait_until(lambda: len(records(run_dir, 0, "iteration")) >= 5, 120, interval=0.1,
+                   what="rank 0 to train", while_running=launcher)
+        store = json.loads((run_dir / "launch.json").read_text())["store_pid"]
+        os.killpg(store, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        kill(launcher)
+    assert launcher.returncode == 1
+    assert "hopnet launch: the run's c10d store died (killed by SIGKILL); the workers waiting on it fail" in err, err
+    assert all(not alive(pid) for pid in recorded_worker_pids(run_dir).values())
 
 
 # ------------------------------------------------------------------ a warm template (forkserver_template)

@@ -1,5 +1,5 @@
 """Every process of a run says what it is in ps, top and py-spy (hopnet.bootstrap.title): each
-worker its rank, script and run, the coordinator and the fork server their role and run, a
+worker its rank, script and run, the coordinator, the store and the fork server their role and run, a
 replacement worker its restart. Real launches, read through /proc while their workers run."""
 
 from __future__ import annotations
@@ -107,13 +107,18 @@ def test_workers_the_coordinator_and_the_fork_server_are_titled(tmp_path: Path, 
             assert comm(pid) == title[:15]
         until(lambda: cmdline(coordinator), f"hopnet coordinator (run {run_dir.name})")
         assert comm(coordinator) == "hopnet coordina"
+        store = json.loads((run_dir / "launch.json").read_text())["store_pid"]
+        launcher_maps = Path(f"/proc/{launcher.pid}/maps").read_text()
         if start_method == "forkserver":
             server = parent(workers[0])
-            seen.append(server)
-            assert server != launcher.pid and parent(coordinator) == server
+            seen.extend([server, store])
+            assert server != launcher.pid and parent(coordinator) == server == parent(store)
             assert cmdline(server) == f"hopnet fork server (run {run_dir.name})"
-        else:  # each a child of the launcher
+            assert cmdline(store) == f"hopnet store (run {run_dir.name})"
+            assert "libtorch" not in launcher_maps  # the store, torch's, lives in a process of its own
+        else:  # each a child of the launcher, which hosts the store itself
             assert set(children(launcher.pid)) >= {*workers.values(), coordinator}
+            assert store == launcher.pid and "libtorch" in launcher_maps
     finally:
         stop(launcher, seen)
 

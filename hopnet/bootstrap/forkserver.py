@@ -9,8 +9,8 @@ starts one *fork server* first::
     python -m hopnet.bootstrap.forkserver FD
 
 which imports torch, ``torch._dynamo`` and hopnet once, then forks one worker per request
-that arrives on the Unix socket ``FD``; the protocol's coordinator is forked from it too
-(:data:`COORDINATOR`). The forked worker is what an exec'd one would be:
+that arrives on the Unix socket ``FD``; the protocol's coordinator (:data:`COORDINATOR`) and
+the run's c10d store (:data:`STORE`) are forked from it too. The forked worker is what an exec'd one would be:
 
 * its own session and process group (the launcher signals the group);
 * the environment of the request (``os.environ``; torch's thread count is set from
@@ -63,7 +63,9 @@ MAX_MESSAGE = 1 << 20
 """The largest request (an environment and an argv) the fork server accepts."""
 WORKER = "worker"
 COORDINATOR = "coordinator"
-ENTRIES = {WORKER: "hopnet.bootstrap.worker_main", COORDINATOR: "hopnet.bootstrap.coordinator_main"}
+STORE = "store"
+ENTRIES = {WORKER: "hopnet.bootstrap.worker_main", COORDINATOR: "hopnet.bootstrap.coordinator_main",
+           STORE: "hopnet.bootstrap.store_main"}
 """What a forked process runs: the ``main(argv)`` of the module its request's ``entry`` names."""
 PRELOAD = ("torch", "torch._dynamo", "setproctitle", "hopnet", "hopnet.api", *ENTRIES.values())
 SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}

@@ -61,6 +61,10 @@ def coordinator_title(run_dir: str | os.PathLike[str] | None) -> str:
     return f"{PREFIX} coordinator{_run(run_dir)}"
 
 
+def store_title(run_dir: str | os.PathLike[str] | None) -> str:
+    return f"{PREFIX} store{_run(run_dir)}"
+
+
 def fork_server_title(run_dir: str | os.PathLike[str] | None) -> str:
     return f"{PREFIX} fork server{_run(run_dir)}"
 

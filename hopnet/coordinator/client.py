@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from hopnet.coordinator.variables import COORDINATOR_ENV, COORDINATOR_NAME_ENV
 from hopnet.coordinator.wire import (BEAT, EXPELLED, HELLO, PEER_DEAD, PEER_FAILED, PING, PONG, BadFrame, decode,
                                      encode, routing_id)
 from hopnet.errors import HopnetError, PeerFailure, WaitTimeout
@@ -37,10 +38,6 @@ from hopnet.runtime.services import NodeServices
 if TYPE_CHECKING:
     from hopnet.security import CurveKeys
 
-COORDINATOR_ENV = "HOPNET_COORDINATOR"
-"""``tcp://HOST:PORT`` of the run's coordinator, set by `hopnet launch` when the protocol needs one."""
-COORDINATOR_NAME_ENV = "HOPNET_COORDINATOR_NAME"
-"""What the coordinator is (``prague random group generator``), for error messages."""
 
 
 class CoordinatorLost(PeerFailure):

@@ -59,6 +59,7 @@ from hopnet.bootstrap.options import differences
 from hopnet.launch import forkserver
 from hopnet.launch.blame import describe_exit, read_log_facts
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess, CoordinatorStartError
+from hopnet.launch.run_store import RunStore
 from hopnet.launch.death_watch import DeathWatch
 from hopnet.launch.exit_bound import finished_its_loop, overdue_lines
 from hopnet.launch.elastic import is_leaving, join_info, left_the_run, mark_stopping, read_views
@@ -94,7 +95,6 @@ from hopnet.launch.spec import (
     validate,
 )
 from hopnet.launch.state import RunState
-from hopnet.rendezvous.store import HostedStore, host_store
 from hopnet.launch.talk import ShutdownTalk, StartupTalk, ranks_text
 from hopnet.report.live import LaunchProgress
 from hopnet.report.view_watch import ViewWatch
@@ -171,6 +171,17 @@ class LauncherOutput:
             self.view.print_summary()
 
 
+def config_note(run_dir: Path, rank: int, code: int) -> str:
+    """``: ConfigError: MESSAGE`` for a worker that exited 2 on a configuration error, which a
+    worker under the launcher does not print itself; else nothing."""
+    if code != 2:
+        return ""
+    error = read_log_facts(worker_log(run_dir, rank)).error
+    if error is None or error.get("error") in (None, "SystemExit"):
+        return ""
+    return f": {error.get('error')}: {error.get('message')}"
+
+
 class Launch:
     """One launch from its services onward: the phases after the run directory, each a method,
     over the resources they start (store, rendezvous, coordinator, workers) and a :class:`RunState`."""
@@ -206,7 +217,7 @@ class Launch:
                                        self.err_lines if self.spec.prefix else None,
                                        forkserver=server, fork_entry=WORKER_ENTRY)
         self.server: RendezvousServer | None = None
-        self.store: HostedStore | None = None
+        self.store: RunStore | None = None
         self.coordinator: CoordinatorProcess | None = None
         self.rendezvous_endpoint = ""
         self.store_endpoint = ""
@@ -245,11 +256,14 @@ class Launch:
                 self.server.join_info = join_info(plan, self.run_dir, self.base_env)
         if self.group is not None:
             self.store_endpoint = self.group.endpoint  # node 0's launchers' store is the run's store too
-        else:
-            self.store = host_store(self.rdzv_host)  # the run's c10d store, shut down with the launcher
+        else:  # the run's c10d store, closed after the workers
+            self.store = RunStore.start(self.rdzv_host, run_dir=str(self.run_dir), env=self.base_env,
+                                        pass_fds=(self.watch_read,), relay=self.err_lines.write if self.spec.prefix
+                                        else None, workers=self.workers)
             self.store_endpoint = self.store.endpoint
         self.record.data["rendezvous"] = self.rendezvous_endpoint
         self.record.data["store"] = self.store_endpoint
+        self.record.data["store_pid"] = self.store.pid if self.store is not None else None
         self.record.write()
         self.output.say(f"{plan.world_size} workers{replicas_note(plan.replicas)}, graph {plan.graph.name or self.run_dir / 'graph.json'}, "
                         f"protocol {plan.config.protocol}, run dir {self.run_dir}")
@@ -350,6 +364,9 @@ class Launch:
             if self.coordinator is not None and (code := self.coordinator.exited()) is not None:
                 state.coordinator_exit = code
                 state.fail(None, "coordinator died", f"{self.coordinator.label} died ({describe_exit(code)})")
+            elif self.store is not None and (code := self.store.exited()) is not None:
+                state.fail(None, "store died", f"the run's c10d store died ({describe_exit(code)})")
+            if state.ending:
                 self.output.say(f"{state.summary}; the workers waiting on it fail")
                 return
             self._talk()
@@ -392,7 +409,7 @@ class Launch:
                 if total_lost > spec.max_failures:
                     state.first_failure = rank
                 else:
-                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{self._config_note(rank, code)});"
+                    self.output.say(f"worker {rank} lost ({state.describe_end(rank, code)}{config_note(self.run_dir, rank, code)});"
                                     f" the others go on ({total_lost} of --max-failures {spec.max_failures})")
 
     def _exit_overdue(self) -> bool:
@@ -410,16 +427,6 @@ class Launch:
                             f"{bound:g}s of the first worker that did (--exit-timeout); stopped")
         self.state.exit_overdue = True
         return True
-
-    def _config_note(self, rank: int, code: int) -> str:
-        """``: ConfigError: MESSAGE`` for a worker that exited 2 on a configuration error, which a
-        worker under the launcher does not print itself; else nothing."""
-        if code != 2:
-            return ""
-        error = read_log_facts(worker_log(self.run_dir, rank)).error
-        if error is None or error.get("error") in (None, "SystemExit"):
-            return ""
-        return f": {error.get('error')}: {error.get('message')}"
 
     def _talk(self) -> None:
         """Say what start-up or shutdown waits for (:mod:`hopnet.launch.talk`)."""
@@ -451,7 +458,7 @@ class Launch:
         # (on one machine: the run is over), so the death counts as it would without restarts.
         others = self.group is not None or any(r != rank for r in state.pending)
         # A configuration error (exit 2 with a ConfigError in its log) would end a new process alike.
-        ending = state.ending or self._signalled() or not others or bool(self._config_note(rank, code))
+        ending = state.ending or self._signalled() or not others or bool(config_note(self.run_dir, rank, code))
         layout = self.plan.replicas
         if layout.grouped:
             restart = restart_replica(self.restarts, layout, rank, code, state.describe_end(rank, code), ending=ending,
@@ -605,12 +612,12 @@ class Launch:
         self.state.reaped(self.workers.reap())
         if self.coordinator is not None:  # after the workers, which may need it until they end
             self.coordinator.stop(self.spec.grace_s)  # SIGTERM: it writes its summary
-        self.workers.close_forkserver()  # which would end a forked coordinator still running
+        if self.store is not None:
+            self.store.close()
+        self.workers.close_forkserver()  # which would end a forked coordinator or store still running
         self.workers.drain(2.0)
         if self.server is not None:
             self.server.close()
-        if self.store is not None:
-            self.store.close()
         if self.group is not None:
             self.group.finish(FINISH_WAIT_S)
         if self.links is not None:

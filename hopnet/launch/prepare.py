@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hopnet import checkpoint
+from hopnet import checkpoint_files as checkpoint
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
 from hopnet.bootstrap.env import ELASTIC, JOIN, MAX_FAILURES, MAX_RESTARTS, RESTART, SAVE_MODEL
@@ -249,7 +249,7 @@ __all__ = ["JOIN_TIMEOUT_S", "JoinedMachines", "LaunchRecord", "host_name", "joi
 def checkpoint_env(plan: LaunchPlan, run_dir: Path, say: Callable[[str], None]) -> dict[str, str]:
     """The workers' ``HOPNET_CHECKPOINT_*`` and ``HOPNET_RESUME`` variables; on resume, the
     iteration every rank resumes after: the highest that every rank has a complete checkpoint
-    of (:func:`hopnet.checkpoint.common_iteration`), said in one line."""
+    of (:func:`hopnet.checkpoint_files.common_iteration`), said in one line."""
     spec = plan.spec
     directory = Path(spec.checkpoint_dir).resolve() if spec.checkpoint_dir is not None \
         else run_dir / checkpoint.DEFAULT_SUBDIR
