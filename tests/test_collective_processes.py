@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.paths import EXAMPLES, ROOT, WORKERS
+from support.ddp import run_ddp
+from support.paths import EXAMPLES, WORKERS
 from support.launch import launch_in_process
-from support.ports import free_port
 from support.once import made_once
 from support.records import records
 
@@ -77,7 +75,7 @@ def test_hop_options_with_allreduce_are_refused_in_one_line(tmp_path: Path) -> N
 @pytest.mark.parametrize("bulk", ["auto", "torch"])
 def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: Path, bulk: str,
                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) run by torchrun. auto: the
+    """Same model, seeds, data and schedule: hopnet's allreduce against DDP (gloo) on 4 processes. auto: the
     ZeroMQ ring (a model this small); torch: gloo, the backward pass issuing its bucket from the second step on."""
     run_dir = tmp_path / "run"
     result = launch(["--protocol", "allreduce", "--nproc", "4", "--run-dir", str(run_dir), "--bulk", bulk, DIGITS,
@@ -95,11 +93,7 @@ def test_allreduce_protocol_matches_torch_ddp_after_50_steps(launch, tmp_path: P
 
 def _ddp_digits_50_steps(out: Path) -> None:
     """DDP's parameters after the same 50 steps (made once per session: both planes compare with it)."""
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(WORKERS / "ddp_digits.py"), str(out), "--iterations", "50"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert ddp.returncode == 0, ddp.stderr
+    run_ddp(WORKERS / "ddp_digits.py", 4, [str(out), "--iterations", "50"], out.with_name(out.name + ".run"))
 
 
 def _initial_digits_params() -> torch.Tensor:

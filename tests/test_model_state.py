@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,9 +30,9 @@ from hopnet.registry import names as protocol_names
 from hopnet.sim.vloop import VirtualTimeLoop
 from hopnet.transports.inproc import InprocNetwork
 
+from support.ddp import run_ddp
 from support.bn_task import LR, batch, cnn, digits, set_lr, state
-from support.env import clean_env
-from support.paths import ROOT, WORKERS
+from support.paths import WORKERS
 
 COMPUTE_S = 0.002
 
@@ -115,16 +112,9 @@ async def _train(config: ProtocolConfig, graph: Graph, models: list[torch.nn.Seq
 # ---------------------------------------------------------------------- gradient protocols
 def ddp_rank0(world: int, steps: int, out: Path) -> dict[str, torch.Tensor]:
     """Rank 0's state after ``steps`` steps of torch DDP (gloo, buffers broadcast), in processes of
-    its own: torchrun of tests/workers/ddp_batchnorm.py. (Threads of this process would share a
-    gloo teardown that can deadlock on the GIL.)"""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                          "--master-addr", "127.0.0.1", "--master-port", str(port),
-                          str(WORKERS / "ddp_batchnorm.py"), str(steps), str(out)],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
-    assert run.returncode == 0, run.stderr[-3000:]
+    its own: tests/workers/ddp_batchnorm.py. (Threads of this process would share a gloo teardown
+    that can deadlock on the GIL.)"""
+    run_ddp(WORKERS / "ddp_batchnorm.py", world, [str(steps), str(out)], out.with_name(out.name + ".run"))
     return torch.load(out)
 
 

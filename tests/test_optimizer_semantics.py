@@ -4,8 +4,6 @@ this process (tests/support/threaded.py), DDP a torchrun launch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,10 +16,10 @@ from hopnet.protocols.allreduce.options import AllReduceOptions
 from hopnet.protocols.gradient_options import DEFAULT_BUCKET_MB
 from hopnet.transports.inproc import InprocNetwork
 
+from support.ddp import run_ddp
 from support.clip_task import MAX_NORM, STEPS, batch, flat, make_model, make_optimizer
-from support.paths import ROOT, WORKERS
+from support.paths import WORKERS
 from support.threaded import Start, run_ranks
-from support.ports import free_port
 
 TIMEOUT_S = 30.0
 
@@ -158,11 +156,7 @@ def test_clipping_after_synchronize_clips_the_averaged_gradient() -> None:
 @pytest.mark.slow
 def test_clipping_after_synchronize_equals_torch_ddp_with_clipping(tmp_path: Path) -> None:
     ddp_out = tmp_path / "ddp.pt"
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(WORKERS / "ddp_clip.py"), str(ddp_out)],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert ddp.returncode == 0, ddp.stderr
+    run_ddp(WORKERS / "ddp_clip.py", 2, [str(ddp_out)], tmp_path / "ddp-run")
     ours = clipped_training(2, synchronize=True)[0]
     torch.testing.assert_close(ours, torch.load(ddp_out), rtol=0, atol=1e-5)
 

@@ -7,8 +7,6 @@ torchrun launch."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +23,11 @@ from hopnet.protocols.overlap import MB, plan_buckets
 from hopnet.protocols.pipesgd.options import PipeSgdOptions
 from hopnet.transports.inproc import InprocNetwork
 
+from support.ddp import run_ddp
 from support.bn_task import LR, cnn, set_lr, state
-from support.env import clean_env
 from support.once import made_once
 from support.overlap_task import MICRO_BATCHES, micro_batch
-from support.paths import ROOT, WORKERS
-from support.ports import free_port
+from support.paths import WORKERS
 from support.threaded import Start, run_ranks, seeded
 
 WORLD = 2
@@ -150,18 +147,16 @@ def test_bucket_mb_0_and_one_bucket_give_bitwise_the_same_model() -> None:
 
 @pytest.fixture(scope="module")
 def ddp_states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    def run_ddp(out: Path) -> None:
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                              str(WORKERS / "ddp_accumulate.py"), str(STEPS), str(SMALL_MB), str(out)],
-                             capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_env())
-        assert run.returncode == 0, run.stderr[-3000:]
+    def accumulate_under_ddp(out: Path) -> None:
+        run_ddp(WORKERS / "ddp_accumulate.py", WORLD, [str(STEPS), str(SMALL_MB), str(out)],
+                out.with_name(out.name + ".run"))
 
-    states: dict[str, dict[str, torch.Tensor]] = torch.load(made_once(tmp_path_factory, "overlap_ddp.pt", run_ddp))
+    states: dict[str, dict[str, torch.Tensor]] = torch.load(made_once(tmp_path_factory, "overlap_ddp.pt",
+                                                                      accumulate_under_ddp))
     return states
 
 
-@pytest.mark.slow  # the torchrun launch of DDP: 5 to 20 s on a loaded machine
+@pytest.mark.slow  # the DDP reference run on its processes
 @pytest.mark.parametrize("run, bucket_mb", [("plain", SMALL_MB), ("plain", 0.0), ("accumulate", SMALL_MB),
                                             ("no_sync", SMALL_MB), ("no_sync_forward", SMALL_MB),
                                             ("accumulate", 0.0)])

@@ -1,11 +1,10 @@
 """tests/support/bn_task.py under torch DistributedDataParallel (gloo) with small buckets, launched by
-``python -m torch.distributed.run``: ``ddp_accumulate.py STEPS BUCKET_MB OUT``. Three runs from the same
+tests/support/ddp.py (``run_ddp``; torchrun runs it too): ``ddp_accumulate.py STEPS BUCKET_MB OUT``. Three runs from the same
 model: one backward per step (``plain``), two per step (``accumulate``), two per step with the first
 under ``no_sync()`` (``no_sync``); rank 0 saves ``{run: state_dict}`` to OUT."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.bn_task import LR, cnn, set_lr, state  # noqa: E402
 from support.overlap_task import MICRO_BATCHES, micro_batch  # noqa: E402
+from support.ddp import end_now, init_gloo  # noqa: E402
 
 
 def train(run: str, steps: int, bucket_mb: float, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -41,15 +41,14 @@ def train(run: str, steps: int, bucket_mb: float, rank: int, world: int) -> dict
 def main() -> None:
     steps, bucket_mb, out = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     states = {run: train(run, steps, bucket_mb, rank, world) for run in ("plain", "accumulate", "no_sync")}
     if rank == 0:
         torch.save(states, out)
     dist.barrier()
+    end_now()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as tests/workers/ddp_digits.py: skip gloo's teardown

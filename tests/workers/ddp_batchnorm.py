@@ -1,9 +1,8 @@
 """tests/support/bn_task.py under torch DistributedDataParallel (gloo, buffers broadcast), launched
-by ``python -m torch.distributed.run``: ``ddp_batchnorm.py STEPS OUT``; rank 0 saves its state_dict to OUT."""
+by tests/support/ddp.py (``run_ddp``; torchrun runs it too): ``ddp_batchnorm.py STEPS OUT``; rank 0 saves its state_dict to OUT."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,12 +12,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.bn_task import LR, batch, cnn, set_lr, state  # noqa: E402
+from support.ddp import end_now, init_gloo  # noqa: E402
 
 
 def main() -> None:
     steps, out = int(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = cnn()
     ddp = DistributedDataParallel(model)
@@ -33,9 +33,8 @@ def main() -> None:
     if rank == 0:
         torch.save(state(model), out)
     dist.barrier()
+    end_now()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as tests/workers/ddp_digits.py: skip gloo's teardown

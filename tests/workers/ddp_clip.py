@@ -1,9 +1,8 @@
 """tests/support/clip_task.py under torch DistributedDataParallel (gloo), clipping the averaged
-gradient, launched by ``python -m torch.distributed.run``. Rank 0 saves its flat parameters to OUT."""
+gradient, launched by tests/support/ddp.py (``run_ddp``; torchrun runs it too). Rank 0 saves its flat parameters to OUT."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,11 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.clip_task import MAX_NORM, STEPS, batch, flat, make_model, make_optimizer  # noqa: E402
+from support.ddp import end_now, init_gloo  # noqa: E402
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo()
     rank = dist.get_rank()
     model = make_model()
     ddp = DistributedDataParallel(model)
@@ -31,10 +31,9 @@ def main() -> None:
         optimizer.step()
     if rank == 0:
         torch.save(flat(model), sys.argv[1])
-    dist.destroy_process_group()
+    dist.barrier()
+    end_now()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    os._exit(0)  # as tests/workers/ddp_digits.py: skip gloo's teardown

@@ -1,6 +1,6 @@
 """examples/train_digits.py's training loop under torch DistributedDataParallel (gloo).
 
-Launched the torch way (``python -m torch.distributed.run --nproc-per-node N``), with the
+Run on N processes by tests/support/ddp.py (``run_ddp``; torchrun runs it too), with the
 same model, seeds, samples, batches and learning-rate schedule as the example, so that its
 parameters can be compared with ``hopnet launch --protocol allreduce``'s. Rank 0 saves
 its flat parameters to ``OUT``.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +18,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from digits_data import digits_split  # noqa: E402
+from support.ddp import end_now, init_gloo  # noqa: E402
 
 from hopnet.data import ElasticSampler  # noqa: E402
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(
@@ -55,12 +56,9 @@ def main() -> None:
     if rank == 0:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         torch.save(flat, args.out)
-    dist.destroy_process_group()
+    dist.barrier()
+    end_now()
 
 
 if __name__ == "__main__":
     main()
-    # The result is saved: skip the interpreter's teardown, where gloo's threads once in a
-    # while abort the process ("terminate called without an active exception", exit -6).
-    sys.stdout.flush()
-    os._exit(0)
