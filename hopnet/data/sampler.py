@@ -11,7 +11,6 @@ among the new ones; every member computes the same division from the same argume
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -97,24 +96,48 @@ class ElasticSampler(Sampler[int]):
         then (moving to the next epoch itself) of the next. A batch that spans the end of an
         epoch takes the start of the next one, so every batch has ``batch_size`` indices, as a
         trainer that counts iterations rather than epochs wants. It ends only when this member
-        is no longer among the members, or a whole epoch gives it nothing."""
+        is no longer among the members, or a whole epoch gives it nothing. Each batch is read
+        when it is asked for, a run of consecutive positions at a time."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batches({batch_size!r}): the batch size must be an integer >= 1")
-        stream = self._endless()
-        while batch := list(itertools.islice(stream, batch_size)):
-            yield batch
-
-    def _endless(self) -> Iterator[int]:
         fresh = False  # the first pass may find the current epoch's share already consumed
-        while self.rank in self._split.members:
-            given = 0
-            for index in self:
-                given += 1
-                yield index
-            if given == 0 and fresh:
+        passing, given = False, 0  # in a pass over the current epoch; what it gave so far
+        while True:
+            batch: list[int] = []
+            ended = False
+            while len(batch) < batch_size and not ended:
+                if not passing:
+                    if self.rank not in self._split.members:
+                        ended = True
+                        break
+                    passing, given = True, 0
+                if taken := self._take(batch_size - len(batch)):
+                    batch += taken
+                    given += len(taken)
+                    continue
+                passing = False  # the pass is over: the epoch's share is consumed, or the member left
+                if given == 0 and fresh:
+                    ended = True
+                else:
+                    self.set_epoch(self._epoch + 1)
+                    fresh = True
+            if batch:
+                yield batch
+            if ended:
                 return
-            self.set_epoch(self._epoch + 1)
-            fresh = True
+
+    def _take(self, limit: int) -> list[int]:
+        """Up to ``limit`` of what iterating yields next (of epochs up to :attr:`epoch`), consumed."""
+        taken: list[int] = []
+        while len(taken) < limit and self.rank in self._split.members:
+            run = self._split.locate_run(self.rank, self._cursor)
+            if run is None or run[0] > self._epoch:
+                break
+            epoch, position, count = run
+            count = min(count, limit - len(taken))
+            taken += self._order(epoch)[position:position + count]
+            self._cursor += count
+        return taken
 
     # ------------------------------------------------------------------ what a member does
     def set_epoch(self, epoch: int) -> None:

@@ -113,6 +113,19 @@ class Split:
         epochs, offset = divmod(cursor, stop - start)
         return self.opened + 1 + epochs, start + offset
 
+    def locate_run(self, rank: int, cursor: int) -> tuple[int, int, int] | None:
+        """:meth:`locate`, with how many samples from there on lie at consecutive positions of the
+        same epoch's order: ``(epoch, position, count)``."""
+        for epoch, start, stop in self._queue(rank):
+            if cursor < stop - start:
+                return epoch, start + cursor, stop - start - cursor
+            cursor -= stop - start
+        start, stop = self.fresh_share(rank)
+        if stop == start:
+            return None
+        epochs, offset = divmod(cursor, stop - start)
+        return self.opened + 1 + epochs, start + offset, stop - start - offset
+
     def remaining(self, rank: int, cursor: int, through_epoch: int) -> int:
         """How many samples of epochs up to ``through_epoch`` ``rank``'s stream holds from ``cursor`` on."""
         return sum(stop - start for _, start, stop in self.unconsumed(rank, cursor, through_epoch))
