@@ -612,12 +612,12 @@ class Launch:
         self.state.reaped(self.workers.reap())
         if self.coordinator is not None:  # after the workers, which may need it until they end
             self.coordinator.stop(self.spec.grace_s)  # SIGTERM: it writes its summary
-        if self.store is not None:
-            self.store.close()
-        self.workers.close_forkserver()  # which would end a forked coordinator or store still running
+        self.workers.close_forkserver()  # which ends what it forked and is still running (the store too)
         self.workers.drain(2.0)
         if self.server is not None:
             self.server.close()
+        if self.store is not None:  # last: no worker still starting meets a closed store
+            self.store.close()
         if self.group is not None:
             self.group.finish(FINISH_WAIT_S)
         if self.links is not None:
