@@ -38,7 +38,11 @@ class CoordinatorProcess(ServiceProcess):
                  forked: bool = False) -> None:
         super().__init__(proc, address, forkserver_failure, forked)
         self.name = ""
-        self.address = address
+
+    @property
+    def address(self) -> str:
+        """``tcp://HOST:PORT``: what it printed first."""
+        return self.value
 
     @property
     def label(self) -> str:

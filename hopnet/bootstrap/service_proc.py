@@ -1,5 +1,5 @@
 """A helper process that a launch starts beside its workers: the protocol's coordinator
-(:mod:`hopnet.bootstrap.coordinator_proc`) or the run's c10d store (:mod:`hopnet.bootstrap.store_proc`).
+(:mod:`hopnet.bootstrap.coordinator_proc`) or the run's c10d store (:mod:`hopnet.launch.run_store`).
 
 Given the launch's fork server (:mod:`hopnet.launch.forkserver`), it is forked from there
 (without importing torch again, about 1.3 CPU-s); otherwise it is exec'd. Either way it runs in

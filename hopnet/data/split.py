@@ -103,15 +103,8 @@ class Split:
     def locate(self, rank: int, cursor: int) -> tuple[int, int] | None:
         """``(epoch, position)`` of the sample at ``cursor`` in ``rank``'s stream; ``None``
         when the stream ends before it (a member whose fresh share is empty)."""
-        for epoch, start, stop in self._queue(rank):
-            if cursor < stop - start:
-                return epoch, start + cursor
-            cursor -= stop - start
-        start, stop = self.fresh_share(rank)
-        if stop == start:
-            return None
-        epochs, offset = divmod(cursor, stop - start)
-        return self.opened + 1 + epochs, start + offset
+        run = self.locate_run(rank, cursor)
+        return None if run is None else (run[0], run[1])
 
     def locate_run(self, rank: int, cursor: int) -> tuple[int, int, int] | None:
         """:meth:`locate`, with how many samples from there on lie at consecutive positions of the
