@@ -295,6 +295,7 @@ class Worker:
         self.failure: BaseException | None = None
         """The last error :meth:`step` raised, kept for the ``error`` record at exit."""
         self.steps = 0
+        self._reported: dict[str, Any] = {}  # metrics for this iteration's record, handed over at its step
         self._in_loop = False
         """The trainer is inside :meth:`iterations`: a step's boundary comes when its loop body is done."""
         self._boundary: tuple[int, bool] | None = None
@@ -408,7 +409,9 @@ class Worker:
         try:
             self._deferral.reducing_now()
             self.replica.before_step()
-            running = self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s)
+            reported, self._reported = self._reported, {}
+            running = self.node.run_step(self.replica.wrap_apply(apply), last=ends, compute_s=compute_s,
+                                         metrics=reported)
             self._thread.run(running if self.changeover is None else self.changeover.run.unless_over(running))
             self.replica.after_step()
         except Exception as exc:
@@ -656,7 +659,7 @@ class Worker:
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (``loss=...``) to this iteration's record in the event log."""
-        self._thread.loop.call_soon_threadsafe(lambda: self.node.report(**metrics))
+        self._reported.update(metrics)  # (the step takes them to the loop: no wake-up of its own per call)
 
     def record(self, event: str, **fields: Any) -> None:
         """Write a free-form event (an evaluation result, say) to the event log."""

@@ -79,10 +79,9 @@ class Node(Generic[P]):
         self._jsonl = self.events if isinstance(self.events, JsonlEventLog) else None
         self._log_entries = self._jsonl is not None
         self._logging = self.events.keep or self._log_entries
-        # One clock for step timings and the records' ``mono`` stamps. The system's monotonic
-        # clock is shared by the processes of one machine, so logs of different ranks merge into
-        # one timeline. Not loop.time(): uvloop caches it per loop turn at millisecond resolution.
-        # The simulator passes its virtual clock.
+        # One clock for step timings and the records' ``mono`` stamps: the system's monotonic clock,
+        # shared by a machine's processes, so logs of different ranks merge into one timeline. Not
+        # loop.time(): uvloop caches it per loop turn at millisecond resolution. (The simulator's is virtual.)
         self.timer = timer
         self._steps = StepTiming(timer)
         self.last_step: dict[str, Any] | None = None  # the last step's ``iteration`` record (its timings)
@@ -491,14 +490,15 @@ class Node(Generic[P]):
 
     # ------------------------------------------------------------------ one step, timed
     async def run_step(self, apply: Callable[[], None] | None, *, last: bool = False,
-                       compute_s: float = 0.0) -> None:
+                       compute_s: float = 0.0, metrics: dict[str, Any] | None = None) -> None:
         """Finish the current iteration through the protocol and log it with its timings.
 
         ``compute_s`` is the trainer's time since its previous step returned. The iteration
         record splits the step into ``compute_s`` (that, plus ``apply``), ``wait_updates_s``
         and ``wait_tokens_s`` (the protocol's waits) and ``mix_s`` (the rest of the step:
-        mixing, sending, waiting for sends to leave).
+        mixing, sending, waiting for sends to leave). ``metrics``: what the trainer reported for it.
         """
+        self._pending_metrics.update(metrics or ())
         await self.begin()  # at once once done
         if not self._logging:
             await self.protocol.finish_iteration(apply, last=last)

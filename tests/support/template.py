@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ def forkserver_template(env: dict[str, str]) -> Iterator[str]:
                             cwd=ROOT, env={k: v for k, v in env.items() if k != TEMPLATE_VAR},
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
+        _wait_until_ready(proc, Path(path))
         yield path
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -38,6 +40,15 @@ def forkserver_template(env: dict[str, str]) -> Iterator[str]:
             proc.kill()
             proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _wait_until_ready(proc: subprocess.Popen[bytes], socket_path: Path, timeout_s: float = 60.0) -> None:
+    """Until the template listens (it binds its socket once its imports are done): a launch asking
+    earlier would start a fork server of its own and import everything again. A template that dies
+    or takes longer only costs that (the launches go on without it)."""
+    deadline = time.monotonic() + timeout_s
+    while not socket_path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def use_template(path: str) -> None:
