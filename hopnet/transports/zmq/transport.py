@@ -149,9 +149,12 @@ class ZmqTransport(ZmqSending, ZmqReceiving):
         self._departed.add(rank)
         if peer is not None:
             self._drop_held(peer, "peer_left")
-            # Closing without linger discards what is queued for the departed peer, which
-            # releases the tensor memory that zero-copy sends to it are waiting on.
-            peer.close(0, "peer_left")
+            # A short linger, not none: the departed peer's process is exiting, and libzmq aborts the
+            # whole process (an assertion in session_base.cpp's clean_pipes) when its connection drops
+            # while a socket closed without linger cuts a message that is half on the wire. Within
+            # the linger what is queued for the peer is dropped all the same, and the tensor memory
+            # that zero-copy sends to it wait on released.
+            peer.close(limits.LINGER_MS, "peer_left")
 
     def readmit_peer(self, rank: int, address: str | None) -> None:
         """See :meth:`Transport.readmit_peer`."""
