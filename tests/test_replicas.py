@@ -239,6 +239,9 @@ RESTARTED_REPLICA_RUNS = {
     "allreduce-ddp": ["--protocol", "allreduce"],
     "allreduce-fsdp": ["--protocol", "allreduce", "--replica-mode", "fsdp"],
     "pipe-sgd-ddp": ["--protocol", "pipe-sgd"],  # K = 2: its pipeline restarts empty after the resync
+    # The controller groups only replicas that said they are ready, and member 0 says so for its replica
+    # (its followers hear what it hears): the new replica is grouped once its lanes have their state.
+    "partial-reduce-fsdp": ["--protocol", "partial-reduce", "--replica-mode", "fsdp"],
 }
 
 

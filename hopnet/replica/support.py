@@ -36,9 +36,8 @@ def replica_restart_refusal(config: ProtocolConfig) -> str | None:
     from hopnet import registry
 
     able = [name for name in registry.names() if registry.lookup(name).restarts_replicas]
-    return (f"--max-restarts: --protocol {config.protocol} cannot bring back a replica group yet (a dead replica "
-            f"can leave a survivor's lanes an iteration apart, one held in the replica's own all-reduce); "
-            f"{', '.join(able)} can; --max-failures counts replicas with any protocol")
+    return (f"--max-restarts: --protocol {config.protocol} cannot bring back a replica group yet (docs/guides/"
+            f"replicas.md says why); {', '.join(able)} can; --max-failures counts replicas with any protocol")
 
 
 __all__ = ["replica_refusal", "replica_restart_refusal"]

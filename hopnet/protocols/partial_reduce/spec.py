@@ -61,6 +61,7 @@ register(ProtocolSpec(
     message_kinds=(MessageKind(ABORT, any_rank=True),),
     resumable=True,
     restartable=True,
+    restarts_replicas=True,
     output=PARTIAL_REDUCE_OUTPUT,
 ))
 
