@@ -212,6 +212,23 @@ def test_host_declares_a_silent_worker_dead_and_tells_the_others() -> None:
         Send(2, {"t": "expelled", "why": "it was silent for 2.0s and was declared dead"})]
 
 
+def test_a_go_names_the_restart_of_each_member_once_one_was_replaced() -> None:
+    """--max-restarts: a GO the machine forms names which process of each member it is for, so that a
+    worker that has taken a later process back runs no group formed for the earlier one (Prague)."""
+    host = CoordinatorHost(RandomGroupGenerator(3, 3, 0), now=0.0, peer_timeout_s=5.0)
+    for w in range(3):
+        host.handle(w, {"t": "hello"}, 0.0)
+    first = host.handle(0, {"t": "req", "iter": 0}, 0.0)
+    assert first and all("restarts" not in send.message for send in first)  # nobody replaced: as before
+    for w in range(3):
+        host.handle(w, {"t": "ack", "gid": first[0].message["gid"]}, 0.1)
+    host.handle(2, {"t": "hello", "restart": 1}, 0.2)  # a new process of rank 2
+    host.handle(2, {"t": "rejoin"}, 0.3)
+    gos = host.handle(0, {"t": "req", "iter": 1}, 0.4)
+    assert gos and all(send.message["restarts"] == [{2: 1}.get(m, 0) for m in send.message["members"]]
+                       for send in gos)
+
+
 @pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa1x\x01", b"\x81\xa1t\x05",
                                      b"\x81\x01\xa1t", b"\x82\xa1t\xa1a\xa1v\x81\xa1k\x01", b"\xc4\x01a",
                                      encode({"t": "x", "v": [[1]]}), b"\x81\xa1t" + b"\xda\xff\xff" + b"a" * 10])

@@ -185,11 +185,16 @@ class CoordinatorHost:
             kept.append(send)
             message = send.message
             gid = message.get("gid")
-            if gid is not None and "members" in message and gid not in self._logged_gids:
+            members = message.get("members")
+            if gid is not None and isinstance(members, list) and any(self.restarts.get(m, 0) for m in members):
+                # which process of each member the group is for: a worker that has taken a later one
+                # back runs none of it (the earlier process is gone, the later one was never told)
+                message["restarts"] = [self.restarts.get(m, 0) for m in members]
+            if gid is not None and members is not None and gid not in self._logged_gids:
                 self._logged_gids.add(gid)
                 self.groups_logged += 1
-                self.record("group", gid=gid, members=list(message["members"]),
-                            **{k: v for k, v in message.items() if k not in ("t", "gid", "members", "reply")})
+                self.record("group", gid=gid, members=list(members),
+                            **{k: v for k, v in message.items() if k not in ("t", "gid", "members", "reply", "restarts")})
         self.messages_out += len(kept)
         return kept
 

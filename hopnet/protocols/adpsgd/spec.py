@@ -48,6 +48,7 @@ register(ProtocolSpec(
     check_graph=lambda config, options, graph: _no_notes(check_bipartite(graph)),
     resumable=True,
     restartable=True,
+    restarts_replicas=True,
     output=AD_PSGD_OUTPUT,
 ))
 

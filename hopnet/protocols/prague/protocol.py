@@ -220,8 +220,13 @@ class PragueProtocol(Protocol):
         if not isinstance(gid, int) or not isinstance(members, list) or self.rank not in members \
                 or not all(isinstance(m, int) for m in members):
             raise ProtocolError(f"rank {self.rank}: the coordinator sent a GO it cannot run: {message!r}")
+        replaced = self._replaced_member(members, message.get("restarts"))
         if len(members) == 1:
             self.no_sync += 1
+        elif replaced is not None:
+            self.groups_failed += 1
+            self.node.record("group_failed", iter=self.iteration, gid=gid, members=members, peer=replaced,
+                             peer_state="replaced")
         elif self.node.survives_losses:
             await self._reduce_or_roll_back(members, gid)
         else:
@@ -229,6 +234,16 @@ class PragueProtocol(Protocol):
         self.groups_run += 1
         self._gg.send({"t": "ack", "gid": gid, **({"sync": gid} if sync else {})})
         return gid, members
+
+    def _replaced_member(self, members: list[int], restarts: object) -> int | None:
+        """A member of a group the Group Generator formed for a process that has since been replaced
+        (``--max-restarts``: the GO names each member's restart number, none meaning 0), else None.
+        Nobody runs such a group: the earlier process is gone, and the later one never got the GO."""
+        seen = self.node.restarts_seen
+        if not seen:
+            return None
+        numbers = restarts if isinstance(restarts, list) and len(restarts) == len(members) else [0] * len(members)
+        return next((m for m, n in zip(members, numbers) if isinstance(n, int) and seen.get(m, 0) > n), None)
 
     async def _reduce_or_roll_back(self, members: list[int], gid: int) -> None:
         """With ``--max-restarts`` or ``--max-failures`` a member that dies takes the P-Reduce with it,

@@ -81,6 +81,7 @@ register(ProtocolSpec(
     resumable=True,
     restartable=True,
     restart_refusal=restart_refusal,
+    restarts_replicas=True,
     output=PRAGUE_OUTPUT,
 ))
 
