@@ -35,9 +35,12 @@ script imports is tested without a template (test_preload.py)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_fork_servers() -> Iterator[None]:
-    """Every launch of this test process forks its fork server from one warm template."""
-    with forkserver_template(clean_env(HOPNET_PRELOAD=TEMPLATE_FRAMEWORKS)) as path:
+def warm_fork_servers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every launch of this test process forks its fork server from one warm template (with the
+    frameworks only where slow tests, which launch the adapters' scripts, were selected: the quick
+    tier would wait for their imports for nothing)."""
+    slow = any(item.get_closest_marker("slow") for item in request.session.items)
+    with forkserver_template(clean_env(HOPNET_PRELOAD=TEMPLATE_FRAMEWORKS if slow else "none")) as path:
         use_template(path)
         yield
 
