@@ -218,3 +218,32 @@ def test_a_restart_decided_by_a_killed_sibling_names_it_and_each_member_restarts
     assert second.line() == "rank 2 died (with its replica (killed by SIGKILL in rank 3)); restarting it (restart 1 of 1)"
     assert third.line() == "rank 3 died (killed by SIGKILL); restarting it (restart 1 of 1)"
     assert budget.used == 1
+
+
+UNITS_SCRIPT = """
+import json, tempfile
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from hopnet.replica.fsdp import UNIT_NUMEL, shard_model
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+big = int(UNIT_NUMEL ** 0.5) + 1
+model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(big, big)), nn.Linear(8, 8),
+                      nn.Linear(big, big), nn.BatchNorm1d(8))
+shard_model(model, dist.group.WORLD, torch.device("cpu"))
+print(json.dumps(sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_units_are_the_large_modules_and_the_root_holds_the_small_ones() -> None:
+    """A layer of 2^20 trainable elements or more is a unit of its own; the small ones (and a
+    container holding a large one beside small ones) are left to the root's unit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", UNITS_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == ["", "1.1", "3"]
