@@ -38,6 +38,23 @@ def test_a_worker_exit_ends_an_idle_thread_pool_as_the_interpreter_does() -> Non
     assert done.returncode == 7, done.stderr
 
 
+def test_a_worker_exit_runs_a_scripts_finalizers_and_skips_torchs_operator_libraries(tmp_path: Path) -> None:
+    """A temporary directory's finalizer (the script's) still cleans up at a worker's exit; torch.library's,
+    which only unregister operators in the process that ends, are skipped."""
+    script = ("import tempfile, weakref, torch.library\n"
+              "from hopnet.bootstrap.quick_exit import exit_now\n"
+              "kept = tempfile.TemporaryDirectory(dir=%r)\n"
+              "library = torch.library.Library('hopnet_exit_test', 'DEF')\n"
+              "def ran(): print('torch.library finalizer ran', flush=True)\n"
+              "ran.__module__ = 'torch.library'\n"
+              "weakref.finalize(library, ran)\n"
+              "exit_now(0)\n") % str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "finalizer ran" not in done.stdout
+    assert list(tmp_path.iterdir()) == []  # the temporary directory was removed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["thread", "atexit"])
 def test_a_worker_that_blocks_its_exit_is_killed_and_the_run_still_finished(tmp_path: Path, how: str) -> None:

@@ -39,9 +39,11 @@ worker's pid in ``launch.json`` (``worker_pids``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
+import pkgutil
 import select
 import selectors
 import signal
@@ -93,9 +95,24 @@ def _preload() -> None:
             __import__(name)
         except Exception:  # noqa: BLE001 - a missing extra only makes that worker import it itself
             pass
+    _preload_protocols()
     # What the workers inherit is never collected: the collector of a worker then does not
     # walk (and so copy) the fork server's pages.
     gc.freeze()
+
+
+def _preload_protocols() -> None:
+    """Every built-in protocol's modules, what the registry reads plugins' entry points with, and
+    uvloop: a worker would import them in ``hopnet.init``. (Plugins are still found, and fail to
+    import, in the worker.)"""
+    import hopnet.protocols
+
+    for module in pkgutil.walk_packages(hopnet.protocols.__path__, hopnet.protocols.__name__ + "."):
+        with contextlib.suppress(Exception):
+            importlib.import_module(module.name)
+    for name in ("importlib.metadata", "uvloop"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def _exit_worker(code: int) -> NoReturn:
