@@ -15,12 +15,14 @@ import pytest
 from hopnet import Graph
 
 from support.launch import kill, recorded_worker_pids, run_launch, start_launch
-from support.paths import ROOT
+from support.paths import ROOT, WORKERS
 from support.records import all_records, records
 from support.wait import wait_until
 
 DIGITS = str(ROOT / "examples" / "train_digits.py")
 VIEW_GATED = str(ROOT / "tests" / "scripts" / "view_gated.py")
+SLEEPY = (str(WORKERS / "hop_worker.py"), "--compute-ms", "10")
+"""A worker that sleeps through its compute: for runs that only need to be training meanwhile."""
 JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
 
 
@@ -41,11 +43,11 @@ def _iteration(run_dir: Path, rank: int) -> int:
 def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Path, protocol: str,
                                                                    flags: list[str]) -> None:
     run_dir = tmp_path / "run"
-    # Every worker waits at iteration 300 until ranks 4 and 5 are admitted and at 500 until rank 2 has left
+    # Every worker waits at iteration 150 until ranks 4 and 5 are admitted and at 300 until rank 2 has left
     # (tests/scripts/view_gated.py): a busy machine slows the joiners, not the run's outcome.
     launcher = start_launch(["--nproc", "4", "--max-nproc", "6", "--protocol", protocol, *flags, "--run-dir",
-                             str(run_dir), VIEW_GATED, "--view-gate", "300:joined=4,5", "--view-gate", "500:left=2",
-                             "--iterations", "800", "--eval-every", "100000"])
+                             str(run_dir), VIEW_GATED, "--view-gate", "150:joined=4,5", "--view-gate", "300:left=2",
+                             "--iterations", "500", "--eval-every", "100000"])
     joiner: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: _rendezvous_up(run_dir), 120, what="the run's rendezvous")
@@ -116,7 +118,7 @@ def test_max_and_min_must_bracket_the_starting_size(tmp_path: Path) -> None:
 
 def test_join_refuses_a_run_that_is_not_elastic(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    launcher = start_launch(["--nproc", "2", "--run-dir", str(run_dir), DIGITS, "--iterations", "100000"])
+    launcher = start_launch(["--nproc", "2", "--run-dir", str(run_dir), *SLEEPY, "--iterations", "100000"])
     try:
         wait_until(lambda: _iteration(run_dir, 0) >= 0, 120, what="the run to start training")
         done = subprocess.run([*JOIN, str(run_dir), "--nproc", "1"], cwd=ROOT, capture_output=True, text=True,
@@ -131,7 +133,7 @@ def test_join_refuses_a_run_that_is_not_elastic(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_leave_below_min_nproc_stops_the_run_naming_who_left(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    launcher = start_launch(["--nproc", "4", "--min-nproc", "4", "--run-dir", str(run_dir), DIGITS,
+    launcher = start_launch(["--nproc", "4", "--min-nproc", "4", "--run-dir", str(run_dir), *SLEEPY,
                              "--iterations", "1000000"])
     try:
         wait_until(lambda: _iteration(run_dir, 0) >= 20, 120, what="rank 0 to train")
@@ -150,7 +152,7 @@ def test_a_leave_below_min_nproc_stops_the_run_naming_who_left(tmp_path: Path) -
 @pytest.mark.slow
 def test_a_join_beyond_max_nproc_is_refused_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    launcher = start_launch(["--nproc", "2", "--max-nproc", "2", "--run-dir", str(run_dir), DIGITS,
+    launcher = start_launch(["--nproc", "2", "--max-nproc", "2", "--run-dir", str(run_dir), *SLEEPY,
                              "--iterations", "1000000"])
     try:
         wait_until(lambda: _iteration(run_dir, 0) >= 20, 120, what="rank 0 to train")
