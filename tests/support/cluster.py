@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import torch
 from hopnet import AsyncWorker, Graph, ProtocolConfig
 from hopnet.errors import HopnetError, PeerFailure
 from hopnet.bootstrap.env import WorkerEnv
+from hopnet.launch import forkserver
+from hopnet.launch.forkserver import TEMPLATE_VAR, ForkedWorker, ForkServer
 from hopnet.rendezvous.server import RendezvousServer
 from hopnet.transports.base import Transport
 from hopnet.transports.zmq import ZmqTransport
@@ -60,16 +63,34 @@ class Cluster:
         graph_path = run_dir / "graph.json"
         graph.to_json(graph_path)
         self.server = RendezvousServer(graph.n).start()
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedWorker] = []
+        self._drains: list[threading.Thread] = []
         base = clean_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # Forked from the session's template, as a launch's workers are: 6 workers that each import
+        # torch cost about 15 CPU-s, forked about 1.
+        self.fork_server = ForkServer(base) if TEMPLATE_VAR in base and forkserver.available() else None
         for rank in range(graph.n):
-            env = WorkerEnv(rank=rank, world_size=graph.n, local_rank=rank, graph_path=str(graph_path),
-                            rendezvous=self.server.endpoint, run_dir=str(run_dir),
-                            config_json=config.to_json(), store=store)
+            env = {**base, **WorkerEnv(rank=rank, world_size=graph.n, local_rank=rank, graph_path=str(graph_path),
+                                       rendezvous=self.server.endpoint, run_dir=str(run_dir),
+                                       config_json=config.to_json(), store=store).to_environ()}
+            if self.fork_server is not None:
+                self.procs.append(self._fork(rank, [PEER_WORKER, *worker_args], env))
+                continue
             with open(run_dir / f"out{rank}.txt", "wb") as out, open(run_dir / f"err{rank}.txt", "wb") as err:
-                self.procs.append(subprocess.Popen([sys.executable, PEER_WORKER, *worker_args],
-                                                   env={**base, **env.to_environ()}, stdout=out, stderr=err,
-                                                   cwd=ROOT, start_new_session=True))
+                self.procs.append(subprocess.Popen([sys.executable, PEER_WORKER, *worker_args], env=env,
+                                                   stdout=out, stderr=err, cwd=ROOT, start_new_session=True))
+
+    def _fork(self, rank: int, argv: list[str], env: dict[str, str]) -> ForkedWorker:
+        """A worker forked by the fork server (a session of its own), its streams copied to
+        ``out{rank}.txt`` and ``err{rank}.txt`` as they come."""
+        assert self.fork_server is not None
+        worker = self.fork_server.spawn(rank, argv, env, piped=True)
+        for stream, name in ((worker.stdout, f"out{rank}.txt"), (worker.stderr, f"err{rank}.txt")):
+            (self.run_dir / name).touch()
+            drain = threading.Thread(target=_copy_stream, args=(stream, self.run_dir / name), daemon=True)
+            drain.start()
+            self._drains.append(drain)
+        return worker
 
     def signal(self, rank: int, sig: signal.Signals) -> None:
         os.killpg(self.procs[rank].pid, sig)
@@ -112,6 +133,10 @@ class Cluster:
                     except ProcessLookupError:
                         pass
             proc.wait()
+        if self.fork_server is not None:
+            self.fork_server.close()
+        for drain in self._drains:
+            drain.join(timeout=10)
         self.server.close()
 
     def __enter__(self) -> Cluster:
@@ -119,6 +144,13 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy_stream(stream: Any, path: Path) -> None:
+    with open(path, "wb", buffering=0) as out:
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            out.write(chunk)
+    stream.close()
 
 
 def zmq_transport(rank: int, graph: Graph) -> Transport:
