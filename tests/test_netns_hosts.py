@@ -18,6 +18,7 @@ import pytest
 
 from support.env import clean_env
 from support.launch import LAUNCH, worker_pids
+from support.records import consensus_error, records
 from support.wait import WaitTimedOut, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,8 +46,9 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 240,
-             during=None) -> list[tuple[int, str]]:
-    procs = [subprocess.Popen(c, cwd=cwd, env=clean_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             during=None, **variables: str) -> list[tuple[int, str]]:
+    env = clean_env(PYTHONUNBUFFERED="1", **variables)
+    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for c in cmds]
     try:
         if during is not None:
@@ -81,6 +83,10 @@ def test_digits_on_two_hosts_under_hopnet_launch(hosts: NamespacedHosts, key_fil
 
 
 def test_digits_on_two_hosts_under_torchrun(hosts: NamespacedHosts, tmp_path: Path) -> None:
+    """torchrun's c10d rendezvous over two hosts of two processes: every rank learns, the ranks end
+    agreeing, and the run directory (one here: the hosts share a file system) holds the graph and a
+    log per rank, numbered as torchrun numbered the processes."""
+    run_dir = tmp_path / "run"
     endpoint = f"{hosts.addresses[0]}:29812"
     cmds = []
     for node in (0, 1):
@@ -90,10 +96,14 @@ def test_digits_on_two_hosts_under_torchrun(hosts: NamespacedHosts, tmp_path: Pa
             "--local-addr", hosts.addresses[node],  # both namespaces share one host name
             "--rdzv-conf", f"is_host={int(node == 0)}",  # torchrun cannot tell the address is its own
             DIGITS, "--iterations", "200", "--eval-every", "1000"]))
-    results = _run_all(cmds, tmp_path)
+    results = _run_all(cmds, tmp_path, HOPNET_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
     assert [rc for rc, _ in results] == [0, 0], "\n".join(o[-2000:] for _, o in results)
     accuracies = [float(a) for _, out in results for a in ACCURACY.findall(out)]
     assert len(accuracies) == 4 and min(accuracies) >= 0.95, accuracies
+    assert consensus_error(run_dir, 4) < 1e-3
+    assert (run_dir / "graph.json").exists()
+    starts = [records(run_dir, r)[0] for r in range(4)]
+    assert [s["rank"] for s in starts] == [0, 1, 2, 3] and all(s["event"] == "start" for s in starts)
 
 
 def test_killing_one_hosts_workers_lets_the_other_host_finish(hosts: NamespacedHosts, key_file: Path,

@@ -65,3 +65,13 @@ class LogFollower:
         """The first record written since the last call that ``found`` accepts, or None; the
         records before and after it in that batch are read past."""
         return next((rec for rec in self.new() if found(rec)), None)
+
+
+def consensus_error(run_dir: Path, n: int) -> float:
+    """How far the furthest of ranks ``0..n-1``'s final models (``final_rank{r}.pt``, a flat tensor
+    each) is from their mean, relative to the mean's norm."""
+    import torch
+
+    params = torch.stack([torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)])
+    mean = params.mean(dim=0)
+    return ((params - mean).norm(dim=1) / mean.norm()).max().item()
