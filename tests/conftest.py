@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
 
 import pytest
 import torch
 
 from support.env import clean_env
 from support.launch import run_launch
-from support.template import forkserver_template, use_template
+from support.template import TEMPLATE_VAR, forkserver_template, use_template, wait_for_template
 
 # Tests run several ranks as threads of one process (support/threaded.py); intra-op threads would
 # only spin against them for the cores (the launcher gives its workers one thread each when they
@@ -18,13 +19,12 @@ torch.set_num_threads(1)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one and a half test processes per core. Most of a multi-process test is spent
-    waiting (on timeouts, on peers, on a sleep standing in for compute), so one per core left the
-    cores a third idle: on 2 cores the suite took 444 s with 2 processes, 373 s with 3."""
-    import os
-
+    """``-n auto``: two test processes per core. Most of a multi-process test is spent waiting (on
+    timeouts, on peers, on a sleep standing in for compute: 41% of the test processes' time), so
+    fewer left the cores idle: on 2 cores the whole suite took 480 s with 3 processes, 463 s with 4
+    (826 and 849 CPU-s)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores * 3 // 2)
+    return max(1, cores * 2)
 
 
 TEMPLATE_FRAMEWORKS = "lightning,transformers,accelerate"
@@ -34,15 +34,36 @@ because its fork server no longer imports Lightning itself. The launcher's own p
 script imports is tested without a template (test_preload.py)."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's template, started once by the process that runs the session (xdist's
+    controller, or the only test process) before the test processes start: they inherit its path
+    in their environment (:func:`support.template.use_template`). With the frameworks unless the
+    slow tests, which launch the adapters' scripts, are left out: the quick tier would only wait
+    for their imports."""
+    if hasattr(config, "workerinput"):
+        return
+    frameworks = "none" if "not slow" in (config.getoption("markexpr", "") or "") else TEMPLATE_FRAMEWORKS
+    stack = contextlib.ExitStack()
+    use_template(stack.enter_context(forkserver_template(clean_env(HOPNET_PRELOAD=frameworks), wait=False)))
+    config.stash[_TEMPLATE] = stack
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stack = config.stash.get(_TEMPLATE, None)
+    if stack is not None:
+        stack.close()
+
+
+_TEMPLATE = pytest.StashKey[contextlib.ExitStack]()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def warm_fork_servers(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every launch of this test process forks its fork server from one warm template (with the
-    frameworks only where slow tests, which launch the adapters' scripts, were selected: the quick
-    tier would wait for their imports for nothing)."""
-    slow = any(item.get_closest_marker("slow") for item in request.session.items)
-    with forkserver_template(clean_env(HOPNET_PRELOAD=TEMPLATE_FRAMEWORKS if slow else "none")) as path:
-        use_template(path)
-        yield
+def warm_fork_servers() -> None:
+    """A test process's first test waits until the session's template listens (its imports
+    overlap the test processes' start and collection)."""
+    path = os.environ.get(TEMPLATE_VAR)
+    if path:
+        wait_for_template(path)
 
 
 @pytest.fixture
