@@ -1,10 +1,11 @@
 """The CPU each test of the suite costs, with everything it starts: a pytest plugin.
 
-On a 2-core machine the suite keeps both cores busy (92-97% of its run), so its time follows the CPU
-it spends, not its waits. ``--durations`` measures wall time, which a test spends waiting as often
+On a 2-core machine the suite keeps both cores busy (about 90% of its run), so its time follows the
+CPU it spends, not its waits. ``--durations`` measures wall time, which a test spends waiting as often
 as computing. This plugin puts each test process (the xdist workers, and the controller) in a cgroup
 of its own (cgroup v1 ``cpuacct``; root), so that its tests' launchers, fork-server templates,
-workers and torchrun agents are counted with it, and records the CPU of the cgroup across each test::
+workers and torchrun agents are counted with it, and records the CPU of the cgroup across each test
+(each test process starts a fork-server template of its own, in its cgroup: see ``_private_template``)::
 
     PYTHONPATH=bench python3 -m pytest -q -p suite_cpu     # as root, from the checkout's root
 
@@ -16,6 +17,7 @@ is counted in the tests after it; so is a template's reaping of its fork servers
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import time
@@ -30,8 +32,10 @@ SHOWN = 30
 
 _group: Path | None = None
 _log: Any = None
+_template: contextlib.ExitStack | None = None
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests/conftest.py starts the session's template
 def pytest_configure(config: pytest.Config) -> None:
     global _group
     if not (CGROUP_ROOT / "cpuacct.usage").exists():
@@ -43,6 +47,20 @@ def pytest_configure(config: pytest.Config) -> None:
         OUT.mkdir(exist_ok=True)
         for old in OUT.glob("*.jsonl"):
             old.unlink()
+    else:
+        _private_template(config)
+
+
+def _private_template(config: pytest.Config) -> None:
+    """A template of this test process's own, in its cgroup: a template serves only launchers in its
+    own cgroups, so the session's (the controller's) would serve none of this process's launches,
+    and a template's forks would be counted in the template's group anyway. Each test process
+    then pays a template's start (about 5 CPU-s), which the suite without this plugin pays once."""
+    from support.template import forkserver_template, session_template_env, use_template
+
+    global _template
+    _template = contextlib.ExitStack()
+    use_template(_template.enter_context(forkserver_template(session_template_env(config), wait=False)))
 
 
 def _usage_s() -> float:
@@ -82,6 +100,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _template is not None:
+        _template.close()
     if _log is not None:
         _log.close()
     if _group is not None:  # back to the root group; the empty group goes

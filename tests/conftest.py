@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 
-from support.env import clean_env
 from support.launch import run_launch
-from support.template import TEMPLATE_VAR, forkserver_template, use_template, wait_for_template
+from support.template import TEMPLATE_VAR, forkserver_template, session_template_env, use_template, wait_for_template
 
 # Tests run several ranks as threads of one process (support/threaded.py); intra-op threads would
 # only spin against them for the cores (the launcher gives its workers one thread each when they
@@ -27,24 +26,14 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, cores * 2)
 
 
-TEMPLATE_FRAMEWORKS = "lightning,transformers,accelerate"
-"""What the template imports besides torch and hopnet (one that is not installed is skipped): a
-launch of a script that imports Lightning then costs 0.9 CPU-s instead of 3.1 (2 workers, 5 steps),
-because its fork server no longer imports Lightning itself. The launcher's own preload of what a
-script imports is tested without a template (test_preload.py)."""
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """The session's template, started once by the process that runs the session (xdist's
     controller, or the only test process) before the test processes start: they inherit its path
-    in their environment (:func:`support.template.use_template`). With the frameworks unless the
-    slow tests, which launch the adapters' scripts, are left out: the quick tier would only wait
-    for their imports."""
+    in their environment (:func:`support.template.use_template`)."""
     if hasattr(config, "workerinput"):
         return
-    frameworks = "none" if "not slow" in (config.getoption("markexpr", "") or "") else TEMPLATE_FRAMEWORKS
     stack = contextlib.ExitStack()
-    use_template(stack.enter_context(forkserver_template(clean_env(HOPNET_PRELOAD=frameworks), wait=False)))
+    use_template(stack.enter_context(forkserver_template(session_template_env(config), wait=False)))
     config.stash[_TEMPLATE] = stack
 
 

@@ -5,10 +5,12 @@ killed launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from hopnet.config import ProtocolConfig
 from hopnet.graph import Graph
 from hopnet.bootstrap.coordinator_proc import CoordinatorProcess
+from hopnet.bootstrap.forkserver_template import identity
 from hopnet.launch.forkserver import TEMPLATE_VAR, ForkedWorker, ForkServer, ForkServerGone, TemplateForked, available
 from hopnet.launch.processes import LineWriter, WorkerProcesses
 from hopnet.launch.spec import WORKER_ENTRY
@@ -243,12 +246,29 @@ def test_a_fork_server_from_a_template_is_the_launchers_own(tmp_path: Path) -> N
         assert server.proc.poll() is not None  # it ended with the launcher's socket
 
 
+@contextlib.contextmanager
+def _session_template() -> Iterator[str]:
+    """The session's template (tests/conftest.py), or one of this test's own without it."""
+    path = os.environ.get(TEMPLATE_VAR)
+    if path and Path(path).is_socket():
+        yield path
+        return
+    with forkserver_template(clean_env()) as path:
+        wait_until(Path(path).is_socket, 120, what=f"the template's socket at {path}")
+        yield path
+
+
+def test_a_template_serves_only_launchers_in_its_own_control_groups() -> None:
+    """A launcher inside a job's cgroup must get workers inside it: the cgroups are part of what a
+    template and a launcher must share."""
+    assert identity(os.environ)["cgroups"] == Path("/proc/self/cgroup").read_text()
+
+
 @pytest.mark.parametrize("why", ["gone", "another-pythonpath"])
 def test_without_a_fitting_template_the_launcher_starts_its_fork_server_itself(tmp_path: Path, why: str) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    with forkserver_template(clean_env()) as path:
-        wait_until(Path(path).is_socket, 120, what=f"the template's socket at {path}")
+    with _session_template() as path:
         env = clean_env(**{TEMPLATE_VAR: path})
         if why == "gone":
             env[TEMPLATE_VAR] = str(tmp_path / "no-template")

@@ -13,8 +13,9 @@ the template forks a child that takes the launcher's socket, streams, inherited 
 (at the same numbers), environment and directory, and from then on is that launch's fork
 server, as if started by the launcher (its own session; it ends with the launcher's socket).
 The template serves only a launcher of the same interpreter and the same ``PYTHONPATH``
-(what decides which hopnet and which torch the workers import), user and namespaces (a
-launcher under ``ip netns exec`` needs workers in its network namespace); for any other,
+(what decides which hopnet and which torch the workers import), user, namespaces (a
+launcher under ``ip netns exec`` needs workers in its network namespace) and control groups (a
+launcher inside a job's cgroup needs its workers inside it); for any other,
 and when the template does not answer, the launcher starts its fork server with ``exec``.
 
 The template keeps no thread, like a fork server, so that a fork never copies a held lock.
@@ -55,15 +56,22 @@ _NAMESPACES = ("net", "mnt", "pid", "user", "uts", "ipc", "cgroup")
 def identity(env: Mapping[str, str]) -> dict[str, object]:
     """What a template and a launcher must share for a forked fork server to be the one the
     launcher would start: the interpreter, the ``PYTHONPATH`` that picks hopnet and torch, the
-    user, and the namespaces (a launcher under `ip netns exec` must not get workers outside)."""
+    user, the namespaces (a launcher under `ip netns exec` must not get workers outside) and the
+    control groups (a launcher in a job's cgroup must not get workers outside its limits and its
+    accounting)."""
     namespaces = {}
     for name in _NAMESPACES:
         try:
             namespaces[name] = os.stat(f"/proc/self/ns/{name}").st_ino
         except OSError:
             namespaces[name] = 0
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as groups:
+            cgroups = groups.read()
+    except OSError:
+        cgroups = ""
     return {"executable": sys.executable, "pythonpath": worker_pythonpath(env), "uid": os.getuid(),
-            "gid": os.getgid(), "namespaces": namespaces}
+            "gid": os.getgid(), "namespaces": namespaces, "cgroups": cgroups}
 
 
 # --------------------------------------------------------------------------- the template
@@ -119,7 +127,7 @@ def _answer(conn: socket.socket, listener: socket.socket, children: set[int]) ->
                 return _child(request, fds, conn, listener)  # it took the descriptors
             children.add(pid)
         else:
-            conn.send(msgpack.packb({"error": "another interpreter, PYTHONPATH, user or namespace"}))
+            conn.send(msgpack.packb({"error": "another interpreter, PYTHONPATH, user, namespace or cgroup"}))
     except OSError:
         pass
     for fd in fds:
