@@ -10,6 +10,7 @@ The module and the Trainer are what a Lightning user writes; the strategy is the
 The same script under Lightning's own DDP (two processes it starts itself, gloo on the CPU):
 
     python examples/lightning_digits.py --strategy ddp --devices 2
+    python examples/lightning_digits.py --strategy ddp_fork --devices 2    # the same, forked
 
 Lightning gives each worker its share of the samples (a DistributedSampler); the LR schedule is a
 cosine stepped every iteration, and the validation logs the workers' mean held-out accuracy. Training
@@ -42,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=None, help="clip the (averaged) gradient's norm")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision (e.g. bf16-mixed)")
-    parser.add_argument("--strategy", choices=("hopnet", "ddp"), default="hopnet")
+    parser.add_argument("--strategy", choices=("hopnet", "ddp", "ddp_fork"), default="hopnet",
+                        help="ddp_fork: Lightning's DDP in processes forked from this one (no second import)")
     parser.add_argument("--devices", type=int, default=1, help="processes Lightning starts (ddp only)")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint after every epoch here (and last.ckpt)")
     parser.add_argument("--resume", help="a checkpoint to go on from (fit(ckpt_path=...))")
@@ -96,7 +98,7 @@ def main() -> None:
     if args.checkpoint_dir:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, save_top_k=-1,
                                                              save_last=True))  # every epoch, and the last
-    strategy = HopnetStrategy() if args.strategy == "hopnet" else "ddp"
+    strategy = HopnetStrategy() if args.strategy == "hopnet" else args.strategy
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.iterations,
                         precision=args.precision, gradient_clip_val=args.clip,
                         accumulate_grad_batches=args.accumulate, callbacks=callbacks,
