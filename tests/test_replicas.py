@@ -28,11 +28,12 @@ DIGITS = str(EXAMPLES / "train_digits.py")
 FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted.py")
 CAPPED = str(ROOT / "tests" / "scripts" / "capped_worker.py")
 CONSENSUS = re.compile(r"^\[rank 0\] consensus model held-out accuracy ([0-9.]+)", re.MULTILINE)
-ITERATIONS = "60"
+ITERATIONS = "40"
 SINGLE_BASELINE = ("allreduce", "pipe-sgd")
 """The protocols whose runs here include 4 single workers to compare with, to the parameter."""
-SINGLE_BASELINE_ACCURACY = {"hop": 0.9778, "diloco": 0.9667}
-"""What 4 single workers reach on this trainer in these iterations (measured: the same in 3 of 3 runs)."""
+SINGLE_BASELINE_ACCURACY = {"hop": 0.9528, "diloco": 0.9278}
+"""What 4 single workers reach on this trainer in these iterations (measured: the same in 2 of 2 runs;
+2 replicas of 2 reached 0.9722 and 0.9556, under ddp and fsdp alike)."""
 
 pytestmark = pytest.mark.slow
 
