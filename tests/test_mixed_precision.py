@@ -18,7 +18,7 @@ from support.threaded import Start, run_ranks, seeded
 
 TIMEOUT_S = 30.0
 RANKS = 4
-STEPS = 400
+STEPS = 250
 INJECT_RANK, INJECT_AT = 1, 10
 
 PROTOCOLS = {
