@@ -120,7 +120,7 @@ def test_an_overflow_under_fp16s_gradient_scaler_is_skipped_by_every_rank_as_und
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 scale 16 steps 12" in result.stdout and "rank 1 scale 8 steps 12" in result.stdout, result.stdout
     assert [(r["iter"], r["averaged"]) for r in records(run_dir, 0, "non_finite_gradient")] == [(4, True)]
-    ddp = subprocess.run([sys.executable, FP16, "--strategy", "ddp", "--devices", "2", "--save", str(theirs)],
+    ddp = subprocess.run([sys.executable, FP16, "--strategy", "ddp_fork", "--devices", "2", "--save", str(theirs)],
                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "rank 0 scale 8 steps 12" in ddp.stdout, ddp.stdout

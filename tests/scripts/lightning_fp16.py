@@ -1,8 +1,8 @@
 """fp16 with a gradient scaler under Lightning, on a CPU: Lightning's ``16-mixed`` plugin given torch's
 CPU scaler (Lightning turns ``precision="16-mixed"`` into bf16 on a CPU), a small scale so that
 nothing overflows by itself, and rank R's loss made infinite at step S (``--overflow R:S``).
-Under ``--strategy hopnet`` (``hopnet launch``) or Lightning's ``ddp`` (``--devices 2``); rank 0
-saves the final model to ``--save``, and every rank prints its scale.
+Under ``--strategy hopnet`` (``hopnet launch``) or Lightning's ``ddp`` or ``ddp_fork`` (``--devices 2``);
+rank 0 saves the final model to ``--save``, and every rank prints its scale.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hopnet.integrations.lightning import HopnetStrategy  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=("hopnet", "ddp"), default="hopnet")
+    parser.add_argument("--strategy", choices=("hopnet", "ddp", "ddp_fork"), default="hopnet")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--overflow", default="1:4", metavar="R:S")
@@ -50,16 +50,24 @@ def main() -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
+        def on_train_end(self) -> None:
+            if args.strategy == "ddp_fork":  # the forked ranks end here, with their scalers
+                report(self.trainer, self)
+
+    def report(trainer: L.Trainer, module: L.LightningModule) -> None:
+        print(f"rank {trainer.global_rank} scale {scaler.get_scale():g} steps {trainer.global_step}", flush=True)
+        if trainer.global_rank == 0:
+            torch.save(module.state_dict(), args.save)
+
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
-    strategy = HopnetStrategy() if args.strategy == "hopnet" else "ddp"
+    strategy = HopnetStrategy() if args.strategy == "hopnet" else args.strategy
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.iterations,
                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Digits()
     trainer.fit(module, DataLoader(TensorDataset(x_train, y_train), batch_size=32, shuffle=True, drop_last=True))
-    print(f"rank {trainer.global_rank} scale {scaler.get_scale():g} steps {trainer.global_step}", flush=True)
-    if trainer.global_rank == 0:
-        torch.save(module.state_dict(), args.save)
+    if args.strategy != "ddp_fork":
+        report(trainer, module)
 
 
 if __name__ == "__main__":
