@@ -216,7 +216,7 @@ def test_a_batchnorm_trainer_ends_with_one_model_after_a_replacement(tmp_path: P
     run_dir = tmp_path / "run"
     proc = start_launch(["--nproc", str(WORLD), "--protocol", protocol, "--max-restarts", "1", "--timeout", "30",
                          "--no-progress", "--run-dir", str(run_dir), str(EXAMPLES / "train_cnn.py"),
-                         "--iterations", "120"], new_session=True)
+                         "--iterations", "70"], new_session=True)
     try:
         log = LogFollower(run_dir / "rank2.jsonl")
         wait_until(lambda: log.first_new(lambda r: r.get("event") == "iteration" and r.get("iter", -1) >= 20),
@@ -234,5 +234,5 @@ def test_a_batchnorm_trainer_ends_with_one_model_after_a_replacement(tmp_path: P
     for record in all_records(run_dir, "iteration"):
         if "lr" in record:
             rates.setdefault(record["iter"], set()).add(record["lr"])
-    assert len(rates) > 100 and all(len(seen) == 1 for seen in rates.values()), \
+    assert len(rates) > 60 and all(len(seen) == 1 for seen in rates.values()), \
         {k: seen for k, seen in rates.items() if len(seen) > 1}

@@ -76,9 +76,9 @@ def test_every_protocol_trains_it_and_ends_with_the_average_model(launch, tmp_pa
 
 @pytest.mark.slow
 def test_under_allreduce_every_rank_scores_alike_and_high(launch, tmp_path: Path) -> None:
-    """With the BatchNorm statistics in step, ranks with identical weights score identically (120 of
-    the default run's 200 iterations: measured 0.9917)."""
-    own, consensus = _run(launch, tmp_path / "run", "allreduce", "--iterations", "120")
+    """With the BatchNorm statistics in step, ranks with identical weights score identically (80 of
+    the default run's 200 iterations: measured 0.9889)."""
+    own, consensus = _run(launch, tmp_path / "run", "allreduce", "--iterations", "80")
     assert _spread(_states(tmp_path / "run"), _is_bn_statistic) <= 1e-6
     assert len(set(own.values())) == 1 and min(own.values()) >= 0.95, own
     assert consensus == own[0]
