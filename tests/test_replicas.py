@@ -256,7 +256,7 @@ def test_a_replica_with_a_killed_process_comes_back_whole_under_max_restarts(tmp
     other replica's model too), and every replica finishes. Rank 3 dies
     where it is and rank 2 a little later, so a neighbour's lanes may have heard the last of replica 1
     an iteration apart (in about 1 run in 4 before its lanes left their waits together: decision 86)."""
-    run_dir, iterations = tmp_path / "run", 140
+    run_dir, iterations = tmp_path / "run", 110
     replicas = 2 if name.startswith("ad-psgd") else 3
     proc = start_launch(["--nproc", str(2 * replicas), "--replica-size", "2", *RESTARTED_REPLICA_RUNS[name],
                          "--max-restarts", "1",

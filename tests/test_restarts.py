@@ -31,8 +31,8 @@ from support.wait import wait_until
 
 DIGITS = str(EXAMPLES / "train_digits.py")
 WORLD = 4
-ITERATIONS = 350
-KILL_AT = 100
+ITERATIONS = 300
+KILL_AT = 80
 """The victim is signalled once it logged this iteration (of :data:`ITERATIONS`)."""
 RECORD_WAIT_S = 120.0
 """How long a test waits for a record in a worker's log."""
