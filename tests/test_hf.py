@@ -17,8 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from hopnet import checkpoint
-from hopnet.integrations.accelerate import LAUNCHER_VARIABLES, single_process
-from hopnet.integrations.transformers import HopnetTrainer, resume_folder
 
 from support.elastic import assert_joined_late, launch_and_join, launch_and_preempt, worker_returncode
 from support.env import clean_env
@@ -290,7 +288,11 @@ def test_the_trainer_sees_one_process_under_torchrun(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+# (transformers and Accelerate imported in the tests that use them: at the module's top every test
+# process would import them to collect it, 3 CPU-s apiece)
 def test_single_process_hides_the_launchers_variables_and_puts_them_back(monkeypatch) -> None:
+    from hopnet.integrations.accelerate import LAUNCHER_VARIABLES, single_process
+
     for name in LAUNCHER_VARIABLES:
         monkeypatch.setenv(name, "2")
     with single_process():
@@ -299,6 +301,8 @@ def test_single_process_hides_the_launchers_variables_and_puts_them_back(monkeyp
 
 
 def test_resume_picks_the_newest_step_every_rank_saved(tmp_path: Path) -> None:
+    from hopnet.integrations.transformers import resume_folder
+
     def save(rank: int, step: int, complete: bool = True) -> None:
         folder = tmp_path / f"rank{rank}" / f"checkpoint-{step}" / "hopnet"
         folder.mkdir(parents=True)
@@ -316,6 +320,8 @@ def test_resume_picks_the_newest_step_every_rank_saved(tmp_path: Path) -> None:
 
 
 def test_the_trainer_refuses_what_it_cannot_run(monkeypatch) -> None:
+    from hopnet.integrations.transformers import HopnetTrainer
+
     with pytest.raises(Exception, match="model_init"):
         HopnetTrainer(model_init=lambda: None)
     monkeypatch.setenv(checkpoint.CHECKPOINT_EVERY, "10")
