@@ -140,7 +140,10 @@ class ForkServer:
             try:
                 os.killpg(worker.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                pass
+                try:  # forked but not yet in a session of its own: no group of that number yet
+                    os.kill(worker.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             worker._exited(-signal.SIGKILL)
 
     def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], piped: bool,
