@@ -849,8 +849,9 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     elastic = ElasticSettings.from_environ(os.environ)
     channel = None
     if elastic is not None:
-        check_elastic(cfg, tensors.device.type, restarts.allowed)
-        channel, _ = open_control(context, cfg)
+        check_elastic(cfg, tensors.device.type, restarts.allowed, replica.size)
+        if replica.member == 0:  # in a replica group, member 0 speaks for the replica (hopnet.elastic.replicas)
+            channel, _ = open_control(context, cfg)
     joining = elastic is not None and elastic.joining
     # A joiner starts alone, on a graph of one node, until a view admits it (hopnet.elastic.setup).
     alone = dataclasses.replace(context, rank=0, world_size=1, graph=lone_graph()) if joining else context
@@ -876,9 +877,9 @@ def init(model: torch.nn.Module | None = None, *, params: torch.Tensor | None = 
     except BaseException:
         run.finish(aborted=True)
         raise
-    if elastic is not None and channel is not None:
+    if elastic is not None:
         try:
-            start_elastic(worker, elastic, channel, context, cfg, run.run_dir)
+            start_elastic(worker, elastic, channel, context, cfg, run.run_dir, store_endpoint=process.store_endpoint)
         except BaseException as exc:
             worker.abort(exc)
             raise

@@ -102,6 +102,15 @@ def test_every_protocol_runs_between_replicas(options: dict, refused: str | None
     (dict(nproc=4, replica_mode="fsdp"), "--replica-mode needs --replica-size R on one machine"),
     (dict(nproc=4, replica_size=2, max_restarts=1, config=ProtocolConfig(protocol="eager-sgd")),
      "--max-restarts: --protocol eager-sgd cannot bring back a replica group yet"),
+    (dict(nproc=4, replica_size=2, max_nproc=5), "--min-nproc 2/--max-nproc 5: an elastic run of replica groups "
+                                                 "grows and shrinks by whole replicas; give multiples of "
+                                                 "--replica-size 2"),
+    (dict(nproc=4, replica_size=2, min_nproc=1), "give multiples of --replica-size 2"),
+    (dict(nproc=4, replica_size=2, max_nproc=6, config=ProtocolConfig(protocol="prague")),
+     "--min-nproc/--max-nproc: --protocol prague cannot change the membership of replica groups yet; allreduce, "
+     "diloco, hop, notify-ack, pipe-sgd can"),
+    (dict(nproc=4, replica_size=2, max_nproc=6, config=ProtocolConfig(protocol="eager-sgd")),
+     "--protocol eager-sgd cannot change the membership of replica groups yet"),
 ])
 def test_the_launcher_refuses_what_replica_groups_cannot_run_before_anything_starts(kwargs: dict,
                                                                                    message: str) -> None:
@@ -112,6 +121,12 @@ def test_the_launcher_refuses_what_replica_groups_cannot_run_before_anything_sta
 def test_max_restarts_brings_back_replica_groups_under_hop() -> None:
     plan = validate(LaunchSpec(script=CNN, nproc=4, replica_size=2, max_restarts=1))
     assert (plan.replicas.size, plan.graph.n) == (2, 2)
+
+
+def test_an_elastic_run_of_replica_groups_counts_its_members_in_replicas() -> None:
+    plan = validate(LaunchSpec(script=CNN, nproc=4, replica_size=2, min_nproc=2, max_nproc=8))
+    assert plan.elastic is not None and (plan.elastic.min_nproc, plan.elastic.max_nproc) == (1, 4)
+    assert validate(LaunchSpec(script=CNN, nproc=4, replica_size=2, max_nproc=6)).elastic.min_nproc == 1
 
 
 def test_the_graph_has_a_node_per_replica_and_a_replica_goes_where_its_node_goes() -> None:

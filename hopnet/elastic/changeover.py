@@ -16,7 +16,7 @@ import asyncio
 import io
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from hopnet.graph.members import MemberGraph
 from hopnet.protocols import make_protocol
 from hopnet.runtime.clock import Clock
 from hopnet.runtime.node import Node
+from hopnet.runtime.rejoin import fingerprint
 from hopnet.security import CurveKeys
 
 
@@ -55,6 +56,8 @@ class Changeover:
                  ask_to_join: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self.run = run
+        self.me = run.rank
+        """This worker's number in the views: its rank, or its replica's in a run of replica groups."""
         self.graph_spec = graph_spec
         self.bind_host = bind_host
         self.curve = curve
@@ -69,6 +72,8 @@ class Changeover:
         self._ask_to_join = ask_to_join
         """A joiner not admitted yet: it asks at its first step (:meth:`join_when_due`)."""
         self.run_dir = run_dir
+        self._loaded: float | None = None
+        """A joiner's: the fingerprint of the model its donor handed it."""
         self._hosted: ViewCoordinator | None = None
         """The coordinator of the view this worker hosts (the lowest member hosts it, if the protocol has one)."""
 
@@ -76,26 +81,53 @@ class Changeover:
     def due(self, finished: int) -> ViewEntry | None:
         """After iteration ``finished``: the committed view to enter now, else None (the segment
         goes on; its last iteration is set once a change is committed)."""
-        worker, run = self.worker, self.run
+        run = self.run
         if run.left_line is not None:
             raise Left(run.left_line)
         if run.stopped_line is not None:
             raise MembershipStopped(run.stopped_line)
-        entry = self._entry or worker._thread.run(self._head())
-        if entry is None:
-            return None
         if self._entry is None:
-            first = worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
-            self._entry, self.last_iteration = entry, first - 1
-            final = worker._final_iteration
-            worker.node.protocol.final_iteration = first - 1 if final is None else min(final, first - 1)
-            worker.record("view_change_at", view=entry.number, iter=first, members=list(entry.members))
-        if self.last_iteration is not None and finished >= self.last_iteration:
-            return entry
+            self._fix(*self._decide())
+        return self._entry_due(finished)
+
+    def _fix(self, entry: ViewEntry | None, first: int | None) -> None:
+        """The next view is ``entry``, from iteration ``first`` on: the current segment ends before it."""
+        if entry is None:
+            return
+        assert first is not None
+        worker = self.worker
+        self._entry, self.last_iteration = entry, first - 1
+        final = worker._final_iteration
+        worker.node.protocol.final_iteration = first - 1 if final is None else min(final, first - 1)
+        worker.record("view_change_at", view=entry.number, iter=first, members=list(entry.members))
+
+    def _entry_due(self, finished: int) -> ViewEntry | None:
+        if self._entry is not None and self.last_iteration is not None and finished >= self.last_iteration:
+            return self._entry
         return None
 
     async def _head(self) -> ViewEntry | None:
         return self.run.head()
+
+    def _decide(self) -> tuple[ViewEntry | None, int | None]:
+        """At a step boundary with no change fixed yet: the committed view to enter next and its first
+        iteration (once every old member reported), else ``(None, None)``."""
+        entry = self.worker._thread.run(self._head())
+        if entry is None:
+            return None, None
+        return entry, self.worker._thread.run(self.run.first_iteration(entry, self.safe_point), timeout_s=None)
+
+    def _admission(self) -> tuple[ViewEntry, int]:
+        """A joiner: ask to be admitted, and wait for the admitting view and its first iteration."""
+        worker, run = self.worker, self.run
+        if self._ask_to_join is not None:
+            self._ask_to_join()
+        entry = worker._thread.run(run.admitted(), timeout_s=None)
+        return entry, worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
+
+    def view_members(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        """What :attr:`members` (the samplers' division) holds for a view of ``members``."""
+        return members
 
     def boundary(self, finished: int) -> bool:
         """At the step boundary after ``finished``: enter the next view if it begins now (True)."""
@@ -150,24 +182,25 @@ class Changeover:
         cursors = {name: obj.cursor for name, obj in worker._states.items() if isinstance(obj, ElasticSampler)}
         worker._thread.run(self._send_cursors(entry, cursors))
         worker._thread.run(self._end_segment(worker.node), timeout_s=None)
-        served = [j for j, d in donors.items() if d == worker.rank]
+        served = [j for j, d in donors.items() if d == self.me]
         if served:
             payload = self._state_payload(first)
             for joiner in served:
                 worker._thread.run(self._send_state(entry, joiner, payload))
-            worker.record("state_sent", view=entry.number, to=served, bytes=len(payload))
+            worker.record("state_sent", view=entry.number, to=served, bytes=len(payload),
+                          fingerprint=fingerprint(worker.node.protocol.model_tensors()))
         self._entry, self.last_iteration = None, None
-        if worker.rank not in entry.members:
+        if self.me not in entry.members:
             if self._hosted is not None:  # the old view's members may still need it for their last iteration
                 worker._thread.run(self.run.segments(entry), timeout_s=None)
                 self._stop_hosted()
             worker._thread.run(self._entered(entry))
-            line = f"rank {worker.rank} left after iteration {first - 1}: view {entry.number} goes on without it"
+            line = f"{self._who()} left after iteration {first - 1}: view {entry.number} goes on without it"
             worker.record("left", view=entry.number, iter=first - 1, line=line)
             raise Left(line)
         self._open_segment(entry, graph, first, donor=None)
         worker.record("view_entered", view=entry.number, members=list(entry.members), iter=first,
-                      position=graph.position(worker.rank), stall_s=round(time.monotonic() - started, 6))
+                      position=graph.position(self.me), stall_s=round(time.monotonic() - started, 6))
 
     def join_when_due(self) -> None:
         """A joiner's first step or loop: it asks to be admitted now, its trainer set up (whatever the
@@ -184,20 +217,18 @@ class Changeover:
 
     def join(self) -> None:
         """A joiner: wait to be admitted, then enter the admitting view with a donor's state."""
-        worker, run = self.worker, self.run
+        worker = self.worker
         started = time.monotonic()
-        if self._ask_to_join is not None:
-            self._ask_to_join()
-        entry = worker._thread.run(run.admitted(), timeout_s=None)
-        first = worker._thread.run(run.first_iteration(entry, self.safe_point), timeout_s=None)
+        entry, first = self._admission()
         graph = MemberGraph.build(self.graph_spec, entry.members)
         old_members = [m for m in entry.members if m in entry.old_members]
         donors = assign_donors(graph, [j for j in entry.commit.change.joined if j in entry.members], old_members)
-        donor = donors[worker.rank]
+        donor = donors[self.me]
         worker._thread.run(self._close_alone(worker.node), timeout_s=None)
         first = self._open_segment(entry, graph, first, donor=donor)
         worker.record("joined", view=entry.number, members=list(entry.members), iter=first, donor=donor,
-                      position=graph.position(worker.rank), wait_s=round(time.monotonic() - started, 6))
+                      position=graph.position(self.me), wait_s=round(time.monotonic() - started, 6),
+                      fingerprint=self._loaded)
 
     def _stop_hosted(self) -> None:
         if self._hosted is not None:
@@ -215,6 +246,26 @@ class Changeover:
 
     async def _send_state(self, entry: ViewEntry, joiner: int, payload: bytes) -> None:
         self.run.send_state(entry, joiner, payload)
+
+    async def _state(self, entry: ViewEntry, donor: int) -> bytes:
+        return await self.run.state(entry, donor)
+
+    async def _cursors(self, entry: ViewEntry) -> dict[int, dict[str, int]]:
+        """Every reporting old member's samplers' cursors (sampler rank -> name -> cursor)."""
+        return await self.run.cursors(entry)
+
+    def _address_exchange(self, entry: ViewEntry, graph: MemberGraph) -> Callable[[str], Awaitable[dict[int, str]]]:
+        """How the new segment's members learn each other's addresses (position -> address)."""
+        run = self.run
+
+        async def exchange(address: str) -> dict[int, str]:
+            run.announce(entry, {"addr": address})
+            segments = await run.segments(entry)
+            return {graph.position(rank): str(segments[rank]["addr"]) for rank in entry.members}
+        return exchange
+
+    def _who(self) -> str:
+        return f"rank {self.worker.rank}"
 
     async def _entered(self, entry: ViewEntry) -> None:
         self.run.entered(entry)
@@ -251,9 +302,10 @@ class Changeover:
     def _state_payload(self, first: int) -> bytes:
         worker = self.worker
         with worker.model_lock:
-            state = {"iteration": first, "model": worker._model_state(), "gathers": worker.gather_calls,
-                     "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()
-                                if not isinstance(obj, torch.Generator)}}
+            state = worker.replica.localized({  # (under fsdp: this member's shards, as a checkpoint holds them)
+                "iteration": first, "model": worker._model_state(), "gathers": worker.gather_calls,
+                "states": {name: checkpoint.state_of(obj) for name, obj in worker._states.items()
+                           if not isinstance(obj, torch.Generator)}})
             buffer = io.BytesIO()
             torch.save(state, buffer)
         return buffer.getvalue()
@@ -277,7 +329,7 @@ class Changeover:
         """Open this worker's segment of ``entry``'s view; returns the view's first iteration."""
         worker, run = self.worker, self.run
         config = worker.config
-        position = graph.position(worker.rank)
+        position = graph.position(self.me)
         device = worker.model.device if worker.model is not None else torch.device("cpu")
         params_bytes = worker.model.nbytes if worker.model is not None else None
         transport = make_transport(rank=position, peers=frozenset(graph.graph.peers(position)),
@@ -296,7 +348,8 @@ class Changeover:
                 held.load_state_dict(carried.state_dict())
             worker._states[checkpoint.PROTOCOL_STATE] = held
         if donor is not None:
-            self._load_state(worker._thread.run(run.state(entry, donor), timeout_s=None))
+            self._load_state(worker._thread.run(self._state(entry, donor), timeout_s=None))
+            self._loaded = fingerprint(protocol.model_tensors())  # what the donor's ``state_sent`` names
         hosting = None
         client = None
         if needs_coordinator(config):
@@ -307,10 +360,11 @@ class Changeover:
             client = client_from_environ(position, config.peer_timeout_s or 0.0, env)
         node: Node[Any] = Node(position, graph.graph, transport, protocol, clock=Clock(config.timeout_s),
                                events=old.events, peer_timeout_s=config.peer_timeout_s, collective_factory=factory,
-                               coordinator=client)
+                               coordinator=client, lanes=old.lanes)
         node.owns_events = False
         node.members = entry.members
         node.start_fields = {"view": entry.number}
+        worker.replica.attach(node, worker.report)
         node.survives_losses = old.survives_losses
         node.handover_now = old.handover_now
         node.load_state = old.load_state
@@ -318,28 +372,24 @@ class Changeover:
         first = protocol.view_change_iteration(first)
         protocol.resume_at(first)
 
-        async def exchange(address: str) -> dict[int, str]:
-            run.announce(entry, {"addr": address})
-            segments = await run.segments(entry)
-            return {graph.position(rank): str(segments[rank]["addr"]) for rank in entry.members}
-
-        worker._thread.run(node.open(exchange), timeout_s=None)
+        worker._thread.run(node.open(self._address_exchange(entry, graph)), timeout_s=None)
         node._t0 = old._t0  # one time axis for the worker's records, across its segments
         self._stop_hosted()  # every member announced: the old view is over everywhere
         self._hosted = hosting
-        reported = worker._thread.run(run.cursors(entry), timeout_s=None)
+        reported = worker._thread.run(self._cursors(entry), timeout_s=None)
         names = {name for held in reported.values() for name in held}
+        members = self.view_members(entry.members)
         for name in sorted(names):
             # a member taken for dead reported nothing: its whole share goes round again (seen twice, never lost)
-            cursors = {rank: reported.get(rank, {}).get(name, 0) for rank in entry.old_members}
+            cursors = {rank: reported.get(rank, {}).get(name, 0) for rank in self.view_members(entry.old_members)}
             obj = worker._states.get(name)
             if isinstance(obj, ElasticSampler):
-                obj.change_view(entry.number, entry.members, cursors)
+                obj.change_view(entry.number, members, cursors)
             elif obj is None and donor is not None:
-                self._late_samplers[name] = (entry.number, entry.members, cursors)
+                self._late_samplers[name] = (entry.number, members, cursors)
         worker.node = node
         worker.graph = graph.graph
-        self.members = entry.members
+        self.members = members
         self.view = entry.number
         worker._thread.run(self._entered(entry))
         worker._thread.run(protocol.start(), timeout_s=None)

@@ -18,10 +18,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hopnet.bootstrap.env import ELASTIC, JOIN, WorkerEnv
+from hopnet.bootstrap.env import ELASTIC, JOIN, STORE, WorkerEnv
 from hopnet.bootstrap.parent_watch import LAUNCHER_PID, PARENT_FD
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.replica.layout import REPLICA_SIZE
 from hopnet.rendezvous.client import request_join
 from hopnet.security import KEY_ENV, CurveKeys, load_key_file
 
@@ -54,8 +55,13 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     keys: CurveKeys | None = load_key_file(key_file) if key_file is not None else None
     if keys is None and record.get("security") == "curve":
         raise ConfigError("the run is secured with a run key: give its --key-file")
+    size = _replica_size(record)
+    if nproc % size:
+        raise ConfigError(f"--nproc {nproc}: the run's replica groups have {size} processes each, and a replica "
+                          f"joins whole: give a multiple of {size}")
     reply = request_join(endpoint, nproc, REQUEST_TIMEOUT_S, keys)
     info = reply["info"]
+    size = int(info.get("env", {}).get(REPLICA_SIZE, size))
     ranks = [int(r) for r in reply["ranks"]]
     directory.mkdir(parents=True, exist_ok=True)
     graph_path, written = _first_graph(directory, info.get("graph"))
@@ -73,10 +79,11 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     print(f"hopnet join: starting rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
           f"for the run in {directory}", file=sys.stderr)
     for local, rank in enumerate(ranks):
-        worker = WorkerEnv(rank=rank, world_size=rank + 1, local_rank=local,
+        # (a replica's processes count whole replicas: the world's size is a multiple of the replica's)
+        worker = WorkerEnv(rank=rank, world_size=(rank // size + 1) * size, local_rank=local,
                            graph_path=graph_path, rendezvous=endpoint, run_dir=str(directory),
                            config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
-                           explicit_options=tuple(info.get("explicit", ())))
+                           explicit_options=tuple(info.get("explicit", ())), store=base.get(STORE, ""))
         env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: ",".join(map(str, ranks))}
         procs[rank] = subprocess.Popen(info["command"], env=env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
                                        start_new_session=True, pass_fds=(watch_read,))
@@ -87,6 +94,12 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
         os.close(watch_write)
         if written:
             os.unlink(graph_path)
+
+
+def _replica_size(record: dict[str, Any]) -> int:
+    """The processes of each replica group, by the run's launch.json (1 when it names none)."""
+    replicas = record.get("replicas")
+    return int(replicas["size"]) if isinstance(replicas, dict) and isinstance(replicas.get("size"), int) else 1
 
 
 def _first_graph(directory: Path, graph: Any) -> tuple[str, bool]:

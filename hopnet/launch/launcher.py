@@ -261,6 +261,8 @@ class Launch:
                                         pass_fds=(self.watch_read,), relay=self.err_lines.write if self.spec.prefix
                                         else None, workers=self.workers)
             self.store_endpoint = self.store.endpoint
+        if self.server is not None and self.server.join_info is not None:  # a joiner's replica groups meet there
+            self.server.join_info["env"].update({STORE: self.store_endpoint, **plan.replicas.to_environ()})
         self.record.data["rendezvous"] = self.rendezvous_endpoint
         self.record.data["store"] = self.store_endpoint
         self.record.data["store_pid"] = self.store.pid if self.store is not None else None
@@ -448,7 +450,7 @@ class Launch:
             return
         self._next_view_check = time.monotonic() + VIEW_POLL_S
         for view in self.view_watch.poll():
-            self.output.say(view.line())
+            self.output.say(view.line(replicas=self.plan.replicas.grouped))
 
     def _restart(self, rank: int, code: int) -> bool:
         """Start ``rank`` again if it died and the restart budget allows (:mod:`hopnet.launch.restarts`);
@@ -654,7 +656,8 @@ class Launch:
                               reason=state.reason, worker_returncodes=state.returncodes, wall_s=wall_s,
                               summary=state.summary, lost_ranks=lost, restarts=self.restarts.to_json())
         if plan.elastic is not None:
-            self.record.data["views"] = read_views(self.run_dir, plan.world_size)
+            self.record.data["views"] = read_views(self.run_dir, plan.replicas.replicas if plan.replicas.grouped
+                                                   else plan.world_size)
         self.record.data["result"] = {
             "returncode": state.returncode,
             "failed_rank": state.failed_rank,

@@ -199,7 +199,7 @@ def validate(spec: LaunchSpec) -> LaunchPlan:
     return LaunchPlan(spec=spec, config=config, command=command, graph=graph,
                       nodes=_node_plan(spec, graph, layout), bind=spec.bind.strip(),
                       coordinator_name=machine.name if machine is not None else None, notes=notes,
-                      elastic=elastic_settings(spec, config, replicas), replicas=layout)
+                      elastic=elastic_settings(spec, config, replicas, layout.size), replicas=layout)
 
 
 def replica_size(spec: LaunchSpec) -> int:
@@ -225,33 +225,38 @@ def check_replica_run(spec: LaunchSpec, config: ProtocolConfig) -> None:
     refusal = replica_restart_refusal(config) if spec.max_restarts else None
     if refusal is not None:
         raise ConfigError(refusal)
-    if spec.min_nproc is not None or spec.max_nproc is not None:
-        raise ConfigError("--min-nproc/--max-nproc: an elastic run of replica groups is not supported yet")
 
 
-def elastic_settings(spec: LaunchSpec, config: ProtocolConfig, world_size: int) -> ElasticSettings | None:
+def elastic_settings(spec: LaunchSpec, config: ProtocolConfig, world_size: int,
+                     replica_size: int = 1) -> ElasticSettings | None:
     """``--min-nproc``/``--max-nproc``: the elastic run's settings, refused in one line when the graph,
-    the protocol or the other flags cannot change membership mid-run (None: the run is not elastic)."""
+    the protocol or the other flags cannot change membership mid-run (None: the run is not elastic).
+    ``world_size``: the graph's nodes (workers, or replicas of ``replica_size`` processes: the flags
+    count processes, the settings replicas)."""
     low, high = spec.min_nproc, spec.max_nproc
     if low is None and high is None:
         return None
-    low = 1 if low is None else low
-    high = world_size if high is None else high
-    if not low <= world_size <= high:
-        raise ConfigError(f"--min-nproc {low} and --max-nproc {high} must bracket the {world_size} workers "
-                          "the run starts with")
+    low = replica_size if low is None else low
+    high = world_size * replica_size if high is None else high
+    if replica_size > 1 and (low % replica_size or high % replica_size):
+        raise ConfigError(f"--min-nproc {low}/--max-nproc {high}: an elastic run of replica groups grows and "
+                          f"shrinks by whole replicas; give multiples of --replica-size {replica_size}")
+    processes = world_size * replica_size
+    if not low <= processes <= high:
+        raise ConfigError(f"--min-nproc {low} and --max-nproc {high} must bracket the {processes} "
+                          f"{'processes' if replica_size > 1 else 'workers'} the run starts with")
     source = GraphSource.from_argument(spec.graph)
     if source.builder is None:
         raise ConfigError(f"--min-nproc/--max-nproc: {source.label} is a fixed graph and cannot re-form when "
                           "workers join or leave: give a builder such as --graph ring or --graph torus")
-    refusal = elastic_refusal(config)
+    refusal = elastic_refusal(config, replica_size)
     if refusal is None and spec.max_restarts:
         refusal = "--max-restarts replaces a dead worker in place; an elastic run re-forms without it instead"
     if refusal is None and spec.nnodes > 1:
         refusal = "runs over several machines (--nnodes) cannot change membership yet; grow one with `hopnet join`"
     if refusal is not None:
         raise ConfigError(f"--min-nproc/--max-nproc: {refusal}")
-    return ElasticSettings(graph=str(source.builder), min_nproc=low, max_nproc=high)
+    return ElasticSettings(graph=str(source.builder), min_nproc=low // replica_size, max_nproc=high // replica_size)
 
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_NPROC", "DEFAULT_SETTLE_S", "START_METHODS", "GraphArgument", "LaunchPlan",

@@ -27,10 +27,10 @@ def _ranks(value: Any) -> tuple[int, ...]:
     return tuple(r for r in value if isinstance(r, int) and not isinstance(r, bool))
 
 
-def rank_list(ranks: Iterable[int]) -> str:
-    """``rank 2`` / ``ranks 4, 5``."""
+def rank_list(ranks: Iterable[int], unit: str = "rank") -> str:
+    """``rank 2`` / ``ranks 4, 5`` (``unit``: ``replica`` in a run of replica groups, whose views name replicas)."""
     names = [str(r) for r in ranks]
-    return ("rank " if len(names) == 1 else "ranks ") + ", ".join(names)
+    return (f"{unit} " if len(names) == 1 else f"{unit}s ") + ", ".join(names)
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,16 @@ class View:
     first_iter: int | None = None
     """The view's first iteration (0 for view 0); ``None`` while no member has said."""
 
-    def change(self) -> str:
+    def change(self, unit: str = "rank") -> str:
         """``ranks 4, 5 joined, rank 2 left``; ``started`` for view 0."""
-        parts = [f"{rank_list(ranks)} {what}" for what in CHANGES if (ranks := getattr(self, what))]
+        parts = [f"{rank_list(ranks, unit)} {what}" for what in CHANGES if (ranks := getattr(self, what))]
         return ", ".join(parts) if parts else "started" if self.number == 0 else "no change"
 
-    def line(self) -> str:
-        """``view 1: ranks 4, 5 joined (6 workers)``: the launcher's line for this view."""
+    def line(self, replicas: bool = False) -> str:
+        """``view 1: ranks 4, 5 joined (6 workers)``: the launcher's line for this view (``replicas``: its
+        members are replica groups, ``view 1: replica 2 joined (3 replicas)``)."""
+        if replicas:
+            return f"view {self.number}: {self.change('replica')} ({len(self.members)} replicas)"
         return f"view {self.number}: {self.change()} ({len(self.members)} workers)"
 
     @staticmethod
@@ -91,8 +94,12 @@ def fold_views(records: Iterable[Record], first_members: Iterable[int]) -> list[
 
 
 def first_members(run: RunData) -> list[int]:
-    """The launch's own ranks (view 0): ``launch.json``'s ``world_size``, else the graph's."""
+    """The launch's own ranks (view 0): ``launch.json``'s ``world_size``, else the graph's; in a run of
+    replica groups, its replicas (the views name replicas)."""
     size = run.launch.get("world_size")
+    replicas = run.launch.get("replicas")
+    if isinstance(size, int) and isinstance(replicas, dict) and isinstance(replicas.get("size"), int):
+        size //= max(1, replicas["size"])
     if not isinstance(size, int):
         size = run.graph.n if run.graph is not None else run.world_size
     return list(range(size))

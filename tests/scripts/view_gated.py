@@ -5,7 +5,9 @@ needs hundreds of iterations rather than thousands.
 
 ``--view-gate 300:joined=4,5`` holds each worker before its optimizer step at its first iteration
 from 300 on, until the views committed so far (its event log's ``view_committed`` records) have
-admitted ranks 4 and 5; ``--view-gate 600:left=2``, until they have let rank 2 leave. A joiner that
+admitted ranks 4 and 5; ``--view-gate 600:left=2``, until they have let rank 2 leave
+(``died=2``: taken rank 2 for dead; in a run of
+replica groups the ranks are replicas, as the views name them). A joiner that
 enters after a gate's iteration checks that gate at its first step. A gate gives up after
 ``GATE_TIMEOUT_S``, and the run goes on (the test's own checks then fail, not hang). The wait sits in
 the trainer's thread, so the membership, which commits on the event loop, is not held up."""
@@ -31,7 +33,7 @@ class ViewLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.seen: dict[str, set[int]] = {"joined": set(), "left": set()}
+        self.seen: dict[str, set[int]] = {"joined": set(), "left": set(), "died": set()}
 
     def read(self) -> dict[str, set[int]]:
         try:
@@ -53,8 +55,9 @@ class ViewLog:
 def parse_gate(text: str) -> tuple[int, str, set[int]]:
     at, _, condition = text.partition(":")
     kind, _, ranks = condition.partition("=")
-    if kind not in ("joined", "left"):
-        raise SystemExit(f"view_gated.py: --view-gate {text}: expected ITER:joined=R,... or ITER:left=R,...")
+    if kind not in ("joined", "left", "died"):
+        raise SystemExit(f"view_gated.py: --view-gate {text}: expected ITER:joined=R,..., ITER:left=R,... or "
+                         "ITER:died=R,...")
     return int(at), kind, {int(rank) for rank in ranks.split(",")}
 
 
@@ -69,7 +72,9 @@ if "--example" in sys.argv:
     at = sys.argv.index("--example")
     example = sys.argv[at + 1]
     del sys.argv[at:at + 2]
-views = ViewLog(Path(os.environ["HOPNET_RUN_DIR"]) / f"rank{os.environ['HOPNET_RANK']}.jsonl")
+# in a run of replica groups the views name replicas, and member 0's log (rank{R}.jsonl) holds them
+replica_size = int(os.environ.get("HOPNET_REPLICA_SIZE") or 1)
+views = ViewLog(Path(os.environ["HOPNET_RUN_DIR"]) / f"rank{int(os.environ['HOPNET_RANK']) // replica_size}.jsonl")
 step = DistributedOptimizer.step
 
 
