@@ -2,11 +2,13 @@
 
 Member 0 of each replica runs the membership for it (its control channel is registered under the
 replica's number, and the views name replicas). The other members run none: at every step
-boundary the replica's processes meet in one all-reduce over the replica's own group, where
-member 0 says whether a change is fixed and from which iteration, and any member says that a
-SIGTERM asked it to leave (member 0 then asks the membership for the whole replica). When a change
-is fixed, member 0 hands the committed view to the others (one ``broadcast_object_list``), so
-every process ends its lane's segment after the same iteration and enters the same view.
+boundary the replica's processes issue one all-reduce over the replica's own group, where member 0
+says whether a change is fixed and from which iteration, and any member says that a SIGTERM asked
+it to leave (member 0 then asks the membership for the whole replica). It runs during the next
+step, and every member reads it at the next boundary; a view of a run of replica groups therefore
+begins one iteration later than a single worker's would. When a change is fixed, member 0 hands
+the committed view to the others (one ``broadcast_object_list``), so every process ends its lane's
+segment after the same iteration and enters the same view.
 
 Each lane then changes segments as a single worker does (:mod:`hopnet.elastic.changeover`), over
 the run's c10d store instead of the control channel: member ``m`` of every replica exchanges the
@@ -37,6 +39,10 @@ STORE_NAMESPACE = "hopnet/elastic"
 
 NOTHING, FIXED, STOPPED, LEFT, ENDED = range(5)
 """What member 0 tells its replica at a step boundary."""
+
+Decision = tuple[int, "str | None", "ViewEntry | None", "int | None"]
+"""What member 0 decided: the code above, its line, the view to enter and the view's first iteration."""
+NOTHING_DECIDED: Decision = (NOTHING, None, None, None)
 
 
 class FollowerRun:
@@ -78,20 +84,28 @@ class FollowerRun:
 
 class ViewStore:
     """What a replica's processes exchange around a view change, through the run's c10d store (off
-    the event loop: a key another process has not set yet blocks until ``--timeout``)."""
+    the event loop: a key another process has not set yet blocks until ``--timeout``). It connects at
+    the first view change: a run that never changes opens no connection for it."""
 
     def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.store = connect_store(in_namespace(endpoint, STORE_NAMESPACE), timeout_s)
+        self._store: Any = None
+
+    def _client(self) -> Any:
+        if self._store is None:
+            self._store = connect_store(in_namespace(self.endpoint, STORE_NAMESPACE), self.timeout_s)
+        return self._store
 
     async def put(self, key: str, value: bytes | str) -> None:
-        await asyncio.to_thread(self.store.set, key, value)
+        await asyncio.to_thread(lambda: self._client().set(key, value))
 
     async def get(self, key: str, what: str, *, take: bool = False) -> bytes:
         def fetch() -> bytes:
-            value = bytes(self.store.get(key))
+            store = self._client()
+            value = bytes(store.get(key))
             if take:
-                self.store.delete_key(key)
+                store.delete_key(key)
             return value
 
         try:
@@ -111,11 +125,18 @@ class ReplicaChangeover(Changeover):
         self.group = group
         self.views = views
         self.process = layout.process(run.rank, member)
+        self._inflight: tuple[Any, torch.Tensor, Decision] | None = None
+        """The all-reduce issued at the last step boundary, and member 0's decision in it."""
+        # Member 0 decides at one boundary and its replica acts on it at the next: a view begins one
+        # iteration later than it would for single workers, so every member still learns of the
+        # change before the old view's last iteration.
+        safe_point = self.safe_point
+        self.safe_point = lambda k: safe_point(k + 1)
 
     # ------------------------------------------------------------------ one decision per replica
     def due(self, finished: int) -> ViewEntry | None:
         if self._entry is None:
-            code, line, entry, first = self._agree(self._lead_decision)
+            code, line, entry, first = self._step_agreement()
             if code == LEFT:
                 raise Left(line or f"{self._who()} left")
             if code == STOPPED:
@@ -123,7 +144,25 @@ class ReplicaChangeover(Changeover):
             self._fix(entry, first)
         return self._entry_due(finished)
 
-    def _lead_decision(self) -> tuple[int, str | None, ViewEntry | None, int | None]:
+    def _step_agreement(self) -> Decision:
+        """At a step boundary: what member 0 decided at the previous one (the all-reduce issued there has
+        run during the step in between, so nobody waits for it here), and this boundary's all-reduce
+        issued. Member 0 stopped by the membership ends at once; its replica's other members end when
+        their collectives with it break."""
+        if self._inflight is not None:
+            work, vector, decided = self._inflight
+            self._inflight = None
+            work.wait()
+            settled = self._settle(vector, decided)
+            if settled[0] != NOTHING:
+                return settled
+        decided = self._lead_decision() if self.member == 0 else NOTHING_DECIDED
+        if decided[0] in (LEFT, STOPPED):
+            return decided
+        self._inflight = (*self._issue(decided, async_op=True), decided)
+        return NOTHING_DECIDED
+
+    def _lead_decision(self) -> Decision:
         run = self.run
         try:
             if run.left_line is not None:
@@ -138,7 +177,7 @@ class ReplicaChangeover(Changeover):
         return (FIXED if entry is not None else NOTHING), None, entry, first
 
     def _admission(self) -> tuple[ViewEntry, int]:
-        def lead() -> tuple[int, str | None, ViewEntry | None, int | None]:
+        def lead() -> Decision:
             try:
                 entry, first = Changeover._admission(self)
             except RunEnded as ended:
@@ -149,7 +188,9 @@ class ReplicaChangeover(Changeover):
                 return STOPPED, str(stopped), None, None
             return FIXED, None, entry, first
 
-        code, line, entry, first = self._agree(lead)
+        decided = lead() if self.member == 0 else NOTHING_DECIDED
+        work, vector = self._issue(decided, async_op=False)
+        code, line, entry, first = self._settle(vector, decided)
         if code == ENDED:
             raise RunEnded(line or "the run ended before this replica was admitted")
         if code == LEFT:
@@ -159,21 +200,29 @@ class ReplicaChangeover(Changeover):
         assert entry is not None and first is not None
         return entry, first
 
-    def _agree(self, lead: Callable[[], tuple[int, str | None, ViewEntry | None, int | None]]
-               ) -> tuple[int, str | None, ViewEntry | None, int | None]:
-        """Member 0 decides (``lead``), every member learns it: one all-reduce (MAX) of the decision's
-        code and first iteration, and whether any member wants to leave; the view itself and the line
-        only when there is one. Every member of the replica calls this at the same step boundaries."""
+    def _issue(self, decided: Decision, *, async_op: bool) -> tuple[Any, torch.Tensor]:
+        """One all-reduce (MAX) over the replica: member 0's decision's code and first iteration, and
+        whether any member wants to leave. Every member calls this at the same step boundaries."""
         import torch.distributed as dist
 
-        code, line, entry, first = lead() if self.member == 0 else (NOTHING, None, None, None)
+        code, _, _, first = decided
         vector = torch.tensor([int(self.run.leaving), code, -1 if first is None else first], dtype=torch.int64)
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        return dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op), vector
+
+    def _settle(self, vector: torch.Tensor, decided: Decision) -> Decision:
+        """What the all-reduce said, and, when member 0 decided something, the view and the line it
+        hands every member (``decided``: member 0's decision)."""
+        import torch.distributed as dist
+
         leave, code, first_agreed = (int(v) for v in vector.tolist())
-        if leave and self.member == 0 and not self.run.leaving:
-            self.worker._thread.loop.call_soon_threadsafe(self.run.leave)  # a member's SIGTERM: the replica leaves
+        if leave and not self.run.leaving:  # a member's SIGTERM: the whole replica leaves (member 0 asks)
+            if self.member == 0:
+                self.worker._thread.loop.call_soon_threadsafe(self.run.leave)
+            else:
+                self.run.leave()  # (its log says so: the launcher spares a process on its way out)
         if code == NOTHING:
-            return NOTHING, None, None, None
+            return NOTHING_DECIDED
+        _, line, entry, _ = decided
         shared: list[Any] = [None, None]
         if self.member == 0:
             shared = [None if entry is None else (codec.encode(entry.commit), list(entry.old_members)), line]
