@@ -50,11 +50,13 @@ def _records(run_dir: Path, rank: int, event: str, member: int = 0) -> list[dict
     return out
 
 
-def _wait(what: str, ready: Any, timeout_s: float = 120.0) -> None:
+def _wait(what: str, ready: Any, timeout_s: float = 120.0, launcher: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
+        if launcher is not None and launcher.poll() is not None:
+            raise SystemExit(f"the launcher exited {launcher.returncode} before {what}")
         time.sleep(0.05)
 
 
@@ -72,7 +74,7 @@ def run(protocol: str, iterations: int, base: Path, hidden: int, join_after: int
                                  DIGITS, "--iterations", str(iterations), "--eval-every", "100000",
                                  "--hidden", str(hidden)],
                                 cwd=ROOT, stdout=launch_out, stderr=subprocess.STDOUT)
-    _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= join_after, 600)
+    _wait("training", lambda: len(_records(run_dir, 0, "iteration")) >= join_after, 600, launcher)
     joined_at = time.monotonic()
     joiner = subprocess.Popen([sys.executable, "-m", "hopnet.cli.main", "join", str(run_dir), "--nproc", str(2 * size)],
                               cwd=ROOT, stdout=join_out, stderr=subprocess.STDOUT)

@@ -77,6 +77,8 @@ class ElasticRun:
         self.iteration = iteration
         self.timeout_s = timeout_s
         self.membership = Membership(rank, first_view, config, time.monotonic(), contacts)
+        self.who = f"{config.unit} {rank}"
+        """How this worker's lines name it (``replica R`` in a run of replica groups)."""
         self.segment_view = first_view.number if first_view is not None else -1
         """The view whose training segment this worker runs (-1: a joiner not yet in one)."""
         self.queue: list[ViewEntry] = []
@@ -168,9 +170,9 @@ class ElasticRun:
                 self._pending_states[view] = bytes(payload)
             elif kind == "ended" and self.segment_view < view and self.ended_line is None:
                 when = f"the run ended (at iteration {header.get('iter')})"
-                self.ended_line = (f"rank {self.rank}: {when} before it was admitted"
+                self.ended_line = (f"{self.who}: {when} before it was admitted"
                                    if self.membership.state == "joining" else
-                                   f"rank {self.rank}: {when} before view {view}, which admitted it, began")
+                                   f"{self.who}: {when} before view {view}, which admitted it, began")
         self._after_event()
 
     def _after_event(self) -> None:
@@ -184,7 +186,7 @@ class ElasticRun:
             change = commit.change
             minimum = self.membership.config.min_members
             if self.rank in change.left and len(change.view.members) < minimum and self.left_line is None:
-                self.left_line = (f"rank {self.rank} left; view {change.view.number} has {len(change.view.members)} "
+                self.left_line = (f"{self.who} left; view {change.view.number} has {len(change.view.members)} "
                                   f"members, fewer than the minimum {minimum}: the run stops")
             self.record("view_committed", view=change.view.number, members=list(change.view.members),
                         joined=list(change.joined), left=list(change.left), died=list(change.died),
@@ -205,9 +207,9 @@ class ElasticRun:
             return
         if state == "stopped" and self.leaving and self.left_line is None:
             # it asked to leave, and the view without it stopped the run (too few members): it left all the same
-            self.left_line = self.membership.line or f"rank {self.rank} left"
+            self.left_line = self.membership.line or f"{self.who} left"
         elif state == "stopped" and self.stopped_line is None and not self.leaving:
-            self.stopped_line = self.membership.line or f"rank {self.rank} was stopped by the membership"
+            self.stopped_line = self.membership.line or f"{self.who} was stopped by the membership"
             self.record("membership_stopped", line=self.stopped_line, iter=self.iteration())
         if (self.left_line is not None or self.stopped_line is not None) and self._over is not None \
                 and not self._over.done():
@@ -242,7 +244,7 @@ class ElasticRun:
                 raise RunEnded(self.ended_line)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise HopnetError(f"rank {self.rank}: {what()} within {self.timeout_s:g}s (--timeout)")
+                raise HopnetError(f"{self.who}: {what()} within {self.timeout_s:g}s (--timeout)")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
@@ -360,7 +362,7 @@ class ElasticRun:
 
     async def admitted(self) -> ViewEntry:
         """A joiner: wait until a view admits it."""
-        await self._wait(lambda: bool(self.queue), lambda: f"rank {self.rank} was not admitted to the run")
+        await self._wait(lambda: bool(self.queue), lambda: f"{self.who} was not admitted to the run")
         return self.queue[0]
 
     def tell_joiners_the_run_ended(self, iteration: int) -> None:

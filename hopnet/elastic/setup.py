@@ -121,7 +121,8 @@ def _membership(worker: Any, settings: ElasticSettings, channel: ControlChannel,
     channel.learn(table)
     peer_timeout = config.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
     membership = MembershipConfig(peer_timeout=peer_timeout, max_members=settings.max_nproc,
-                                  min_members=settings.min_nproc, gather_s=GATHER_S)
+                                  min_members=settings.min_nproc, gather_s=GATHER_S,
+                                  unit="replica" if isinstance(context, LaneContext) else "rank")
     contacts = sorted(r for r in table if r != context.rank)
     run = ElasticRun(context.rank, channel, membership, first_view=first, contacts=contacts,
                      record=worker.record, iteration=lambda: worker.node.protocol.iteration,

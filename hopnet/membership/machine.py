@@ -38,6 +38,8 @@ class MembershipConfig:
     min_members: int = 1
     gather_s: float = 0.0
     """How long a proposer waits, once a join is due, for more requests to put in the same view."""
+    unit: str = "rank"
+    """What a member is, as its lines name it (``replica`` in a run of replica groups)."""
 
     def __post_init__(self) -> None:
         if not self.peer_timeout > 0:
@@ -340,13 +342,14 @@ class Membership:
             self._last_heard.setdefault(member, now)
         if self.rank not in new:
             self.state = "left" if self.rank in change.left else "stopped"
-            self.line = (left_line(self.rank, new) if self.state == "left"
-                         else dropped_line(self.rank, new, commit.accepted_by))
+            unit = self.config.unit
+            self.line = (left_line(self.rank, new, unit) if self.state == "left"
+                         else dropped_line(self.rank, new, commit.accepted_by, unit))
         elif len(new.members) < self.config.min_members:
             left = {r for c in self.history for r in c.change.left}
             died = {r for c in self.history for r in c.change.died}
             self.state = "stopped"
-            self.line = too_few_line(new, self.config.min_members, left, died)
+            self.line = too_few_line(new, self.config.min_members, left, died, self.config.unit)
 
     def _joiner_commit(self, commit: Commit, now: float) -> None:
         if self.rank in commit.change.view:
@@ -358,7 +361,7 @@ class Membership:
             self._last_forward = float("-inf")
         elif self.rank in commit.change.refused:
             self.state = "stopped"
-            self.line = refused_line(commit.change, self.config.max_members)
+            self.line = refused_line(commit.change, self.config.max_members, self.config.unit)
 
     # liveness -----------------------------------------------------------------------------
 
@@ -391,7 +394,7 @@ class Membership:
         far = [m for m in view.members
                if m != self.rank and now - self._last_heard.get(m, now) >= self.config.peer_timeout / 2]
         self.state = "stopped"
-        self.line = cut_off_line(self.rank, view, far)
+        self.line = cut_off_line(self.rank, view, far, self.config.unit)
         self._round = None
         return False
 

@@ -10,12 +10,13 @@ NO_VIEW = -1
 """The view number a joiner's messages carry before it is admitted to any view."""
 
 
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``rank 3`` or ``ranks 0, 1, 2``: ranks as a line names them."""
+def ranks_text(ranks: Iterable[int], unit: str = "rank") -> str:
+    """``rank 3`` or ``ranks 0, 1, 2``: ranks as a line names them (``unit``: what a member is, ``replica``
+    in a run of replica groups)."""
     listed = sorted(ranks)
     if len(listed) == 1:
-        return f"rank {listed[0]}"
-    return "ranks " + ", ".join(str(r) for r in listed)
+        return f"{unit} {listed[0]}"
+    return f"{unit}s " + ", ".join(str(r) for r in listed)
 
 
 @dataclass(frozen=True)
