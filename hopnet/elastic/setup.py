@@ -162,7 +162,7 @@ def _members_registered(rendezvous: str, rank: int, channel: ControlChannel, bat
         time.sleep(REGISTER_POLL_S)
 
 
-def _leave_on_sigterm(worker: Any, run: ElasticRun, stop_file: Path) -> None:
+def _leave_on_sigterm(worker: Any, run: ElasticRun | FollowerRun, stop_file: Path) -> None:
     """A SIGTERM the launcher did not send (a preemption) makes this worker leave at its next
     view change; the launcher's own (it wrote ``stop_file`` first), or a second one, stops it."""
     previous = signal.getsignal(signal.SIGTERM)
