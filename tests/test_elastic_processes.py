@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hopnet import Graph
 
-from support.launch import kill, recorded_worker_pids, run_launch, start_launch
+from support.launch import JOIN, joining, kill, recorded_worker_pids, run_launch, start_launch
 from support.paths import ROOT, WORKERS
 from support.records import all_records, records
 from support.wait import wait_until
@@ -23,16 +22,6 @@ DIGITS = str(ROOT / "examples" / "train_digits.py")
 VIEW_GATED = str(ROOT / "tests" / "scripts" / "view_gated.py")
 SLEEPY = (str(WORKERS / "hop_worker.py"), "--compute-ms", "10")
 """A worker that sleeps through its compute: for runs that only need to be training meanwhile."""
-JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
-
-
-def _rendezvous_up(run_dir: Path) -> bool:
-    try:
-        return bool(json.loads((run_dir / "launch.json").read_text()).get("rendezvous"))
-    except (OSError, ValueError):
-        return False
-
-
 def _iteration(run_dir: Path, rank: int) -> int:
     done = records(run_dir, rank, "iteration")
     return done[-1]["iter"] if done else -1
@@ -47,21 +36,15 @@ def test_two_workers_join_a_running_job_and_a_preempted_one_leaves(tmp_path: Pat
     launcher = start_launch(["--nproc", "4", "--max-nproc", "6", "--protocol", "hop", "--run-dir",
                              str(run_dir), VIEW_GATED, "--view-gate", "150:joined=4,5", "--view-gate", "300:left=2",
                              "--iterations", "500", "--eval-every", "100000"])
-    joiner: subprocess.Popen[str] | None = None
     try:
-        wait_until(lambda: _rendezvous_up(run_dir), 120, what="the run's rendezvous")
-        joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-        wait_until(lambda: all(records(run_dir, r, "joined") for r in (4, 5)), 120,
-                   what="ranks 4 and 5 to join", while_running=launcher)
-        os.kill(recorded_worker_pids(run_dir)[2], signal.SIGTERM)  # a preemption notice, to that worker alone
-        out, err = launcher.communicate(timeout=180)
-        joined_out, _ = joiner.communicate(timeout=60)
+        with joining(run_dir, 2) as joiner:
+            wait_until(lambda: all(records(run_dir, r, "joined") for r in (4, 5)), 120,
+                       what="ranks 4 and 5 to join", while_running=launcher)
+            os.kill(recorded_worker_pids(run_dir)[2], signal.SIGTERM)  # a preemption notice, to that worker alone
+            out, err = launcher.communicate(timeout=180)
+            joined_out, _ = joiner.communicate(timeout=60)
     finally:
         kill(launcher)
-        if joiner is not None and joiner.poll() is None:
-            joiner.kill()
-            joiner.communicate()
     assert launcher.returncode == 0, out + err
     assert "(mean of ranks 0, 1, 3, 4, 5)" in out  # the consensus names ranks, not places in the view
     assert joiner.returncode == 0, joined_out

@@ -9,41 +9,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.launch import kill, recorded_worker_pids, start_launch
+from support.launch import JOIN, joining, kill, recorded_worker_pids, start_launch
 from support.paths import ROOT
+from support.records import member_log
 from support.wait import wait_until
 
 VIEW_GATED = str(ROOT / "tests" / "scripts" / "view_gated.py")
 FINGERPRINTED = str(ROOT / "tests" / "scripts" / "fingerprinted.py")
-JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
-
-
-def _log(run_dir: Path, replica: int, member: int) -> list[dict]:
-    """A member's event log (member 0's is the replica's ``rank{R}.jsonl``), its complete lines."""
-    path = run_dir / (f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl")
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def _events(run_dir: Path, replica: int, member: int, event: str) -> list[dict]:
-    return [r for r in _log(run_dir, replica, member) if r.get("event") == event]
-
-
-def _rendezvous_up(run_dir: Path) -> bool:
-    try:
-        return bool(json.loads((run_dir / "launch.json").read_text()).get("rendezvous"))
-    except (OSError, ValueError):
-        return False
+    return [r for r in member_log(run_dir, replica, member) if r.get("event") == event]
 
 
 @pytest.mark.slow
@@ -56,22 +36,16 @@ def test_a_replica_joins_with_its_neighbours_shards_and_a_preempted_replica_leav
                              "--protocol", "diloco", "--local-steps", "8", "--run-dir", str(run_dir), VIEW_GATED,
                              "--view-gate", "150:joined=2",
                              "--view-gate", "300:left=1", "--iterations", "500", "--eval-every", "100000"])
-    joiner: subprocess.Popen[str] | None = None
     try:
-        wait_until(lambda: _rendezvous_up(run_dir), 120, what="the run's rendezvous")
-        joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-        wait_until(lambda: all(_events(run_dir, 2, m, "joined") for m in (0, 1)), 120,
-                   what="replica 2 (ranks 4, 5) to join", while_running=launcher)
-        # a preemption notice to member 1 of replica 1 alone: member 0 speaks for the replica, which leaves whole
-        os.kill(recorded_worker_pids(run_dir)[3], signal.SIGTERM)
-        out, err = launcher.communicate(timeout=180)
-        joined_out, _ = joiner.communicate(timeout=60)
+        with joining(run_dir, 2) as joiner:
+            wait_until(lambda: all(_events(run_dir, 2, m, "joined") for m in (0, 1)), 120,
+                       what="replica 2 (ranks 4, 5) to join", while_running=launcher)
+            # a preemption notice to member 1 of replica 1 alone: member 0 speaks for the replica, which leaves
+            os.kill(recorded_worker_pids(run_dir)[3], signal.SIGTERM)
+            out, err = launcher.communicate(timeout=180)
+            joined_out, _ = joiner.communicate(timeout=60)
     finally:
         kill(launcher)
-        if joiner is not None and joiner.poll() is None:
-            joiner.kill()
-            joiner.communicate()
     assert launcher.returncode == 0, out + err
     assert joiner.returncode == 0, joined_out
     assert "view 1: replica 2 joined (3 replicas)" in err and "replica 1 left (2 replicas)" in err, err

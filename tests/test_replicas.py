@@ -9,7 +9,6 @@ whose process is SIGKILLed fails as a unit and, within --max-failures 1, the oth
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import torch
 from support.launch import kill, recorded_worker_pids, start_launch, worker_pids
 from support.paths import EXAMPLES, ROOT
 from support.processes import alive
+from support.records import member_log
 from support.wait import wait_until
 
 CNN = str(EXAMPLES / "train_cnn.py")
@@ -38,21 +38,8 @@ SINGLE_BASELINE_ACCURACY = {"hop": 0.9528, "diloco": 0.9278}
 pytestmark = pytest.mark.slow
 
 
-def _log(run_dir: Path, replica: int, member: int) -> list[dict]:
-    """A member's event log (member 0's is the replica's ``rank{R}.jsonl``); a line still being written
-    is left out, and a log not written yet is empty."""
-    path = run_dir / (f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl")
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def _fingerprints(run_dir: Path, replica: int, member: int) -> dict[int, str]:
-    return {r["iter"]: r["digest"] for r in _log(run_dir, replica, member) if r["event"] == "fingerprint"}
+    return {r["iter"]: r["digest"] for r in member_log(run_dir, replica, member) if r["event"] == "fingerprint"}
 
 
 def _accuracy(stdout: str) -> float:
@@ -102,25 +89,25 @@ def test_replicas_of_two_learn_as_four_workers_do_with_ddp_members_bit_identical
 
 def _skipped_or_used_stale(run_dir: Path) -> bool:
     # (either, not both: under a heavy load the other replicas slow down too, and one may not happen)
-    return (any(r["event"] == "skip" for r in _log(run_dir, 0, 0))
-            or any(r["event"] == "iteration" and r["mixed"]["0"] < r["iter"] for r in _log(run_dir, 1, 0)))
+    return (any(r["event"] == "skip" for r in member_log(run_dir, 0, 0))
+            or any(r["event"] == "iteration" and r["mixed"]["0"] < r["iter"] for r in member_log(run_dir, 1, 0)))
 
 
 def _left_out_of_a_round(run_dir: Path) -> bool:
-    return any(r["event"] == "outer_round" and 0 not in r["took"] for r in _log(run_dir, 0, 0))
+    return any(r["event"] == "outer_round" and 0 not in r["took"] for r in member_log(run_dir, 0, 0))
 
 
 def _grouped_without_0(run_dir: Path) -> bool:
-    return any(0 not in r["members"] for r in _log(run_dir, 1, 0) if r["event"] == "p_reduce")
+    return any(0 not in r["members"] for r in member_log(run_dir, 1, 0) if r["event"] == "p_reduce")
 
 
 def _served_none_once(run_dir: Path) -> bool:
-    return any(r["event"] == "iteration" and r["served"] == 0 for r in _log(run_dir, 1, 0))
+    return any(r["event"] == "iteration" and r["served"] == 0 for r in member_log(run_dir, 1, 0))
 
 
 def _rounds_without_0_and_skipped_by_it(run_dir: Path) -> bool:
-    return (any(r["event"] == "iteration" and r["active"] < 3 for r in _log(run_dir, 1, 0))
-            and any(r["event"] == "iteration" and r["lag"] > 1 for r in _log(run_dir, 0, 0)))
+    return (any(r["event"] == "iteration" and r["active"] < 3 for r in member_log(run_dir, 1, 0))
+            and any(r["event"] == "iteration" and r["lag"] > 1 for r in member_log(run_dir, 0, 0)))
 
 
 # flags, the records whose choices every lane must share and the fields compared, and whether the run's
@@ -156,7 +143,7 @@ def test_a_slow_replica_is_left_behind_as_one(launch, tmp_path: Path, name: str)
     choices = 0
     for replica in range(int(nproc) // 2):
         chosen = [[{k: v for k, v in r.items() if k in fields}
-                   for r in _log(tmp_path, replica, member) if r["event"] in events] for member in (0, 1)]
+                   for r in member_log(tmp_path, replica, member) if r["event"] in events] for member in (0, 1)]
         assert chosen[0] == chosen[1], (replica, chosen)
         assert _fingerprints(tmp_path, replica, 0) == _fingerprints(tmp_path, replica, 1)
         choices += len(chosen[0])
@@ -190,7 +177,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_others_finish(t
     nproc = int(flags[1])
     try:
         pids = worker_pids(run_dir, nproc)
-        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 15 for r in _log(run_dir, 1, 1)),
+        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 15 for r in member_log(run_dir, 1, 1)),
                    120, interval=0.1, what="replica 1's iteration 15", while_running=proc)
         os.kill(pids[killed], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
@@ -207,7 +194,7 @@ def test_a_replica_with_a_killed_process_fails_as_a_unit_and_the_others_finish(t
     assert _accuracy(out) >= 0.9, out
     for replica in (r for r in range(nproc // 2) if r != 1):
         for member in range(2):
-            stop = [r for r in _log(run_dir, replica, member) if r["event"] == "stop"]
+            stop = [r for r in member_log(run_dir, replica, member) if r["event"] == "stop"]
             assert stop and stop[-1]["iter"] == int(iterations) - 1, (replica, member, stop)
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]
 
@@ -266,7 +253,7 @@ def test_a_replica_with_a_killed_process_comes_back_whole_under_max_restarts(tmp
                         new_session=True)
     try:
         pids = worker_pids(run_dir, 2 * replicas)
-        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 30 for r in _log(run_dir, 1, 1)),
+        wait_until(lambda: any(r.get("event") == "iteration" and r.get("iter", 0) >= 30 for r in member_log(run_dir, 1, 1)),
                    120, interval=0.1, what="replica 1's iteration 30", while_running=proc)
         os.kill(pids[3], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
@@ -274,13 +261,13 @@ def test_a_replica_with_a_killed_process_comes_back_whole_under_max_restarts(tmp
         kill(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "rank 3 died (killed by SIGKILL); restarting it (restart 1 of 1)" in err, err[-3000:]
-    rejoined = [[r for r in _log(run_dir, 1, member) if r["event"] == "rejoined"] for member in (0, 1)]
+    rejoined = [[r for r in member_log(run_dir, 1, member) if r["event"] == "rejoined"] for member in (0, 1)]
     assert all(len(r) == 1 for r in rejoined), rejoined
     (first,), (second,) = rejoined
     assert (first["iter"], first["peer"]) == (second["iter"], second["peer"]), (first, second)
     assert first["peer"] in (0, 2)
     if name.startswith("hop"):
-        starts = [[r["iter"] for r in _log(run_dir, 1, member) if r["event"] == "hop_rejoined"] for member in (0, 1)]
+        starts = [[r["iter"] for r in member_log(run_dir, 1, member) if r["event"] == "hop_rejoined"] for member in (0, 1)]
         assert len(starts[0]) == 1 and starts[0] == starts[1], starts
     if "fsdp" not in name:
         prints = [{i: d for i, d in _fingerprints(run_dir, 1, member).items() if i >= first["iter"]} for member in (0, 1)]
@@ -290,7 +277,7 @@ def test_a_replica_with_a_killed_process_comes_back_whole_under_max_restarts(tmp
                        for replica in (0, 2))
     for replica in range(replicas):
         for member in range(2):
-            stop = [r for r in _log(run_dir, replica, member) if r["event"] == "stop"]
+            stop = [r for r in member_log(run_dir, replica, member) if r["event"] == "stop"]
             assert stop and stop[-1]["iter"] == iterations - 1, (replica, member, stop)
     assert _accuracy(out) >= 0.9, out
     assert not [pid for pid in recorded_worker_pids(run_dir).values() if alive(pid)]

@@ -107,3 +107,29 @@ def kill(proc: subprocess.Popen[str]) -> None:
     except ProcessLookupError:
         pass
     proc.communicate()  # reaps it and closes its pipes
+
+
+JOIN = (sys.executable, "-m", "hopnet.cli.main", "join")
+
+
+def rendezvous_up(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` has said where its rendezvous is (`hopnet join` can ask it)."""
+    try:
+        return bool(json.loads((run_dir / "launch.json").read_text()).get("rendezvous"))
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def joining(run_dir: Path, nproc: int) -> Iterator[subprocess.Popen[str]]:
+    """`hopnet join RUN_DIR --nproc N`, started once the run's rendezvous is up (its output in the
+    process's stdout); killed at the end if it still runs."""
+    wait_until(lambda: rendezvous_up(run_dir), 120, what="the run's rendezvous")
+    joiner = subprocess.Popen([*JOIN, str(run_dir), "--nproc", str(nproc)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        yield joiner
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+            joiner.communicate()

@@ -75,3 +75,17 @@ def consensus_error(run_dir: Path, n: int) -> float:
     params = torch.stack([torch.load(run_dir / f"final_rank{r}.pt") for r in range(n)])
     mean = params.mean(dim=0)
     return ((params - mean).norm(dim=1) / mean.norm()).max().item()
+
+
+def member_log(run_dir: Path, replica: int, member: int) -> list[dict[str, Any]]:
+    """The event log of ``member`` of ``replica`` in a run of replica groups (member 0's is the replica's
+    ``rank{R}.jsonl``, member m's ``lane{m}/rank{R}.jsonl``); a line still being written is left out,
+    and a log not written yet is empty."""
+    path = run_dir / (f"rank{replica}.jsonl" if member == 0 else f"lane{member}/rank{replica}.jsonl")
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
