@@ -147,10 +147,11 @@ class ForkServer:
             worker._exited(-signal.SIGKILL)
 
     def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], piped: bool,
-              entry: str = WORKER) -> ForkedWorker:
+              entry: str = WORKER, cwd: str | None = None) -> ForkedWorker:
         """Fork the worker for ``rank`` (``argv``: what follows ``worker_main`` on its command line),
         or with ``entry`` :data:`COORDINATOR` the coordinator (``argv``: ``coordinator_main``'s;
-        ``rank``: any number no worker of this fork server uses, such as -1).
+        ``rank``: any number no worker of this fork server uses, such as -1); ``cwd``: where it runs (by
+        default this process's working directory).
 
         Raises :class:`ForkServerGone` when the fork server cannot (dead, or silent for
         :data:`READY_TIMEOUT_S`) and ``OSError`` when the fork itself failed."""
@@ -163,7 +164,7 @@ class ForkServer:
                 write_ends.append(w)
         if entry not in ENTRIES:
             raise ValueError(f"the fork server runs {sorted(ENTRIES)}, not {entry!r}")
-        request = {"rank": rank, "entry": entry, "argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+        request = {"rank": rank, "entry": entry, "argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(),
                    "piped": piped}
         try:
             with self._lock:

@@ -10,18 +10,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hopnet.bootstrap.env import ELASTIC, JOIN, STORE, WorkerEnv
+from hopnet.bootstrap.env import ELASTIC, JOIN, RUN_DIR, STORE, WorkerEnv
 from hopnet.bootstrap.parent_watch import LAUNCHER_PID, PARENT_FD
 from hopnet.errors import ConfigError
 from hopnet.graph import Graph
+from hopnet.launch import forkserver
+from hopnet.launch.forkserver import ForkServer
+from hopnet.launch.processes import WorkerProcesses
+from hopnet.launch.spec import WORKER_ENTRY
 from hopnet.replica.layout import REPLICA_SIZE
 from hopnet.rendezvous.client import request_join
 from hopnet.security import KEY_ENV, CurveKeys, load_key_file
@@ -65,7 +67,6 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     ranks = [int(r) for r in reply["ranks"]]
     directory.mkdir(parents=True, exist_ok=True)
     graph_path, written = _first_graph(directory, info.get("graph"))
-    procs: dict[int, subprocess.Popen[bytes]] = {}
     base = dict(os.environ)
     base.update({str(k): str(v) for k, v in info.get("env", {}).items()})
     # the joiners end when this process does, as a launcher's workers do (hopnet.bootstrap.parent_watch)
@@ -78,19 +79,31 @@ def join_run(run_dir: str | os.PathLike[str], nproc: int, *, rendezvous: str | N
     config_json = json.dumps(agreed) if agreed else base.get("HOPNET_CONFIG", "{}")
     print(f"hopnet join: starting rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
           f"for the run in {directory}", file=sys.stderr)
-    for local, rank in enumerate(ranks):
-        # (a replica's processes count whole replicas: the world's size is a multiple of the replica's)
-        worker = WorkerEnv(rank=rank, world_size=(rank // size + 1) * size, local_rank=local,
-                           graph_path=graph_path, rendezvous=endpoint, run_dir=str(directory),
-                           config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
-                           explicit_options=tuple(info.get("explicit", ())), store=base.get(STORE, ""))
-        env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: ",".join(map(str, ranks))}
-        procs[rank] = subprocess.Popen(info["command"], env=env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                                       start_new_session=True, pass_fds=(watch_read,))
-    os.close(watch_read)
+    # Forked from a fork server that imported torch and hopnet once (from a template where one runs),
+    # as a launcher's workers are; exec'd where none can start.
+    server = ForkServer({**base, RUN_DIR: str(directory)}, pass_fds=(watch_read,)) if forkserver.available() else None
+    workers = WorkerProcesses(None, None, forkserver=server, fork_entry=WORKER_ENTRY)
+    workdir = cwd if cwd and os.path.isdir(cwd) else None
+    watching = False
     try:
-        return _watch(procs)
+        for local, rank in enumerate(ranks):
+            # (a replica's processes count whole replicas: the world's size is a multiple of the replica's)
+            worker = WorkerEnv(rank=rank, world_size=(rank // size + 1) * size, local_rank=local,
+                               graph_path=graph_path, rendezvous=endpoint, run_dir=str(directory),
+                               config_json=config_json, bind_host=bind or info.get("bind", "127.0.0.1"),
+                               explicit_options=tuple(info.get("explicit", ())), store=base.get(STORE, ""))
+            env = {**base, **worker.to_environ(), ELASTIC: info["elastic"], JOIN: ",".join(map(str, ranks))}
+            workers.spawn(rank, list(info["command"]), env, pass_fds=(watch_read,), cwd=workdir)
+        if workers.forkserver_failure is not None:
+            print(f"hopnet join: {workers.forkserver_failure}; workers started with exec", file=sys.stderr)
+        os.close(watch_read)
+        watching = True
+        return _watch(workers, ranks)
     finally:
+        if not watching:
+            os.close(watch_read)
+        workers.reap()
+        workers.close_forkserver()
         os.close(watch_write)
         if written:
             os.unlink(graph_path)
@@ -116,39 +129,28 @@ def _first_graph(directory: Path, graph: Any) -> tuple[str, bool]:
     return name, True
 
 
-def _watch(procs: dict[int, subprocess.Popen[bytes]]) -> int:
+def _watch(workers: WorkerProcesses, ranks: list[int]) -> int:
     """Wait for the joiners; pass a SIGINT/SIGTERM on to them; the first failure's status, else 0."""
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        for proc in procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        workers.signal_all(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     codes: dict[int, int] = {}
     try:
-        while len(codes) < len(procs):
-            for rank, proc in procs.items():
-                if rank not in codes and proc.poll() is not None:
-                    codes[rank] = proc.returncode
-                    code = proc.returncode
-                    what = "exited 0" if code == 0 else (f"killed by signal {-code}" if code < 0 else f"exited {code}")
-                    print(f"hopnet join: rank {rank} {what}", file=sys.stderr)
-            time.sleep(0.05)
+        while len(codes) < len(ranks):
+            exited = workers.next_exit()
+            if exited is None:
+                continue
+            rank, code = exited
+            codes[rank] = code
+            what = "exited 0" if code == 0 else (f"killed by signal {-code}" if code < 0 else f"exited {code}")
+            print(f"hopnet join: rank {rank} {what}", file=sys.stderr)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for proc in procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     if received:
         return 128 + received[0]
     failed = [c for c in codes.values() if c != 0]

@@ -115,21 +115,23 @@ class WorkerProcesses:
         self.exit_times: dict[int, float] = {}
         """When each rank's (latest) process was seen to exit (``time.monotonic()``)."""
 
-    def spawn(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> None:
-        """Start ``argv`` for ``rank``. ``pass_fds`` are inherited at the same numbers (the fork
-        server was started with them)."""
+    def spawn(self, rank: int, argv: list[str], env: dict[str, str], pass_fds: Sequence[int] = (),
+              cwd: str | None = None) -> None:
+        """Start ``argv`` for ``rank`` (in ``cwd``, by default this process's). ``pass_fds`` are inherited
+        at the same numbers (the fork server was started with them)."""
         piped = self.out is not None and self.err is not None
         proc: WorkerHandle | None = None
         entry = len(self.fork_entry)
         if self.forking and self.forkserver is not None and entry and argv[:entry] == self.fork_entry:
             try:
-                proc = self.forkserver.spawn(rank, argv[entry:], env, piped)
+                proc = self.forkserver.spawn(rank, argv[entry:], env, piped, cwd=cwd)
             except ForkServerGone as exc:
                 self.stop_forking(str(exc))
         if proc is None:
             proc = subprocess.Popen(
                 argv,
                 env=env,
+                cwd=cwd,
                 pass_fds=tuple(pass_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if piped else None,
