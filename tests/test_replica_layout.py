@@ -100,8 +100,8 @@ def test_every_protocol_runs_between_replicas(options: dict, refused: str | None
     (dict(nproc=6, replica_size=4), "--replica-size 4 does not divide --nproc 6"),
     (dict(graph="ring:3", nproc=4, replica_size=2), "--nproc 4 makes 2 replicas of 2 processes, but the graph has 3"),
     (dict(nproc=4, replica_mode="fsdp"), "--replica-mode needs --replica-size R on one machine"),
-    (dict(nproc=4, replica_size=2, max_restarts=1, config=ProtocolConfig(protocol="diloco")),
-     "--max-restarts: --protocol diloco cannot replace a dead worker yet"),
+    (dict(nproc=4, replica_size=2, max_restarts=1, config=ProtocolConfig(protocol="eager-sgd")),
+     "--max-restarts: --protocol eager-sgd cannot bring back a replica group yet"),
     (dict(nproc=4, replica_size=2, max_nproc=5), "--min-nproc 2/--max-nproc 5: an elastic run of replica groups "
                                                  "grows and shrinks by whole replicas; give multiples of "
                                                  "--replica-size 2"),

@@ -68,11 +68,6 @@ class ReplicaLanes(Protocol):
         one's (where the protocol's spec asks for ``lane_channels=2``)."""
         ...
 
-    @property
-    def rounds(self) -> int:
-        """How many agreements this lane has made (each counted as it is asked for)."""
-        ...
-
     async def common(self, have: Collection[int], need: int, candidates: int | None = None
                      ) -> tuple[frozenset[int], bool]:
         """Every lane's ``have`` intersected, and whether it holds at least every lane's ``need``.

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hopnet.errors import HopnetError, PeerFailure
+from hopnet.errors import PeerFailure
 from hopnet.params import FlatGradients
 from hopnet.protocols.base import ApplyFn, allreduce_each
 from hopnet.protocols.eager.options import ACTIVATION_KIND
@@ -73,49 +73,15 @@ class EagerProtocol(EagerRounds):
             await self._synchronize()
             return
         k = self.iteration
-        if self.replica_rounds is not None:
-            if await self._lanes_synchronized(k):
+        try:
+            if not self.resync_needed:
+                await self._synchronize()
                 return
-        else:
-            try:
-                if not self.resync_needed:
-                    await self._synchronize()
-                    return
-            except PeerFailure as exc:
-                if exc.peer is None or exc.peer == self.rank:
-                    raise
+        except PeerFailure as exc:
+            if exc.peer is None or exc.peer == self.rank:
+                raise
         await self._restart_rounds()
         self.voided = k
-
-    async def _lanes_synchronized(self, k: int) -> bool:
-        """Under ``--max-restarts`` between replica groups: the call goes into a round only if no lane of
-        the replica needs a restart (a replacement came, a round broke on a dead member), and counts
-        only if it finished on every lane. Else every lane restarts the rounds, at the same call: a dead
-        replica's processes die at different moments, so a round may break on one lane and finish on
-        its sibling, and lanes that went on apart would wait in each other's agreements."""
-        lanes = self.node.lanes
-        assert lanes is not None
-        failure = self._failure
-        if failure is not None and not self._survivable(failure):
-            self._raise_failure()
-        if await lanes.least(int(failure is None and not self.resync_needed)) != 1:
-            return False
-        if self.synchronized == k:
-            return True
-        try:
-            await self._synchronize_lanes(self._gradient_buffer(), k)
-            finished = True
-        except PeerFailure as exc:
-            if not self._survivable(exc):
-                raise
-            finished = False
-        if await lanes.least(int(finished)) != 1:
-            return False
-        self.synchronized = k
-        return True
-
-    def _survivable(self, failure: BaseException) -> bool:
-        return isinstance(failure, PeerFailure) and failure.peer is not None and failure.peer != self.rank
 
     async def _synchronize(self) -> None:
         self._raise_failure()
@@ -156,14 +122,9 @@ class EagerProtocol(EagerRounds):
         if every is not None and (k + 1) % every == 0:
             try:
                 await self._full_sync(k)
-                finished = True
             except PeerFailure as exc:
                 if not self.node.max_restarts or exc.peer is None or exc.peer == self.rank:
                     raise
-                finished = False
-            if self.node.lanes is not None and self.node.max_restarts:  # every lane restarts, or none
-                finished = await self.node.lanes.least(int(finished)) == 1
-            if not finished:
                 await self._restart_rounds()  # the resync's broadcast is a full sync too
                 if self.iteration != k:
                     self.node.iteration_done(k, self)
@@ -299,43 +260,23 @@ class EagerProtocol(EagerRounds):
             if self._spare is None:  # a round was cancelled after taking it
                 self._spare = torch.zeros_like(self.pend)
         self._fresh = False
-        if self.replica_rounds is not None:
-            for buffers in await self.replica_rounds.restart():
-                self.buffer_sync.release(buffers)
         try:
             done = await resynchronize(self.node, self.collective, self.everyone, self.iteration,
                                        self.model_tensors(), self._tag, self.config.timeout_s,
                                        counters=[self.executed])
-            executed, furthest = done.counters[0], done.furthest
-            if self.node.lanes is not None:
-                # Each lane resynchronized its shard apart: the rounds are numbered from the furthest lane's
-                # count on every lane (activations still wait: a round started now would be numbered from
-                # the old count), and each member takes the others' resynchronized slices (after_step).
-                executed, furthest = await self._lanes_after_resync(executed, furthest)
-                self.node.lanes.mixed_models()
         finally:
             deferred, self._deferred = self._deferred, None
-        self.executed = self.consumed = executed
+        self.executed = self.consumed = done.counters[0]
         self.requested = self.executed - 1
         self.missed_rounds += max(0, self.executed - len(self.active_per_round))
         del self.active_per_round[self.executed:]  # a round cut short here ran nowhere
         self.active_per_round += [0] * (self.executed - len(self.active_per_round))  # ran without this process
-        self.iteration = furthest
+        self.iteration = done.furthest
         self.synchronized = -1
         self.resync_needed = False
         self.resyncs += 1
         for round_id, root in deferred:
             self._activate(round_id, root)
-
-    async def _lanes_after_resync(self, executed: int, furthest: int) -> tuple[int, int]:
-        """The lanes' common round count (the largest) and iteration, after their resyncs."""
-        lanes = self.node.lanes
-        assert lanes is not None
-        most_executed, most_furthest, least_furthest = await lanes.least_each([-executed, -furthest, furthest])
-        if -most_furthest != least_furthest:
-            raise HopnetError(f"rank {self.rank}: the lanes of its replica resynchronized to iterations "
-                              f"{least_furthest} and {-most_furthest}")
-        return -most_executed, least_furthest
 
     def on_peer_rejoined(self, peer: int) -> None:
         self.resync_needed = True

@@ -114,27 +114,6 @@ class ReplicaRounds:
         self._keep_from = None
         return result, self._prune(executed)
 
-    async def restart(self) -> list[list[torch.Tensor]]:
-        """The rounds restart (``--max-restarts``): what was held or kept is dropped (its gradients are
-        lost, as a single worker's pending ones are), and the round engine's agreements line up again.
-        The engine was cancelled wherever it was, possibly with an agreement of the second group in
-        flight on one lane only (its thread still waits for the siblings): the lanes behind make empty
-        agreements until every lane has made as many. Returns the dropped results' buffers."""
-        issued = self.side.rounds
-        most = -await self.lanes.least(-issued)
-        while self.side.rounds < most:
-            await self.side.least(0)
-        for held in self.held:
-            self.release(held.gradient)
-        self.held.clear()
-        buffers = [result.buffers for result in self.results.values() if result.buffers is not None]
-        for result in self.results.values():
-            self.release(result.gradient)
-        self.results.clear()
-        self.calls_in = 0
-        self._keep_from = None
-        return buffers
-
     def _prune(self, executed: int) -> list[list[torch.Tensor]]:
         # A later call proposes at least the newest round finished by then, so only what a call in
         # flight may be given, or the newest, is kept.

@@ -35,7 +35,6 @@ EAGER_OUTPUT = OutputSpec(
 register(ProtocolSpec(
     name="eager-sgd",
     between_replicas=True,
-    restarts_replicas=True,
     summary="eager-SGD's partial all-reduce of the gradients among all ranks (see --eager-mode).",
     options=EagerOptions,
     build=_build,
